@@ -1,0 +1,27 @@
+# The two commands a fresh machine needs: `make run` and `make test` (see README.md).
+BUILD_DIR ?= build
+JOBS ?= 2
+export BUILD_DIR JOBS
+
+# The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
+RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
+
+.PHONY: all bootstrap build run test test-all clean
+
+all: build
+
+bootstrap:
+	@scripts/bootstrap
+
+build: bootstrap
+	@scripts/build
+
+run: build
+	$(BUILD_DIR)/flotilla $(RUN_ARGS)
+
+# Everything but the GPU tests (they need a CUDA device; see bench/gpu).
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,31 @@
+// The safetensors format (read by Python's safetensors, Hugging Face tools and PyTorch):
+// an 8-byte little-endian header length, a JSON header mapping each tensor's name to its dtype,
+// shape and byte range, an optional "__metadata__" of strings, then the raw little-endian data.
+#pragma once
+
+#include <torch/types.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace flotilla::checkpoint {
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+struct SafetensorsFile {
+  std::map<std::string, torch::Tensor> tensors;  // CPU tensors
+  std::map<std::string, std::string> metadata;
+};
+
+// Writes atomically (AtomicFile). Tensors are copied to contiguous CPU memory.
+void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+// Validates the header (size, JSON, dtypes, byte ranges) and throws CheckpointError naming the
+// file and the problem.
+SafetensorsFile load_safetensors(const std::filesystem::path& path);
+
+}  // namespace flotilla::checkpoint

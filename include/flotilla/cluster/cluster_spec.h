@@ -1,0 +1,65 @@
+// The cluster a worker belongs to: every task's address and which task this process is, as
+// TF_CONFIG describes it, plus the training group derived from it (world size, this worker's
+// rank, the chief's rendezvous address). Resolvers (resolvers.h) build one from TF_CONFIG,
+// torchrun-style variables, or nothing at all.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace flotilla::cluster {
+
+struct Address {
+  std::string host;
+  int port = 0;
+
+  std::string to_string() const;  // "host:port", "[v6]:port"
+  bool operator==(const Address& other) const { return host == other.host && port == other.port; }
+  bool operator!=(const Address& other) const { return !(*this == other); }
+};
+
+// Parses "host:port" or "[ipv6]:port". `what` names the field in the error message, e.g.
+// "TF_CONFIG cluster.worker[1]" or "MASTER_ADDR/MASTER_PORT".
+Address parse_address(std::string_view text, const std::string& what);
+
+enum class TaskType { kChief, kWorker, kEvaluator };
+std::string_view to_string(TaskType type);
+
+struct TaskSpec {
+  TaskType type = TaskType::kWorker;
+  int index = 0;
+};
+
+struct ClusterSpec {
+  // Jobs as listed in TF_CONFIG (empty when the source does not list them, e.g. torchrun env).
+  std::vector<Address> chief;      // at most one
+  std::vector<Address> worker;
+  std::vector<Address> evaluator;  // at most one; never part of the training group
+  TaskSpec task;
+  std::string rpc_layer;    // accepted and kept; flotilla always speaks c10d/Gloo/NCCL
+  std::string environment;  // accepted and kept ("cloud", "google", ...)
+
+  // The training group, derived once by the resolver.
+  int world_size = 1;      // chief + workers
+  int rank = 0;            // chief is 0, then workers by index; -1 for the evaluator
+  Address rendezvous;      // the chief's address; it hosts the rendezvous store on that port
+  std::string local_host;  // this task's own host (to bind collectives to); "" when unknown
+  std::string source;      // "TF_CONFIG", "torchrun environment" or "single worker"
+
+  bool is_chief() const { return rank == 0; }
+  bool is_evaluator() const { return task.type == TaskType::kEvaluator; }
+  // Training tasks in rank order: chief first, then workers by index.
+  std::vector<Address> training_addresses() const;
+};
+
+// A TF_CONFIG JSON document for this spec's jobs and task (what `flotilla tf-config` prints and
+// `flotilla launch` sets); parse_tf_config(to_tf_config(spec)) gives the spec back.
+std::string to_tf_config(const ClusterSpec& spec);
+
+// Parses and validates a TF_CONFIG document with the rules TensorFlow applies; throws
+// ConfigError naming the field, the value seen and the fix.
+ClusterSpec parse_tf_config(std::string_view json);
+
+}  // namespace flotilla::cluster

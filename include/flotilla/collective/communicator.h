@@ -1,0 +1,100 @@
+// Collectives across the workers of a cluster. A Communicator is a cheap value handle over one
+// process group: the chief hosts a c10d TCPStore at its TF_CONFIG address for the rendezvous,
+// CPU tensors travel over Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
+// operation is asynchronous and returns a Work; Work::wait() rethrows a failure as CommError, or
+// TimeoutError once CommunicationOptions::timeout has passed: a collective never hangs forever.
+//
+// As with every collective library, all ranks must issue the same operations in the same order,
+// each from one thread at a time.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flotilla/cluster/cluster_spec.h"
+
+namespace flotilla::collective {
+
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+
+// TensorFlow's CommunicationImplementation.
+enum class Implementation {
+  kAuto,  // NCCL for CUDA tensors when built with it, the Gloo ring otherwise
+  kRing,  // Gloo's TCP ring for every tensor
+  kNccl,  // NCCL; CPU tensors still use the ring (NCCL cannot reduce them)
+};
+std::string_view to_string(Implementation implementation);
+std::string_view to_string(ReduceOp op);
+// "auto", "ring" or "nccl", any case; ConfigError otherwise.
+Implementation parse_implementation(std::string_view name);
+
+// TensorFlow's CommunicationOptions, plus the bucket size PyTorch DDP calls bucket_cap_mb.
+struct CommunicationOptions {
+  Implementation implementation = Implementation::kAuto;
+  // Longest wait for the rendezvous and for any one collective before TimeoutError.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // Gradients are packed into flat buffers of at most this many bytes (TF's bytes_per_pack).
+  std::int64_t bytes_per_pack = 25 * 1024 * 1024;
+};
+
+// Whether this build has the NCCL backend (LibTorch with CUDA).
+bool nccl_available();
+
+// The handle to one asynchronous collective. Copies share the same operation.
+class Work {
+ public:
+  Work() = default;  // an already completed, empty operation
+
+  // Blocks until the operation completes. Rethrows its failure (CommError/TimeoutError naming
+  // the operation, its sequence number and this rank); later calls rethrow the same failure.
+  void wait();
+  bool is_completed() const;
+  // all_gather's result after wait(): one tensor per rank, in rank order.
+  const std::vector<at::Tensor>& result() const;
+
+  struct State;
+
+ private:
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+  friend class Communicator;
+};
+
+class Communicator {
+ public:
+  // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
+  // spec.rendezvous, the others connect to it. Blocks until every rank has joined or
+  // options.timeout passes (TimeoutError naming the address and how many joined).
+  static Communicator connect(const cluster::ClusterSpec& spec,
+                              const CommunicationOptions& options = {});
+  // A group of `world_size` ranks inside this process over an in-memory store (one thread per
+  // rank issues the collectives). For tests and for several replicas per worker.
+  static std::vector<Communicator> local_group(int world_size,
+                                               const CommunicationOptions& options = {});
+
+  int rank() const;
+  int size() const;
+  const CommunicationOptions& options() const;
+
+  // In place on `tensor`; every rank passes a tensor of the same shape and dtype.
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // Overwrites `tensor` on every rank with root's.
+  Work broadcast(const at::Tensor& tensor, int root = 0);
+  // Every rank's `tensor`, in rank order, in Work::result().
+  Work all_gather(const at::Tensor& tensor);
+  Work barrier();
+
+  struct Impl;
+
+ private:
+  explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace flotilla::collective

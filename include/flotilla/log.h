@@ -1,0 +1,28 @@
+// One small logger. Every line carries the worker's identity, "[worker i/N]", so interleaved
+// output from several processes stays attributable. Progress lines (Keras-style) are not log
+// lines: the chief prints those itself, untagged.
+#pragma once
+
+#include <string>
+
+namespace flotilla {
+
+enum class LogLevel { kInfo, kWarning, kError };
+
+class Logger {
+ public:
+  Logger() = default;  // untagged: before the cluster is known
+  Logger(int rank, int world_size);
+
+  void info(const std::string& message) const { write(LogLevel::kInfo, message); }
+  void warn(const std::string& message) const { write(LogLevel::kWarning, message); }
+  void error(const std::string& message) const { write(LogLevel::kError, message); }
+  void write(LogLevel level, const std::string& message) const;
+
+  const std::string& tag() const { return tag_; }
+
+ private:
+  std::string tag_;
+};
+
+}  // namespace flotilla

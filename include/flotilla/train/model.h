@@ -1,0 +1,104 @@
+// Keras's Model for a LibTorch module under a Strategy: compile() picks the optimizer, loss and
+// metrics, fit() trains with gradients averaged across every replica each step, evaluate()
+// measures on a sharded dataset. Loss and metrics are the global values (summed over all
+// workers), never one worker's. Only the chief prints progress.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flotilla/data/sharded_dataset.h"
+#include "flotilla/strategy/strategy.h"
+
+namespace flotilla::train {
+
+// torch::optim::SGD's settings.
+struct SGD {
+  double learning_rate = 0.01;
+  double momentum = 0.0;
+  bool nesterov = false;
+  double weight_decay = 0.0;
+};
+
+enum class Loss {
+  kSparseCategoricalCrossentropy,  // integer labels, logits in (Keras: from_logits=True)
+};
+
+struct CompileOptions {
+  SGD optimizer;
+  Loss loss = Loss::kSparseCategoricalCrossentropy;
+  std::vector<std::string> metrics = {"accuracy"};  // "accuracy" is the one available now
+};
+
+// One epoch's results, global across workers.
+struct EpochLogs {
+  int epoch = 0;  // 1-based, as Keras prints it
+  std::int64_t steps = 0;
+  double loss = 0;
+  double accuracy = 0;
+  double samples_per_s = 0;  // global samples ÷ the chief's wall-clock seconds
+  double seconds = 0;
+};
+
+struct History {
+  std::vector<EpochLogs> epochs;
+};
+
+struct EvalResult {
+  double loss = 0;
+  double accuracy = 0;
+  std::int64_t samples = 0;
+};
+
+enum class Verbosity { kAuto = -1, kSilent = 0, kProgressBar = 1, kOneLinePerEpoch = 2 };
+
+struct FitOptions {
+  int epochs = 1;
+  std::optional<std::int64_t> steps_per_epoch;  // default: the dataset's
+  Verbosity verbose = Verbosity::kAuto;         // auto: a bar on a terminal, else one line
+  // Where checkpoints go ("" = none): the chief writes ckpt-<epoch>.safetensors after each
+  // epoch; the other workers save into temporary directories beside it (checkpoint/).
+  std::string model_dir;
+  // Called on every worker after each epoch with the global logs.
+  std::function<void(const EpochLogs&)> on_epoch_end;
+};
+
+class Model {
+ public:
+  using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
+
+  // Any module holder whose forward takes and returns one tensor (torch::nn::Sequential, a
+  // TORCH_MODULE of your own, ...).
+  template <class Holder>
+  Model(strategy::Strategy& strategy, Holder holder)
+      : Model(strategy, holder.ptr(),
+              [holder](const torch::Tensor& x) mutable -> torch::Tensor { return holder->forward(x); }) {}
+  Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward);
+
+  void compile(const CompileOptions& options);
+  History fit(data::ShardedDataset& train, const FitOptions& options = {});
+  EvalResult evaluate(data::ShardedDataset& data);
+  torch::Tensor predict(const torch::Tensor& features);
+
+  torch::nn::Module& module() { return *module_; }
+  strategy::Strategy& strategy() { return strategy_; }
+
+ private:
+  void require_compiled(const char* what) const;
+
+  strategy::Strategy& strategy_;
+  std::shared_ptr<torch::nn::Module> module_;
+  Forward forward_;
+  std::optional<CompileOptions> compiled_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<strategy::GradientReducer> reducer_;
+};
+
+}  // namespace flotilla::train

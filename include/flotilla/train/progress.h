@@ -1,0 +1,36 @@
+// Keras-style progress on the chief: "Epoch 1/3", then a bar redrawn in place on a terminal
+// (verbose 1), or a single line per epoch otherwise (verbose 2), e.g.
+//   937/937 - 21s - 22ms/step - loss: 0.4620 - accuracy: 0.8331 - 2843 samples/s
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+namespace flotilla::train {
+
+struct EpochLogs;
+
+class Progress {
+ public:
+  // `enabled` is false on every worker but the chief; `bar` draws the in-place bar.
+  Progress(bool enabled, bool bar, std::FILE* out = stdout);
+
+  void begin_epoch(int epoch, int epochs, std::int64_t steps);
+  // After a step, with the chief's running averages (the bar's values are this worker's; the
+  // epoch line's are global).
+  void step(std::int64_t done, double loss, double accuracy);
+  void end_epoch(const EpochLogs& logs);
+  void line(const std::string& text);
+
+ private:
+  bool enabled_;
+  bool bar_;
+  std::FILE* out_;
+  std::int64_t steps_ = 0;
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_draw_;
+};
+
+}  // namespace flotilla::train

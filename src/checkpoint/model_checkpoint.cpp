@@ -1,0 +1,90 @@
+#include "flotilla/checkpoint/model_checkpoint.h"
+
+#include <random>
+
+#include "flotilla/checkpoint/safetensors.h"
+#include "flotilla/error.h"
+
+namespace flotilla::checkpoint {
+namespace fs = std::filesystem;
+
+WriteLocation::WriteLocation(const fs::path& model_dir, bool is_chief, int rank)
+    : temporary_(!is_chief) {
+  if (model_dir.empty()) throw ConfigError("model_dir is empty; give a directory to save into");
+  fs::path base = model_dir;
+  if (!base.has_filename()) base = base.parent_path();  // "dir/" -> "dir"
+  if (is_chief) {
+    dir_ = base;
+  } else {
+    std::random_device random;
+    dir_ = base;
+    dir_ += ".worker" + std::to_string(rank) + "-" + std::to_string(random());
+  }
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) {
+    throw CheckpointError("cannot create " + dir_.string() + " (" + ec.message() +
+                          "); choose a writable model directory");
+  }
+}
+
+WriteLocation::~WriteLocation() {
+  if (temporary_) {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+}
+
+fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& module,
+                    const fs::path& model_dir, const std::string& file_name,
+                    const std::map<std::string, std::string>& metadata) {
+  NamedTensors tensors;
+  for (const auto& item : module.named_parameters()) tensors.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) tensors.emplace_back(item.key(), item.value());
+
+  std::string failure;
+  fs::path chief_path;
+  {
+    try {
+      WriteLocation location(model_dir, strategy.is_chief(), strategy.worker_index());
+      save_safetensors(location.dir() / file_name, tensors, metadata);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    // Everyone learns whether everyone succeeded: nobody waits on a worker that gave up.
+    const auto ok = strategy.reduce(strategy::ReduceOp::kMin,
+                                    torch::tensor({failure.empty() ? 1 : 0}, torch::kInt32));
+    if (!failure.empty()) throw CheckpointError(failure);
+    if (ok.item<int>() == 0) {
+      throw CheckpointError("saving " + file_name +
+                            " failed on another worker; see its output. The previous checkpoint "
+                            "in " + model_dir.string() + " is intact");
+    }
+  }
+  fs::path base = model_dir;
+  if (!base.has_filename()) base = base.parent_path();
+  return base / file_name;
+}
+
+std::map<std::string, std::string> load_model(torch::nn::Module& module, const fs::path& file) {
+  SafetensorsFile saved = load_safetensors(file);
+  torch::NoGradGuard no_grad;
+  auto assign = [&](const std::string& name, torch::Tensor& target) {
+    auto it = saved.tensors.find(name);
+    if (it == saved.tensors.end()) {
+      throw CheckpointError(file.string() + ": has no tensor \"" + name +
+                            "\"; it was saved from a different model");
+    }
+    if (it->second.sizes() != target.sizes()) {
+      throw CheckpointError(file.string() + ": tensor \"" + name + "\" has shape " +
+                            c10::str(it->second.sizes()) + ", the model expects " +
+                            c10::str(target.sizes()) + "; it was saved from a different model");
+    }
+    target.copy_(it->second);
+  };
+  for (auto& item : module.named_parameters()) assign(item.key(), item.value());
+  for (auto& item : module.named_buffers()) assign(item.key(), item.value());
+  return saved.metadata;
+}
+
+}  // namespace flotilla::checkpoint

@@ -1,0 +1,73 @@
+#include "flotilla/cluster/cluster_spec.h"
+
+#include <cctype>
+
+#include "flotilla/error.h"
+
+namespace flotilla::cluster {
+
+std::string Address::to_string() const {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+Address parse_address(std::string_view text, const std::string& what) {
+  const std::string seen = "\"" + std::string(text) + "\"";
+  const std::string form = "; write \"host:port\", e.g. \"10.0.0.2:2222\"";
+  std::string host;
+  std::string_view port_text;
+  if (!text.empty() && text.front() == '[') {  // [ipv6]:port
+    const auto close = text.find(']');
+    if (close == std::string_view::npos) {
+      throw ConfigError(what + ": " + seen + " opens '[' without ']'" + form);
+    }
+    host = std::string(text.substr(1, close - 1));
+    if (close + 1 >= text.size() || text[close + 1] != ':') {
+      throw ConfigError(what + ": " + seen + " has no port" + form);
+    }
+    port_text = text.substr(close + 2);
+  } else {
+    const auto colon = text.rfind(':');
+    if (colon == std::string_view::npos) {
+      throw ConfigError(what + ": " + seen + " has no port" + form);
+    }
+    host = std::string(text.substr(0, colon));
+    port_text = text.substr(colon + 1);
+    if (host.find(':') != std::string::npos) {
+      throw ConfigError(what + ": " + seen + " looks like an IPv6 address without brackets; write \"[" +
+                        host + "]:" + std::string(port_text) + "\"");
+    }
+  }
+  if (host.empty()) throw ConfigError(what + ": " + seen + " has an empty host" + form);
+  if (port_text.empty()) throw ConfigError(what + ": " + seen + " has no port" + form);
+  long port = 0;
+  for (char c : port_text) {
+    if (!std::isdigit(static_cast<unsigned char>(c)) || port > 65535) {
+      port = -1;
+      break;
+    }
+    port = port * 10 + (c - '0');
+  }
+  if (port < 1 || port > 65535) {
+    throw ConfigError(what + ": port \"" + std::string(port_text) + "\" in " + seen +
+                      " is not a valid port; use a number from 1 to 65535");
+  }
+  return Address{host, static_cast<int>(port)};
+}
+
+std::string_view to_string(TaskType type) {
+  switch (type) {
+    case TaskType::kChief: return "chief";
+    case TaskType::kWorker: return "worker";
+    case TaskType::kEvaluator: return "evaluator";
+  }
+  return "?";
+}
+
+std::vector<Address> ClusterSpec::training_addresses() const {
+  std::vector<Address> out = chief;
+  out.insert(out.end(), worker.begin(), worker.end());
+  return out;
+}
+
+}  // namespace flotilla::cluster

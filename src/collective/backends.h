@@ -1,0 +1,26 @@
+// Private: the factories of the backends a Communicator drives. Only src/collective/gloo and
+// src/collective/nccl include the backends' own headers; a backend not built has a stub that
+// throws, so callers need no #ifdef.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace flotilla::collective::detail {
+
+// Gloo's TCP transport, bound to `local_host` ("" lets Gloo resolve this host's name).
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    const std::string& local_host,
+                                                    std::chrono::milliseconds timeout);
+
+bool nccl_built();
+// NCCL on the current CUDA device; throws ConfigError where NCCL is not built.
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+
+}  // namespace flotilla::collective::detail

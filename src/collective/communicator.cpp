@@ -1,0 +1,372 @@
+#include "flotilla/collective/communicator.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cctype>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "collective/backends.h"
+#include "flotilla/error.h"
+#include "flotilla/log.h"
+
+namespace flotilla::collective {
+
+std::string_view to_string(Implementation implementation) {
+  switch (implementation) {
+    case Implementation::kAuto: return "AUTO";
+    case Implementation::kRing: return "RING";
+    case Implementation::kNccl: return "NCCL";
+  }
+  return "?";
+}
+
+std::string_view to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMean: return "mean";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+Implementation parse_implementation(std::string_view name) {
+  std::string lower;
+  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "auto") return Implementation::kAuto;
+  if (lower == "ring") return Implementation::kRing;
+  if (lower == "nccl") return Implementation::kNccl;
+  throw ConfigError("communication implementation \"" + std::string(name) +
+                    "\" is unknown; use AUTO, RING or NCCL");
+}
+
+bool nccl_available() { return detail::nccl_built(); }
+
+namespace {
+
+std::string seconds(std::chrono::milliseconds d) {
+  const auto ms = d.count();
+  return ms % 1000 == 0 ? std::to_string(ms / 1000) + "s" : std::to_string(ms) + "ms";
+}
+
+// The backend's own words, without c10's backtrace or Gloo's source-file prefix.
+std::string backend_message(const std::exception& e) {
+  std::string what;
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    what = c10_error->what_without_backtrace();
+  } else {
+    what = e.what();
+  }
+  if (what.rfind("[/", 0) == 0 || what.rfind("[", 0) == 0) {
+    const auto close = what.find("] ");
+    if (close != std::string::npos && what.find(".cc:") < close) what = what.substr(close + 2);
+  }
+  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+  return what;
+}
+
+bool is_timeout(const std::string& message) {
+  for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
+    if (message.find(needle) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+struct Work::State {
+  c10::intrusive_ptr<c10d::Work> work;  // null: nothing to wait for
+  std::function<void()> finish;         // after success: mean's division, copy-back
+  std::string description;              // "all_reduce #7 (sum, 1024 x float)"
+  std::string where;                    // "rank 1 of 2"
+  std::chrono::milliseconds timeout{0};
+  std::vector<std::vector<at::Tensor>> gathered;  // all_gather's output lists
+  std::mutex mutex;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+void Work::wait() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->done) {
+    try {
+      // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that
+      // would not.
+      if (state_->work) state_->work->wait(state_->timeout + std::chrono::seconds(5));
+      if (state_->finish) state_->finish();
+    } catch (const Error&) {
+      state_->error = std::current_exception();
+    } catch (const std::exception& e) {
+      const std::string message = backend_message(e);
+      const std::string head = state_->description + " on " + state_->where;
+      if (is_timeout(message)) {
+        state_->error = std::make_exception_ptr(TimeoutError(
+            head + " did not complete within " + seconds(state_->timeout) + " (" + message +
+            "); a peer is stopped, slow or dead: check the other workers' output, or raise the "
+            "timeout (CommunicationOptions.timeout, --timeout)"));
+      } else {
+        state_->error = std::make_exception_ptr(
+            CommError(head + " failed (" + message +
+                      "); a peer probably exited or lost its network: check the other workers' "
+                      "output"));
+      }
+    }
+    state_->done = true;
+  }
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::is_completed() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done || !state_->work || state_->work->isCompleted();
+}
+
+const std::vector<at::Tensor>& Work::result() const {
+  static const std::vector<at::Tensor> kNone;
+  if (!state_ || state_->gathered.empty()) return kNone;
+  return state_->gathered.front();
+}
+
+struct Communicator::Impl {
+  int rank = 0;
+  int size = 1;
+  CommunicationOptions options;
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> ring;
+  c10::intrusive_ptr<c10d::Backend> nccl;  // made on the first CUDA collective
+  std::uint64_t sequence = 0;
+  bool warned_nccl_cpu = false;
+
+  c10d::Backend& backend_for(const at::Tensor& tensor) {
+    const bool cuda = tensor.defined() && tensor.is_cuda();
+    if (options.implementation == Implementation::kNccl && !cuda && !warned_nccl_cpu) {
+      warned_nccl_cpu = true;
+      Logger(rank, size).warn("implementation NCCL was asked for, but NCCL reduces CUDA tensors "
+                              "only; CPU tensors use the Gloo ring");
+    }
+    if (!cuda || options.implementation == Implementation::kRing ||
+        !detail::nccl_built()) {
+      return *ring;
+    }
+    if (!nccl) {
+      nccl = detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
+                                       size, options.timeout);
+    }
+    return *nccl;
+  }
+
+  std::shared_ptr<Work::State> begin(const std::string& op, const at::Tensor* tensor,
+                                     const std::string& detail = "") {
+    auto state = std::make_shared<Work::State>();
+    std::string shape;
+    if (tensor) {
+      shape = std::to_string(tensor->numel()) + " x " + std::string(tensor->dtype().name());
+    }
+    std::string inside = detail;
+    if (!shape.empty()) inside += (inside.empty() ? "" : ", ") + shape;
+    state->description =
+        op + " #" + std::to_string(++sequence) + (inside.empty() ? "" : " (" + inside + ")");
+    state->where = "rank " + std::to_string(rank) + " of " + std::to_string(size);
+    state->timeout = options.timeout;
+    return state;
+  }
+
+  // Runs `launch` and wraps a synchronous failure the same way wait() would.
+  Work start(std::shared_ptr<Work::State> state,
+             const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+    try {
+      state->work = launch();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      state->error = std::make_exception_ptr(CommError(state->description + " on " +
+                                                       state->where + " could not start (" +
+                                                       backend_message(e) + ")"));
+      state->done = true;
+    }
+    return Work(std::move(state));
+  }
+};
+
+namespace {
+
+std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
+                                              const CommunicationOptions& options,
+                                              c10::intrusive_ptr<c10d::Store> store,
+                                              const std::string& local_host) {
+  if (options.implementation == Implementation::kNccl && !detail::nccl_built()) {
+    detail::make_nccl_backend(store, rank, size, options.timeout);  // throws the clear error
+  }
+  auto impl = std::make_shared<Communicator::Impl>();
+  impl->rank = rank;
+  impl->size = size;
+  impl->options = options;
+  impl->store = store;
+  impl->ring = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
+                                         rank, size, local_host, options.timeout);
+  return impl;
+}
+
+}  // namespace
+
+Communicator Communicator::connect(const cluster::ClusterSpec& spec,
+                                   const CommunicationOptions& options) {
+  if (spec.is_evaluator()) {
+    throw ConfigError(
+        "this task is the evaluator, which is not part of the training group; only chief and "
+        "worker tasks join the collectives");
+  }
+  if (spec.world_size == 1) return local_group(1, options).front();
+
+  const std::string where = "rank " + std::to_string(spec.rank) + " of " +
+                            std::to_string(spec.world_size);
+  const std::string address = spec.rendezvous.to_string();
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(spec.rendezvous.port);
+  store_options.isServer = spec.rank == 0;
+  store_options.numWorkers = spec.world_size;
+  store_options.waitWorkers = true;
+  store_options.timeout = options.timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(spec.rendezvous.host, store_options);
+  } catch (const std::exception& e) {
+    const std::string message = backend_message(e);
+    if (is_timeout(message)) {
+      throw TimeoutError("rendezvous with the chief at " + address + " (" + where +
+                         ") did not complete within " + seconds(options.timeout) + " (" +
+                         message +
+                         "); start every task TF_CONFIG lists, check that the chief's address "
+                         "is reachable from this host, or raise the timeout");
+    }
+    throw CommError((spec.rank == 0 ? "the chief could not host the rendezvous store at "
+                                    : "could not reach the chief's rendezvous store at ") +
+                    address + " (" + where + "): " + message +
+                    (spec.rank == 0 ? "; give the chief a free port in TF_CONFIG"
+                                    : "; check the chief's address and that it is running"));
+  }
+  try {
+    return Communicator(make_impl(spec.rank, spec.world_size, options, store, spec.local_host));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = backend_message(e);
+    const std::string head = "connecting the collectives of " + where + " (bound to " +
+                             (spec.local_host.empty() ? "this host's name" : spec.local_host) +
+                             ") ";
+    if (is_timeout(message)) {
+      throw TimeoutError(head + "did not complete within " + seconds(options.timeout) + " (" +
+                         message + "); a worker is missing or unreachable");
+    }
+    throw CommError(head + "failed: " + message);
+  }
+}
+
+std::vector<Communicator> Communicator::local_group(int world_size,
+                                                    const CommunicationOptions& options) {
+  if (world_size < 1) {
+    throw ConfigError("a group needs at least one rank; saw world_size " +
+                      std::to_string(world_size));
+  }
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::shared_ptr<Impl>> impls(world_size);
+  std::vector<std::exception_ptr> errors(world_size);
+  {
+    // Every rank's constructor waits for the others, so they must run at once.
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world_size; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          impls[r] = make_impl(r, world_size, options, store, "127.0.0.1");
+        } catch (...) {
+          errors[r] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  std::vector<Communicator> out;
+  for (auto& impl : impls) out.push_back(Communicator(impl));
+  return out;
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+const CommunicationOptions& Communicator::options() const { return impl_->options; }
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  auto state = impl_->begin("all_reduce", &tensor, std::string(to_string(op)));
+  if (op == ReduceOp::kMean && !at::isFloatingType(tensor.scalar_type())) {
+    throw ConfigError(state->description + ": a mean of integer values would be truncated; use "
+                                           "ReduceOp::kSum and divide in floating point");
+  }
+  if (tensor.numel() == 0) return Work(std::move(state));
+  // The backends need contiguous memory; a strided view is reduced in a copy and written back.
+  at::Tensor buffer = tensor.contiguous();
+  const bool copy_back = !buffer.is_same(tensor);
+  const int size = impl_->size;
+  if (op == ReduceOp::kMean || copy_back) {
+    state->finish = [buffer, tensor, op, size, copy_back] {
+      if (op == ReduceOp::kMean) buffer.div_(size);
+      if (copy_back) tensor.copy_(buffer);
+    };
+  }
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op == ReduceOp::kMax   ? c10d::ReduceOp::MAX
+                  : op == ReduceOp::kMin ? c10d::ReduceOp::MIN
+                                         : c10d::ReduceOp::SUM;
+  auto& backend = impl_->backend_for(tensor);
+  return impl_->start(std::move(state), [&] {
+    std::vector<at::Tensor> tensors{buffer};
+    return backend.allreduce(tensors, opts);
+  });
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  auto state = impl_->begin("broadcast", &tensor, "from rank " + std::to_string(root));
+  if (root < 0 || root >= impl_->size) {
+    throw ConfigError(state->description + ": root rank " + std::to_string(root) +
+                      " is out of range; use 0 to " + std::to_string(impl_->size - 1));
+  }
+  if (tensor.numel() == 0) return Work(std::move(state));
+  at::Tensor buffer = tensor.contiguous();
+  if (!buffer.is_same(tensor)) state->finish = [buffer, tensor] { tensor.copy_(buffer); };
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  auto& backend = impl_->backend_for(tensor);
+  return impl_->start(std::move(state), [&] {
+    std::vector<at::Tensor> tensors{buffer};
+    return backend.broadcast(tensors, opts);
+  });
+}
+
+Work Communicator::all_gather(const at::Tensor& tensor) {
+  auto state = impl_->begin("all_gather", &tensor);
+  at::Tensor buffer = tensor.contiguous();
+  state->gathered.resize(1);
+  for (int r = 0; r < impl_->size; ++r) state->gathered[0].push_back(at::empty_like(buffer));
+  if (tensor.numel() == 0) return Work(std::move(state));
+  auto& backend = impl_->backend_for(tensor);
+  auto* gathered = &state->gathered;
+  return impl_->start(std::move(state), [&] {
+    std::vector<at::Tensor> inputs{buffer};
+    return backend.allgather(*gathered, inputs);
+  });
+}
+
+Work Communicator::barrier() {
+  auto state = impl_->begin("barrier", nullptr);
+  auto& backend = *impl_->ring;
+  return impl_->start(std::move(state), [&] { return backend.barrier(); });
+}
+
+}  // namespace flotilla::collective

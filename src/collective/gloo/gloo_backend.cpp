@@ -1,0 +1,21 @@
+// The only translation unit that includes Gloo: c10d's ProcessGroupGloo over Gloo's TCP pairs.
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "collective/backends.h"
+
+namespace flotilla::collective::detail {
+
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    const std::string& local_host,
+                                                    std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(local_host.empty()
+                                 ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                 : c10d::ProcessGroupGloo::createDeviceForHostname(local_host));
+  // One thread runs the collectives of a worker in issue order; a second lets a small bucket
+  // overtake nothing, so keep Gloo's default of two.
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace flotilla::collective::detail

@@ -1,0 +1,52 @@
+#include "flotilla/data/fashion_mnist.h"
+
+#include <filesystem>
+
+#include "flotilla/data/idx.h"
+#include "flotilla/error.h"
+
+namespace flotilla::data {
+namespace {
+
+std::string find_file(const std::string& dir, const std::string& stem) {
+  namespace fs = std::filesystem;
+  for (const char* suffix : {".gz", ""}) {
+    const fs::path candidate = fs::path(dir) / (stem + suffix);
+    if (fs::exists(candidate)) return candidate.string();
+  }
+  throw DataError(dir + ": has no " + stem + ".gz (nor " + stem +
+                  "); point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "
+                  "dataset-fashion-mnist package (" +
+                  kFashionMnistDir + ")");
+}
+
+}  // namespace
+
+LabeledImages load_fashion_mnist(const std::string& dir, Split split) {
+  const std::string prefix = split == Split::kTrain ? "train" : "t10k";
+  const std::string images_path = find_file(dir, prefix + "-images-idx3-ubyte");
+  const std::string labels_path = find_file(dir, prefix + "-labels-idx1-ubyte");
+  torch::Tensor images = read_idx(images_path);
+  torch::Tensor labels = read_idx(labels_path);
+  if (images.dim() != 3 || images.size(1) != 28 || images.size(2) != 28) {
+    throw DataError(images_path + ": holds " + std::to_string(images.dim()) +
+                    "-dimensional data; expected N images of 28x28 (an idx3 image file)");
+  }
+  if (labels.dim() != 1 || labels.size(0) != images.size(0)) {
+    throw DataError(labels_path + ": holds " + std::to_string(labels.numel()) + " labels for " +
+                    std::to_string(images.size(0)) + " images in " + images_path +
+                    "; the two files must come from the same split");
+  }
+  if (labels.numel() > 0 && labels.max().item<int>() > 9) {
+    throw DataError(labels_path + ": has label " + std::to_string(labels.max().item<int>()) +
+                    "; Fashion-MNIST labels are 0 to 9");
+  }
+  return {images.unsqueeze(1), labels.to(torch::kInt64)};
+}
+
+torch::Tensor normalize_images(const torch::Tensor& images) {
+  constexpr double kMean = 0.2860, kStd = 0.3530;  // of the 60,000 training images
+  return images.to(torch::kFloat32).mul_(1.0 / (255.0 * kStd)).sub_(kMean / kStd);
+}
+
+}  // namespace flotilla::data

@@ -1,0 +1,24 @@
+// The flotilla CLI's subcommands. Each registers its flags on the parent app and returns the
+// function main() runs when it was chosen; that function returns the exit code and lets
+// flotilla::Error escape for main() to print as one line.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace flotilla::tools {
+
+struct Command {
+  CLI::App* app;
+  std::function<int()> run;
+};
+
+Command add_train(CLI::App& parent);
+Command add_launch(CLI::App& parent);
+Command add_tf_config(CLI::App& parent);
+
+// Cores this process may run on (its affinity mask), at least 1.
+int available_cores();
+
+}  // namespace flotilla::tools

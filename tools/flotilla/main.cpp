@@ -1,0 +1,53 @@
+// flotilla: synchronous data-parallel training for LibTorch, the tf.distribute way.
+#include <c10/util/Exception.h>
+#include <sched.h>
+
+#include <iostream>
+
+#include "flotilla/error.h"
+#include "tools/flotilla/commands.h"
+
+namespace flotilla::tools {
+
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+}  // namespace flotilla::tools
+
+int main(int argc, char** argv) {
+  using namespace flotilla;
+  CLI::App app{"flotilla: synchronous data-parallel training for LibTorch models, configured by "
+               "TF_CONFIG like TensorFlow's MultiWorkerMirroredStrategy"};
+  app.name("flotilla");
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("flotilla ") + FLOTILLA_VERSION);
+  std::vector<tools::Command> commands = {tools::add_train(app), tools::add_launch(app),
+                                          tools::add_tf_config(app)};
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    return app.exit(e);  // --help, --version
+  } catch (const CLI::ParseError& e) {
+    std::string where = "flotilla";
+    for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
+    std::cerr << where << ": error: " << e.what() << " (see " << where << " --help)\n";
+    return kExitBadInput;
+  }
+  for (const auto& command : commands) {
+    if (!command.app->parsed()) continue;
+    try {
+      return command.run();
+    } catch (const c10::Error& e) {  // LibTorch's own: its message, not its backtrace
+      std::cerr << "flotilla " << command.app->get_name()
+                << ": error: " << e.what_without_backtrace() << "\n";
+      return kExitFailure;
+    } catch (const std::exception& e) {
+      std::cerr << "flotilla " << command.app->get_name() << ": error: " << e.what() << "\n";
+      return exit_code(e);
+    }
+  }
+  return kExitBadInput;
+}

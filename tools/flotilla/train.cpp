@@ -1,0 +1,190 @@
+// `flotilla train`: one worker of a data-parallel training job. The cluster comes from
+// TF_CONFIG (or torchrun variables, or nothing: one worker alone); start one per task, or let
+// `flotilla launch` start them on this machine.
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "flotilla/cluster/resolvers.h"
+#include "flotilla/data/fashion_mnist.h"
+#include "flotilla/data/sharded_dataset.h"
+#include "flotilla/error.h"
+#include "flotilla/strategy/strategy.h"
+#include "flotilla/train/model.h"
+#include "models/zoo.h"
+#include "tools/flotilla/commands.h"
+
+namespace flotilla::tools {
+namespace {
+
+struct TrainArgs {
+  std::string model = "cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir = data::kFashionMnistDir;
+  int epochs = 1;
+  std::int64_t steps_per_epoch = 0;  // 0: the whole dataset
+  std::int64_t batch_per_replica = 32;
+  double lr = 0.02;
+  double momentum = 0.9;
+  std::uint64_t seed = 42;
+  std::string model_dir;
+  int threads = 0;  // 0: cores ÷ workers on this machine
+  std::string metrics_json;
+  double timeout_s = 300;
+  std::string implementation = "auto";
+  std::int64_t bytes_per_pack = 25 * 1024 * 1024;
+  std::string verbose = "auto";
+};
+
+void append_json_line(const std::string& path, const nlohmann::ordered_json& object) {
+  std::ofstream out(path, std::ios::app);
+  out << object.dump() << "\n";
+  if (!out.flush()) {
+    throw ConfigError("cannot append to --metrics-json file " + path + "; check the path");
+  }
+}
+
+int run(const TrainArgs& a) {
+  const auto env = cluster::Environment::from_process();
+  const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
+  if (spec.is_evaluator()) {
+    throw ConfigError(
+        "this task is the evaluator (TF_CONFIG task.type \"evaluator\"): side-car evaluation is "
+        "not supported yet, and the evaluator never joins training; start only the chief and "
+        "worker tasks");
+  }
+  if (a.dataset != "fashion-mnist") {
+    throw ConfigError("--dataset \"" + a.dataset + "\" is not available; use fashion-mnist");
+  }
+  const int threads =
+      a.threads > 0 ? a.threads : std::max(1, available_cores() / cluster::local_world_size(env));
+  torch::set_num_threads(threads);
+
+  collective::CommunicationOptions comm;
+  comm.implementation = collective::parse_implementation(a.implementation);
+  comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  comm.bytes_per_pack = a.bytes_per_pack;
+
+  // Load (and validate) the data before joining, so a bad path fails fast on every worker.
+  const auto train_data = data::load_fashion_mnist(a.data_dir, data::Split::kTrain);
+  const auto test_data = data::load_fashion_mnist(a.data_dir, data::Split::kTest);
+
+  strategy::MultiWorkerMirroredStrategy strategy(spec, comm);
+  const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
+  if (strategy.is_chief()) {
+    strategy.log().info(
+        "MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) + " worker(s), " +
+        std::to_string(strategy.num_replicas_in_sync()) + " replica(s) in sync, global batch " +
+        std::to_string(global_batch) + " (" + std::to_string(a.batch_per_replica) +
+        " per replica), " + std::to_string(threads) + " thread(s) per worker; cluster from " +
+        spec.source + (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
+  }
+
+  torch::manual_seed(a.seed);
+  auto net = strategy.scope([&] { return models::make_model(a.model); });
+  train::Model model(strategy, net);
+  train::CompileOptions compile;
+  compile.optimizer.learning_rate = a.lr;
+  compile.optimizer.momentum = a.momentum;
+  model.compile(compile);
+
+  const auto context = strategy.input_context();
+  data::ShardedDataset train_set(train_data.images, train_data.labels, context,
+                                 {global_batch, /*shuffle=*/true, a.seed, /*drop_remainder=*/true},
+                                 data::normalize_images);
+  data::ShardedDataset test_set(test_data.images, test_data.labels, context,
+                                {global_batch, /*shuffle=*/false, 0, /*drop_remainder=*/false},
+                                data::normalize_images);
+
+  const bool write_metrics = strategy.is_chief() && !a.metrics_json.empty();
+  train::FitOptions fit;
+  fit.epochs = a.epochs;
+  if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
+  fit.model_dir = a.model_dir;
+  fit.verbose = a.verbose == "auto" ? train::Verbosity::kAuto
+                                    : static_cast<train::Verbosity>(std::stoi(a.verbose));
+  fit.on_epoch_end = [&](const train::EpochLogs& logs) {
+    if (!write_metrics) return;
+    append_json_line(a.metrics_json, {{"epoch", logs.epoch},
+                                      {"loss", logs.loss},
+                                      {"accuracy", logs.accuracy},
+                                      {"samples_per_s", logs.samples_per_s},
+                                      {"seconds", logs.seconds},
+                                      {"steps", logs.steps},
+                                      {"workers", strategy.num_workers()},
+                                      {"global_batch", global_batch}});
+  };
+  model.fit(train_set, fit);
+
+  const train::EvalResult test = model.evaluate(test_set);
+  if (strategy.is_chief()) {
+    std::printf("Test: loss: %.4f - accuracy: %.4f (%lld samples)\n", test.loss, test.accuracy,
+                static_cast<long long>(test.samples));
+    std::fflush(stdout);
+    if (write_metrics) {
+      append_json_line(a.metrics_json,
+                       {{"test_loss", test.loss}, {"test_accuracy", test.accuracy},
+                        {"test_samples", test.samples}});
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_train(CLI::App& parent) {
+  auto args = std::make_shared<TrainArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "train", "Train a built-in model as one worker of the cluster in TF_CONFIG (or alone)");
+  app->add_option("--model", args->model, "mlp, mlp-wide or cnn")
+      ->check(CLI::IsMember({"mlp", "mlp-wide", "cnn"}))
+      ->capture_default_str();
+  app->add_option("--dataset", args->dataset, "Dataset name")
+      ->check(CLI::IsMember({"fashion-mnist"}))
+      ->capture_default_str();
+  app->add_option("--data-dir", args->data_dir, "Directory with the dataset's IDX files")
+      ->capture_default_str();
+  app->add_option("--epochs", args->epochs, "Epochs to train")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--steps-per-epoch", args->steps_per_epoch,
+                  "Steps per epoch (0: the whole dataset)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--batch-per-replica", args->batch_per_replica,
+                  "Batch per replica; global batch = this x replicas in sync")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--lr", args->lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--momentum", args->momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 0.999))
+      ->capture_default_str();
+  app->add_option("--seed", args->seed, "Seed for initialisation and shuffling")
+      ->capture_default_str();
+  app->add_option("--model-dir", args->model_dir,
+                  "Save a checkpoint here after each epoch (chief; others use temporary dirs)");
+  app->add_option("--threads", args->threads,
+                  "Intra-op threads per worker (0: cores / workers on this machine)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--metrics-json", args->metrics_json,
+                  "Chief appends one JSON object per epoch and one with the test result");
+  app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--implementation", args->implementation,
+                  "Collective implementation: auto, ring or nccl")
+      ->check(CLI::IsMember({"auto", "ring", "nccl"}, CLI::ignore_case))
+      ->capture_default_str();
+  app->add_option("--bytes-per-pack", args->bytes_per_pack, "Gradient bucket size in bytes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--verbose", args->verbose,
+                  "auto (bar on a terminal, else a line per epoch), 0, 1 (bar) or 2 (line)")
+      ->check(CLI::IsMember({"auto", "0", "1", "2"}))
+      ->capture_default_str();
+  return {app, [args] { return run(*args); }};
+}
+
+}  // namespace flotilla::tools
