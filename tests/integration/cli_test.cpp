@@ -1,0 +1,91 @@
+// The flotilla CLI as a user runs it: tf-config output, bad flags and bad configuration.
+#include <gtest/gtest.h>
+
+#include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/error.h"
+#include "support/subprocess.h"
+
+namespace flotilla {
+namespace {
+
+using testing::run_process;
+const std::string kCli = FLOTILLA_CLI;
+
+std::size_t line_count(const std::string& s) { return std::count(s.begin(), s.end(), '\n'); }
+
+TEST(TfConfigCommand, OutputRoundTripsThroughTheParser) {
+  const auto r = run_process({kCli, "tf-config", "--workers", "10.0.0.1:2222,10.0.0.2:2222",
+                              "--chief", "10.0.0.9:2222", "--evaluator", "10.0.0.8:2222",
+                              "--index", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto spec = cluster::parse_tf_config(r.out);
+  EXPECT_EQ(spec.chief.at(0).to_string(), "10.0.0.9:2222");
+  EXPECT_EQ(spec.worker.at(1).to_string(), "10.0.0.2:2222");
+  EXPECT_EQ(spec.evaluator.at(0).to_string(), "10.0.0.8:2222");
+  EXPECT_EQ(spec.task.type, cluster::TaskType::kWorker);
+  EXPECT_EQ(spec.task.index, 1);
+  EXPECT_EQ(spec.rank, 2);  // after the chief and worker 0
+  EXPECT_EQ(spec.world_size, 3);
+  const auto chief = run_process({kCli, "tf-config", "--workers", "a:1", "--chief", "c:2",
+                                  "--type", "chief", "--index", "0"});
+  EXPECT_EQ(cluster::parse_tf_config(chief.out).rank, 0);
+}
+
+TEST(TfConfigCommand, BadInputIsOneLineAndExitCode2) {
+  const auto r = run_process({kCli, "tf-config", "--workers", "a:1,b", "--index", "0"});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_EQ(r.err,
+            "flotilla tf-config: error: --workers entry 1: \"b\" has no port; write "
+            "\"host:port\", e.g. \"10.0.0.2:2222\"\n");
+  const auto range = run_process({kCli, "tf-config", "--workers", "a:1,b:2", "--index", "2"});
+  EXPECT_EQ(range.exit_code, kExitBadInput);
+  EXPECT_EQ(range.err,
+            "flotilla tf-config: error: TF_CONFIG task.index 2 is out of range: cluster.worker "
+            "has 2 addresses, so use 0 to 1\n");
+}
+
+TEST(TrainCommand, BadFlagsAreOneLineAndExitCode2) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"train", "--model", "resnet"},
+        std::vector<std::string>{"train", "--epochs", "0"},
+        std::vector<std::string>{"train", "--no-such-flag"},
+        std::vector<std::string>{"launch", "--workers", "2"},
+        std::vector<std::string>{"frobnicate"}}) {
+    std::vector<std::string> argv = {kCli};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = run_process(argv);
+    EXPECT_EQ(r.exit_code, kExitBadInput) << args[0] << " " << r.err;
+    EXPECT_EQ(line_count(r.err), 1u) << r.err;
+    EXPECT_EQ(r.err.rfind("flotilla", 0), 0u) << r.err;
+  }
+}
+
+TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
+  const auto r = run_process({kCli, "train", "--steps-per-epoch", "1"},
+                             {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},
+                                               "task": {"type": "worker"}})"}});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_EQ(r.err,
+            "flotilla train: error: TF_CONFIG cluster has \"ps\" tasks: parameter-server "
+            "training is not supported; use chief/worker\n");
+}
+
+TEST(TrainCommand, EvaluatorTaskSaysItDoesNotTrain) {
+  const auto r = run_process({kCli, "train"},
+                             {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
+                                               "task": {"type": "evaluator"}})"}});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_NE(r.err.find("side-car evaluation is not supported yet"), std::string::npos) << r.err;
+}
+
+TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {
+  const auto r = run_process({kCli, "train", "--data-dir", "/nonexistent"});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_EQ(r.err,
+            "flotilla train: error: /nonexistent: has no train-images-idx3-ubyte.gz (nor "
+            "train-images-idx3-ubyte); point --data-dir at the Fashion-MNIST IDX files, or on "
+            "Debian install the dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)\n");
+}
+
+}  // namespace
+}  // namespace flotilla

@@ -1,0 +1,124 @@
+// `flotilla launch`: real processes, real TF_CONFIG, real training on loopback.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/error.h"
+#include "support/subprocess.h"
+
+namespace flotilla {
+namespace {
+
+using testing::run_process;
+const std::string kCli = FLOTILLA_CLI;
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
+  const auto r = run_process({kCli, "launch", "--workers", "3", "--", "sh", "-c",
+                              "echo \"$TF_CONFIG\"; echo \"threads=$OMP_NUM_THREADS\" >&2"},
+                             {{"OMP_NUM_THREADS", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto out = lines_of(r.out);
+  ASSERT_EQ(out.size(), 3u) << r.out;
+  std::set<int> indices;
+  std::set<std::string> addresses;
+  for (const auto& line : out) {
+    ASSERT_EQ(line.rfind("[worker ", 0), 0u) << line;
+    const int index = std::stoi(line.substr(8));
+    const auto spec = cluster::parse_tf_config(line.substr(line.find("] ") + 2));
+    EXPECT_EQ(spec.task.index, index);
+    EXPECT_EQ(spec.world_size, 3);
+    for (const auto& a : spec.worker) addresses.insert(a.to_string());
+    indices.insert(index);
+  }
+  EXPECT_EQ(indices, (std::set<int>{0, 1, 2}));
+  EXPECT_EQ(addresses.size(), 3u);  // one port per worker
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const std::string threads = "threads=" + std::to_string(std::max(1, cores / 3));
+  for (const auto& line : lines_of(r.err)) EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
+}
+
+TEST(Launch, TheFirstFailureStopsTheOthersAndBecomesTheExitCode) {
+  const auto r = run_process(
+      {kCli, "launch", "--workers", "3", "--grace", "5", "--", "sh", "-c",
+       "if [ \"$LOCAL_RANK\" = 1 ]; then sleep 0.5; exit 7; fi; exec sleep 600"});
+  EXPECT_EQ(r.exit_code, 7) << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 exited with code 7; stopping the other workers"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(Launch, AWorkerKilledBySignalGives128PlusSignal) {
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                              "if [ \"$LOCAL_RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 600"});
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 0 was killed by signal Killed"), std::string::npos)
+      << r.err;
+}
+
+TEST(Launch, SigtermIsForwardedToEveryWorker) {
+  testing::Process launch({kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                           "trap 'echo got-term; exit 5' TERM; echo ready; sleep 600 & wait"});
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // let both shells set their trap
+  launch.signal(SIGTERM);
+  const auto r = launch.wait(std::chrono::seconds(60));
+  EXPECT_EQ(r.exit_code, 5) << r.out << r.err;
+  EXPECT_NE(r.out.find("[worker 0] got-term"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[worker 1] got-term"), std::string::npos) << r.out;
+}
+
+TEST(Launch, UnknownProgramIsABadInput) {
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "/nonexistent/program"});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_EQ(r.err,
+            "flotilla launch: error: cannot start \"/nonexistent/program\": No such file or "
+            "directory; check the command after --\n");
+}
+
+TEST(Launch, TwoWorkersTrainOnLoopback) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const std::string model_dir = dir.path() + "/model";
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train",
+                              "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "60",
+                              "--lr", "0.05", "--metrics-json", metrics, "--model-dir",
+                              model_dir});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[worker 0] Epoch 1/2\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[worker 0] 60/60 - "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[worker 1]"), std::string::npos) << "only the chief prints progress";
+  const auto lines = lines_of(testing::read_file(metrics));
+  ASSERT_EQ(lines.size(), 3u);
+  for (int e = 0; e < 2; ++e) {
+    const auto epoch = nlohmann::json::parse(lines[e]);
+    EXPECT_EQ(epoch["epoch"], e + 1);
+    EXPECT_EQ(epoch["steps"], 60);
+    EXPECT_EQ(epoch["workers"], 2);
+    EXPECT_EQ(epoch["global_batch"], 64);
+    EXPECT_GT(epoch["samples_per_s"].get<double>(), 0);
+  }
+  const auto test = nlohmann::json::parse(lines[2]);
+  EXPECT_EQ(test["test_samples"], 10000);
+  EXPECT_GT(test["test_accuracy"].get<double>(), 0.7);  // 120 steps of an MLP get ~0.8
+  namespace fs = std::filesystem;
+  std::vector<std::string> beside;
+  for (const auto& e : fs::directory_iterator(dir.path())) beside.push_back(e.path().filename());
+  std::sort(beside.begin(), beside.end());
+  EXPECT_EQ(beside, (std::vector<std::string>{"metrics.jsonl", "model"}));
+  EXPECT_TRUE(fs::exists(fs::path(model_dir) / "ckpt-2.safetensors"));
+}
+
+}  // namespace
+}  // namespace flotilla

@@ -1,0 +1,96 @@
+// The seeds' saving rule: every worker saves; only the chief's copy, in model_dir, remains.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/error.h"
+#include "flotilla/train/model.h"
+#include "support/ranks.h"
+#include "support/subprocess.h"
+
+namespace flotilla {
+namespace {
+
+using testing::run_ranks;
+using testing::thread_cluster;
+namespace fs = std::filesystem;
+namespace nn = torch::nn;
+
+std::vector<std::string> entries(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
+  testing::TempDir root;
+  const fs::path model_dir = fs::path(root.path()) / "model";
+  std::vector<torch::Tensor> trained(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = s.scope([] { return nn::Sequential(nn::Flatten(), nn::Linear(16, 3)); });
+    train::Model model(s, net);
+    model.compile({});
+    data::ShardedDataset ds(torch::randn({40, 16}), torch::randint(0, 3, {40}), s.input_context(),
+                            {8, true, 0, true});
+    train::FitOptions fit;
+    fit.epochs = 2;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.model_dir = model_dir.string();
+    model.fit(ds, fit);
+    trained[rank] = net[1]->as<nn::Linear>()->weight.detach().clone();
+  });
+  EXPECT_EQ(entries(root.path()), std::vector<std::string>{"model"});  // no worker dir beside it
+  EXPECT_EQ(entries(model_dir),
+            (std::vector<std::string>{"ckpt-1.safetensors", "ckpt-2.safetensors"}));
+  auto fresh = nn::Sequential(nn::Flatten(), nn::Linear(16, 3));
+  const auto metadata = checkpoint::load_model(*fresh, model_dir / "ckpt-2.safetensors");
+  EXPECT_EQ(metadata.at("epoch"), "2");
+  EXPECT_TRUE(torch::equal(fresh[1]->as<nn::Linear>()->weight, trained[0]));
+}
+
+TEST(CheckpointLayout, NonChiefWritesIntoAUniqueTemporaryDirectoryThatGoesAway) {
+  testing::TempDir root;
+  const fs::path model_dir = fs::path(root.path()) / "model";
+  fs::path seen;
+  {
+    checkpoint::WriteLocation a(model_dir, /*is_chief=*/false, 1);
+    checkpoint::WriteLocation b(model_dir, /*is_chief=*/false, 1);
+    EXPECT_TRUE(a.is_temporary());
+    EXPECT_NE(a.dir(), b.dir());  // unique even for the same rank
+    EXPECT_EQ(a.dir().parent_path(), model_dir.parent_path());
+    EXPECT_EQ(a.dir().filename().string().rfind("model.worker1-", 0), 0u);
+    std::ofstream(a.dir() / "f") << "x";
+    seen = a.dir();
+  }
+  EXPECT_FALSE(fs::exists(seen));
+  checkpoint::WriteLocation chief(model_dir, /*is_chief=*/true, 0);
+  EXPECT_EQ(chief.dir(), model_dir);
+  EXPECT_FALSE(chief.is_temporary());
+}
+
+TEST(CheckpointLayout, AFailedSaveIsReportedOnEveryWorkerWithoutAHang) {
+  testing::TempDir root;
+  const fs::path blocker = fs::path(root.path()) / "file";
+  std::ofstream(blocker) << "not a directory";
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = s.scope([] { return nn::Linear(2, 2); });
+    try {
+      checkpoint::save_model(s, *net, blocker / "model", "ckpt-1.safetensors");
+    } catch (const CheckpointError& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r].rfind("cannot create " + (blocker / "model").string(), 0), 0u)
+        << errors[r];
+  }
+}
+
+}  // namespace
+}  // namespace flotilla

@@ -1,0 +1,163 @@
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "flotilla/collective/communicator.h"
+#include "flotilla/error.h"
+#include "support/ranks.h"
+
+namespace flotilla::collective {
+namespace {
+
+using flotilla::testing::run_ranks;
+
+// Rank r's input: element i is (r + 1) * (i % 13 + 1), so every reduction is known in closed form.
+torch::Tensor input(int rank, std::int64_t n, torch::ScalarType type = torch::kFloat32) {
+  return ((torch::arange(n, torch::kInt64) % 13) + 1).mul(rank + 1).to(type);
+}
+
+class Collectives : public ::testing::TestWithParam<std::tuple<int, std::int64_t>> {};
+
+TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
+  const auto [world, n] = GetParam();
+  const double rank_sum = world * (world + 1) / 2.0;  // sum of (r + 1)
+  run_ranks(world, [&, world = world, n = n](int rank, Communicator& comm) {
+    EXPECT_EQ(comm.rank(), rank);
+    EXPECT_EQ(comm.size(), world);
+    const auto base = input(0, n);  // (i % 13 + 1)
+
+    auto sum = input(rank, n);
+    comm.all_reduce(sum, ReduceOp::kSum).wait();
+    EXPECT_TRUE(torch::allclose(sum, base * rank_sum));
+
+    auto mean = input(rank, n, torch::kFloat64);
+    comm.all_reduce(mean, ReduceOp::kMean).wait();
+    EXPECT_TRUE(torch::allclose(mean, base.to(torch::kFloat64) * rank_sum / world));
+
+    auto max = input(rank, n);
+    auto min = input(rank, n);
+    auto w1 = comm.all_reduce(max, ReduceOp::kMax);
+    auto w2 = comm.all_reduce(min, ReduceOp::kMin);  // two in flight at once
+    w2.wait();
+    w1.wait();
+    EXPECT_TRUE(torch::equal(max, base * world));
+    EXPECT_TRUE(torch::equal(min, base));
+
+    auto ints = input(rank, n, torch::kInt64);
+    comm.all_reduce(ints).wait();
+    EXPECT_TRUE(torch::equal(ints, base.to(torch::kInt64) * static_cast<std::int64_t>(rank_sum)));
+
+    for (int root = 0; root < world; ++root) {
+      auto b = input(rank, n);
+      comm.broadcast(b, root).wait();
+      EXPECT_TRUE(torch::equal(b, input(root, n))) << "root " << root;
+    }
+
+    auto gather = comm.all_gather(input(rank, n));
+    gather.wait();
+    ASSERT_EQ(gather.result().size(), static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(gather.result()[r], input(r, n)));
+
+    comm.barrier().wait();
+    EXPECT_TRUE(gather.is_completed());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndSizes, Collectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(0, 1, 7, (1 << 20) + 3)),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) + "_n" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(Collectives, StridedTensorsAreReducedInPlace) {
+  run_ranks(2, [](int rank, Communicator& comm) {
+    auto matrix = torch::full({4, 6}, static_cast<float>(rank + 1));
+    auto column = matrix.select(1, 2);  // a strided view
+    ASSERT_FALSE(column.is_contiguous());
+    comm.all_reduce(column, ReduceOp::kSum).wait();
+    EXPECT_TRUE(torch::equal(matrix.select(1, 2), torch::full({4}, 3.0f)));
+    EXPECT_TRUE(torch::equal(matrix.select(1, 1), torch::full({4}, static_cast<float>(rank + 1))));
+  });
+}
+
+TEST(Collectives, MeanOfIntegersIsRefused) {
+  run_ranks(1, [](int, Communicator& comm) {
+    auto t = torch::ones({3}, torch::kInt64);
+    try {
+      comm.all_reduce(t, ReduceOp::kMean);
+      FAIL();
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "all_reduce #1 (mean, 3 x long int): a mean of integer values would be "
+                "truncated; use ReduceOp::kSum and divide in floating point");
+    }
+  });
+}
+
+TEST(Collectives, BadRootIsRefused) {
+  run_ranks(1, [](int, Communicator& comm) {
+    EXPECT_THROW(comm.broadcast(torch::ones({1}), 1), ConfigError);
+  });
+}
+
+TEST(Collectives, AMissingRankTimesOutNamingTheOperation) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  run_ranks(2, [](int rank, Communicator& comm) {
+    auto t = torch::ones({16});
+    comm.all_reduce(t).wait();  // #1 completes
+    if (rank == 1) {
+      // Rank 1 never issues #2; it waits until rank 0 has given up.
+      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.all_reduce(t).wait();
+      FAIL() << "a collective with a missing rank completed";
+    } catch (const TimeoutError& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind("all_reduce #2 (sum, 16 x float) on rank 0 of 2 did not complete "
+                              "within 1500ms (", 0), 0u) << message;
+      EXPECT_NE(message.find("a peer is stopped, slow or dead"), std::string::npos) << message;
+    }
+    // Bounded by the timeout, not a hang (generous: the machine is shared).
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+    // A failed Work rethrows the same failure every time.
+  }, options);
+}
+
+TEST(Collectives, APeerThatLeavesFailsTheCollectiveWithCommError) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(20);
+  auto comms = Communicator::local_group(2, options);
+  auto t = torch::ones({8});
+  std::thread leaver([&] { comms[1] = comms[0]; });  // drops rank 1's only handle
+  leaver.join();
+  try {
+    comms[0].all_reduce(t).wait();
+    FAIL() << "completed without its peer";
+  } catch (const CommError& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.rfind("all_reduce #1 (sum, 8 x float) on rank 0 of 2 ", 0), 0u) << message;
+  }
+}
+
+TEST(Communication, ImplementationNames) {
+  EXPECT_EQ(parse_implementation("Ring"), Implementation::kRing);
+  EXPECT_EQ(parse_implementation("AUTO"), Implementation::kAuto);
+  EXPECT_EQ(parse_implementation("nccl"), Implementation::kNccl);
+  try {
+    parse_implementation("mpi");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "communication implementation \"mpi\" is unknown; use AUTO, RING or NCCL");
+  }
+}
+
+}  // namespace
+}  // namespace flotilla::collective
