@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test test-all clean
+.PHONY: all bootstrap build run test bench-threads clean
 
 all: build
 
@@ -22,6 +22,10 @@ run: build
 # Everything but the GPU tests (they need a CUDA device; see bench/gpu).
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600
+
+# Threads per worker: the default against oversubscription (JSON lines; docs/benchmarks.md).
+bench-threads: build
+	bench/threads.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -7,7 +7,7 @@ namespace flotilla::cluster {
 Environment Environment::from_process() {
   static const char* const kNames[] = {"TF_CONFIG",  "RANK",       "WORLD_SIZE",
                                        "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-                                       "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"};
+                                       "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "FLOTILLA_TERMINAL"};
   std::map<std::string, std::string> vars;
   for (const char* name : kNames) {
     if (const char* value = std::getenv(name)) vars[name] = value;

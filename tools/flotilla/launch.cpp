@@ -1,7 +1,7 @@
 // `flotilla launch --workers N -- CMD...`: starts N copies of CMD on this machine as one
 // cluster on 127.0.0.1, each with its own TF_CONFIG (worker i of N; worker 0 is the chief),
 // LOCAL_RANK/LOCAL_WORLD_SIZE and, unless already set, OMP_NUM_THREADS = cores ÷ N. Every output
-// line is prefixed "[worker i]". Ctrl-C/SIGTERM are forwarded. When a worker fails, the others
+// line is prefixed "[worker i]"; on a terminal, FLOTILLA_TERMINAL=1 lets the chief draw its bar. Ctrl-C/SIGTERM are forwarded. When a worker fails, the others
 // are stopped (SIGTERM, then SIGKILL after a grace period) and launch exits with the failed
 // worker's code (128 + signal for a worker killed by a signal).
 #include <arpa/inet.h>
@@ -128,25 +128,32 @@ void write_all(int fd, const std::string& text) {
 }
 
 // Emits the complete lines in `buffer` with the worker's prefix; `flush` emits the rest too.
+// A carriage return ends a segment as a newline does, so a worker's progress bar, redrawn in
+// place with '\r', stays in place here too.
 void emit_lines(int index, std::string& buffer, int fd, bool flush) {
   const std::string prefix = "[worker " + std::to_string(index) + "] ";
+  // flotilla's own log lines already say "[worker i/N]"; don't say it twice.
+  auto tagged = [&](const std::string& text) {
+    return text.rfind("[worker ", 0) == 0 ? text : prefix + text;
+  };
   std::string out;
   std::size_t start = 0;
-  for (std::size_t nl; (nl = buffer.find('\n', start)) != std::string::npos; start = nl + 1) {
-    const std::string line = buffer.substr(start, nl - start + 1);
-    // flotilla's own log lines already say "[worker i/N]"; don't say it twice.
-    out += (line.rfind("[worker ", 0) == 0 ? "" : prefix) + line;
+  for (std::size_t end; (end = buffer.find_first_of("\r\n", start)) != std::string::npos;
+       start = end + 1) {
+    const std::string segment = buffer.substr(start, end - start);
+    if (buffer[end] == '\r' && segment.empty()) continue;  // "\r" before a redraw
+    out += tagged(segment) + buffer[end];
   }
   buffer.erase(0, start);
   if (flush && !buffer.empty()) {
-    out += (buffer.rfind("[worker ", 0) == 0 ? "" : prefix) + buffer + "\n";
+    out += tagged(buffer) + "\n";
     buffer.clear();
   }
   if (!out.empty()) write_all(fd, out);
 }
 
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,
-                                           int threads) {
+                                           int threads, bool terminal) {
   std::map<std::string, std::string> vars;
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
@@ -158,6 +165,11 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   vars["TF_CONFIG"] = tf_config;
   vars["LOCAL_RANK"] = std::to_string(index);
   vars["LOCAL_WORLD_SIZE"] = std::to_string(workers);
+  if (terminal) {
+    vars["FLOTILLA_TERMINAL"] = "1";
+  } else {
+    vars.erase("FLOTILLA_TERMINAL");
+  }
   // OpenMP sizes its pool when the library loads, before main(): only the environment can
   // size it. Workers on one machine share its cores instead of each taking all of them.
   if (!vars.count("OMP_NUM_THREADS")) vars["OMP_NUM_THREADS"] = std::to_string(threads);
@@ -215,7 +227,8 @@ int run(const LaunchArgs& a) {
     Child& child = children[static_cast<std::size_t>(i)];
     child.index = i;
     spec.task = {cluster::TaskType::kWorker, i};
-    const auto env_strings = child_environment(i, a.workers, cluster::to_tf_config(spec), threads);
+    const auto env_strings = child_environment(i, a.workers, cluster::to_tf_config(spec), threads,
+                                              ::isatty(STDOUT_FILENO) != 0);
     std::vector<char*> argv, envp;
     for (const auto& s : argv_strings) argv.push_back(const_cast<char*>(s.c_str()));
     argv.push_back(nullptr);

@@ -1,6 +1,8 @@
 // `flotilla train`: one worker of a data-parallel training job. The cluster comes from
 // TF_CONFIG (or torchrun variables, or nothing: one worker alone); start one per task, or let
 // `flotilla launch` start them on this machine.
+#include <unistd.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -100,8 +102,12 @@ int run(const TrainArgs& a) {
   fit.epochs = a.epochs;
   if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
   fit.model_dir = a.model_dir;
-  fit.verbose = a.verbose == "auto" ? train::Verbosity::kAuto
-                                    : static_cast<train::Verbosity>(std::stoi(a.verbose));
+  if (a.verbose == "auto") {
+    const bool terminal = ::isatty(STDOUT_FILENO) || env.get("FLOTILLA_TERMINAL");
+    fit.verbose = terminal ? train::Verbosity::kProgressBar : train::Verbosity::kOneLinePerEpoch;
+  } else {
+    fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
+  }
   fit.on_epoch_end = [&](const train::EpochLogs& logs) {
     if (!write_metrics) return;
     append_json_line(a.metrics_json, {{"epoch", logs.epoch},

@@ -15,7 +15,8 @@ class Environment {
 
   // Snapshot of the variables flotilla understands: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR,
   // MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE (torchrun's names, also set by `flotilla launch`);
-  // OMP_NUM_THREADS.
+  // OMP_NUM_THREADS; FLOTILLA_TERMINAL (set by `flotilla launch` when its own output is a
+  // terminal, so a worker draws a progress bar through the launcher's pipe).
   static Environment from_process();
 
   // The value, or nullopt when unset or empty.
