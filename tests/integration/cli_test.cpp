@@ -3,13 +3,14 @@
 
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
+#include "support/paths.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
 namespace {
 
 using testing::run_process;
-const std::string kCli = FLOTILLA_CLI;
+const std::string kCli = flotilla::testing::flotilla_cli();
 
 std::size_t line_count(const std::string& s) { return std::count(s.begin(), s.end(), '\n'); }
 

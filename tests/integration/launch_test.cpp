@@ -9,13 +9,14 @@
 
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
+#include "support/paths.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
 namespace {
 
 using testing::run_process;
-const std::string kCli = FLOTILLA_CLI;
+const std::string kCli = flotilla::testing::flotilla_cli();
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;

@@ -6,6 +6,7 @@
 
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
+#include "support/paths.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
@@ -14,7 +15,7 @@ namespace {
 using testing::Process;
 using testing::ProcessResult;
 
-const std::string kWorker = std::string(FLOTILLA_TEST_BIN_DIR) + "/collective_worker";
+const std::string kWorker = flotilla::testing::test_bin_dir() + "/collective_worker";
 
 std::string tf_config(const std::vector<int>& ports, int index) {
   cluster::ClusterSpec spec;

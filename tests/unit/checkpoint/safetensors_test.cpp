@@ -8,6 +8,7 @@
 #include "flotilla/checkpoint/atomic_file.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/error.h"
+#include "support/paths.h"
 #include "support/subprocess.h"
 
 namespace flotilla::checkpoint {
@@ -94,10 +95,9 @@ TEST(AtomicFile, UnwritableDirectoryIsACheckpointError) {
 
 // The Python safetensors package (a real client) reads what we write, and we read what it writes.
 TEST(Safetensors, InteroperatesWithPythonSafetensors) {
-  const std::string python = FLOTILLA_PYTHON;
-  if (flotilla::testing::run_process({python, "-c", "import safetensors"}).exit_code != 0) {
-    GTEST_SKIP() << "python safetensors not installed in " << python;
-  }
+  const std::string python = flotilla::testing::test_python();
+  ASSERT_EQ(flotilla::testing::run_process({python, "-c", "import safetensors"}).exit_code, 0)
+      << "the test venv lacks safetensors (" << python << "); run scripts/bootstrap";
   TempDir dir;
   const std::string ours = dir.path() + "/ours.safetensors";
   const std::string theirs = dir.path() + "/theirs.safetensors";
