@@ -79,6 +79,32 @@ TEST(Launch, SigtermIsForwardedToEveryWorker) {
   EXPECT_NE(r.out.find("[worker 1] got-term"), std::string::npos) << r.out;
 }
 
+TEST(Launch, WorkersDieWithAKilledLauncher) {
+  testing::TempDir dir;
+  testing::Process launch({kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                           "echo $$ > " + dir.path() + "/pid.$LOCAL_RANK; exec sleep 600"});
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 200 && pids.size() < 2; ++i) {  // up to 10 s for both to start
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    pids.clear();
+    for (int r = 0; r < 2; ++r) {
+      const std::string text = testing::read_file(dir.path() + "/pid." + std::to_string(r));
+      if (!text.empty() && text.back() == '\n') pids.push_back(std::stoi(text));
+    }
+  }
+  ASSERT_EQ(pids.size(), 2u);
+  ::kill(launch.pid(), SIGKILL);  // no chance to stop anyone
+  launch.wait(std::chrono::seconds(10));
+  for (pid_t pid : pids) {
+    bool gone = false;
+    for (int i = 0; i < 200 && !gone; ++i) {  // up to 10 s
+      gone = ::kill(pid, 0) != 0;
+      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_TRUE(gone) << "worker " << pid << " outlived its launcher";
+  }
+}
+
 TEST(Launch, UnknownProgramIsABadInput) {
   const auto r = run_process({kCli, "launch", "--workers", "2", "--", "/nonexistent/program"});
   EXPECT_EQ(r.exit_code, kExitBadInput);

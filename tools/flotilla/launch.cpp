@@ -9,7 +9,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -179,6 +179,41 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   return out;
 }
 
+// fork + exec rather than posix_spawn, for what only the child can do before exec: its own
+// process group (signals come from us, not the terminal) and death with the launcher (no
+// orphaned workers if the launcher is killed). Returns 0 or the exec's errno.
+int spawn(std::vector<char*>& argv, std::vector<char*>& envp, int out_fd, int err_fd,
+          pid_t* pid) {
+  auto [status_read, status_write] = make_pipe();  // CLOEXEC: closes on a successful exec
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child < 0) return errno;
+  if (child == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);  // the launcher died before we got here
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const int error = errno;
+    [[maybe_unused]] auto n = ::write(status_write.get(), &error, sizeof error);
+    ::_exit(127);
+  }
+  status_write.reset();
+  int error = 0;
+  const ssize_t n = ::read(status_read.get(), &error, sizeof error);
+  if (n == sizeof error) {  // exec failed: reap the child now
+    ::waitpid(child, nullptr, 0);
+    return error;
+  }
+  *pid = child;
+  return 0;
+}
+
 int run(const LaunchArgs& a) {
   if (a.command.empty()) {
     throw ConfigError("no command to launch; write it after --, e.g. flotilla launch --workers 2 "
@@ -211,6 +246,7 @@ int run(const LaunchArgs& a) {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
   for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP}) ::sigaction(sig, &action, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill us and orphan the workers
 
   std::vector<Child> children(static_cast<std::size_t>(a.workers));
   std::optional<int> failed;  // index of the first worker that failed
@@ -237,21 +273,7 @@ int run(const LaunchArgs& a) {
 
     auto [out_read, out_write] = make_pipe();
     auto [err_read, err_write] = make_pipe();
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, out_write.get(), STDOUT_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, err_write.get(), STDERR_FILENO);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t defaults;
-    sigemptyset(&defaults);
-    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP, SIGPIPE}) sigaddset(&defaults, sig);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setpgroup(&attr, 0);  // its own group: signals come from us, not the tty
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
-    const int rc = ::posix_spawnp(&child.pid, argv[0], &actions, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
+    const int rc = spawn(argv, envp, out_write.get(), err_write.get(), &child.pid);
     if (rc != 0) {
       stop_all(SIGKILL);
       for (auto& c : children) {
