@@ -5,15 +5,16 @@
 
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/data/fashion_mnist.h"
+#include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/model.h"
 #include "models/zoo.h"
 
-int main() {
+int main() try {
   using namespace flotilla;
   // TF_CONFIG names every worker and says which one this is.
   const auto cluster = cluster::resolve_cluster(cluster::Environment::from_process());
-  collective::CommunicationOptions communication;  // AUTO: NCCL for CUDA tensors, else ring
+  collective::CommunicationOptions communication; // AUTO: NCCL for CUDA tensors, else ring
   strategy::MultiWorkerMirroredStrategy strategy(cluster, communication);
 
   // Variables created in the scope are mirrored: every replica starts from the chief's.
@@ -33,9 +34,12 @@ int main() {
 
   train::FitOptions fit;
   fit.epochs = 1;
-  fit.model_dir = "/tmp/flotilla-example";  // chief keeps it; others save to temporary dirs
+  fit.model_dir = "/tmp/flotilla-example"; // chief keeps it; others save to temporary dirs
   const auto history = model.fit(dataset, fit);
   if (strategy.is_chief()) {
     std::cout << "final training accuracy " << history.epochs.back().accuracy << "\n";
   }
+} catch (const std::exception& e) {
+  std::cerr << "error: " << e.what() << "\n"; // flotilla's errors say what to do
+  return flotilla::exit_code(e);
 }

@@ -20,21 +20,25 @@ nn::Sequential mlp(std::int64_t hidden) {
 }
 
 nn::Sequential cnn() {
-  return nn::Sequential(
-      nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
-      nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
-      nn::Flatten(), nn::Linear(3136, 128), nn::ReLU(), nn::Linear(128, 10));
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::ReLU(),
+                        nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)),
+                        nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128),
+                        nn::ReLU(), nn::Linear(128, 10));
 }
 
-}  // namespace
+} // namespace
 
 nn::Sequential make_model(const std::string& name) {
-  if (name == "mlp") return mlp(256);
-  if (name == "mlp-wide") return mlp(2048);
-  if (name == "cnn") return cnn();
+  if (name == "mlp")
+    return mlp(256);
+  if (name == "mlp-wide")
+    return mlp(2048);
+  if (name == "cnn")
+    return cnn();
   std::string known;
-  for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
+  for (const auto& n : model_names())
+    known += (known.empty() ? "" : ", ") + n;
   throw ConfigError("model \"" + name + "\" is not built in; use one of: " + known);
 }
 
-}  // namespace flotilla::models
+} // namespace flotilla::models

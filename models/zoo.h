@@ -19,4 +19,4 @@ const std::vector<std::string>& model_names();
 // ConfigError for an unknown name, listing the known ones.
 torch::nn::Sequential make_model(const std::string& name);
 
-}  // namespace flotilla::models
+} // namespace flotilla::models

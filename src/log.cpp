@@ -9,7 +9,7 @@ Logger::Logger(int rank, int world_size)
     : tag_("[worker " + std::to_string(rank) + "/" + std::to_string(world_size) + "] ") {}
 
 void Logger::write(LogLevel level, const std::string& message) const {
-  static std::mutex mutex;  // one line at a time, whole, from any thread
+  static std::mutex mutex; // one line at a time, whole, from any thread
   const char* prefix = level == LogLevel::kWarning ? "warning: "
                        : level == LogLevel::kError ? "error: "
                                                    : "";
@@ -18,4 +18,4 @@ void Logger::write(LogLevel level, const std::string& message) const {
   std::fflush(stderr);
 }
 
-}  // namespace flotilla
+} // namespace flotilla

@@ -10,8 +10,8 @@ namespace flotilla {
 enum class LogLevel { kInfo, kWarning, kError };
 
 class Logger {
- public:
-  Logger() = default;  // untagged: before the cluster is known
+public:
+  Logger() = default; // untagged: before the cluster is known
   Logger(int rank, int world_size);
 
   void info(const std::string& message) const { write(LogLevel::kInfo, message); }
@@ -21,8 +21,8 @@ class Logger {
 
   const std::string& tag() const { return tag_; }
 
- private:
+private:
   std::string tag_;
 };
 
-}  // namespace flotilla
+} // namespace flotilla

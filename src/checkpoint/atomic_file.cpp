@@ -12,9 +12,11 @@
 namespace flotilla::checkpoint {
 namespace {
 
-std::string reason() { return std::strerror(errno); }
+std::string reason() {
+  return std::strerror(errno);
+}
 
-}  // namespace
+} // namespace
 
 AtomicFile::AtomicFile(std::filesystem::path target) : target_(std::move(target)) {
   std::random_device random;
@@ -38,11 +40,12 @@ void AtomicFile::write(const void* data, std::size_t size) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd_, p, size);
-    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINTR)
+      continue;
     if (n < 0) {
       throw CheckpointError("cannot write " + temp_.string() + " (" + reason() +
-                            "); free disk space or choose another directory; " +
-                            target_.string() + " was left as it was");
+                            "); free disk space or choose another directory; " + target_.string() +
+                            " was left as it was");
     }
     p += n;
     size -= static_cast<std::size_t>(n);
@@ -76,4 +79,4 @@ void write_file_atomic(const std::filesystem::path& target, const std::string& c
   file.commit();
 }
 
-}  // namespace flotilla::checkpoint
+} // namespace flotilla::checkpoint

@@ -13,32 +13,35 @@ using nlohmann::json;
 
 const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<torch::ScalarType, const char*>> kNames = {
-      {torch::kFloat64, "F64"}, {torch::kFloat32, "F32"}, {torch::kFloat16, "F16"},
-      {torch::kBFloat16, "BF16"}, {torch::kInt64, "I64"}, {torch::kInt32, "I32"},
-      {torch::kInt16, "I16"}, {torch::kInt8, "I8"}, {torch::kUInt8, "U8"},
+      {torch::kFloat64, "F64"},   {torch::kFloat32, "F32"}, {torch::kFloat16, "F16"},
+      {torch::kBFloat16, "BF16"}, {torch::kInt64, "I64"},   {torch::kInt32, "I32"},
+      {torch::kInt16, "I16"},     {torch::kInt8, "I8"},     {torch::kUInt8, "U8"},
       {torch::kBool, "BOOL"}};
   return kNames;
 }
 
 const char* dtype_name(torch::ScalarType type, const std::string& tensor) {
   for (const auto& [t, name] : dtype_names()) {
-    if (t == type) return name;
+    if (t == type)
+      return name;
   }
   throw CheckpointError("tensor \"" + tensor + "\" has dtype " + std::string(c10::toString(type)) +
                         ", which safetensors cannot store");
 }
 
-}  // namespace
+} // namespace
 
 void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   json header = json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  if (!metadata.empty())
+    header["__metadata__"] = metadata;
   std::vector<torch::Tensor> data;
   std::int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     if (name == "__metadata__" || header.contains(name)) {
-      throw CheckpointError("tensor name \"" + name + "\" is reserved or repeated; names must be "
+      throw CheckpointError("tensor name \"" + name +
+                            "\" is reserved or repeated; names must be "
                             "unique");
     }
     torch::Tensor cpu = tensor.detach().to(torch::kCPU).contiguous();
@@ -50,9 +53,10 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
     data.push_back(cpu);
   }
   std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
+  text.append((8 - text.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
   unsigned char length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
   AtomicFile file(path);
   file.write(length, 8);
   file.write(text);
@@ -65,7 +69,8 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
 SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   const std::string where = path.string() + ": ";
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(where + "cannot open it; check the path");
+  if (!in)
+    throw CheckpointError(where + "cannot open it; check the path");
   in.seekg(0, std::ios::end);
   const auto file_size = static_cast<std::int64_t>(in.tellg());
   in.seekg(0);
@@ -75,7 +80,8 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
                           " bytes, shorter than the 8-byte header length");
   }
   std::uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
+  for (int i = 7; i >= 0; --i)
+    header_size = (header_size << 8) | length_bytes[i];
   if (header_size > static_cast<std::uint64_t>(file_size - 8) || header_size > (100u << 20)) {
     throw CheckpointError(where + "header length " + std::to_string(header_size) +
                           " does not fit in a file of " + std::to_string(file_size) +
@@ -89,18 +95,21 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   } catch (const json::exception& e) {
     throw CheckpointError(where + "header is not valid JSON (" + std::string(e.what()) + ")");
   }
-  if (!header.is_object()) throw CheckpointError(where + "header is not a JSON object");
+  if (!header.is_object())
+    throw CheckpointError(where + "header is not a JSON object");
   const std::int64_t data_start = 8 + static_cast<std::int64_t>(header_size);
   const std::int64_t data_size = file_size - data_start;
   std::vector<char> blob(static_cast<std::size_t>(data_size));
   in.read(blob.data(), data_size);
-  if (!in) throw CheckpointError(where + "cannot read its " + std::to_string(data_size) + " data bytes");
+  if (!in)
+    throw CheckpointError(where + "cannot read its " + std::to_string(data_size) + " data bytes");
 
   SafetensorsFile out;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       for (const auto& [key, value] : entry.items()) {
-        if (value.is_string()) out.metadata[key] = value.get<std::string>();
+        if (value.is_string())
+          out.metadata[key] = value.get<std::string>();
       }
       continue;
     }
@@ -109,20 +118,32 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
       auto found = std::find_if(dtype_names().begin(), dtype_names().end(),
                                 [&](const auto& p) { return dtype == p.second; });
       if (found == dtype_names().end()) {
-        throw CheckpointError(where + "tensor \"" + name + "\" has unknown dtype \"" + dtype + "\"");
+        throw CheckpointError(where + "tensor \"" + name + "\" has unknown dtype \"" + dtype +
+                              "\"");
       }
       const auto shape = entry.at("shape").get<std::vector<std::int64_t>>();
       const auto offsets = entry.at("data_offsets").get<std::vector<std::int64_t>>();
-      torch::Tensor t = torch::empty(shape, found->first);
-      const std::int64_t bytes = t.numel() * static_cast<std::int64_t>(t.element_size());
-      if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] - offsets[0] != bytes ||
-          offsets[1] > data_size) {
+      // Sizes are checked against the file before anything is allocated.
+      std::int64_t numel = 1;
+      for (const auto d : shape) {
+        if (d < 0 || (d > 0 && numel > data_size / d)) {
+          throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
+                                c10::str(c10::IntArrayRef(shape)) + ", larger than the file's " +
+                                std::to_string(data_size) +
+                                "-byte data section; the file is corrupt");
+        }
+        numel *= d;
+      }
+      const std::int64_t bytes = numel * static_cast<std::int64_t>(c10::elementSize(found->first));
+      if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
+          offsets[1] - offsets[0] != bytes || offsets[1] > data_size) {
         throw CheckpointError(where + "tensor \"" + name + "\" claims bytes [" +
                               std::to_string(offsets.empty() ? -1 : offsets[0]) + ", " +
                               std::to_string(offsets.size() < 2 ? -1 : offsets[1]) + ") for " +
                               std::to_string(bytes) + " bytes of data in a " +
                               std::to_string(data_size) + "-byte section; the file is corrupt");
       }
+      torch::Tensor t = torch::empty(shape, found->first);
       std::memcpy(t.data_ptr(), blob.data() + offsets[0], static_cast<std::size_t>(bytes));
       out.tensors[name] = t;
     } catch (const json::exception& e) {
@@ -133,4 +154,4 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   return out;
 }
 
-}  // namespace flotilla::checkpoint
+} // namespace flotilla::checkpoint

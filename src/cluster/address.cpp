@@ -16,7 +16,7 @@ Address parse_address(std::string_view text, const std::string& what) {
   const std::string form = "; write \"host:port\", e.g. \"10.0.0.2:2222\"";
   std::string host;
   std::string_view port_text;
-  if (!text.empty() && text.front() == '[') {  // [ipv6]:port
+  if (!text.empty() && text.front() == '[') { // [ipv6]:port
     const auto close = text.find(']');
     if (close == std::string_view::npos) {
       throw ConfigError(what + ": " + seen + " opens '[' without ']'" + form);
@@ -34,12 +34,15 @@ Address parse_address(std::string_view text, const std::string& what) {
     host = std::string(text.substr(0, colon));
     port_text = text.substr(colon + 1);
     if (host.find(':') != std::string::npos) {
-      throw ConfigError(what + ": " + seen + " looks like an IPv6 address without brackets; write \"[" +
-                        host + "]:" + std::string(port_text) + "\"");
+      throw ConfigError(what + ": " + seen +
+                        " looks like an IPv6 address without brackets; write \"[" + host +
+                        "]:" + std::string(port_text) + "\"");
     }
   }
-  if (host.empty()) throw ConfigError(what + ": " + seen + " has an empty host" + form);
-  if (port_text.empty()) throw ConfigError(what + ": " + seen + " has no port" + form);
+  if (host.empty())
+    throw ConfigError(what + ": " + seen + " has an empty host" + form);
+  if (port_text.empty())
+    throw ConfigError(what + ": " + seen + " has no port" + form);
   long port = 0;
   for (char c : port_text) {
     if (!std::isdigit(static_cast<unsigned char>(c)) || port > 65535) {
@@ -57,9 +60,12 @@ Address parse_address(std::string_view text, const std::string& what) {
 
 std::string_view to_string(TaskType type) {
   switch (type) {
-    case TaskType::kChief: return "chief";
-    case TaskType::kWorker: return "worker";
-    case TaskType::kEvaluator: return "evaluator";
+  case TaskType::kChief:
+    return "chief";
+  case TaskType::kWorker:
+    return "worker";
+  case TaskType::kEvaluator:
+    return "evaluator";
   }
   return "?";
 }
@@ -70,4 +76,4 @@ std::vector<Address> ClusterSpec::training_addresses() const {
   return out;
 }
 
-}  // namespace flotilla::cluster
+} // namespace flotilla::cluster

@@ -5,20 +5,22 @@
 namespace flotilla::cluster {
 
 Environment Environment::from_process() {
-  static const char* const kNames[] = {"TF_CONFIG",  "RANK",       "WORLD_SIZE",
-                                       "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-                                       "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "FLOTILLA_TERMINAL"};
+  static const char* const kNames[] = {"TF_CONFIG",        "RANK",        "WORLD_SIZE",
+                                       "MASTER_ADDR",      "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                                       "FLOTILLA_TERMINAL"};
   std::map<std::string, std::string> vars;
   for (const char* name : kNames) {
-    if (const char* value = std::getenv(name)) vars[name] = value;
+    if (const char* value = std::getenv(name))
+      vars[name] = value;
   }
   return Environment(std::move(vars));
 }
 
 std::optional<std::string> Environment::get(const std::string& name) const {
   auto it = vars_.find(name);
-  if (it == vars_.end() || it->second.empty()) return std::nullopt;
+  if (it == vars_.end() || it->second.empty())
+    return std::nullopt;
   return it->second;
 }
 
-}  // namespace flotilla::cluster
+} // namespace flotilla::cluster

@@ -12,24 +12,27 @@ namespace {
 
 using nlohmann::json;
 
-const char* const kExample =
-    "e.g. {\"cluster\": {\"worker\": [\"host1:2222\", \"host2:2222\"]}, "
-    "\"task\": {\"type\": \"worker\", \"index\": 0}}";
+const char* const kExample = "e.g. {\"cluster\": {\"worker\": [\"host1:2222\", \"host2:2222\"]}, "
+                             "\"task\": {\"type\": \"worker\", \"index\": 0}}";
 const char* const kNoPs = "parameter-server training is not supported; use chief/worker";
 
-ConfigError error(const std::string& message) { return ConfigError("TF_CONFIG " + message); }
+ConfigError error(const std::string& message) {
+  return ConfigError("TF_CONFIG " + message);
+}
 
 std::string type_name(const json& value) {
-  if (value.is_number_integer()) return "the number " + value.dump();
-  if (value.is_number()) return "the number " + value.dump();
-  if (value.is_string()) return "the string " + value.dump();
+  if (value.is_number())
+    return "the number " + value.dump();
+  if (value.is_string())
+    return "the string " + value.dump();
   return std::string(value.type_name()) + " " + value.dump();
 }
 
 std::vector<Address> parse_job(const json& cluster, const std::string& name) {
   std::vector<Address> out;
   auto it = cluster.find(name);
-  if (it == cluster.end()) return out;
+  if (it == cluster.end())
+    return out;
   const std::string field = "cluster." + name;
   if (!it->is_array()) {
     throw error(field + " must be a list of \"host:port\" strings; saw " + type_name(*it));
@@ -47,11 +50,13 @@ std::vector<Address> parse_job(const json& cluster, const std::string& name) {
 
 void check_at_most_one(const std::vector<Address>& job, const std::string& name,
                        const std::string& fix) {
-  if (job.size() <= 1) return;
+  if (job.size() <= 1)
+    return;
   std::string listed;
-  for (const auto& a : job) listed += (listed.empty() ? "\"" : ", \"") + a.to_string() + "\"";
-  throw error("cluster." + name + " lists " + std::to_string(job.size()) + " addresses (" +
-              listed + "); a cluster has at most one " + name + ": " + fix);
+  for (const auto& a : job)
+    listed += (listed.empty() ? "\"" : ", \"") + a.to_string() + "\"";
+  throw error("cluster." + name + " lists " + std::to_string(job.size()) + " addresses (" + listed +
+              "); a cluster has at most one " + name + ": " + fix);
 }
 
 TaskType parse_task_type(const json& task, const json& cluster) {
@@ -82,7 +87,8 @@ TaskType parse_task_type(const json& task, const json& cluster) {
   if (!cluster.contains(name) || cluster[name].empty()) {
     std::string listed;
     for (const auto& [job, addresses] : cluster.items()) {
-      if (!addresses.empty()) listed += (listed.empty() ? "\"" : ", \"") + job + "\"";
+      if (!addresses.empty())
+        listed += (listed.empty() ? "\"" : ", \"") + job + "\"";
     }
     throw error("task.type is \"" + name + "\" but cluster has no \"" + name +
                 "\" addresses; add them to cluster or use a type it lists (" + listed + ")");
@@ -92,7 +98,8 @@ TaskType parse_task_type(const json& task, const json& cluster) {
 
 int parse_task_index(const json& task, const std::string& type_name_, size_t count) {
   auto it = task.find("index");
-  if (it == task.end()) return 0;  // TensorFlow's default
+  if (it == task.end())
+    return 0; // TensorFlow's default
   if (!it->is_number_integer()) {
     throw error("task.index must be an integer; saw " + type_name(*it));
   }
@@ -111,7 +118,7 @@ int parse_task_index(const json& task, const std::string& type_name_, size_t cou
   return static_cast<int>(index);
 }
 
-}  // namespace
+} // namespace
 
 ClusterSpec parse_tf_config(std::string_view text) {
   json doc;
@@ -138,7 +145,8 @@ ClusterSpec parse_tf_config(std::string_view text) {
   }
   for (const auto& [name, value] : cluster.items()) {
     if (name == "ps") {
-      if (!value.empty()) throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
+      if (!value.empty())
+        throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
     } else if (name == "master") {
       throw error("cluster.master is the deprecated name of the chief; rename it \"chief\"");
     } else if (name != "chief" && name != "worker" && name != "evaluator") {
@@ -159,7 +167,7 @@ ClusterSpec parse_tf_config(std::string_view text) {
   check_at_most_one(spec.chief, "chief", "keep one and list the others under \"worker\"");
   check_at_most_one(spec.evaluator, "evaluator", "keep one; the others cannot join training");
 
-  std::map<std::string, std::string> seen;  // address -> field that listed it first
+  std::map<std::string, std::string> seen; // address -> field that listed it first
   auto check_unique = [&](const std::vector<Address>& job, const std::string& name) {
     for (size_t i = 0; i < job.size(); ++i) {
       const std::string field = "cluster." + name + "[" + std::to_string(i) + "]";
@@ -193,16 +201,24 @@ ClusterSpec parse_tf_config(std::string_view text) {
 
   for (const char* key : {"rpc_layer", "environment"}) {
     auto it = doc.find(key);
-    if (it == doc.end()) continue;
-    if (!it->is_string()) throw error(std::string(key) + " must be a string; saw " + type_name(*it));
+    if (it == doc.end())
+      continue;
+    if (!it->is_string())
+      throw error(std::string(key) + " must be a string; saw " + type_name(*it));
     (key[0] == 'r' ? spec.rpc_layer : spec.environment) = it->get<std::string>();
   }
 
   spec.world_size = static_cast<int>(spec.chief.size() + spec.worker.size());
   switch (spec.task.type) {
-    case TaskType::kChief: spec.rank = 0; break;
-    case TaskType::kWorker: spec.rank = static_cast<int>(spec.chief.size()) + spec.task.index; break;
-    case TaskType::kEvaluator: spec.rank = -1; break;
+  case TaskType::kChief:
+    spec.rank = 0;
+    break;
+  case TaskType::kWorker:
+    spec.rank = static_cast<int>(spec.chief.size()) + spec.task.index;
+    break;
+  case TaskType::kEvaluator:
+    spec.rank = -1;
+    break;
   }
   spec.rendezvous = spec.training_addresses().front();
   spec.local_host = job[spec.task.index].host;
@@ -212,20 +228,24 @@ ClusterSpec parse_tf_config(std::string_view text) {
 std::string to_tf_config(const ClusterSpec& spec) {
   json cluster = json::object();
   auto put = [&](const char* name, const std::vector<Address>& job) {
-    if (job.empty()) return;
+    if (job.empty())
+      return;
     json list = json::array();
-    for (const auto& a : job) list.push_back(a.to_string());
+    for (const auto& a : job)
+      list.push_back(a.to_string());
     cluster[name] = list;
   };
   put("chief", spec.chief);
   put("worker", spec.worker);
   put("evaluator", spec.evaluator);
-  json doc = {{"cluster", cluster},
-              {"task", {{"type", std::string(to_string(spec.task.type))},
-                        {"index", spec.task.index}}}};
-  if (!spec.rpc_layer.empty()) doc["rpc_layer"] = spec.rpc_layer;
-  if (!spec.environment.empty()) doc["environment"] = spec.environment;
+  json doc = {
+      {"cluster", cluster},
+      {"task", {{"type", std::string(to_string(spec.task.type))}, {"index", spec.task.index}}}};
+  if (!spec.rpc_layer.empty())
+    doc["rpc_layer"] = spec.rpc_layer;
+  if (!spec.environment.empty())
+    doc["environment"] = spec.environment;
   return doc.dump();
 }
 
-}  // namespace flotilla::cluster
+} // namespace flotilla::cluster

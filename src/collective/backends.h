@@ -23,4 +23,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
                                                     int rank, int size,
                                                     std::chrono::milliseconds timeout);
 
-}  // namespace flotilla::collective::detail
+} // namespace flotilla::collective::detail

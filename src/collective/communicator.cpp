@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cctype>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -17,34 +18,47 @@ namespace flotilla::collective {
 
 std::string_view to_string(Implementation implementation) {
   switch (implementation) {
-    case Implementation::kAuto: return "AUTO";
-    case Implementation::kRing: return "RING";
-    case Implementation::kNccl: return "NCCL";
+  case Implementation::kAuto:
+    return "AUTO";
+  case Implementation::kRing:
+    return "RING";
+  case Implementation::kNccl:
+    return "NCCL";
   }
   return "?";
 }
 
 std::string_view to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMean: return "mean";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
+  case ReduceOp::kSum:
+    return "sum";
+  case ReduceOp::kMean:
+    return "mean";
+  case ReduceOp::kMax:
+    return "max";
+  case ReduceOp::kMin:
+    return "min";
   }
   return "?";
 }
 
 Implementation parse_implementation(std::string_view name) {
   std::string lower;
-  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower == "auto") return Implementation::kAuto;
-  if (lower == "ring") return Implementation::kRing;
-  if (lower == "nccl") return Implementation::kNccl;
+  for (char c : name)
+    lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "auto")
+    return Implementation::kAuto;
+  if (lower == "ring")
+    return Implementation::kRing;
+  if (lower == "nccl")
+    return Implementation::kNccl;
   throw ConfigError("communication implementation \"" + std::string(name) +
                     "\" is unknown; use AUTO, RING or NCCL");
 }
 
-bool nccl_available() { return detail::nccl_built(); }
+bool nccl_available() {
+  return detail::nccl_built();
+}
 
 namespace {
 
@@ -61,44 +75,70 @@ std::string backend_message(const std::exception& e) {
   } else {
     what = e.what();
   }
-  if (what.rfind("[/", 0) == 0 || what.rfind("[", 0) == 0) {
+  if (what.rfind("[", 0) == 0) {
     const auto close = what.find("] ");
-    if (close != std::string::npos && what.find(".cc:") < close) what = what.substr(close + 2);
+    if (close != std::string::npos && what.find(".cc:") < close)
+      what = what.substr(close + 2);
   }
-  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+  while (!what.empty() && (what.back() == '\n' || what.back() == ' '))
+    what.pop_back();
   return what;
 }
 
-bool is_timeout(const std::string& message) {
-  for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
-    if (message.find(needle) != std::string::npos) return true;
+bool is_connection_loss(const std::string& message) {
+  for (const char* needle : {"closed", "reset", "Connection", "peer", "Broken pipe"}) {
+    if (message.find(needle) != std::string::npos)
+      return true;
   }
   return false;
 }
 
-}  // namespace
+// "float", "long", "bfloat16": c10's names, lower-cased.
+std::string dtype_name(const at::Tensor& t) {
+  std::string name = c10::toString(t.scalar_type());
+  for (auto& c : name)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
+bool is_timeout(const std::string& message) {
+  for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
+    if (message.find(needle) != std::string::npos)
+      return true;
+  }
+  return false;
+}
+
+} // namespace
 
 struct Work::State {
-  c10::intrusive_ptr<c10d::Work> work;  // null: nothing to wait for
-  std::function<void()> finish;         // after success: mean's division, copy-back
-  std::string description;              // "all_reduce #7 (sum, 1024 x float)"
-  std::string where;                    // "rank 1 of 2"
+  c10::intrusive_ptr<c10d::Work> work; // null: nothing to wait for
+  std::function<void()> finish;        // after success: mean's division, copy-back
+  std::string description;             // "all_reduce #7 (sum, 1024 x float)"
+  std::string where;                   // "rank 1 of 2"
   std::chrono::milliseconds timeout{0};
-  std::vector<std::vector<at::Tensor>> gathered;  // all_gather's output lists
+  std::vector<std::vector<at::Tensor>> gathered; // all_gather's output lists
   std::mutex mutex;
   bool done = false;
   std::exception_ptr error;
 };
 
 void Work::wait() {
-  if (!state_) return;
+  if (!state_)
+    return;
   std::lock_guard<std::mutex> lock(state_->mutex);
+  finish_locked();
+}
+
+void Work::finish_locked() {
   if (!state_->done) {
     try {
       // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that
       // would not.
-      if (state_->work) state_->work->wait(state_->timeout + std::chrono::seconds(5));
-      if (state_->finish) state_->finish();
+      if (state_->work)
+        state_->work->wait(state_->timeout + std::chrono::seconds(5));
+      if (state_->finish)
+        state_->finish();
     } catch (const Error&) {
       state_->error = std::current_exception();
     } catch (const std::exception& e) {
@@ -110,26 +150,36 @@ void Work::wait() {
             "); a peer is stopped, slow or dead: check the other workers' output, or raise the "
             "timeout (CommunicationOptions.timeout, --timeout)"));
       } else {
-        state_->error = std::make_exception_ptr(
-            CommError(head + " failed (" + message +
-                      "); a peer probably exited or lost its network: check the other workers' "
-                      "output"));
+        state_->error = std::make_exception_ptr(CommError(
+            head + " failed (" + message + ")" +
+            (is_connection_loss(message)
+                 ? "; a peer probably exited or lost its network: check the other workers' output"
+                 : "")));
       }
     }
     state_->done = true;
   }
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (state_->error)
+    std::rethrow_exception(state_->error);
 }
 
-bool Work::is_completed() const {
-  if (!state_) return true;
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->done || !state_->work || state_->work->isCompleted();
+bool Work::is_completed() {
+  if (!state_)
+    return true;
+  // Never blocks: a thread inside wait() holds the lock, and then it is not completed yet.
+  std::unique_lock<std::mutex> lock(state_->mutex, std::try_to_lock);
+  if (!lock.owns_lock())
+    return false;
+  if (!state_->done && (!state_->work || state_->work->isCompleted())) {
+    finish_locked(); // the backend is done: the result is final only after `finish` runs
+  }
+  return state_->done;
 }
 
 const std::vector<at::Tensor>& Work::result() const {
   static const std::vector<at::Tensor> kNone;
-  if (!state_ || state_->gathered.empty()) return kNone;
+  if (!state_ || state_->gathered.empty())
+    return kNone;
   return state_->gathered.front();
 }
 
@@ -139,7 +189,7 @@ struct Communicator::Impl {
   CommunicationOptions options;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> ring;
-  c10::intrusive_ptr<c10d::Backend> nccl;  // made on the first CUDA collective
+  c10::intrusive_ptr<c10d::Backend> nccl; // made on the first CUDA collective
   std::uint64_t sequence = 0;
   bool warned_nccl_cpu = false;
 
@@ -147,11 +197,11 @@ struct Communicator::Impl {
     const bool cuda = tensor.defined() && tensor.is_cuda();
     if (options.implementation == Implementation::kNccl && !cuda && !warned_nccl_cpu) {
       warned_nccl_cpu = true;
-      Logger(rank, size).warn("implementation NCCL was asked for, but NCCL reduces CUDA tensors "
-                              "only; CPU tensors use the Gloo ring");
+      Logger(rank, size)
+          .warn("implementation NCCL was asked for, but NCCL reduces CUDA tensors "
+                "only; CPU tensors use the Gloo ring");
     }
-    if (!cuda || options.implementation == Implementation::kRing ||
-        !detail::nccl_built()) {
+    if (!cuda || options.implementation == Implementation::kRing || !detail::nccl_built()) {
       return *ring;
     }
     if (!nccl) {
@@ -166,10 +216,11 @@ struct Communicator::Impl {
     auto state = std::make_shared<Work::State>();
     std::string shape;
     if (tensor) {
-      shape = std::to_string(tensor->numel()) + " x " + std::string(tensor->dtype().name());
+      shape = std::to_string(tensor->numel()) + " x " + dtype_name(*tensor);
     }
     std::string inside = detail;
-    if (!shape.empty()) inside += (inside.empty() ? "" : ", ") + shape;
+    if (!shape.empty())
+      inside += (inside.empty() ? "" : ", ") + shape;
     state->description =
         op + " #" + std::to_string(++sequence) + (inside.empty() ? "" : " (" + inside + ")");
     state->where = "rank " + std::to_string(rank) + " of " + std::to_string(size);
@@ -185,9 +236,9 @@ struct Communicator::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      state->error = std::make_exception_ptr(CommError(state->description + " on " +
-                                                       state->where + " could not start (" +
-                                                       backend_message(e) + ")"));
+      state->error =
+          std::make_exception_ptr(CommError(state->description + " on " + state->where +
+                                            " could not start (" + backend_message(e) + ")"));
       state->done = true;
     }
     return Work(std::move(state));
@@ -196,13 +247,26 @@ struct Communicator::Impl {
 
 namespace {
 
+// c10d's flight recorder (a process-wide log of every collective, for PyTorch's Python
+// debugging tools) updates a map outside its lock in LibTorch 2.11, so two process groups in
+// one process (ranks as threads, replicas per worker) crash it now and then; it also captures a
+// traceback per collective. flotilla names failed collectives itself, so it is switched off,
+// unless a user set TORCH_FR_BUFFER_SIZE. It is read once, when the first group is made.
+void disable_flight_recorder() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0); });
+}
+
 std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
                                               const CommunicationOptions& options,
                                               c10::intrusive_ptr<c10d::Store> store,
                                               const std::string& local_host) {
   if (options.implementation == Implementation::kNccl && !detail::nccl_built()) {
-    detail::make_nccl_backend(store, rank, size, options.timeout);  // throws the clear error
+    throw ConfigError(
+        "implementation NCCL was asked for, but this build has no NCCL backend (LibTorch without "
+        "CUDA); use AUTO or RING");
   }
+  disable_flight_recorder();
   auto impl = std::make_shared<Communicator::Impl>();
   impl->rank = rank;
   impl->size = size;
@@ -213,7 +277,7 @@ std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
   return impl;
 }
 
-}  // namespace
+} // namespace
 
 Communicator Communicator::connect(const cluster::ClusterSpec& spec,
                                    const CommunicationOptions& options) {
@@ -222,10 +286,11 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
         "this task is the evaluator, which is not part of the training group; only chief and "
         "worker tasks join the collectives");
   }
-  if (spec.world_size == 1) return local_group(1, options).front();
+  if (spec.world_size == 1)
+    return local_group(1, options).front();
 
-  const std::string where = "rank " + std::to_string(spec.rank) + " of " +
-                            std::to_string(spec.world_size);
+  const std::string where =
+      "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
   const std::string address = spec.rendezvous.to_string();
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(spec.rendezvous.port);
@@ -240,8 +305,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     const std::string message = backend_message(e);
     if (is_timeout(message)) {
       throw TimeoutError("rendezvous with the chief at " + address + " (" + where +
-                         ") did not complete within " + seconds(options.timeout) + " (" +
-                         message +
+                         ") did not complete within " + seconds(options.timeout) + " (" + message +
                          "); start every task TF_CONFIG lists, check that the chief's address "
                          "is reachable from this host, or raise the timeout");
     }
@@ -289,19 +353,28 @@ std::vector<Communicator> Communicator::local_group(int world_size,
         }
       });
     }
-    for (auto& t : threads) t.join();
+    for (auto& t : threads)
+      t.join();
   }
   for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
+    if (e)
+      std::rethrow_exception(e);
   }
   std::vector<Communicator> out;
-  for (auto& impl : impls) out.push_back(Communicator(impl));
+  for (auto& impl : impls)
+    out.push_back(Communicator(impl));
   return out;
 }
 
-int Communicator::rank() const { return impl_->rank; }
-int Communicator::size() const { return impl_->size; }
-const CommunicationOptions& Communicator::options() const { return impl_->options; }
+int Communicator::rank() const {
+  return impl_->rank;
+}
+int Communicator::size() const {
+  return impl_->size;
+}
+const CommunicationOptions& Communicator::options() const {
+  return impl_->options;
+}
 
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   auto state = impl_->begin("all_reduce", &tensor, std::string(to_string(op)));
@@ -309,15 +382,18 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
     throw ConfigError(state->description + ": a mean of integer values would be truncated; use "
                                            "ReduceOp::kSum and divide in floating point");
   }
-  if (tensor.numel() == 0) return Work(std::move(state));
+  if (tensor.numel() == 0)
+    return Work(std::move(state));
   // The backends need contiguous memory; a strided view is reduced in a copy and written back.
   at::Tensor buffer = tensor.contiguous();
   const bool copy_back = !buffer.is_same(tensor);
   const int size = impl_->size;
   if (op == ReduceOp::kMean || copy_back) {
     state->finish = [buffer, tensor, op, size, copy_back] {
-      if (op == ReduceOp::kMean) buffer.div_(size);
-      if (copy_back) tensor.copy_(buffer);
+      if (op == ReduceOp::kMean)
+        buffer.div_(size);
+      if (copy_back)
+        tensor.copy_(buffer);
     };
   }
   c10d::AllreduceOptions opts;
@@ -337,9 +413,11 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
     throw ConfigError(state->description + ": root rank " + std::to_string(root) +
                       " is out of range; use 0 to " + std::to_string(impl_->size - 1));
   }
-  if (tensor.numel() == 0) return Work(std::move(state));
+  if (tensor.numel() == 0)
+    return Work(std::move(state));
   at::Tensor buffer = tensor.contiguous();
-  if (!buffer.is_same(tensor)) state->finish = [buffer, tensor] { tensor.copy_(buffer); };
+  if (!buffer.is_same(tensor))
+    state->finish = [buffer, tensor] { tensor.copy_(buffer); };
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   auto& backend = impl_->backend_for(tensor);
@@ -353,8 +431,10 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
   auto state = impl_->begin("all_gather", &tensor);
   at::Tensor buffer = tensor.contiguous();
   state->gathered.resize(1);
-  for (int r = 0; r < impl_->size; ++r) state->gathered[0].push_back(at::empty_like(buffer));
-  if (tensor.numel() == 0) return Work(std::move(state));
+  for (int r = 0; r < impl_->size; ++r)
+    state->gathered[0].push_back(at::empty_like(buffer));
+  if (tensor.numel() == 0)
+    return Work(std::move(state));
   auto& backend = impl_->backend_for(tensor);
   auto* gathered = &state->gathered;
   return impl_->start(std::move(state), [&] {
@@ -363,10 +443,14 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
   });
 }
 
+std::string Communicator::transport(const at::Tensor& tensor) {
+  return impl_->backend_for(tensor).getBackendName();
+}
+
 Work Communicator::barrier() {
   auto state = impl_->begin("barrier", nullptr);
   auto& backend = *impl_->ring;
   return impl_->start(std::move(state), [&] { return backend.barrier(); });
 }
 
-}  // namespace flotilla::collective
+} // namespace flotilla::collective

@@ -12,7 +12,8 @@ std::string find_file(const std::string& dir, const std::string& stem) {
   namespace fs = std::filesystem;
   for (const char* suffix : {".gz", ""}) {
     const fs::path candidate = fs::path(dir) / (stem + suffix);
-    if (fs::exists(candidate)) return candidate.string();
+    if (fs::exists(candidate))
+      return candidate.string();
   }
   throw DataError(dir + ": has no " + stem + ".gz (nor " + stem +
                   "); point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "
@@ -20,7 +21,7 @@ std::string find_file(const std::string& dir, const std::string& stem) {
                   kFashionMnistDir + ")");
 }
 
-}  // namespace
+} // namespace
 
 LabeledImages load_fashion_mnist(const std::string& dir, Split split) {
   const std::string prefix = split == Split::kTrain ? "train" : "t10k";
@@ -45,8 +46,8 @@ LabeledImages load_fashion_mnist(const std::string& dir, Split split) {
 }
 
 torch::Tensor normalize_images(const torch::Tensor& images) {
-  constexpr double kMean = 0.2860, kStd = 0.3530;  // of the 60,000 training images
+  constexpr double kMean = 0.2860, kStd = 0.3530; // of the 60,000 training images
   return images.to(torch::kFloat32).mul_(1.0 / (255.0 * kStd)).sub_(kMean / kStd);
 }
 
-}  // namespace flotilla::data
+} // namespace flotilla::data

@@ -1,5 +1,6 @@
 #include "flotilla/data/idx.h"
 
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <cerrno>
@@ -33,17 +34,19 @@ std::size_t read_some(gzFile f, void* out, std::size_t n, const std::string& pat
     if (got < 0) {
       int code = 0;
       const char* message = gzerror(f, &code);
-      if (code == Z_BUF_ERROR) break;  // the compressed stream stops early: a truncated file
+      if (code == Z_BUF_ERROR)
+        break; // the compressed stream stops early: a truncated file
       throw DataError(path + ": cannot decompress (" + std::string(message) +
                       "); the file is corrupt: download or reinstall it");
     }
-    if (got == 0) break;
+    if (got == 0)
+      break;
     total += static_cast<std::size_t>(got);
   }
   return total;
 }
 
-}  // namespace
+} // namespace
 
 torch::Tensor read_idx(const std::string& path) {
   GzFile file(gzopen(path.c_str(), "rb"));
@@ -72,20 +75,43 @@ torch::Tensor read_idx(const std::string& path) {
       throw DataError(path + ": truncated: the file ends inside its dimension list (" +
                       std::to_string(ndim) + " dimensions expected)");
     }
-    dims[d] = (std::int64_t{b[0]} << 24) | (std::int64_t{b[1]} << 16) | (std::int64_t{b[2]} << 8) |
-              b[3];
+    dims[d] =
+        (std::int64_t{b[0]} << 24) | (std::int64_t{b[1]} << 16) | (std::int64_t{b[2]} << 8) | b[3];
+    constexpr std::int64_t kMaxBytes = std::int64_t{1} << 40; // far beyond any IDX file
+    if (dims[d] != 0 && count > kMaxBytes / dims[d]) {
+      throw DataError(path + ": header claims more than 1 TiB of data (dimension " +
+                      std::to_string(d) + " is " + std::to_string(dims[d]) +
+                      "); the file is corrupt");
+    }
     count *= dims[d];
   }
-  torch::Tensor out = torch::empty(dims, torch::kUInt8);
-  const std::size_t got = read_some(file.get(), out.data_ptr(), static_cast<std::size_t>(count), path);
-  if (got != static_cast<std::size_t>(count)) {
+  auto truncated = [&](std::int64_t held) {
     std::ostringstream shape;
-    for (int d = 0; d < ndim; ++d) shape << (d ? "x" : "") << dims[d];
-    throw DataError(path + ": truncated: the header promises " + shape.str() + " = " +
-                    std::to_string(count) + " bytes of data, the file holds " +
-                    std::to_string(got) + "; download or reinstall it");
+    for (int d = 0; d < ndim; ++d)
+      shape << (d ? "x" : "") << dims[d];
+    return DataError(path + ": truncated: the header promises " + shape.str() + " = " +
+                     std::to_string(count) + " bytes of data, the file holds " +
+                     std::to_string(held) + "; download or reinstall it");
+  };
+  // An uncompressed file's size is known: check it before allocating.
+  struct stat info {};
+  const std::int64_t header_bytes = 4 + 4 * ndim;
+  if (gzdirect(file.get()) && ::stat(path.c_str(), &info) == 0 &&
+      info.st_size < header_bytes + count) {
+    throw truncated(info.st_size - header_bytes);
   }
+  torch::Tensor out;
+  try {
+    out = torch::empty(dims, torch::kUInt8);
+  } catch (const c10::Error&) {
+    throw DataError(path + ": cannot allocate the " + std::to_string(count) +
+                    " bytes its header promises; the file is corrupt or too large for memory");
+  }
+  const std::size_t got =
+      read_some(file.get(), out.data_ptr(), static_cast<std::size_t>(count), path);
+  if (got != static_cast<std::size_t>(count))
+    throw truncated(static_cast<std::int64_t>(got));
   return out;
 }
 
-}  // namespace flotilla::data
+} // namespace flotilla::data

@@ -9,21 +9,17 @@ namespace flotilla::data {
 ShardedDataset::ShardedDataset(torch::Tensor features, torch::Tensor labels,
                                strategy::InputContext context, ShardOptions options,
                                Transform transform)
-    : features_(std::move(features)),
-      labels_(std::move(labels)),
-      context_(context),
-      options_(options),
-      transform_(std::move(transform)),
+    : features_(std::move(features)), labels_(std::move(labels)), context_(context),
+      options_(options), transform_(std::move(transform)),
       per_replica_batch_(context.get_per_replica_batch_size(options.global_batch)) {
   if (features_.size(0) != labels_.size(0)) {
     throw DataError("features hold " + std::to_string(features_.size(0)) + " examples but labels " +
                     std::to_string(labels_.size(0)) + "; give one label per example");
   }
   if (options_.drop_remainder && size() < options_.global_batch) {
-    throw ConfigError("the dataset has " + std::to_string(size()) +
-                      " examples, fewer than one global batch of " +
-                      std::to_string(options_.global_batch) +
-                      " with drop_remainder: lower the batch size");
+    throw ConfigError(
+        "the dataset has " + std::to_string(size()) + " examples, fewer than one global batch of " +
+        std::to_string(options_.global_batch) + " with drop_remainder: lower the batch size");
   }
   set_epoch(0);
 }
@@ -54,4 +50,4 @@ Batch ShardedDataset::batch(std::int64_t step) const {
   return {transform_ ? transform_(features) : features, labels_.index_select(0, index)};
 }
 
-}  // namespace flotilla::data
+} // namespace flotilla::data

@@ -8,6 +8,9 @@
 namespace flotilla::strategy {
 
 std::int64_t InputContext::get_per_replica_batch_size(std::int64_t global_batch) const {
+  if (global_batch < 1) {
+    throw ConfigError("global batch must be at least 1; saw " + std::to_string(global_batch));
+  }
   if (global_batch < num_replicas_in_sync || global_batch % num_replicas_in_sync != 0) {
     throw ConfigError("global batch " + std::to_string(global_batch) +
                       " does not split evenly across " + std::to_string(num_replicas_in_sync) +
@@ -17,8 +20,7 @@ std::int64_t InputContext::get_per_replica_batch_size(std::int64_t global_batch)
 }
 
 Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator)
-    : cluster_(std::move(cluster)),
-      communicator_(std::move(communicator)),
+    : cluster_(std::move(cluster)), communicator_(std::move(communicator)),
       log_(communicator_.rank(), communicator_.size()) {}
 
 InputContext Strategy::input_context() const {
@@ -26,7 +28,8 @@ InputContext Strategy::input_context() const {
 }
 
 void Strategy::mirror(torch::nn::Module& module) {
-  if (communicator_.size() == 1) return;
+  if (communicator_.size() == 1)
+    return;
   torch::NoGradGuard no_grad;
   // One flat broadcast per (dtype, device) instead of one per tensor.
   std::map<std::pair<int, std::string>, std::vector<torch::Tensor>> groups;
@@ -38,7 +41,8 @@ void Strategy::mirror(torch::nn::Module& module) {
   }
   for (auto& [key, tensors] : groups) {
     std::vector<torch::Tensor> flat_parts;
-    for (const auto& t : tensors) flat_parts.push_back(t.reshape({-1}));
+    for (const auto& t : tensors)
+      flat_parts.push_back(t.reshape({-1}));
     torch::Tensor flat = torch::cat(flat_parts);
     communicator_.broadcast(flat, 0).wait();
     std::int64_t offset = 0;
@@ -58,7 +62,8 @@ torch::Tensor Strategy::reduce(ReduceOp op, const torch::Tensor& value) {
 GradientReducer Strategy::make_gradient_reducer(const torch::nn::Module& module) {
   std::vector<torch::Tensor> trainable;
   for (const auto& p : module.parameters()) {
-    if (p.requires_grad()) trainable.push_back(p);
+    if (p.requires_grad())
+      trainable.push_back(p);
   }
   return GradientReducer(communicator_, std::move(trainable),
                          communicator_.options().bytes_per_pack);
@@ -72,4 +77,4 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options)
     : Strategy(cluster, collective::Communicator::connect(cluster, options)) {}
 
-}  // namespace flotilla::strategy
+} // namespace flotilla::strategy

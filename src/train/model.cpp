@@ -16,7 +16,8 @@ namespace F = torch::nn::functional;
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)) {
-  if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
+  if (!module_ || !forward_)
+    throw ConfigError("Model needs a module and its forward function");
 }
 
 void Model::compile(const CompileOptions& options) {
@@ -35,11 +36,11 @@ void Model::compile(const CompileOptions& options) {
   if (sgd.nesterov && sgd.momentum == 0) {
     throw ConfigError("Nesterov momentum needs momentum > 0; saw momentum 0");
   }
-  optimizer_ = std::make_unique<torch::optim::SGD>(
-      module().parameters(), torch::optim::SGDOptions(sgd.learning_rate)
-                                 .momentum(sgd.momentum)
-                                 .nesterov(sgd.nesterov)
-                                 .weight_decay(sgd.weight_decay));
+  optimizer_ = std::make_unique<torch::optim::SGD>(module().parameters(),
+                                                   torch::optim::SGDOptions(sgd.learning_rate)
+                                                       .momentum(sgd.momentum)
+                                                       .nesterov(sgd.nesterov)
+                                                       .weight_decay(sgd.weight_decay));
   reducer_ = std::make_unique<strategy::GradientReducer>(strategy_.make_gradient_reducer(module()));
   compiled_ = options;
 }
@@ -55,11 +56,18 @@ History Model::fit(data::ShardedDataset& train, const FitOptions& options) {
   if (options.epochs < 1) {
     throw ConfigError("epochs must be at least 1; saw " + std::to_string(options.epochs));
   }
+  if (!train.options().drop_remainder) {
+    throw ConfigError(
+        "fit() needs a training dataset with drop_remainder: each step is a collective, so every "
+        "worker must run the same number of full steps; set ShardOptions.drop_remainder = true");
+  }
   const std::int64_t available = train.steps_per_epoch();
   const std::int64_t steps = options.steps_per_epoch.value_or(available);
   if (steps < 1 || steps > available) {
-    throw ConfigError("steps_per_epoch " + std::to_string(steps) + " is out of range: the dataset "
-                      "gives " + std::to_string(available) + " steps per epoch at global batch " +
+    throw ConfigError("steps_per_epoch " + std::to_string(steps) +
+                      " is out of range: the dataset "
+                      "gives " +
+                      std::to_string(available) + " steps per epoch at global batch " +
                       std::to_string(train.global_batch()));
   }
   Verbosity verbose = options.verbose;
@@ -113,7 +121,8 @@ History Model::fit(data::ShardedDataset& train, const FitOptions& options) {
                              "ckpt-" + std::to_string(epoch) + ".safetensors",
                              {{"epoch", std::to_string(epoch)}, {"format", "flotilla"}});
     }
-    if (options.on_epoch_end) options.on_epoch_end(logs);
+    if (options.on_epoch_end)
+      options.on_epoch_end(logs);
     history.epochs.push_back(logs);
   }
   return history;
@@ -129,11 +138,12 @@ EvalResult Model::evaluate(data::ShardedDataset& data) {
   double count = 0;
   for (std::int64_t step = 0; step < data.steps_per_epoch(); ++step) {
     const data::Batch batch = data.batch(step);
-    if (batch.labels.size(0) == 0) continue;  // this worker's share of a short last batch
+    if (batch.labels.size(0) == 0)
+      continue; // this worker's share of a short last batch
     const torch::Tensor logits = forward_(batch.features);
-    loss_sum += F::cross_entropy(logits, batch.labels,
-                                 F::CrossEntropyFuncOptions().reduction(torch::kSum))
-                    .item<double>();
+    loss_sum +=
+        F::cross_entropy(logits, batch.labels, F::CrossEntropyFuncOptions().reduction(torch::kSum))
+            .item<double>();
     correct += logits.argmax(1).eq(batch.labels).sum().item<double>();
     count += static_cast<double>(batch.labels.size(0));
   }
@@ -154,4 +164,4 @@ torch::Tensor Model::predict(const torch::Tensor& features) {
   return forward_(features);
 }
 
-}  // namespace flotilla::train
+} // namespace flotilla::train

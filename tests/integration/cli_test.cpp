@@ -12,12 +12,14 @@ namespace {
 using testing::run_process;
 const std::string kCli = flotilla::testing::flotilla_cli();
 
-std::size_t line_count(const std::string& s) { return std::count(s.begin(), s.end(), '\n'); }
+std::size_t line_count(const std::string& s) {
+  return std::count(s.begin(), s.end(), '\n');
+}
 
 TEST(TfConfigCommand, OutputRoundTripsThroughTheParser) {
-  const auto r = run_process({kCli, "tf-config", "--workers", "10.0.0.1:2222,10.0.0.2:2222",
-                              "--chief", "10.0.0.9:2222", "--evaluator", "10.0.0.8:2222",
-                              "--index", "1"});
+  const auto r =
+      run_process({kCli, "tf-config", "--workers", "10.0.0.1:2222,10.0.0.2:2222", "--chief",
+                   "10.0.0.9:2222", "--evaluator", "10.0.0.8:2222", "--index", "1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto spec = cluster::parse_tf_config(r.out);
   EXPECT_EQ(spec.chief.at(0).to_string(), "10.0.0.9:2222");
@@ -25,19 +27,18 @@ TEST(TfConfigCommand, OutputRoundTripsThroughTheParser) {
   EXPECT_EQ(spec.evaluator.at(0).to_string(), "10.0.0.8:2222");
   EXPECT_EQ(spec.task.type, cluster::TaskType::kWorker);
   EXPECT_EQ(spec.task.index, 1);
-  EXPECT_EQ(spec.rank, 2);  // after the chief and worker 0
+  EXPECT_EQ(spec.rank, 2); // after the chief and worker 0
   EXPECT_EQ(spec.world_size, 3);
-  const auto chief = run_process({kCli, "tf-config", "--workers", "a:1", "--chief", "c:2",
-                                  "--type", "chief", "--index", "0"});
+  const auto chief = run_process(
+      {kCli, "tf-config", "--workers", "a:1", "--chief", "c:2", "--type", "chief", "--index", "0"});
   EXPECT_EQ(cluster::parse_tf_config(chief.out).rank, 0);
 }
 
 TEST(TfConfigCommand, BadInputIsOneLineAndExitCode2) {
   const auto r = run_process({kCli, "tf-config", "--workers", "a:1,b", "--index", "0"});
   EXPECT_EQ(r.exit_code, kExitBadInput);
-  EXPECT_EQ(r.err,
-            "flotilla tf-config: error: --workers entry 1: \"b\" has no port; write "
-            "\"host:port\", e.g. \"10.0.0.2:2222\"\n");
+  EXPECT_EQ(r.err, "flotilla tf-config: error: --workers entry 1: \"b\" has no port; write "
+                   "\"host:port\", e.g. \"10.0.0.2:2222\"\n");
   const auto range = run_process({kCli, "tf-config", "--workers", "a:1,b:2", "--index", "2"});
   EXPECT_EQ(range.exit_code, kExitBadInput);
   EXPECT_EQ(range.err,
@@ -66,14 +67,13 @@ TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
                              {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},
                                                "task": {"type": "worker"}})"}});
   EXPECT_EQ(r.exit_code, kExitBadInput);
-  EXPECT_EQ(r.err,
-            "flotilla train: error: TF_CONFIG cluster has \"ps\" tasks: parameter-server "
-            "training is not supported; use chief/worker\n");
+  EXPECT_EQ(r.err, "flotilla train: error: TF_CONFIG cluster has \"ps\" tasks: parameter-server "
+                   "training is not supported; use chief/worker\n");
 }
 
 TEST(TrainCommand, EvaluatorTaskSaysItDoesNotTrain) {
-  const auto r = run_process({kCli, "train"},
-                             {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
+  const auto r = run_process(
+      {kCli, "train"}, {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
                                                "task": {"type": "evaluator"}})"}});
   EXPECT_EQ(r.exit_code, kExitBadInput);
   EXPECT_NE(r.err.find("side-car evaluation is not supported yet"), std::string::npos) << r.err;
@@ -82,11 +82,12 @@ TEST(TrainCommand, EvaluatorTaskSaysItDoesNotTrain) {
 TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {
   const auto r = run_process({kCli, "train", "--data-dir", "/nonexistent"});
   EXPECT_EQ(r.exit_code, kExitBadInput);
-  EXPECT_EQ(r.err,
-            "flotilla train: error: /nonexistent: has no train-images-idx3-ubyte.gz (nor "
-            "train-images-idx3-ubyte); point --data-dir at the Fashion-MNIST IDX files, or on "
-            "Debian install the dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)\n");
+  EXPECT_EQ(
+      r.err,
+      "flotilla train: error: /nonexistent: has no train-images-idx3-ubyte.gz (nor "
+      "train-images-idx3-ubyte); point --data-dir at the Fashion-MNIST IDX files, or on "
+      "Debian install the dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)\n");
 }
 
-}  // namespace
-}  // namespace flotilla
+} // namespace
+} // namespace flotilla

@@ -1,5 +1,6 @@
 // `flotilla launch`: real processes, real TF_CONFIG, real training on loopback.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -21,7 +22,8 @@ const std::string kCli = flotilla::testing::flotilla_cli();
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
+  for (std::string line; std::getline(in, line);)
+    out.push_back(line);
   return out;
 }
 
@@ -40,20 +42,31 @@ TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
     const auto spec = cluster::parse_tf_config(line.substr(line.find("] ") + 2));
     EXPECT_EQ(spec.task.index, index);
     EXPECT_EQ(spec.world_size, 3);
-    for (const auto& a : spec.worker) addresses.insert(a.to_string());
+    for (const auto& a : spec.worker)
+      addresses.insert(a.to_string());
     indices.insert(index);
   }
   EXPECT_EQ(indices, (std::set<int>{0, 1, 2}));
-  EXPECT_EQ(addresses.size(), 3u);  // one port per worker
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(addresses.size(), 3u); // one port per worker
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  const int cores = CPU_COUNT(&set); // what this process may use, as the launcher counts
   const std::string threads = "threads=" + std::to_string(std::max(1, cores / 3));
-  for (const auto& line : lines_of(r.err)) EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
+  for (const auto& line : lines_of(r.err))
+    EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
+}
+
+TEST(Launch, CarriageReturnsRedrawAndDosNewlinesEndLines) {
+  const auto r = run_process(
+      {kCli, "launch", "--workers", "1", "--", "sh", "-c", "printf 'a\\r\\nb\\n\\r1/2\\r2/2\\n'"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "[worker 0] a\n[worker 0] b\n[worker 0] 1/2\r[worker 0] 2/2\n");
 }
 
 TEST(Launch, TheFirstFailureStopsTheOthersAndBecomesTheExitCode) {
-  const auto r = run_process(
-      {kCli, "launch", "--workers", "3", "--grace", "5", "--", "sh", "-c",
-       "if [ \"$LOCAL_RANK\" = 1 ]; then sleep 0.5; exit 7; fi; exec sleep 600"});
+  const auto r =
+      run_process({kCli, "launch", "--workers", "3", "--grace", "5", "--", "sh", "-c",
+                   "if [ \"$LOCAL_RANK\" = 1 ]; then sleep 0.5; exit 7; fi; exec sleep 600"});
   EXPECT_EQ(r.exit_code, 7) << r.err;
   EXPECT_NE(r.err.find("[launch] worker 1 exited with code 7; stopping the other workers"),
             std::string::npos)
@@ -71,7 +84,7 @@ TEST(Launch, AWorkerKilledBySignalGives128PlusSignal) {
 TEST(Launch, SigtermIsForwardedToEveryWorker) {
   testing::Process launch({kCli, "launch", "--workers", "2", "--", "sh", "-c",
                            "trap 'echo got-term; exit 5' TERM; echo ready; sleep 600 & wait"});
-  std::this_thread::sleep_for(std::chrono::seconds(2));  // let both shells set their trap
+  std::this_thread::sleep_for(std::chrono::seconds(2)); // let both shells set their trap
   launch.signal(SIGTERM);
   const auto r = launch.wait(std::chrono::seconds(60));
   EXPECT_EQ(r.exit_code, 5) << r.out << r.err;
@@ -79,27 +92,38 @@ TEST(Launch, SigtermIsForwardedToEveryWorker) {
   EXPECT_NE(r.out.find("[worker 1] got-term"), std::string::npos) << r.out;
 }
 
+TEST(Launch, AForwardedSignalIsNotASuccessEvenIfWorkersExitCleanly) {
+  testing::Process launch({kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                           "trap 'exit 0' TERM; echo ready; sleep 600 & wait"});
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  launch.signal(SIGTERM);
+  const auto r = launch.wait(std::chrono::seconds(60));
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.out << r.err;
+}
+
 TEST(Launch, WorkersDieWithAKilledLauncher) {
   testing::TempDir dir;
   testing::Process launch({kCli, "launch", "--workers", "2", "--", "sh", "-c",
                            "echo $$ > " + dir.path() + "/pid.$LOCAL_RANK; exec sleep 600"});
   std::vector<pid_t> pids;
-  for (int i = 0; i < 200 && pids.size() < 2; ++i) {  // up to 10 s for both to start
+  for (int i = 0; i < 200 && pids.size() < 2; ++i) { // up to 10 s for both to start
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     pids.clear();
     for (int r = 0; r < 2; ++r) {
       const std::string text = testing::read_file(dir.path() + "/pid." + std::to_string(r));
-      if (!text.empty() && text.back() == '\n') pids.push_back(std::stoi(text));
+      if (!text.empty() && text.back() == '\n')
+        pids.push_back(std::stoi(text));
     }
   }
   ASSERT_EQ(pids.size(), 2u);
-  ::kill(launch.pid(), SIGKILL);  // no chance to stop anyone
+  ::kill(launch.pid(), SIGKILL); // no chance to stop anyone
   launch.wait(std::chrono::seconds(10));
   for (pid_t pid : pids) {
     bool gone = false;
-    for (int i = 0; i < 200 && !gone; ++i) {  // up to 10 s
+    for (int i = 0; i < 200 && !gone; ++i) { // up to 10 s
       gone = ::kill(pid, 0) != 0;
-      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (!gone)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     EXPECT_TRUE(gone) << "worker " << pid << " outlived its launcher";
   }
@@ -108,20 +132,19 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
 TEST(Launch, UnknownProgramIsABadInput) {
   const auto r = run_process({kCli, "launch", "--workers", "2", "--", "/nonexistent/program"});
   EXPECT_EQ(r.exit_code, kExitBadInput);
-  EXPECT_EQ(r.err,
-            "flotilla launch: error: cannot start \"/nonexistent/program\": No such file or "
-            "directory; check the command after --\n");
+  EXPECT_EQ(r.err, "flotilla launch: error: cannot start \"/nonexistent/program\": No such file or "
+                   "directory; check the command after --\n");
 }
 
 TEST(Launch, TwoWorkersTrainOnLoopback) {
-  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!testing::fashion_mnist_present())
+    GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
   const std::string metrics = dir.path() + "/metrics.jsonl";
   const std::string model_dir = dir.path() + "/model";
   const auto r = run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train",
-                              "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "60",
-                              "--lr", "0.05", "--metrics-json", metrics, "--model-dir",
-                              model_dir});
+                              "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "60", "--lr",
+                              "0.05", "--metrics-json", metrics, "--model-dir", model_dir});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[worker 0] Epoch 1/2\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("[worker 0] 60/60 - "), std::string::npos) << r.out;
@@ -138,14 +161,15 @@ TEST(Launch, TwoWorkersTrainOnLoopback) {
   }
   const auto test = nlohmann::json::parse(lines[2]);
   EXPECT_EQ(test["test_samples"], 10000);
-  EXPECT_GT(test["test_accuracy"].get<double>(), 0.7);  // 120 steps of an MLP get ~0.8
+  EXPECT_GT(test["test_accuracy"].get<double>(), 0.7); // 120 steps of an MLP get ~0.8
   namespace fs = std::filesystem;
   std::vector<std::string> beside;
-  for (const auto& e : fs::directory_iterator(dir.path())) beside.push_back(e.path().filename());
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    beside.push_back(e.path().filename());
   std::sort(beside.begin(), beside.end());
   EXPECT_EQ(beside, (std::vector<std::string>{"metrics.jsonl", "model"}));
   EXPECT_TRUE(fs::exists(fs::path(model_dir) / "ckpt-2.safetensors"));
 }
 
-}  // namespace
-}  // namespace flotilla
+} // namespace
+} // namespace flotilla

@@ -20,7 +20,8 @@ namespace nn = torch::nn;
 
 std::vector<std::string> entries(const fs::path& dir) {
   std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir))
+    out.push_back(e.path().filename().string());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -43,7 +44,7 @@ TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
     model.fit(ds, fit);
     trained[rank] = net[1]->as<nn::Linear>()->weight.detach().clone();
   });
-  EXPECT_EQ(entries(root.path()), std::vector<std::string>{"model"});  // no worker dir beside it
+  EXPECT_EQ(entries(root.path()), std::vector<std::string>{"model"}); // no worker dir beside it
   EXPECT_EQ(entries(model_dir),
             (std::vector<std::string>{"ckpt-1.safetensors", "ckpt-2.safetensors"}));
   auto fresh = nn::Sequential(nn::Flatten(), nn::Linear(16, 3));
@@ -60,7 +61,7 @@ TEST(CheckpointLayout, NonChiefWritesIntoAUniqueTemporaryDirectoryThatGoesAway) 
     checkpoint::WriteLocation a(model_dir, /*is_chief=*/false, 1);
     checkpoint::WriteLocation b(model_dir, /*is_chief=*/false, 1);
     EXPECT_TRUE(a.is_temporary());
-    EXPECT_NE(a.dir(), b.dir());  // unique even for the same rank
+    EXPECT_NE(a.dir(), b.dir()); // unique even for the same rank
     EXPECT_EQ(a.dir().parent_path(), model_dir.parent_path());
     EXPECT_EQ(a.dir().filename().string().rfind("model.worker1-", 0), 0u);
     std::ofstream(a.dir() / "f") << "x";
@@ -72,25 +73,27 @@ TEST(CheckpointLayout, NonChiefWritesIntoAUniqueTemporaryDirectoryThatGoesAway) 
   EXPECT_FALSE(chief.is_temporary());
 }
 
-TEST(CheckpointLayout, AFailedSaveIsReportedOnEveryWorkerWithoutAHang) {
+TEST(CheckpointLayout, AFailureOnTheChiefIsReportedOnEveryWorkerWithoutAHang) {
   testing::TempDir root;
-  const fs::path blocker = fs::path(root.path()) / "file";
-  std::ofstream(blocker) << "not a directory";
+  // model_dir is a file: the chief cannot create it, the worker's own directory beside it is fine.
+  const fs::path model_dir = fs::path(root.path()) / "model";
+  std::ofstream(model_dir) << "not a directory";
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
     auto net = s.scope([] { return nn::Linear(2, 2); });
     try {
-      checkpoint::save_model(s, *net, blocker / "model", "ckpt-1.safetensors");
+      checkpoint::save_model(s, *net, model_dir, "ckpt-1.safetensors");
     } catch (const CheckpointError& e) {
       errors[rank] = e.what();
     }
   });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(errors[r].rfind("cannot create " + (blocker / "model").string(), 0), 0u)
-        << errors[r];
-  }
+  EXPECT_EQ(errors[0].rfind("cannot create " + model_dir.string() + " (", 0), 0u) << errors[0];
+  EXPECT_EQ(errors[1], "saving ckpt-1.safetensors failed on another worker; see its output. The "
+                       "previous checkpoint in " +
+                           model_dir.string() + " is intact");
+  EXPECT_EQ(entries(root.path()), std::vector<std::string>{"model"}); // worker cleaned up
 }
 
-}  // namespace
-}  // namespace flotilla
+} // namespace
+} // namespace flotilla

@@ -21,11 +21,11 @@ class Collectives : public ::testing::TestWithParam<std::tuple<int, std::int64_t
 
 TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
   const auto [world, n] = GetParam();
-  const double rank_sum = world * (world + 1) / 2.0;  // sum of (r + 1)
+  const double rank_sum = world * (world + 1) / 2.0; // sum of (r + 1)
   run_ranks(world, [&, world = world, n = n](int rank, Communicator& comm) {
     EXPECT_EQ(comm.rank(), rank);
     EXPECT_EQ(comm.size(), world);
-    const auto base = input(0, n);  // (i % 13 + 1)
+    const auto base = input(0, n); // (i % 13 + 1)
 
     auto sum = input(rank, n);
     comm.all_reduce(sum, ReduceOp::kSum).wait();
@@ -38,7 +38,7 @@ TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
     auto max = input(rank, n);
     auto min = input(rank, n);
     auto w1 = comm.all_reduce(max, ReduceOp::kMax);
-    auto w2 = comm.all_reduce(min, ReduceOp::kMin);  // two in flight at once
+    auto w2 = comm.all_reduce(min, ReduceOp::kMin); // two in flight at once
     w2.wait();
     w1.wait();
     EXPECT_TRUE(torch::equal(max, base * world));
@@ -57,10 +57,10 @@ TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
     auto gather = comm.all_gather(input(rank, n));
     gather.wait();
     ASSERT_EQ(gather.result().size(), static_cast<std::size_t>(world));
-    for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(gather.result()[r], input(r, n)));
+    for (int r = 0; r < world; ++r)
+      EXPECT_TRUE(torch::equal(gather.result()[r], input(r, n)));
 
     comm.barrier().wait();
-    EXPECT_TRUE(gather.is_completed());
   });
 }
 
@@ -72,10 +72,22 @@ INSTANTIATE_TEST_SUITE_P(WorldsAndSizes, Collectives,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+TEST(Collectives, AMeanIsFinalOnceCompletedEvenWithoutWait) {
+  run_ranks(2, [](int rank, Communicator& comm) {
+    auto t = torch::full({1000}, static_cast<double>(rank + 1));
+    auto work = comm.all_reduce(t, ReduceOp::kMean);
+    while (!work.is_completed())
+      std::this_thread::yield();
+    EXPECT_TRUE(torch::equal(t, torch::full({1000}, 1.5))); // divided, not the raw sum 3
+    work.wait();
+    EXPECT_TRUE(torch::equal(t, torch::full({1000}, 1.5))); // and only once
+  });
+}
+
 TEST(Collectives, StridedTensorsAreReducedInPlace) {
   run_ranks(2, [](int rank, Communicator& comm) {
     auto matrix = torch::full({4, 6}, static_cast<float>(rank + 1));
-    auto column = matrix.select(1, 2);  // a strided view
+    auto column = matrix.select(1, 2); // a strided view
     ASSERT_FALSE(column.is_contiguous());
     comm.all_reduce(column, ReduceOp::kSum).wait();
     EXPECT_TRUE(torch::equal(matrix.select(1, 2), torch::full({4}, 3.0f)));
@@ -91,7 +103,7 @@ TEST(Collectives, MeanOfIntegersIsRefused) {
       FAIL();
     } catch (const ConfigError& e) {
       EXPECT_EQ(std::string(e.what()),
-                "all_reduce #1 (mean, 3 x long int): a mean of integer values would be "
+                "all_reduce #1 (mean, 3 x long): a mean of integer values would be "
                 "truncated; use ReduceOp::kSum and divide in floating point");
     }
   });
@@ -106,28 +118,41 @@ TEST(Collectives, BadRootIsRefused) {
 TEST(Collectives, AMissingRankTimesOutNamingTheOperation) {
   CommunicationOptions options;
   options.timeout = std::chrono::milliseconds(1500);
-  run_ranks(2, [](int rank, Communicator& comm) {
-    auto t = torch::ones({16});
-    comm.all_reduce(t).wait();  // #1 completes
-    if (rank == 1) {
-      // Rank 1 never issues #2; it waits until rank 0 has given up.
-      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
-      return;
-    }
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      comm.all_reduce(t).wait();
-      FAIL() << "a collective with a missing rank completed";
-    } catch (const TimeoutError& e) {
-      const std::string message = e.what();
-      EXPECT_EQ(message.rfind("all_reduce #2 (sum, 16 x float) on rank 0 of 2 did not complete "
-                              "within 1500ms (", 0), 0u) << message;
-      EXPECT_NE(message.find("a peer is stopped, slow or dead"), std::string::npos) << message;
-    }
-    // Bounded by the timeout, not a hang (generous: the machine is shared).
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
-    // A failed Work rethrows the same failure every time.
-  }, options);
+  run_ranks(
+      2,
+      [](int rank, Communicator& comm) {
+        auto t = torch::ones({16});
+        comm.all_reduce(t).wait(); // #1 completes
+        if (rank == 1) {
+          // Rank 1 never issues #2; it waits until rank 0 has given up.
+          std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        auto work = comm.all_reduce(t);
+        std::string first;
+        try {
+          work.wait();
+          FAIL() << "a collective with a missing rank completed";
+        } catch (const TimeoutError& e) {
+          first = e.what();
+        }
+        try {
+          work.wait(); // a failed Work rethrows the same failure
+          FAIL();
+        } catch (const TimeoutError& e) {
+          EXPECT_EQ(std::string(e.what()), first);
+          const std::string message = e.what();
+          EXPECT_EQ(message.rfind("all_reduce #2 (sum, 16 x float) on rank 0 of 2 did not complete "
+                                  "within 1500ms (",
+                                  0),
+                    0u)
+              << message;
+          EXPECT_NE(message.find("a peer is stopped, slow or dead"), std::string::npos) << message;
+        }
+        (void)start;
+      },
+      options);
 }
 
 TEST(Collectives, APeerThatLeavesFailsTheCollectiveWithCommError) {
@@ -135,14 +160,17 @@ TEST(Collectives, APeerThatLeavesFailsTheCollectiveWithCommError) {
   options.timeout = std::chrono::seconds(20);
   auto comms = Communicator::local_group(2, options);
   auto t = torch::ones({8});
-  std::thread leaver([&] { comms[1] = comms[0]; });  // drops rank 1's only handle
-  leaver.join();
+  comms[1] = comms[0]; // drops rank 1's only handle: its connections close
   try {
     comms[0].all_reduce(t).wait();
     FAIL() << "completed without its peer";
+  } catch (const TimeoutError& e) {
+    FAIL() << "waited for the timeout instead of noticing the closed connection: " << e.what();
   } catch (const CommError& e) {
     const std::string message = e.what();
-    EXPECT_EQ(message.rfind("all_reduce #1 (sum, 8 x float) on rank 0 of 2 ", 0), 0u) << message;
+    EXPECT_EQ(message.rfind("all_reduce #1 (sum, 8 x float) on rank 0 of 2 failed (", 0), 0u)
+        << message;
+    EXPECT_NE(message.find("a peer probably exited"), std::string::npos) << message;
   }
 }
 
@@ -159,5 +187,5 @@ TEST(Communication, ImplementationNames) {
   }
 }
 
-}  // namespace
-}  // namespace flotilla::collective
+} // namespace
+} // namespace flotilla::collective

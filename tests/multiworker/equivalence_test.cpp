@@ -43,7 +43,8 @@ std::vector<torch::Tensor> train(strategy::Strategy& strategy, const data::Label
   fit.verbose = train::Verbosity::kSilent;
   model.fit(dataset, fit);
   std::vector<torch::Tensor> out;
-  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  for (const auto& p : net->parameters())
+    out.push_back(p.detach().clone());
   return out;
 }
 
@@ -52,14 +53,15 @@ double max_relative_difference(const std::vector<torch::Tensor>& a,
                                const std::vector<torch::Tensor>& b) {
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() /
-                                b[i].abs().max().item<double>());
+    worst =
+        std::max(worst, (a[i] - b[i]).abs().max().item<double>() / b[i].abs().max().item<double>());
   }
   return worst;
 }
 
 TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
-  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!testing::fashion_mnist_present())
+    GTEST_SKIP() << "dataset-fashion-mnist absent";
   const auto images = data::load_fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
 
   std::vector<torch::Tensor> single;
@@ -92,5 +94,5 @@ TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
   }
 }
 
-}  // namespace
-}  // namespace flotilla
+} // namespace
+} // namespace flotilla

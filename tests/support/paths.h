@@ -16,8 +16,12 @@ inline std::string test_bin_dir() {
   return exe.substr(0, exe.rfind('/'));
 }
 
-inline std::string flotilla_cli() { return test_bin_dir() + "/../flotilla"; }
+inline std::string flotilla_cli() {
+  return test_bin_dir() + "/../flotilla";
+}
 // The project venv's Python (linked here by CMake), which has safetensors for interop tests.
-inline std::string test_python() { return test_bin_dir() + "/python"; }
+inline std::string test_python() {
+  return test_bin_dir() + "/python";
+}
 
-}  // namespace flotilla::testing
+} // namespace flotilla::testing

@@ -11,9 +11,17 @@
 
 namespace flotilla::testing {
 
+// Tests default to a short timeout: a rank that fails an assertion and returns early must not
+// keep its peers waiting for minutes.
+inline collective::CommunicationOptions test_options() {
+  collective::CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  return options;
+}
+
 inline void run_ranks(int world_size,
                       const std::function<void(int rank, collective::Communicator& comm)>& body,
-                      const collective::CommunicationOptions& options = {}) {
+                      const collective::CommunicationOptions& options = test_options()) {
   auto comms = collective::Communicator::local_group(world_size, options);
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<std::thread> threads;
@@ -26,16 +34,19 @@ inline void run_ranks(int world_size,
       }
     });
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads)
+    t.join();
   for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
+    if (e)
+      std::rethrow_exception(e);
   }
 }
 
 // The ClusterSpec a thread-rank would have been given by TF_CONFIG.
 inline cluster::ClusterSpec thread_cluster(int rank, int world_size) {
   cluster::ClusterSpec spec;
-  for (int r = 0; r < world_size; ++r) spec.worker.push_back({"127.0.0.1", 10000 + r});
+  for (int r = 0; r < world_size; ++r)
+    spec.worker.push_back({"127.0.0.1", 10000 + r});
   spec.task = {cluster::TaskType::kWorker, rank};
   spec.world_size = world_size;
   spec.rank = rank;
@@ -45,4 +56,4 @@ inline cluster::ClusterSpec thread_cluster(int rank, int world_size) {
   return spec;
 }
 
-}  // namespace flotilla::testing
+} // namespace flotilla::testing

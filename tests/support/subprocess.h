@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -26,7 +27,7 @@ extern char** environ;
 namespace flotilla::testing {
 
 struct ProcessResult {
-  int exit_code = -1;  // 128 + signal when killed; -1 when it outlived the timeout (killed)
+  int exit_code = -1; // 128 + signal when killed; -1 when it outlived the timeout (killed)
   std::string out;
   std::string err;
 };
@@ -40,18 +41,20 @@ inline std::string read_file(const std::string& path) {
 
 // A child process with its stdout/stderr in temporary files.
 class Process {
- public:
-  Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {}) {
+public:
+  Process(const std::vector<std::string>& argv,
+          const std::map<std::string, std::string>& env = {}) {
     static int counter = 0;
-    const std::string base = "/tmp/flotilla-test-" + std::to_string(::getpid()) + "-" +
-                             std::to_string(counter++);
+    const std::string base =
+        "/tmp/flotilla-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     out_path_ = base + ".out";
     err_path_ = base + ".err";
     std::map<std::string, std::string> vars;
     for (char** e = environ; *e; ++e) {
       std::string entry = *e;
       const auto eq = entry.find('=');
-      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+      if (eq != std::string::npos)
+        vars[entry.substr(0, eq)] = entry.substr(eq + 1);
     }
     for (const auto& [k, v] : env) {
       if (v.empty()) {
@@ -61,11 +64,14 @@ class Process {
       }
     }
     std::vector<std::string> env_strings;
-    for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
+    for (const auto& [k, v] : vars)
+      env_strings.push_back(k + "=" + v);
     std::vector<char*> args, envp;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    for (const auto& a : argv)
+      args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
-    for (const auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+    for (const auto& e : env_strings)
+      envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
@@ -80,7 +86,8 @@ class Process {
     const int rc = posix_spawnp(&pid_, args[0], &actions, &attr, args.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
-    if (rc != 0) throw std::runtime_error("cannot start " + argv[0]);
+    if (rc != 0)
+      throw std::runtime_error("cannot start " + argv[0]);
   }
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
@@ -120,7 +127,7 @@ class Process {
     return result;
   }
 
- private:
+private:
   pid_t pid_ = -1;
   std::string out_path_, err_path_;
 };
@@ -146,21 +153,25 @@ inline std::vector<int> free_ports(int count) {
     ports.push_back(ntohs(addr.sin_port));
     fds.push_back(s);
   }
-  for (int fd : fds) ::close(fd);
+  for (int fd : fds)
+    ::close(fd);
   return ports;
 }
 
 // A fresh empty directory under /tmp, removed with everything in it at scope exit.
 class TempDir {
- public:
+public:
   TempDir() {
     char tmpl[] = "/tmp/flotilla-test-XXXXXX";
     path_ = ::mkdtemp(tmpl);
   }
-  ~TempDir() { std::system(("rm -rf '" + path_ + "'*").c_str()); }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
   const std::string& path() const { return path_; }
 
- private:
+private:
   std::string path_;
 };
 
@@ -168,4 +179,4 @@ inline bool fashion_mnist_present() {
   return ::access("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", R_OK) == 0;
 }
 
-}  // namespace flotilla::testing
+} // namespace flotilla::testing

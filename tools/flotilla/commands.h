@@ -21,4 +21,4 @@ Command add_tf_config(CLI::App& parent);
 // Cores this process may run on (its affinity mask), at least 1.
 int available_cores();
 
-}  // namespace flotilla::tools
+} // namespace flotilla::tools

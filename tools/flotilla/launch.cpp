@@ -1,9 +1,11 @@
 // `flotilla launch --workers N -- CMD...`: starts N copies of CMD on this machine as one
 // cluster on 127.0.0.1, each with its own TF_CONFIG (worker i of N; worker 0 is the chief),
 // LOCAL_RANK/LOCAL_WORLD_SIZE and, unless already set, OMP_NUM_THREADS = cores ÷ N. Every output
-// line is prefixed "[worker i]"; on a terminal, FLOTILLA_TERMINAL=1 lets the chief draw its bar. Ctrl-C/SIGTERM are forwarded. When a worker fails, the others
-// are stopped (SIGTERM, then SIGKILL after a grace period) and launch exits with the failed
-// worker's code (128 + signal for a worker killed by a signal).
+// line is prefixed "[worker i]"; on a terminal, FLOTILLA_TERMINAL=1 lets the chief draw its bar.
+// Ctrl-C/SIGTERM are forwarded (a second one kills). When a worker fails, the others are stopped
+// (SIGTERM, then SIGKILL after a grace period) and launch exits with the failed worker's code
+// (128 + signal for a worker killed by a signal; 128 + signal too when launch itself was
+// signalled and the workers then exited cleanly).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -34,14 +36,14 @@ using Clock = std::chrono::steady_clock;
 
 struct LaunchArgs {
   int workers = 2;
-  int port = 0;  // 0: free ports chosen by the kernel
+  int port = 0; // 0: free ports chosen by the kernel
   double grace_s = 10;
   std::vector<std::string> command;
 };
 
 // A file descriptor that closes itself.
 class Fd {
- public:
+public:
   Fd() = default;
   explicit Fd(int fd) : fd_(fd) {}
   Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
@@ -53,11 +55,12 @@ class Fd {
   ~Fd() { reset(); }
   int get() const { return fd_; }
   void reset() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0)
+      ::close(fd_);
     fd_ = -1;
   }
 
- private:
+private:
   int fd_ = -1;
 };
 
@@ -69,7 +72,7 @@ std::pair<Fd, Fd> make_pipe() {
   return {Fd(fds[0]), Fd(fds[1])};
 }
 
-// Signals reach the poll loop through this pipe (the only safe thing a handler can do).
+// The write end of SignalPipe's pipe: writing to it is the only safe thing a handler can do.
 int g_signal_pipe = -1;
 extern "C" void on_signal(int sig) {
   const int saved = errno;
@@ -102,7 +105,8 @@ std::vector<int> free_ports(int count) {
 std::string self_executable() {
   char buf[4096];
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw Error("cannot find this program's path (/proc/self/exe)");
+  if (n <= 0)
+    throw Error("cannot find this program's path (/proc/self/exe)");
   return std::string(buf, static_cast<std::size_t>(n));
 }
 
@@ -111,7 +115,7 @@ struct Child {
   pid_t pid = -1;
   bool running = false;
   int exit_code = 0;
-  Fd out, err;  // read ends of the child's stdout and stderr
+  Fd out, err; // read ends of the child's stdout and stderr
   std::string out_buffer, err_buffer;
 };
 
@@ -120,8 +124,10 @@ void write_all(int fd, const std::string& text) {
   std::size_t left = text.size();
   while (left > 0) {
     const ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // our own output is gone; nothing sensible to do
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return; // our own output is gone; nothing sensible to do
     p += n;
     left -= static_cast<std::size_t>(n);
   }
@@ -138,18 +144,26 @@ void emit_lines(int index, std::string& buffer, int fd, bool flush) {
   };
   std::string out;
   std::size_t start = 0;
-  for (std::size_t end; (end = buffer.find_first_of("\r\n", start)) != std::string::npos;
-       start = end + 1) {
+  for (std::size_t end; (end = buffer.find_first_of("\r\n", start)) != std::string::npos;) {
     const std::string segment = buffer.substr(start, end - start);
-    if (buffer[end] == '\r' && segment.empty()) continue;  // "\r" before a redraw
-    out += tagged(segment) + buffer[end];
+    if (buffer[end] == '\r' && end + 1 == buffer.size() && !flush)
+      break;                                              // "\r\n" split?
+    if (buffer[end] == '\r' && buffer[end + 1] == '\n') { // a DOS newline
+      out += tagged(segment) + "\n";
+      start = end + 2;
+      continue;
+    }
+    if (buffer[end] == '\n' || !segment.empty())
+      out += tagged(segment) + buffer[end];
+    start = end + 1; // an empty segment before '\r' is the start of a redraw
   }
   buffer.erase(0, start);
   if (flush && !buffer.empty()) {
     out += tagged(buffer) + "\n";
     buffer.clear();
   }
-  if (!out.empty()) write_all(fd, out);
+  if (!out.empty())
+    write_all(fd, out);
 }
 
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,
@@ -158,10 +172,12 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
     const auto eq = entry.find('=');
-    if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+    if (eq != std::string::npos)
+      vars[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
   // TF_CONFIG decides the cluster; stale torchrun variables would only confuse a reader.
-  for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) vars.erase(stale);
+  for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+    vars.erase(stale);
   vars["TF_CONFIG"] = tf_config;
   vars["LOCAL_RANK"] = std::to_string(index);
   vars["LOCAL_WORLD_SIZE"] = std::to_string(workers);
@@ -172,30 +188,84 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   }
   // OpenMP sizes its pool when the library loads, before main(): only the environment can
   // size it. Workers on one machine share its cores instead of each taking all of them.
-  if (!vars.count("OMP_NUM_THREADS")) vars["OMP_NUM_THREADS"] = std::to_string(threads);
-  if (!vars.count("MKL_NUM_THREADS")) vars["MKL_NUM_THREADS"] = vars["OMP_NUM_THREADS"];
+  if (!vars.count("OMP_NUM_THREADS"))
+    vars["OMP_NUM_THREADS"] = std::to_string(threads);
+  if (!vars.count("MKL_NUM_THREADS"))
+    vars["MKL_NUM_THREADS"] = vars["OMP_NUM_THREADS"];
   std::vector<std::string> out;
-  for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
+  for (const auto& [k, v] : vars)
+    out.push_back(k + "=" + v);
   return out;
 }
 
+// Signals reach the poll loop through a pipe. Installs the handlers for its lifetime and puts
+// the previous ones back, whichever way run() leaves.
+class SignalPipe {
+public:
+  static constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+
+  SignalPipe() {
+    auto [read_end, write_end] = make_pipe();
+    read_ = std::move(read_end);
+    write_ = std::move(write_end);
+    ::fcntl(write_.get(), F_SETFL, O_NONBLOCK);
+    g_signal_pipe = write_.get();
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD})
+      ::sigaction(sig, &action, &saved_[sig]);
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, &saved_[SIGPIPE]); // a closed stdout must not kill us
+  }
+  ~SignalPipe() {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE})
+      ::sigaction(sig, &saved_[sig], nullptr);
+    g_signal_pipe = -1;
+  }
+  int fd() const { return read_.get(); }
+
+private:
+  Fd read_, write_;
+  struct sigaction saved_[NSIG] {};
+};
+
 // fork + exec rather than posix_spawn, for what only the child can do before exec: its own
-// process group (signals come from us, not the terminal) and death with the launcher (no
-// orphaned workers if the launcher is killed). Returns 0 or the exec's errno.
-int spawn(std::vector<char*>& argv, std::vector<char*>& envp, int out_fd, int err_fd,
-          pid_t* pid) {
-  auto [status_read, status_write] = make_pipe();  // CLOEXEC: closes on a successful exec
+// process group (signals come from us, not the terminal), death with the launcher (no orphaned
+// workers if the launcher is killed), and stdin from /dev/null (a worker in a background group
+// that read the terminal would stop, and its peers would wait for it). Returns the child's pid;
+// throws for a failed fork or exec.
+pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, int out_fd,
+            int err_fd) {
+  std::vector<char*> argv, envp;
+  for (const auto& s : args)
+    argv.push_back(const_cast<char*>(s.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& s : env)
+    envp.push_back(const_cast<char*>(s.c_str()));
+  envp.push_back(nullptr);
+  auto [status_read, status_write] = make_pipe(); // CLOEXEC: closes on a successful exec
   const pid_t parent = ::getpid();
+  // No handler of ours may run in the child between fork and exec.
+  sigset_t all, previous;
+  sigfillset(&all);
+  ::sigprocmask(SIG_SETMASK, &all, &previous);
   const pid_t child = ::fork();
-  if (child < 0) return errno;
   if (child == 0) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) ::_exit(127);  // the launcher died before we got here
+    if (::getppid() != parent)
+      ::_exit(127); // the launcher died before we got here
+    for (int sig = 1; sig < NSIG; ++sig)
+      ::signal(sig, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    if (null_fd >= 0)
+      ::dup2(null_fd, STDIN_FILENO);
     ::dup2(out_fd, STDOUT_FILENO);
     ::dup2(err_fd, STDERR_FILENO);
     ::execvpe(argv[0], argv.data(), envp.data());
@@ -203,15 +273,197 @@ int spawn(std::vector<char*>& argv, std::vector<char*>& envp, int out_fd, int er
     [[maybe_unused]] auto n = ::write(status_write.get(), &error, sizeof error);
     ::_exit(127);
   }
+  const int fork_error = errno;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  if (child < 0) {
+    throw Error(std::string("cannot fork a worker process: ") + std::strerror(fork_error) +
+                "; the machine is out of processes or memory");
+  }
   status_write.reset();
   int error = 0;
-  const ssize_t n = ::read(status_read.get(), &error, sizeof error);
-  if (n == sizeof error) {  // exec failed: reap the child now
+  if (::read(status_read.get(), &error, sizeof error) == sizeof error) {
     ::waitpid(child, nullptr, 0);
-    return error;
+    throw ConfigError("cannot start \"" + args[0] + "\": " + std::strerror(error) +
+                      "; check the command after --");
   }
-  *pid = child;
-  return 0;
+  return child;
+}
+
+std::string describe_exit(int status) {
+  return WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
+                           : std::string("was killed by signal ") + ::strsignal(WTERMSIG(status));
+}
+
+// The running workers; whatever happens to run(), none outlives this object.
+class Launcher {
+public:
+  explicit Launcher(const LaunchArgs& args) : args_(args), children_(args.workers) {}
+  ~Launcher() {
+    stop_all(SIGKILL);
+    for (auto& c : children_) {
+      if (c.running)
+        ::waitpid(c.pid, nullptr, 0);
+    }
+  }
+
+  void start(int index, const std::vector<std::string>& argv, const std::vector<std::string>& env) {
+    Child& child = children_[static_cast<std::size_t>(index)];
+    child.index = index;
+    auto [out_read, out_write] = make_pipe();
+    auto [err_read, err_write] = make_pipe();
+    child.pid = spawn(argv, env, out_write.get(), err_write.get());
+    child.running = true;
+    child.out = std::move(out_read);
+    child.err = std::move(err_read);
+  }
+
+  // Relays output, forwards signals and stops everyone at the first failure; returns the exit
+  // code launch should end with.
+  int supervise();
+
+private:
+  void stop_all(int sig) {
+    for (auto& c : children_) {
+      if (c.running)
+        ::kill(-c.pid, sig); // its whole process group
+    }
+  }
+  void stop_later() {
+    kill_at_ =
+        Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(args_.grace_s * 1000));
+  }
+  void reap();
+  void on_signals(int fd);
+  void relay(Child& child, bool is_out, int fd);
+
+  const LaunchArgs& args_;
+  std::vector<Child> children_;
+  SignalPipe signals_;
+  std::optional<int> failed_;    // index of the worker whose failure stopped the others
+  std::optional<int> forwarded_; // the first signal we passed on
+  bool killed_ = false;          // a second signal: no more grace
+  std::optional<Clock::time_point> kill_at_;
+};
+
+void Launcher::reap() {
+  // Several workers can end in one pass (a victim and its culprit); the culprit is the one
+  // whose code is not the collective failure it caused in the others.
+  std::optional<int> culprit;
+  int culprit_status = 0;
+  for (auto& c : children_) {
+    if (!c.running)
+      continue;
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) != c.pid)
+      continue;
+    c.running = false;
+    c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (c.exit_code == 0 || failed_ || forwarded_)
+      continue;
+    if (!culprit || (children_[*culprit].exit_code == kExitComm && c.exit_code != kExitComm)) {
+      culprit = c.index;
+      culprit_status = status;
+    }
+  }
+  if (!culprit)
+    return;
+  failed_ = culprit;
+  write_all(STDERR_FILENO, "[launch] worker " + std::to_string(*culprit) + " " +
+                               describe_exit(culprit_status) + "; stopping the other workers\n");
+  stop_all(SIGTERM);
+  stop_later();
+}
+
+void Launcher::on_signals(int fd) {
+  unsigned char sigs[64];
+  const ssize_t n = ::read(fd, sigs, sizeof sigs);
+  for (ssize_t i = 0; i < n; ++i) {
+    if (sigs[i] == SIGCHLD)
+      continue; // reaped at the top of the loop
+    if (!forwarded_) {
+      // First Ctrl-C/SIGTERM: pass it on and give the workers the grace period to stop.
+      forwarded_ = sigs[i];
+      stop_all(sigs[i]);
+      stop_later();
+    } else if (!killed_) {
+      killed_ = true; // a second one: stop now
+      stop_all(SIGKILL);
+    }
+  }
+}
+
+void Launcher::relay(Child& child, bool is_out, int fd) {
+  char buf[65536];
+  const ssize_t n = ::read(fd, buf, sizeof buf);
+  std::string& buffer = is_out ? child.out_buffer : child.err_buffer;
+  const int target = is_out ? STDOUT_FILENO : STDERR_FILENO;
+  if (n > 0) {
+    buffer.append(buf, static_cast<std::size_t>(n));
+    emit_lines(child.index, buffer, target, false);
+  } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+    emit_lines(child.index, buffer, target, true);
+    (is_out ? child.out : child.err).reset();
+  }
+}
+
+int Launcher::supervise() {
+  for (;;) {
+    reap();
+    const bool any_running =
+        std::any_of(children_.begin(), children_.end(), [](const Child& c) { return c.running; });
+    std::vector<pollfd> fds{{signals_.fd(), POLLIN, 0}};
+    std::vector<std::pair<Child*, bool>> owners{{nullptr, false}};
+    for (auto& c : children_) {
+      if (c.out.get() >= 0)
+        fds.push_back({c.out.get(), POLLIN, 0}), owners.push_back({&c, true});
+      if (c.err.get() >= 0)
+        fds.push_back({c.err.get(), POLLIN, 0}), owners.push_back({&c, false});
+    }
+    // Done when every worker is gone and its output drained. A grandchild that keeps a pipe
+    // open cannot hold us: once the workers are gone, reads get a short deadline.
+    if (!any_running && fds.size() == 1)
+      break;
+    std::int64_t wait_ms = any_running ? 1000 : 200;
+    if (kill_at_ && any_running) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at_ - Clock::now()).count();
+      if (left <= 0) {
+        stop_all(SIGKILL);
+        kill_at_.reset();
+      } else {
+        wait_ms = std::min<std::int64_t>(wait_ms, left);
+      }
+    }
+    const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
+    if (ready < 0 && errno != EINTR)
+      throw Error(std::string("poll: ") + std::strerror(errno));
+    if (ready == 0 && !any_running) { // workers gone, pipes quiet: stop waiting for them
+      for (auto& c : children_) {
+        emit_lines(c.index, c.out_buffer, STDOUT_FILENO, true);
+        emit_lines(c.index, c.err_buffer, STDERR_FILENO, true);
+        c.out.reset();
+        c.err.reset();
+      }
+      continue;
+    }
+    for (std::size_t k = 0; k < fds.size() && ready > 0; ++k) {
+      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR)))
+        continue;
+      if (k == 0) {
+        on_signals(fds[k].fd);
+      } else {
+        relay(*owners[k].first, owners[k].second, fds[k].fd);
+      }
+    }
+  }
+  if (failed_)
+    return children_[static_cast<std::size_t>(*failed_)].exit_code;
+  for (const auto& c : children_) {
+    if (c.exit_code != 0)
+      return c.exit_code; // how the workers ended after a forwarded signal
+  }
+  // Stopped by a signal, even if every worker then exited cleanly: not a success to a scheduler.
+  return forwarded_ ? 128 + *forwarded_ : kExitOk;
 }
 
 int run(const LaunchArgs& a) {
@@ -226,163 +478,32 @@ int run(const LaunchArgs& a) {
   }
   std::vector<int> ports;
   if (a.port > 0) {
-    for (int i = 0; i < a.workers; ++i) ports.push_back(a.port + i);
+    for (int i = 0; i < a.workers; ++i)
+      ports.push_back(a.port + i);
   } else {
     ports = free_ports(a.workers);
   }
   cluster::ClusterSpec spec;
-  for (int port : ports) spec.worker.push_back({"127.0.0.1", port});
+  for (int port : ports)
+    spec.worker.push_back({"127.0.0.1", port});
   const int threads = std::max(1, available_cores() / a.workers);
+  const bool terminal = ::isatty(STDOUT_FILENO) != 0;
 
   // `flotilla launch -- flotilla train` means this very program, on PATH or not.
-  std::vector<std::string> argv_strings = a.command;
-  if (argv_strings[0] == "flotilla") argv_strings[0] = self_executable();
+  std::vector<std::string> argv = a.command;
+  if (argv[0] == "flotilla")
+    argv[0] = self_executable();
 
-  auto [signal_read, signal_write] = make_pipe();
-  ::fcntl(signal_write.get(), F_SETFL, O_NONBLOCK);
-  g_signal_pipe = signal_write.get();
-  struct sigaction action {};
-  action.sa_handler = on_signal;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP}) ::sigaction(sig, &action, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill us and orphan the workers
-
-  std::vector<Child> children(static_cast<std::size_t>(a.workers));
-  std::optional<int> failed;  // index of the first worker that failed
-  std::optional<Clock::time_point> kill_at;
-  int signals_received = 0;
-
-  auto stop_all = [&](int sig) {
-    for (auto& c : children) {
-      if (c.running) ::kill(-c.pid, sig);  // its whole process group
-    }
-  };
-
+  Launcher launcher(a);
   for (int i = 0; i < a.workers; ++i) {
-    Child& child = children[static_cast<std::size_t>(i)];
-    child.index = i;
     spec.task = {cluster::TaskType::kWorker, i};
-    const auto env_strings = child_environment(i, a.workers, cluster::to_tf_config(spec), threads,
-                                              ::isatty(STDOUT_FILENO) != 0);
-    std::vector<char*> argv, envp;
-    for (const auto& s : argv_strings) argv.push_back(const_cast<char*>(s.c_str()));
-    argv.push_back(nullptr);
-    for (const auto& s : env_strings) envp.push_back(const_cast<char*>(s.c_str()));
-    envp.push_back(nullptr);
-
-    auto [out_read, out_write] = make_pipe();
-    auto [err_read, err_write] = make_pipe();
-    const int rc = spawn(argv, envp, out_write.get(), err_write.get(), &child.pid);
-    if (rc != 0) {
-      stop_all(SIGKILL);
-      for (auto& c : children) {
-        if (c.running) ::waitpid(c.pid, nullptr, 0);
-      }
-      throw ConfigError("cannot start \"" + a.command[0] + "\": " + std::strerror(rc) +
-                        "; check the command after --");
-    }
-    child.running = true;
-    child.out = std::move(out_read);
-    child.err = std::move(err_read);
+    launcher.start(i, argv,
+                   child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal));
   }
-
-  const auto reap = [&] {
-    for (auto& c : children) {
-      if (!c.running) continue;
-      int status = 0;
-      const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-      if (r != c.pid) continue;
-      c.running = false;
-      c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (c.exit_code != 0 && !failed && signals_received == 0) {
-        failed = c.index;
-        std::string how = WIFEXITED(status) ? "exited with code " + std::to_string(c.exit_code)
-                                            : std::string("was killed by signal ") +
-                                                  ::strsignal(WTERMSIG(status));
-        write_all(STDERR_FILENO, "[launch] worker " + std::to_string(c.index) + " " + how +
-                                     "; stopping the other workers\n");
-        stop_all(SIGTERM);
-        kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int>(a.grace_s * 1000));
-      }
-    }
-  };
-
-  for (;;) {
-    reap();
-    const bool any_running =
-        std::any_of(children.begin(), children.end(), [](const Child& c) { return c.running; });
-    std::vector<pollfd> fds{{signal_read.get(), POLLIN, 0}};
-    std::vector<std::pair<Child*, bool>> owners{{nullptr, false}};
-    for (auto& c : children) {
-      if (c.out.get() >= 0) fds.push_back({c.out.get(), POLLIN, 0}), owners.push_back({&c, true});
-      if (c.err.get() >= 0) fds.push_back({c.err.get(), POLLIN, 0}), owners.push_back({&c, false});
-    }
-    // Done when every worker is gone and its output drained. A grandchild that keeps a pipe
-    // open cannot hold us: once the workers are gone, reads get a short deadline.
-    if (!any_running && fds.size() == 1) break;
-    int wait_ms = any_running ? 1000 : 200;
-    if (kill_at && any_running) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at - Clock::now());
-      if (left.count() <= 0) {
-        stop_all(SIGKILL);
-        kill_at.reset();
-      } else {
-        wait_ms = static_cast<int>(std::min<long long>(wait_ms, left.count()));
-      }
-    }
-    const int ready = ::poll(fds.data(), fds.size(), wait_ms);
-    if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
-    if (ready == 0 && !any_running) {  // workers gone, pipes quiet: stop waiting for them
-      for (auto& c : children) {
-        emit_lines(c.index, c.out_buffer, STDOUT_FILENO, true);
-        emit_lines(c.index, c.err_buffer, STDERR_FILENO, true);
-        c.out.reset();
-        c.err.reset();
-      }
-      continue;
-    }
-    for (std::size_t k = 0; k < fds.size() && ready > 0; ++k) {
-      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      if (k == 0) {
-        unsigned char sigs[64];
-        const ssize_t n = ::read(signal_read.get(), sigs, sizeof sigs);
-        for (ssize_t s = 0; s < n; ++s) {
-          if (sigs[s] == SIGCHLD) continue;  // reaped at the top of the loop
-          ++signals_received;
-          // First Ctrl-C/SIGTERM: pass it on and let workers stop; a second one: kill.
-          stop_all(signals_received == 1 ? sigs[s] : SIGKILL);
-          if (signals_received == 1) {
-            kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int>(a.grace_s * 1000));
-          }
-        }
-        continue;
-      }
-      auto [child, is_out] = owners[k];
-      char buf[65536];
-      const ssize_t n = ::read(fds[k].fd, buf, sizeof buf);
-      std::string& buffer = is_out ? child->out_buffer : child->err_buffer;
-      const int target = is_out ? STDOUT_FILENO : STDERR_FILENO;
-      if (n > 0) {
-        buffer.append(buf, static_cast<std::size_t>(n));
-        emit_lines(child->index, buffer, target, false);
-      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-        emit_lines(child->index, buffer, target, true);
-        (is_out ? child->out : child->err).reset();
-      }
-    }
-  }
-  for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGHUP}) ::signal(sig, SIG_DFL);
-  g_signal_pipe = -1;
-
-  if (failed) return children[static_cast<std::size_t>(*failed)].exit_code;
-  for (const auto& c : children) {
-    if (c.exit_code != 0) return c.exit_code;  // stopped by a forwarded signal
-  }
-  return kExitOk;
+  return launcher.supervise();
 }
 
-}  // namespace
+} // namespace
 
 Command add_launch(CLI::App& parent) {
   auto args = std::make_shared<LaunchArgs>();
@@ -397,12 +518,11 @@ Command add_launch(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--grace", args->grace_s,
                   "Seconds stopped workers get between SIGTERM and SIGKILL")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
-  app->add_option("command", args->command, "The command each worker runs, after --")
-      ->required();
+  app->add_option("command", args->command, "The command each worker runs, after --")->required();
   app->footer("Example: flotilla launch --workers 2 -- flotilla train --model cnn --epochs 1");
   return {app, [args] { return run(*args); }};
 }
 
-}  // namespace flotilla::tools
+} // namespace flotilla::tools

@@ -11,11 +11,12 @@ namespace flotilla::tools {
 
 int available_cores() {
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    return std::max(1, CPU_COUNT(&set));
   return 1;
 }
 
-}  // namespace flotilla::tools
+} // namespace flotilla::tools
 
 int main(int argc, char** argv) {
   using namespace flotilla;
@@ -29,18 +30,20 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
-    return app.exit(e);  // --help, --version
+    return app.exit(e); // --help, --version
   } catch (const CLI::ParseError& e) {
     std::string where = "flotilla";
-    for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
+    for (const auto* sub : app.get_subcommands())
+      where += " " + sub->get_name();
     std::cerr << where << ": error: " << e.what() << " (see " << where << " --help)\n";
     return kExitBadInput;
   }
   for (const auto& command : commands) {
-    if (!command.app->parsed()) continue;
+    if (!command.app->parsed())
+      continue;
     try {
       return command.run();
-    } catch (const c10::Error& e) {  // LibTorch's own: its message, not its backtrace
+    } catch (const c10::Error& e) { // LibTorch's own: its message, not its backtrace
       std::cerr << "flotilla " << command.app->get_name()
                 << ": error: " << e.what_without_backtrace() << "\n";
       return kExitFailure;

@@ -29,19 +29,21 @@ std::vector<cluster::Address> addresses(const std::vector<std::string>& texts,
 int run(const TfConfigArgs& a) {
   cluster::ClusterSpec spec;
   spec.worker = addresses(a.workers, "--workers");
-  if (!a.chief.empty()) spec.chief = {cluster::parse_address(a.chief, "--chief")};
-  if (!a.evaluator.empty()) spec.evaluator = {cluster::parse_address(a.evaluator, "--evaluator")};
+  if (!a.chief.empty())
+    spec.chief = {cluster::parse_address(a.chief, "--chief")};
+  if (!a.evaluator.empty())
+    spec.evaluator = {cluster::parse_address(a.evaluator, "--evaluator")};
   spec.task.type = a.type == "chief"       ? cluster::TaskType::kChief
                    : a.type == "evaluator" ? cluster::TaskType::kEvaluator
                                            : cluster::TaskType::kWorker;
   spec.task.index = a.index;
   const std::string json = cluster::to_tf_config(spec);
-  cluster::parse_tf_config(json);  // the same rules a worker applies, before anyone starts
+  cluster::parse_tf_config(json); // the same rules a worker applies, before anyone starts
   std::cout << json << "\n";
   return 0;
 }
 
-}  // namespace
+} // namespace
 
 Command add_tf_config(CLI::App& parent) {
   auto args = std::make_shared<TfConfigArgs>();
@@ -54,10 +56,9 @@ Command add_tf_config(CLI::App& parent) {
   app->add_option("--type", args->type, "This task's type")
       ->check(CLI::IsMember({"chief", "worker", "evaluator"}))
       ->capture_default_str();
-  app->add_option("--index", args->index, "This task's index within its type")
-      ->required();
+  app->add_option("--index", args->index, "This task's index within its type")->required();
   app->footer("Example: export TF_CONFIG=$(flotilla tf-config --workers a:2222,b:2222 --index 1)");
   return {app, [args] { return run(*args); }};
 }
 
-}  // namespace flotilla::tools
+} // namespace flotilla::tools

@@ -23,13 +23,13 @@ struct TrainArgs {
   std::string dataset = "fashion-mnist";
   std::string data_dir = data::kFashionMnistDir;
   int epochs = 1;
-  std::int64_t steps_per_epoch = 0;  // 0: the whole dataset
+  std::int64_t steps_per_epoch = 0; // 0: the whole dataset
   std::int64_t batch_per_replica = 32;
   double lr = 0.02;
   double momentum = 0.9;
   std::uint64_t seed = 42;
   std::string model_dir;
-  int threads = 0;  // 0: cores ÷ workers on this machine
+  int threads = 0; // 0: cores ÷ workers on this machine
   std::string metrics_json;
   double timeout_s = 300;
   std::string implementation = "auto";
@@ -66,6 +66,12 @@ int run(const TrainArgs& a) {
   comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
   comm.bytes_per_pack = a.bytes_per_pack;
 
+  const bool write_metrics = spec.is_chief() && !a.metrics_json.empty();
+  if (write_metrics && !std::ofstream(a.metrics_json, std::ios::app)) {
+    // Found before joining, not after an epoch of training.
+    throw ConfigError("cannot append to --metrics-json file " + a.metrics_json +
+                      "; check that its directory exists and is writable");
+  }
   // Load (and validate) the data before joining, so a bad path fails fast on every worker.
   const auto train_data = data::load_fashion_mnist(a.data_dir, data::Split::kTrain);
   const auto test_data = data::load_fashion_mnist(a.data_dir, data::Split::kTest);
@@ -97,10 +103,10 @@ int run(const TrainArgs& a) {
                                 {global_batch, /*shuffle=*/false, 0, /*drop_remainder=*/false},
                                 data::normalize_images);
 
-  const bool write_metrics = strategy.is_chief() && !a.metrics_json.empty();
   train::FitOptions fit;
   fit.epochs = a.epochs;
-  if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
+  if (a.steps_per_epoch > 0)
+    fit.steps_per_epoch = a.steps_per_epoch;
   fit.model_dir = a.model_dir;
   if (a.verbose == "auto") {
     const bool terminal = ::isatty(STDOUT_FILENO) || env.get("FLOTILLA_TERMINAL");
@@ -109,7 +115,8 @@ int run(const TrainArgs& a) {
     fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
   }
   fit.on_epoch_end = [&](const train::EpochLogs& logs) {
-    if (!write_metrics) return;
+    if (!write_metrics)
+      return;
     append_json_line(a.metrics_json, {{"epoch", logs.epoch},
                                       {"loss", logs.loss},
                                       {"accuracy", logs.accuracy},
@@ -127,15 +134,15 @@ int run(const TrainArgs& a) {
                 static_cast<long long>(test.samples));
     std::fflush(stdout);
     if (write_metrics) {
-      append_json_line(a.metrics_json,
-                       {{"test_loss", test.loss}, {"test_accuracy", test.accuracy},
-                        {"test_samples", test.samples}});
+      append_json_line(a.metrics_json, {{"test_loss", test.loss},
+                                        {"test_accuracy", test.accuracy},
+                                        {"test_samples", test.samples}});
     }
   }
   return kExitOk;
 }
 
-}  // namespace
+} // namespace
 
 Command add_train(CLI::App& parent) {
   auto args = std::make_shared<TrainArgs>();
@@ -177,7 +184,7 @@ Command add_train(CLI::App& parent) {
   app->add_option("--metrics-json", args->metrics_json,
                   "Chief appends one JSON object per epoch and one with the test result");
   app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(0.1, 7 * 86400.0))
       ->capture_default_str();
   app->add_option("--implementation", args->implementation,
                   "Collective implementation: auto, ring or nccl")
@@ -193,4 +200,4 @@ Command add_train(CLI::App& parent) {
   return {app, [args] { return run(*args); }};
 }
 
-}  // namespace flotilla::tools
+} // namespace flotilla::tools

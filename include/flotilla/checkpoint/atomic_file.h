@@ -10,9 +10,9 @@
 namespace flotilla::checkpoint {
 
 class AtomicFile {
- public:
+public:
   explicit AtomicFile(std::filesystem::path target);
-  ~AtomicFile();  // removes the temporary file unless committed
+  ~AtomicFile(); // removes the temporary file unless committed
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
 
@@ -21,7 +21,7 @@ class AtomicFile {
   // Flushes to disk, renames over the target, and syncs the directory.
   void commit();
 
- private:
+private:
   std::filesystem::path target_;
   std::filesystem::path temp_;
   int fd_ = -1;
@@ -30,4 +30,4 @@ class AtomicFile {
 // Convenience: the whole file at once.
 void write_file_atomic(const std::filesystem::path& target, const std::string& contents);
 
-}  // namespace flotilla::checkpoint
+} // namespace flotilla::checkpoint

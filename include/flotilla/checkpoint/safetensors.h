@@ -16,7 +16,7 @@ namespace flotilla::checkpoint {
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 struct SafetensorsFile {
-  std::map<std::string, torch::Tensor> tensors;  // CPU tensors
+  std::map<std::string, torch::Tensor> tensors; // CPU tensors
   std::map<std::string, std::string> metadata;
 };
 
@@ -28,4 +28,4 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
 // file and the problem.
 SafetensorsFile load_safetensors(const std::filesystem::path& path);
 
-}  // namespace flotilla::checkpoint
+} // namespace flotilla::checkpoint

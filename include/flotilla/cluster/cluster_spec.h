@@ -15,7 +15,7 @@ struct Address {
   std::string host;
   int port = 0;
 
-  std::string to_string() const;  // "host:port", "[v6]:port"
+  std::string to_string() const; // "host:port", "[v6]:port"
   bool operator==(const Address& other) const { return host == other.host && port == other.port; }
   bool operator!=(const Address& other) const { return !(*this == other); }
 };
@@ -34,19 +34,19 @@ struct TaskSpec {
 
 struct ClusterSpec {
   // Jobs as listed in TF_CONFIG (empty when the source does not list them, e.g. torchrun env).
-  std::vector<Address> chief;      // at most one
+  std::vector<Address> chief; // at most one
   std::vector<Address> worker;
-  std::vector<Address> evaluator;  // at most one; never part of the training group
+  std::vector<Address> evaluator; // at most one; never part of the training group
   TaskSpec task;
-  std::string rpc_layer;    // accepted and kept; flotilla always speaks c10d/Gloo/NCCL
-  std::string environment;  // accepted and kept ("cloud", "google", ...)
+  std::string rpc_layer;   // accepted and kept; flotilla always speaks c10d/Gloo/NCCL
+  std::string environment; // accepted and kept ("cloud", "google", ...)
 
   // The training group, derived once by the resolver.
-  int world_size = 1;      // chief + workers
-  int rank = 0;            // chief is 0, then workers by index; -1 for the evaluator
-  Address rendezvous;      // the chief's address; it hosts the rendezvous store on that port
-  std::string local_host;  // this task's own host (to bind collectives to); "" when unknown
-  std::string source;      // "TF_CONFIG", "torchrun environment" or "single worker"
+  int world_size = 1;     // chief + workers
+  int rank = 0;           // chief is 0, then workers by index; -1 for the evaluator
+  Address rendezvous;     // the chief's address; it hosts the rendezvous store on that port
+  std::string local_host; // this task's own host (to bind collectives to); "" when unknown
+  std::string source;     // "TF_CONFIG", "torchrun environment" or "single worker"
 
   bool is_chief() const { return rank == 0; }
   bool is_evaluator() const { return task.type == TaskType::kEvaluator; }
@@ -62,4 +62,4 @@ std::string to_tf_config(const ClusterSpec& spec);
 // ConfigError naming the field, the value seen and the fix.
 ClusterSpec parse_tf_config(std::string_view json);
 
-}  // namespace flotilla::cluster
+} // namespace flotilla::cluster

@@ -22,4 +22,4 @@ ClusterSpec resolve_cluster(const Environment& env);
 // 1 when unset. Used to share the cores between them.
 int local_world_size(const Environment& env);
 
-}  // namespace flotilla::cluster
+} // namespace flotilla::cluster

@@ -25,9 +25,9 @@ enum class ReduceOp { kSum, kMean, kMax, kMin };
 
 // TensorFlow's CommunicationImplementation.
 enum class Implementation {
-  kAuto,  // NCCL for CUDA tensors when built with it, the Gloo ring otherwise
-  kRing,  // Gloo's TCP ring for every tensor
-  kNccl,  // NCCL; CPU tensors still use the ring (NCCL cannot reduce them)
+  kAuto, // NCCL for CUDA tensors when built with it, the Gloo ring otherwise
+  kRing, // Gloo's TCP ring for every tensor
+  kNccl, // NCCL; CPU tensors still use the ring (NCCL cannot reduce them)
 };
 std::string_view to_string(Implementation implementation);
 std::string_view to_string(ReduceOp op);
@@ -48,26 +48,30 @@ bool nccl_available();
 
 // The handle to one asynchronous collective. Copies share the same operation.
 class Work {
- public:
-  Work() = default;  // an already completed, empty operation
+public:
+  Work() = default; // an already completed, empty operation
 
   // Blocks until the operation completes. Rethrows its failure (CommError/TimeoutError naming
   // the operation, its sequence number and this rank); later calls rethrow the same failure.
   void wait();
-  bool is_completed() const;
+  // True once the result is final (a completed mean is divided, a strided tensor written back);
+  // it never blocks, and a failure is rethrown by the next wait(). Call wait() before reading a
+  // result: the backends have finished, but the last step runs in wait() or here.
+  bool is_completed();
   // all_gather's result after wait(): one tensor per rank, in rank order.
   const std::vector<at::Tensor>& result() const;
 
   struct State;
 
- private:
+private:
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  void finish_locked();
   std::shared_ptr<State> state_;
   friend class Communicator;
 };
 
 class Communicator {
- public:
+public:
   // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
   // spec.rendezvous, the others connect to it. Blocks until every rank has joined or
   // options.timeout passes (TimeoutError naming the address and how many joined).
@@ -90,11 +94,14 @@ class Communicator {
   Work all_gather(const at::Tensor& tensor);
   Work barrier();
 
+  // The backend that carries `tensor`'s collectives: "gloo" or "nccl" (made on first use).
+  std::string transport(const at::Tensor& tensor);
+
   struct Impl;
 
- private:
+private:
   explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;
 };
 
-}  // namespace flotilla::collective
+} // namespace flotilla::collective

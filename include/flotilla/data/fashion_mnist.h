@@ -13,8 +13,8 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 enum class Split { kTrain, kTest };
 
 struct LabeledImages {
-  torch::Tensor images;  // uint8 [N, 1, 28, 28]
-  torch::Tensor labels;  // int64 [N], 0..9
+  torch::Tensor images; // uint8 [N, 1, 28, 28]
+  torch::Tensor labels; // int64 [N], 0..9
 };
 
 // Reads {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] from `dir`.
@@ -23,4 +23,4 @@ LabeledImages load_fashion_mnist(const std::string& dir, Split split);
 // uint8 pixels to float, standardised with Fashion-MNIST's training mean and deviation.
 torch::Tensor normalize_images(const torch::Tensor& images);
 
-}  // namespace flotilla::data
+} // namespace flotilla::data

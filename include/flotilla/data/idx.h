@@ -13,4 +13,4 @@ namespace flotilla::data {
 // was wrong: missing, not IDX (magic), truncated, or corrupt compression.
 torch::Tensor read_idx(const std::string& path);
 
-}  // namespace flotilla::data
+} // namespace flotilla::data

@@ -16,28 +16,29 @@
 namespace flotilla::strategy {
 
 class GradientReducer {
- public:
+public:
   struct Bucket {
-    std::vector<std::size_t> params;  // indices into the parameter list
-    std::vector<std::int64_t> offsets;  // element offset of each parameter in `flat`
+    std::vector<std::size_t> params;   // indices into the parameter list
+    std::vector<std::int64_t> offsets; // element offset of each parameter in `flat`
+    std::int64_t numel = 0;            // gradient elements; then one used-flag per parameter
     torch::Tensor flat;
   };
 
   GradientReducer(collective::Communicator communicator, std::vector<torch::Tensor> parameters,
                   std::int64_t bytes_per_pack);
 
-  void prepare() {}  // nothing to arm in the plain engine
+  void prepare() {} // nothing to arm in the plain engine
   // Replaces every parameter's gradient with its mean over all replicas. A parameter that got
   // no gradient on this replica contributes zeros (others may have used it), so no replica
-  // waits for a gradient that never comes.
+  // waits for a gradient that never comes; one that got none on any replica keeps none.
   void finish();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
 
- private:
+private:
   collective::Communicator communicator_;
   std::vector<torch::Tensor> parameters_;
   std::vector<Bucket> buckets_;
 };
 
-}  // namespace flotilla::strategy
+} // namespace flotilla::strategy

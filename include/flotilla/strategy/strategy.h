@@ -23,7 +23,7 @@ namespace flotilla::strategy {
 using collective::ReduceOp;
 
 class Strategy {
- public:
+public:
   Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator);
   virtual ~Strategy() = default;
 
@@ -37,8 +37,7 @@ class Strategy {
   InputContext input_context() const;
 
   // Builds the model and makes every replica's parameters and buffers the chief's.
-  template <class Build>
-  auto scope(Build&& build) {
+  template <class Build> auto scope(Build&& build) {
     auto model = build();
     mirror(module_of(model));
     return model;
@@ -52,11 +51,10 @@ class Strategy {
   // The gradient engine for `module`'s trainable parameters, with this strategy's bytes_per_pack.
   GradientReducer make_gradient_reducer(const torch::nn::Module& module);
 
- private:
+private:
   static torch::nn::Module& module_of(const std::shared_ptr<torch::nn::Module>& m) { return *m; }
   static torch::nn::Module& module_of(const torch::nn::AnyModule& m) { return *m.ptr(); }
-  template <class T>
-  static torch::nn::Module& module_of(const torch::nn::ModuleHolder<T>& m) {
+  template <class T> static torch::nn::Module& module_of(const torch::nn::ModuleHolder<T>& m) {
     return *m.ptr();
   }
 
@@ -67,15 +65,15 @@ class Strategy {
 
 // One worker, this machine (one CPU replica; several replicas per worker come later).
 class MirroredStrategy : public Strategy {
- public:
+public:
   explicit MirroredStrategy(const collective::CommunicationOptions& options = {});
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
 class MultiWorkerMirroredStrategy : public Strategy {
- public:
+public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
                                        const collective::CommunicationOptions& options = {});
 };
 
-}  // namespace flotilla::strategy
+} // namespace flotilla::strategy

@@ -28,22 +28,22 @@ struct SGD {
 };
 
 enum class Loss {
-  kSparseCategoricalCrossentropy,  // integer labels, logits in (Keras: from_logits=True)
+  kSparseCategoricalCrossentropy, // integer labels, logits in (Keras: from_logits=True)
 };
 
 struct CompileOptions {
   SGD optimizer;
   Loss loss = Loss::kSparseCategoricalCrossentropy;
-  std::vector<std::string> metrics = {"accuracy"};  // "accuracy" is the one available now
+  std::vector<std::string> metrics = {"accuracy"}; // "accuracy" is the one available now
 };
 
 // One epoch's results, global across workers.
 struct EpochLogs {
-  int epoch = 0;  // 1-based, as Keras prints it
+  int epoch = 0; // 1-based, as Keras prints it
   std::int64_t steps = 0;
   double loss = 0;
   double accuracy = 0;
-  double samples_per_s = 0;  // global samples ÷ the chief's wall-clock seconds
+  double samples_per_s = 0; // global samples ÷ the chief's wall-clock seconds
   double seconds = 0;
 };
 
@@ -61,8 +61,8 @@ enum class Verbosity { kAuto = -1, kSilent = 0, kProgressBar = 1, kOneLinePerEpo
 
 struct FitOptions {
   int epochs = 1;
-  std::optional<std::int64_t> steps_per_epoch;  // default: the dataset's
-  Verbosity verbose = Verbosity::kAuto;         // auto: a bar on a terminal, else one line
+  std::optional<std::int64_t> steps_per_epoch; // default: the dataset's
+  Verbosity verbose = Verbosity::kAuto;        // auto: a bar on a terminal, else one line
   // Where checkpoints go ("" = none): the chief writes ckpt-<epoch>.safetensors after each
   // epoch; the other workers save into temporary directories beside it (checkpoint/).
   std::string model_dir;
@@ -71,15 +71,16 @@ struct FitOptions {
 };
 
 class Model {
- public:
+public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
 
   // Any module holder whose forward takes and returns one tensor (torch::nn::Sequential, a
   // TORCH_MODULE of your own, ...).
   template <class Holder>
   Model(strategy::Strategy& strategy, Holder holder)
-      : Model(strategy, holder.ptr(),
-              [holder](const torch::Tensor& x) mutable -> torch::Tensor { return holder->forward(x); }) {}
+      : Model(strategy, holder.ptr(), [holder](const torch::Tensor& x) mutable -> torch::Tensor {
+          return holder->forward(x);
+        }) {}
   Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward);
 
   void compile(const CompileOptions& options);
@@ -90,7 +91,7 @@ class Model {
   torch::nn::Module& module() { return *module_; }
   strategy::Strategy& strategy() { return strategy_; }
 
- private:
+private:
   void require_compiled(const char* what) const;
 
   strategy::Strategy& strategy_;
@@ -101,4 +102,4 @@ class Model {
   std::unique_ptr<strategy::GradientReducer> reducer_;
 };
 
-}  // namespace flotilla::train
+} // namespace flotilla::train

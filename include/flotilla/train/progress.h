@@ -13,7 +13,7 @@ namespace flotilla::train {
 struct EpochLogs;
 
 class Progress {
- public:
+public:
   // `enabled` is false on every worker but the chief; `bar` draws the in-place bar.
   Progress(bool enabled, bool bar, std::FILE* out = stdout);
 
@@ -24,7 +24,7 @@ class Progress {
   void end_epoch(const EpochLogs& logs);
   void line(const std::string& text);
 
- private:
+private:
   bool enabled_;
   bool bar_;
   std::FILE* out_;
@@ -33,4 +33,4 @@ class Progress {
   std::chrono::steady_clock::time_point last_draw_;
 };
 
-}  // namespace flotilla::train
+} // namespace flotilla::train

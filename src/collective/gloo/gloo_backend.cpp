@@ -13,9 +13,7 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
   options->devices.push_back(local_host.empty()
                                  ? c10d::ProcessGroupGloo::createDefaultDevice()
                                  : c10d::ProcessGroupGloo::createDeviceForHostname(local_host));
-  // One thread runs the collectives of a worker in issue order; a second lets a small bucket
-  // overtake nothing, so keep Gloo's default of two.
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
-}  // namespace flotilla::collective::detail
+} // namespace flotilla::collective::detail

@@ -6,7 +6,9 @@
 
 namespace flotilla::collective::detail {
 
-bool nccl_built() { return true; }
+bool nccl_built() {
+  return true;
+}
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
@@ -16,4 +18,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 }
 
-}  // namespace flotilla::collective::detail
+} // namespace flotilla::collective::detail

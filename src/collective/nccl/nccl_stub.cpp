@@ -4,7 +4,9 @@
 
 namespace flotilla::collective::detail {
 
-bool nccl_built() { return false; }
+bool nccl_built() {
+  return false;
+}
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int,
                                                     int, std::chrono::milliseconds) {
@@ -13,4 +15,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
       "AUTO) for CPU training, or build against a CUDA LibTorch");
 }
 
-}  // namespace flotilla::collective::detail
+} // namespace flotilla::collective::detail

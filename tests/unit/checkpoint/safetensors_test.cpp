@@ -39,7 +39,7 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
       {"mask", torch::tensor({true, false, true})},
       {"bytes", torch::tensor({0, 255}, torch::kUInt8)},
       {"empty", torch::zeros({0, 3})},
-      {"strided", torch::randn({4, 6}).t()},  // not contiguous
+      {"strided", torch::randn({4, 6}).t()}, // not contiguous
   };
   save_safetensors(path, tensors, {{"epoch", "3"}});
   const auto loaded = load_safetensors(path);
@@ -66,12 +66,21 @@ TEST(Safetensors, CorruptFilesAreNamedNotLoaded) {
   EXPECT_EQ(error_of(path), path + ": tensor \"w\" claims bytes [0, 400) for 400 bytes of data "
                                    "in a 390-byte section; the file is corrupt");
   fs::resize_file(path, 5);
-  EXPECT_EQ(error_of(path),
-            path + ": truncated: 5 bytes, shorter than the 8-byte header length");
-  std::ofstream(path, std::ios::binary) << std::string("\xff\xff\xff\xff\x00\x00\x00\x00", 8) << "{}";
+  EXPECT_EQ(error_of(path), path + ": truncated: 5 bytes, shorter than the 8-byte header length");
+  std::ofstream(path, std::ios::binary)
+      << std::string("\xff\xff\xff\xff\x00\x00\x00\x00", 8) << "{}";
   EXPECT_EQ(error_of(path), path + ": header length 4294967295 does not fit in a file of 10 "
                                    "bytes; the file is truncated or not safetensors");
   EXPECT_EQ(error_of(dir.path() + "/none"), dir.path() + "/none: cannot open it; check the path");
+  // A shape far larger than the file is refused before anything is allocated.
+  const std::string header =
+      R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    bytes[i] = static_cast<char>(header.size() >> (8 * i));
+  std::ofstream(path, std::ios::binary) << bytes << header << std::string(16, '\0');
+  EXPECT_EQ(error_of(path), path + ": tensor \"w\" has shape [4611686018427387904, 4], larger "
+                                   "than the file's 16-byte data section; the file is corrupt");
 }
 
 TEST(AtomicFile, AnAbandonedWriteLeavesThePreviousFileAndNoTemporary) {
@@ -101,8 +110,9 @@ TEST(Safetensors, InteroperatesWithPythonSafetensors) {
   TempDir dir;
   const std::string ours = dir.path() + "/ours.safetensors";
   const std::string theirs = dir.path() + "/theirs.safetensors";
-  save_safetensors(ours, {{"a", torch::arange(6, torch::kFloat32).reshape({2, 3})},
-                          {"b", torch::tensor({1.5}, torch::kBFloat16)}},
+  save_safetensors(ours,
+                   {{"a", torch::arange(6, torch::kFloat32).reshape({2, 3})},
+                    {"b", torch::tensor({1.5}, torch::kBFloat16)}},
                    {{"epoch", "7"}});
   const std::string script = R"(
 import json, sys, torch
@@ -128,5 +138,5 @@ save_file({"x": torch.arange(4, dtype=torch.int64), "y": torch.full((2, 2), 0.25
   EXPECT_EQ(loaded.metadata.at("by"), "python");
 }
 
-}  // namespace
-}  // namespace flotilla::checkpoint
+} // namespace
+} // namespace flotilla::checkpoint

@@ -6,7 +6,9 @@
 namespace flotilla::cluster {
 namespace {
 
-Environment env(std::map<std::string, std::string> vars) { return Environment(std::move(vars)); }
+Environment env(std::map<std::string, std::string> vars) {
+  return Environment(std::move(vars));
+}
 
 std::string error_of(const Environment& e) {
   try {
@@ -47,9 +49,9 @@ TEST(Resolvers, TorchrunEnvironment) {
   EXPECT_EQ(spec.world_size, 4);
   EXPECT_FALSE(spec.is_chief());
   EXPECT_EQ(spec.rendezvous.to_string(), "10.1.2.3:29500");
-  EXPECT_EQ(spec.local_host, "");  // resolved from this host's name by the transport
-  const auto chief = resolve_cluster(
-      env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}));
+  EXPECT_EQ(spec.local_host, ""); // resolved from this host's name by the transport
+  const auto chief = resolve_cluster(env(
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}));
   EXPECT_TRUE(chief.is_chief());
   EXPECT_EQ(chief.local_host, "127.0.0.1");
   EXPECT_EQ(chief.task.type, TaskType::kChief);
@@ -66,24 +68,25 @@ TEST(Resolvers, TorchrunErrors) {
   EXPECT_EQ(error_of(env({{"RANK", "0"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})),
             "WORLD_SIZE is not set; torchrun-style launch sets RANK, WORLD_SIZE, MASTER_ADDR and "
             "MASTER_PORT");
-  EXPECT_EQ(error_of(env({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"},
-                          {"MASTER_PORT", "1"}})),
+  EXPECT_EQ(error_of(env(
+                {{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})),
             "RANK must be an integer >= 0; saw \"x\"; torchrun-style launch sets RANK, "
             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT");
-  EXPECT_EQ(error_of(env({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"},
-                          {"MASTER_PORT", "1"}})),
+  EXPECT_EQ(error_of(env(
+                {{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})),
             "RANK 2 is out of range for WORLD_SIZE 2; use 0 to 1");
-  EXPECT_EQ(error_of(env({{"RANK", "0"}, {"WORLD_SIZE", "0"}, {"MASTER_ADDR", "a"},
-                          {"MASTER_PORT", "1"}})),
+  EXPECT_EQ(error_of(env(
+                {{"RANK", "0"}, {"WORLD_SIZE", "0"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})),
             "WORLD_SIZE must be an integer >= 1; saw \"0\"; torchrun-style launch sets RANK, "
             "WORLD_SIZE, MASTER_ADDR and MASTER_PORT");
   EXPECT_EQ(error_of(env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}})),
             "MASTER_ADDR is not set; torchrun-style launch sets RANK, WORLD_SIZE, MASTER_ADDR and "
             "MASTER_PORT");
-  EXPECT_EQ(error_of(env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"},
-                          {"MASTER_PORT", "99999"}})),
-            "MASTER_ADDR/MASTER_PORT: port \"99999\" in \"a:99999\" is not a valid port; use a "
-            "number from 1 to 65535");
+  EXPECT_EQ(
+      error_of(env(
+          {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "99999"}})),
+      "MASTER_ADDR/MASTER_PORT: port \"99999\" in \"a:99999\" is not a valid port; use a "
+      "number from 1 to 65535");
 }
 
 TEST(Resolvers, LocalWorldSize) {
@@ -92,5 +95,5 @@ TEST(Resolvers, LocalWorldSize) {
   EXPECT_THROW(local_world_size(env({{"LOCAL_WORLD_SIZE", "-1"}})), ConfigError);
 }
 
-}  // namespace
-}  // namespace flotilla::cluster
+} // namespace
+} // namespace flotilla::cluster

@@ -91,7 +91,9 @@ struct BadCase {
   const char* message;
 };
 
-void PrintTo(const BadCase& c, std::ostream* os) { *os << c.json; }
+void PrintTo(const BadCase& c, std::ostream* os) {
+  *os << c.json;
+}
 
 class TfConfigErrors : public ::testing::TestWithParam<BadCase> {};
 
@@ -123,10 +125,12 @@ const BadCase kBadCases[] = {
     {"IndexOutOfRange",
      R"({"cluster": {"worker": ["a:1", "b:2", "c:3"]}, "task": {"type": "worker", "index": 3}})",
      "TF_CONFIG task.index 3 is out of range: cluster.worker has 3 addresses, so use 0 to 2"},
-    {"NegativeIndex", R"({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": -1}})",
+    {"NegativeIndex",
+     R"({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": -1}})",
      "TF_CONFIG task.index is -1; an index counts from 0: use 0 to 1 for the 2 \"worker\" "
      "addresses"},
-    {"IndexNotInteger", R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}})",
+    {"IndexNotInteger",
+     R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}})",
      "TF_CONFIG task.index must be an integer; saw the string \"0\""},
     {"DuplicateAddress",
      R"({"cluster": {"chief": ["a:1"], "worker": ["b:2", "a:1"]}, "task": {"type": "chief"}})",
@@ -177,7 +181,8 @@ const BadCase kBadCases[] = {
     {"PsTask", R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}})",
      "TF_CONFIG task.type is \"ps\": parameter-server training is not supported; use "
      "chief/worker"},
-    {"UnknownJob", R"({"cluster": {"worker": ["a:1"], "trainer": ["b:2"]}, "task": {"type": "worker"}})",
+    {"UnknownJob",
+     R"({"cluster": {"worker": ["a:1"], "trainer": ["b:2"]}, "task": {"type": "worker"}})",
      "TF_CONFIG cluster has unknown task type \"trainer\"; use \"chief\", \"worker\" and "
      "\"evaluator\""},
     {"Master", R"({"cluster": {"master": ["a:1"]}, "task": {"type": "master"}})",
@@ -213,5 +218,5 @@ TEST(Address, ParsesHostAndPortAndNamesTheFieldInErrors) {
   }
 }
 
-}  // namespace
-}  // namespace flotilla::cluster
+} // namespace
+} // namespace flotilla::cluster

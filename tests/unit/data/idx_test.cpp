@@ -17,7 +17,8 @@ std::string idx_bytes(std::vector<std::uint32_t> dims, const std::vector<std::ui
                       std::uint8_t type = 0x08) {
   std::string out = {0, 0, static_cast<char>(type), static_cast<char>(dims.size())};
   for (auto d : dims) {
-    for (int shift = 24; shift >= 0; shift -= 8) out += static_cast<char>((d >> shift) & 0xff);
+    for (int shift = 24; shift >= 0; shift -= 8)
+      out += static_cast<char>((d >> shift) & 0xff);
   }
   out.append(data.begin(), data.end());
   return out;
@@ -45,7 +46,8 @@ std::string error_of(const std::string& path) {
 TEST(Idx, ReadsRawAndGzipWithTheirShape) {
   TempDir dir;
   std::vector<std::uint8_t> values(2 * 3 * 4);
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::uint8_t>(i * 7);
+  for (std::size_t i = 0; i < values.size(); ++i)
+    values[i] = static_cast<std::uint8_t>(i * 7);
   write_raw(dir.path() + "/a.idx", idx_bytes({2, 3, 4}, values));
   write_gz(dir.path() + "/a.idx.gz", idx_bytes({2, 3, 4}, values));
   for (const char* name : {"/a.idx", "/a.idx.gz"}) {
@@ -59,16 +61,14 @@ TEST(Idx, ReadsRawAndGzipWithTheirShape) {
 TEST(Idx, WrongMagicNamesFileAndExpectation) {
   TempDir dir;
   const std::string path = dir.path() + "/f.idx";
-  write_raw(path, idx_bytes({1}, {0}, 0x0d));  // float IDX: not what we read
-  EXPECT_EQ(error_of(path), path +
-                                ": wrong magic number 0x00000d01; expected an unsigned-byte IDX "
-                                "file (0x00000801 to 0x00000804), such as "
-                                "train-images-idx3-ubyte.gz");
+  write_raw(path, idx_bytes({1}, {0}, 0x0d)); // float IDX: not what we read
+  EXPECT_EQ(error_of(path), path + ": wrong magic number 0x00000d01; expected an unsigned-byte IDX "
+                                   "file (0x00000801 to 0x00000804), such as "
+                                   "train-images-idx3-ubyte.gz");
   write_raw(path, "PK\x03\x04 not idx");
-  EXPECT_EQ(error_of(path), path +
-                                ": wrong magic number 0x504b0304; expected an unsigned-byte IDX "
-                                "file (0x00000801 to 0x00000804), such as "
-                                "train-images-idx3-ubyte.gz");
+  EXPECT_EQ(error_of(path), path + ": wrong magic number 0x504b0304; expected an unsigned-byte IDX "
+                                   "file (0x00000801 to 0x00000804), such as "
+                                   "train-images-idx3-ubyte.gz");
 }
 
 TEST(Idx, TruncatedRawAndGzipFilesAreCaught) {
@@ -76,24 +76,37 @@ TEST(Idx, TruncatedRawAndGzipFilesAreCaught) {
   const std::string full = idx_bytes({10, 5}, std::vector<std::uint8_t>(50, 1));
   const std::string raw = dir.path() + "/t.idx";
   write_raw(raw, full.substr(0, full.size() - 8));
-  EXPECT_EQ(error_of(raw), raw +
-                               ": truncated: the header promises 10x5 = 50 bytes of data, the "
-                               "file holds 42; download or reinstall it");
+  EXPECT_EQ(error_of(raw), raw + ": truncated: the header promises 10x5 = 50 bytes of data, the "
+                                 "file holds 42; download or reinstall it");
   // A gzip stream cut in half.
   const std::string gz = dir.path() + "/t.idx.gz";
   std::vector<std::uint8_t> noise(5000);
-  for (std::size_t i = 0; i < noise.size(); ++i) noise[i] = static_cast<std::uint8_t>(i * 31 % 251);
+  for (std::size_t i = 0; i < noise.size(); ++i)
+    noise[i] = static_cast<std::uint8_t>(i * 31 % 251);
   write_gz(gz, idx_bytes({5000}, noise));
   std::ifstream in(gz, std::ios::binary);
   std::string compressed((std::istreambuf_iterator<char>(in)), {});
   write_raw(gz, compressed.substr(0, compressed.size() / 2));
   const std::string message = error_of(gz);
-  EXPECT_EQ(message.rfind(gz + ": truncated: the header promises 5000 = 5000 bytes of data, the file holds ", 0), 0u)
+  EXPECT_EQ(
+      message.rfind(
+          gz + ": truncated: the header promises 5000 = 5000 bytes of data, the file holds ", 0),
+      0u)
       << message;
   write_raw(raw, full.substr(0, 6));
-  EXPECT_EQ(error_of(raw), raw +
-                               ": truncated: the file ends inside its dimension list (2 "
-                               "dimensions expected)");
+  EXPECT_EQ(error_of(raw), raw + ": truncated: the file ends inside its dimension list (2 "
+                                 "dimensions expected)");
+}
+
+TEST(Idx, AnImpossibleHeaderIsRefusedBeforeAllocating) {
+  TempDir dir;
+  const std::string raw = dir.path() + "/huge.idx";
+  write_raw(raw, idx_bytes({60000, 60000, 60000}, {1, 2, 3}));
+  EXPECT_EQ(error_of(raw), raw + ": header claims more than 1 TiB of data (dimension 2 is 60000); "
+                                 "the file is corrupt");
+  write_raw(raw, idx_bytes({100000, 1000, 1000}, {1, 2, 3})); // 100 GB promised, 3 bytes held
+  EXPECT_EQ(error_of(raw), raw + ": truncated: the header promises 100000x1000x1000 = 100000000000 "
+                                 "bytes of data, the file holds 3; download or reinstall it");
 }
 
 TEST(Idx, MissingFile) {
@@ -115,12 +128,13 @@ TEST(FashionMnist, MissingDirectorySaysWhatToInstall) {
 }
 
 TEST(FashionMnist, RealFilesHaveTheKnownShapeAndLabels) {
-  if (!flotilla::testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!flotilla::testing::fashion_mnist_present())
+    GTEST_SKIP() << "dataset-fashion-mnist absent";
   const auto train = load_fashion_mnist(kFashionMnistDir, Split::kTrain);
   const auto test = load_fashion_mnist(kFashionMnistDir, Split::kTest);
   EXPECT_EQ(train.images.sizes(), (std::vector<std::int64_t>{60000, 1, 28, 28}));
   EXPECT_EQ(test.images.sizes(), (std::vector<std::int64_t>{10000, 1, 28, 28}));
-  EXPECT_EQ(train.labels[0].item<int>(), 9);  // the first training image is an ankle boot
+  EXPECT_EQ(train.labels[0].item<int>(), 9); // the first training image is an ankle boot
   EXPECT_EQ(test.labels[0].item<int>(), 9);
   // Balanced classes: 6,000 of each in training.
   EXPECT_TRUE(torch::bincount(train.labels).eq(6000).all().item<bool>());
@@ -129,5 +143,5 @@ TEST(FashionMnist, RealFilesHaveTheKnownShapeAndLabels) {
   EXPECT_NEAR(x.std().item<double>(), 1.0, 0.02);
 }
 
-}  // namespace
-}  // namespace flotilla::data
+} // namespace
+} // namespace flotilla::data

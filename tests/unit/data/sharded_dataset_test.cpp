@@ -11,21 +11,23 @@ namespace {
 // Features are the example ids themselves, so a batch says which examples it holds.
 ShardedDataset make(std::int64_t n, int workers, int index, ShardOptions options) {
   auto ids = torch::arange(n, torch::kInt64);
-  return ShardedDataset(ids.to(torch::kFloat32), ids, strategy::InputContext{workers, index, workers},
-                        options);
+  return ShardedDataset(ids.to(torch::kFloat32), ids,
+                        strategy::InputContext{workers, index, workers}, options);
 }
 
 std::vector<std::int64_t> ids_of(const Batch& b) {
   auto t = b.labels.contiguous();
-  return std::vector<std::int64_t>(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+  return std::vector<std::int64_t>(t.data_ptr<std::int64_t>(),
+                                   t.data_ptr<std::int64_t>() + t.numel());
 }
 
 TEST(ShardedDataset, WorkersSeeDisjointSlicesWhoseUnionIsTheGlobalBatch) {
   const ShardOptions options{12, true, 7, true};
   auto single = make(100, 1, 0, options);
   std::vector<ShardedDataset> workers;
-  for (int w = 0; w < 3; ++w) workers.push_back(make(100, 3, w, options));
-  EXPECT_EQ(single.steps_per_epoch(), 8);  // 100 / 12, remainder dropped
+  for (int w = 0; w < 3; ++w)
+    workers.push_back(make(100, 3, w, options));
+  EXPECT_EQ(single.steps_per_epoch(), 8); // 100 / 12, remainder dropped
   std::set<std::int64_t> epoch_ids;
   for (std::int64_t step = 0; step < 8; ++step) {
     auto global = ids_of(single.batch(step));
@@ -38,7 +40,7 @@ TEST(ShardedDataset, WorkersSeeDisjointSlicesWhoseUnionIsTheGlobalBatch) {
     EXPECT_EQ(from_workers, std::multiset<std::int64_t>(global.begin(), global.end()));
     epoch_ids.insert(global.begin(), global.end());
   }
-  EXPECT_EQ(epoch_ids.size(), 96u);  // no example twice in an epoch
+  EXPECT_EQ(epoch_ids.size(), 96u); // no example twice in an epoch
 }
 
 TEST(ShardedDataset, ShuffleIsSeededPerEpochAndTheSameOnEveryWorker) {
@@ -97,5 +99,5 @@ TEST(ShardedDataset, BadBatchesAreConfigErrors) {
   EXPECT_THROW(ds.batch(5), ConfigError);
 }
 
-}  // namespace
-}  // namespace flotilla::data
+} // namespace
+} // namespace flotilla::data

@@ -8,7 +8,8 @@ namespace {
 
 std::int64_t parameter_count(torch::nn::Sequential& m) {
   std::int64_t n = 0;
-  for (const auto& p : m->parameters()) n += p.numel();
+  for (const auto& p : m->parameters())
+    n += p.numel();
   return n;
 }
 
@@ -37,5 +38,5 @@ TEST(Zoo, UnknownModelListsTheKnownOnes) {
   }
 }
 
-}  // namespace
-}  // namespace flotilla::models
+} // namespace
+} // namespace flotilla::models
