@@ -1,0 +1,474 @@
+// Stages that hold elements: shuffle (a seeded buffer), prefetch (a producer thread ahead of the
+// consumer), cache (a first pass kept in memory or in a file for the passes after it).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "data/stages.h"
+#include "data/tuner.h"
+#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/log.h"
+
+namespace flotilla::data::detail {
+namespace {
+
+// --- shuffle ---
+
+class ShuffleStage : public UnaryStage {
+public:
+  ShuffleStage(std::unique_ptr<Stage> input, std::int64_t buffer_size, std::uint64_t seed)
+      : UnaryStage("Shuffle", std::move(input)), buffer_size_(buffer_size), rng_(seed) {}
+
+protected:
+  std::optional<Element> produce() override {
+    while (!input_done_ && static_cast<std::int64_t>(buffer_.size()) < buffer_size_) {
+      auto e = input_->next();
+      if (!e) {
+        input_done_ = true;
+        break;
+      }
+      buffer_.push_back(std::move(*e));
+    }
+    if (buffer_.empty())
+      return std::nullopt;
+    // As tf.data: a uniformly chosen buffered element leaves; the next input takes its place.
+    const std::size_t pick = static_cast<std::size_t>(rng_() % buffer_.size());
+    Element out = std::move(buffer_[pick]);
+    if (auto e = input_done_ ? std::optional<Element>() : input_->next()) {
+      buffer_[pick] = std::move(*e);
+    } else {
+      input_done_ = true;
+      buffer_[pick] = std::move(buffer_.back());
+      buffer_.pop_back();
+    }
+    return out;
+  }
+  void fill(StageStats& s) const override { s.buffer_size = buffer_size_; }
+
+private:
+  std::int64_t buffer_size_;
+  std::mt19937_64 rng_;
+  std::vector<Element> buffer_;
+  bool input_done_ = false;
+};
+
+class ShuffleNode : public UnaryNode {
+public:
+  ShuffleNode(NodePtr input, std::int64_t buffer_size, std::optional<std::uint64_t> seed,
+              bool reshuffle)
+      : UnaryNode(std::move(input)), buffer_size_(buffer_size), seeded_(seed.has_value()),
+        seed_(seed ? *seed : std::random_device{}()), reshuffle_(reshuffle) {
+    if (buffer_size < 1) {
+      throw ConfigError("shuffle buffer_size must be at least 1; saw " +
+                        std::to_string(buffer_size) + " (1 keeps the order)");
+    }
+  }
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    const std::uint64_t seed =
+        mix_seed(seed_, reshuffle_ ? static_cast<std::uint64_t>(ctx.iteration) : 0);
+    return std::make_unique<ShuffleStage>(input_->make_iterator(ctx), buffer_size_, seed);
+  }
+  std::int64_t cardinality() const override { return input_->cardinality(); }
+  std::string describe() const override {
+    return "shuffle(" + std::to_string(buffer_size_) + "," +
+           (seeded_ ? std::to_string(seed_) : "unseeded") + "," + std::to_string(reshuffle_) + ")";
+  }
+  std::string not_replayable(const Options&) const override {
+    return seeded_ ? ""
+                   : "a shuffle without a seed draws a new order in every process; give it one";
+  }
+
+private:
+  std::int64_t buffer_size_;
+  bool seeded_;
+  std::uint64_t seed_;
+  bool reshuffle_;
+};
+
+// --- prefetch ---
+
+class PrefetchStage : public UnaryStage {
+public:
+  PrefetchStage(std::unique_ptr<Stage> input, std::int64_t buffer_size, const IteratorContext& ctx)
+      : UnaryStage("Prefetch", std::move(input)), autotuned_(buffer_size == kAutotune),
+        tuner_(ctx.tuner), knob_(autotuned_ ? 2 : buffer_size, autotuned_ ? 64 : buffer_size, 0) {
+    if (autotuned_)
+      tuner_->add(&knob_);
+  }
+  ~PrefetchStage() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      cancelled_ = true;
+    }
+    changed_.notify_all();
+    if (producer_.joinable())
+      producer_.join();
+    if (autotuned_)
+      tuner_->remove(&knob_);
+  }
+  std::int64_t skip(std::int64_t n) override {
+    if (producer_.joinable())
+      return Stage::skip(n);
+    return input_->skip(n);
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    if (!producer_.joinable())
+      producer_ = std::thread([this] { run(); });
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto start = Clock::now();
+    changed_.wait(lock, [&] { return !buffer_.empty() || done_; });
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    knob_.counters().consumer_wait_ns += waited;
+    knob_.counters().consumer_wait_total_ns += waited;
+    if (buffer_.empty()) {
+      if (error_)
+        std::rethrow_exception(error_);
+      return std::nullopt;
+    }
+    Element out = std::move(buffer_.front());
+    buffer_.pop_front();
+    lock.unlock();
+    changed_.notify_all();
+    return out;
+  }
+  void fill(StageStats& s) const override {
+    s.buffer_size = knob_.value();
+    s.autotuned = autotuned_;
+    s.consumer_wait_share = share(knob_.counters().consumer_wait_total_ns.load());
+  }
+
+private:
+  void run() {
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      const auto start = Clock::now();
+      changed_.wait(lock, [&] {
+        return cancelled_ || static_cast<std::int64_t>(buffer_.size()) < knob_.value();
+      });
+      knob_.counters().producer_full_ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+      if (cancelled_)
+        return;
+      lock.unlock();
+      std::optional<Element> e;
+      std::exception_ptr error;
+      try {
+        e = input_->next();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      if (!e) {
+        error_ = error;
+        done_ = true;
+        lock.unlock();
+        changed_.notify_all();
+        return;
+      }
+      knob_.observe_element_bytes(element_bytes(*e));
+      buffer_.push_back(std::move(*e));
+      lock.unlock();
+      changed_.notify_all();
+    }
+  }
+
+  const bool autotuned_;
+  std::shared_ptr<Tuner> tuner_;
+  Knob knob_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Element> buffer_;
+  bool done_ = false;
+  bool cancelled_ = false;
+  std::exception_ptr error_;
+  std::thread producer_;
+};
+
+class PrefetchNode : public UnaryNode {
+public:
+  PrefetchNode(NodePtr input, std::int64_t size) : UnaryNode(std::move(input)), size_(size) {
+    if (size < 0 && size != kAutotune) {
+      throw ConfigError("prefetch buffer_size must be at least 0 or kAutotune; saw " +
+                        std::to_string(size));
+    }
+  }
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    auto in = input_->make_iterator(ctx);
+    if (size_ == 0)
+      return in; // tf.data: prefetch(0) does nothing
+    return std::make_unique<PrefetchStage>(std::move(in), size_, ctx);
+  }
+  std::int64_t cardinality() const override { return input_->cardinality(); }
+  std::string describe() const override { return "prefetch"; }
+
+private:
+  std::int64_t size_;
+};
+
+// --- cache in memory ---
+
+struct MemoryCache {
+  std::mutex mutex;
+  std::vector<Element> elements;
+  bool complete = false;
+  bool filling = false;
+};
+
+class MemoryReplayStage : public Stage {
+public:
+  explicit MemoryReplayStage(std::shared_ptr<MemoryCache> cache)
+      : Stage("Cache(read)"), cache_(std::move(cache)) {}
+  std::int64_t skip(std::int64_t n) override {
+    const std::int64_t moved =
+        std::min<std::int64_t>(n, static_cast<std::int64_t>(cache_->elements.size()) - position_);
+    position_ += moved;
+    return moved;
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    if (position_ >= static_cast<std::int64_t>(cache_->elements.size()))
+      return std::nullopt;
+    return cache_->elements[static_cast<std::size_t>(position_++)];
+  }
+
+private:
+  std::shared_ptr<MemoryCache> cache_; // complete, so read without the lock
+  std::int64_t position_ = 0;
+};
+
+class MemoryFillStage : public UnaryStage {
+public:
+  MemoryFillStage(std::unique_ptr<Stage> input, std::shared_ptr<MemoryCache> cache)
+      : UnaryStage("Cache(fill)", std::move(input)), cache_(std::move(cache)) {}
+  ~MemoryFillStage() override {
+    // A pass that stopped early leaves no partial cache behind (as tf.data): the next pass
+    // fills it again.
+    std::lock_guard<std::mutex> lock(cache_->mutex);
+    cache_->filling = false;
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    auto e = input_->next();
+    if (e) {
+      pending_.push_back(*e);
+    } else {
+      std::lock_guard<std::mutex> lock(cache_->mutex);
+      cache_->elements = std::move(pending_);
+      cache_->complete = true;
+    }
+    return e;
+  }
+
+private:
+  std::shared_ptr<MemoryCache> cache_;
+  std::vector<Element> pending_;
+};
+
+// --- cache in a file ---
+// Layout: "FLOTILLA-CACHE-1\n", the input's fingerprint (u64 length + bytes), the elements
+// (u32 arity; per tensor: i8 dtype, u8 ndim, i64 dims, u64 bytes, data), a u64 count and the
+// marker "END\n". Written to a temporary name and renamed when complete.
+
+constexpr char kCacheMagic[] = "FLOTILLA-CACHE-1\n";
+constexpr char kCacheEnd[] = "END\n";
+
+class FileReader {
+public:
+  explicit FileReader(const std::string& path) : in_(path, std::ios::binary), path_(path) {}
+  explicit operator bool() const { return static_cast<bool>(in_); }
+  template <class T> T read() {
+    T v{};
+    in_.read(reinterpret_cast<char*>(&v), sizeof v);
+    check();
+    return v;
+  }
+  std::string read_string(std::size_t n) {
+    std::string s(n, '\0');
+    in_.read(s.data(), static_cast<std::streamsize>(n));
+    check();
+    return s;
+  }
+  void read_into(void* out, std::size_t n) {
+    in_.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
+    check();
+  }
+
+private:
+  void check() {
+    if (!in_)
+      throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
+  }
+  std::ifstream in_;
+  std::string path_;
+};
+
+// The fingerprint at the head of a complete cache file, or "" if absent or incomplete.
+std::string cached_fingerprint(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in)
+    return "";
+  const auto size = static_cast<std::int64_t>(in.tellg());
+  const std::int64_t magic = sizeof(kCacheMagic) - 1;
+  const std::int64_t end = sizeof(kCacheEnd) - 1;
+  if (size < magic + 8 + 8 + end)
+    return "";
+  std::string tail(static_cast<std::size_t>(end), '\0');
+  in.seekg(size - end);
+  in.read(tail.data(), end);
+  in.seekg(0);
+  std::string head(static_cast<std::size_t>(magic), '\0');
+  in.read(head.data(), magic);
+  std::uint64_t length = 0;
+  in.read(reinterpret_cast<char*>(&length), 8);
+  if (!in || head != kCacheMagic || tail != kCacheEnd ||
+      length > static_cast<std::uint64_t>(size)) {
+    return "";
+  }
+  std::string fingerprint(length, '\0');
+  in.read(fingerprint.data(), static_cast<std::streamsize>(length));
+  return in ? fingerprint : "";
+}
+
+class FileReplayStage : public Stage {
+public:
+  explicit FileReplayStage(const std::string& path) : Stage("Cache(file read)"), in_(path) {
+    in_.read_string(sizeof(kCacheMagic) - 1);
+    in_.read_string(in_.read<std::uint64_t>());
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    const auto arity = in_.read<std::uint32_t>();
+    if (arity == 0xFFFFFFFFu)
+      return std::nullopt; // the count marker follows
+    Element out;
+    for (std::uint32_t i = 0; i < arity; ++i) {
+      const auto dtype = static_cast<torch::ScalarType>(in_.read<std::int8_t>());
+      const auto ndim = in_.read<std::uint8_t>();
+      std::vector<std::int64_t> dims(ndim);
+      for (auto& d : dims)
+        d = in_.read<std::int64_t>();
+      const auto bytes = in_.read<std::uint64_t>();
+      torch::Tensor t = torch::empty(dims, dtype);
+      if (static_cast<std::uint64_t>(t.numel()) * t.element_size() != bytes) {
+        throw DataError("cache file is corrupt (a tensor's size does not match its shape); "
+                        "delete it to rebuild it");
+      }
+      in_.read_into(t.data_ptr(), bytes);
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+private:
+  FileReader in_;
+};
+
+class FileFillStage : public UnaryStage {
+public:
+  FileFillStage(std::unique_ptr<Stage> input, const std::string& path, std::string fingerprint)
+      : UnaryStage("Cache(file write)", std::move(input)),
+        file_(std::make_unique<checkpoint::AtomicFile>(path)) {
+    file_->write(kCacheMagic, sizeof(kCacheMagic) - 1);
+    put<std::uint64_t>(fingerprint.size());
+    file_->write(fingerprint);
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    auto e = input_->next();
+    if (!file_)
+      return e;
+    if (!e) {
+      put<std::uint32_t>(0xFFFFFFFFu);
+      put<std::uint64_t>(static_cast<std::uint64_t>(count_));
+      file_->write(kCacheEnd, sizeof(kCacheEnd) - 1);
+      file_->commit(); // only now does the cache file appear, whole
+      file_.reset();
+      return e;
+    }
+    put<std::uint32_t>(static_cast<std::uint32_t>(e->size()));
+    for (const auto& t : *e) {
+      const torch::Tensor c = t.contiguous().cpu();
+      put<std::int8_t>(static_cast<std::int8_t>(c.scalar_type()));
+      put<std::uint8_t>(static_cast<std::uint8_t>(c.dim()));
+      for (auto d : c.sizes())
+        put<std::int64_t>(d);
+      const auto bytes = static_cast<std::uint64_t>(c.numel()) * c.element_size();
+      put<std::uint64_t>(bytes);
+      file_->write(c.data_ptr(), bytes);
+    }
+    ++count_;
+    return e;
+  }
+
+private:
+  template <class T> void put(T v) { file_->write(&v, sizeof v); }
+  std::unique_ptr<checkpoint::AtomicFile> file_; // removed unless the pass completes
+  std::int64_t count_ = 0;
+};
+
+class CacheNode : public UnaryNode {
+public:
+  CacheNode(NodePtr input, std::string filename)
+      : UnaryNode(std::move(input)), filename_(std::move(filename)),
+        memory_(std::make_shared<MemoryCache>()) {}
+
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    if (!filename_.empty())
+      return make_file_iterator(ctx);
+    std::lock_guard<std::mutex> lock(memory_->mutex);
+    if (memory_->complete)
+      return std::make_unique<MemoryReplayStage>(memory_);
+    if (memory_->filling)
+      return input_->make_iterator(ctx); // another pass is filling it
+    memory_->filling = true;
+    return std::make_unique<MemoryFillStage>(input_->make_iterator(ctx), memory_);
+  }
+  std::int64_t cardinality() const override { return input_->cardinality(); }
+  std::string describe() const override { return "cache(" + filename_ + ")"; }
+
+private:
+  std::unique_ptr<Stage> make_file_iterator(const IteratorContext& ctx) const {
+    const std::string path = filename_ + ".flotilla-cache";
+    const std::string fingerprint = input_->fingerprint();
+    const std::string found = cached_fingerprint(path);
+    if (!found.empty() && found == fingerprint)
+      return std::make_unique<FileReplayStage>(path);
+    if (!found.empty()) {
+      Logger().warn("cache file " + path +
+                    " was made by a different pipeline or from different data; rebuilding it");
+    }
+    return std::make_unique<FileFillStage>(input_->make_iterator(ctx), path, fingerprint);
+  }
+
+  std::string filename_;
+  std::shared_ptr<MemoryCache> memory_;
+};
+
+} // namespace
+
+NodePtr make_shuffle(NodePtr input, std::int64_t buffer_size, std::optional<std::uint64_t> seed,
+                     bool reshuffle_each_iteration) {
+  return std::make_shared<ShuffleNode>(std::move(input), buffer_size, seed,
+                                       reshuffle_each_iteration);
+}
+NodePtr make_prefetch(NodePtr input, std::int64_t buffer_size) {
+  return std::make_shared<PrefetchNode>(std::move(input), buffer_size);
+}
+NodePtr make_cache(NodePtr input, const std::string& filename) {
+  return std::make_shared<CacheNode>(std::move(input), filename);
+}
+
+} // namespace flotilla::data::detail

@@ -1,0 +1,113 @@
+// Private: the graph a Dataset describes (Node) and the runtime an iteration builds from it
+// (Stage, one per stage). Every stage times its own next() so that stats() and the
+// autotuner see where the time goes.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flotilla/data/dataset.h"
+
+namespace flotilla::data::detail {
+
+class ThreadPool;
+class Tuner;
+
+struct IteratorContext {
+  std::shared_ptr<ThreadPool> pool;
+  std::shared_ptr<Tuner> tuner;
+  Options options;
+  std::int64_t iteration = 0; // which pass; nested passes (repeat) derive their own
+};
+
+using Clock = std::chrono::steady_clock;
+
+class Stage {
+public:
+  explicit Stage(std::string name) : name_(std::move(name)) {}
+  virtual ~Stage() = default;
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
+
+  // The next element or nullopt at the end; timed for stats.
+  std::optional<Element> next() {
+    const std::int64_t start = now_ns();
+    if (first_ns_ == 0)
+      first_ns_ = start;
+    auto out = produce();
+    const std::int64_t end = now_ns();
+    latency_ns_ += end - start;
+    last_ns_ = end;
+    if (out)
+      ++elements_;
+    return out;
+  }
+  const std::string& name() const { return name_; }
+  // Moves past up to n elements as cheaply as the stage allows (a map need not run its function:
+  // map functions are pure); returns how many it moved past.
+  virtual std::int64_t skip(std::int64_t n);
+  // This stage's figures after its inputs' (source first).
+  virtual void stats(std::vector<StageStats>& out) const;
+
+protected:
+  virtual std::optional<Element> produce() = 0;
+  virtual void fill(StageStats& s) const {} // parallelism, buffer, waits
+  // The inputs whose stats come before this stage's.
+  virtual std::vector<const Stage*> stat_inputs() const { return {}; }
+
+  // `ns` as a share of this stage's active time.
+  double share(std::int64_t ns) const {
+    const std::int64_t active = active_ns();
+    return active > 0 ? static_cast<double>(ns) / static_cast<double>(active) : 0;
+  }
+  // Wall time from this stage's first next() to the end of its latest.
+  std::int64_t active_ns() const { return last_ns_.load() - first_ns_.load(); }
+  static std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+        .count();
+  }
+
+  std::string name_;
+  std::atomic<std::int64_t> elements_{0};
+  std::atomic<std::int64_t> latency_ns_{0};
+  std::atomic<std::int64_t> first_ns_{0};
+  std::atomic<std::int64_t> last_ns_{0};
+};
+
+class Node {
+public:
+  explicit Node(Options options) : options_(std::move(options)) {}
+  virtual ~Node() = default;
+
+  virtual std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const = 0;
+  virtual std::int64_t cardinality() const = 0;
+  // This node alone, e.g. "batch(256,drop_remainder=1)"; sources include their data's identity.
+  virtual std::string describe() const = 0;
+  virtual std::vector<std::shared_ptr<const Node>> inputs() const { return {}; }
+  // Why a pass through this node could not be replayed exactly (same elements, same order) in
+  // another process, or "" when it can.
+  virtual std::string not_replayable(const Options& options) const { return ""; }
+
+  std::string fingerprint() const;
+  // The first reason found anywhere in the graph, or "".
+  std::string graph_not_replayable(const Options& options) const;
+  const Options& options() const { return options_; }
+  std::int64_t next_iteration() const { return iterations_.fetch_add(1); }
+  void continue_after(std::int64_t iteration) const;
+
+private:
+  Options options_;
+  mutable std::atomic<std::int64_t> iterations_{0};
+};
+
+using NodePtr = std::shared_ptr<const Node>;
+
+// Mixes a seed with iteration numbers into a new 64-bit seed (splitmix64).
+std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t a, std::uint64_t b = 0);
+
+} // namespace flotilla::data::detail
