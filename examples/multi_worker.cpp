@@ -28,9 +28,16 @@ int main() try {
   // Scale the batch with the replicas: each one sees BATCH_PER_REPLICA examples a step.
   const std::int64_t batch_per_replica = 32;
   const std::int64_t global_batch = batch_per_replica * strategy.num_replicas_in_sync();
-  const auto images = data::load_fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
-  data::ShardedDataset dataset(images.images, images.labels, strategy.input_context(),
-                               data::ShardOptions{global_batch}, data::normalize_images);
+  // The recipe's pipeline, batched by the GLOBAL batch; fit() gives each replica its slice.
+  const auto dataset = data::fashion_mnist(data::kFashionMnistDir, data::Split::kTrain)
+                           .shuffle(10000, /*seed=*/42)
+                           .batch(global_batch, /*drop_remainder=*/true)
+                           .map(
+                               [](data::Element e) {
+                                 return data::Element{data::normalize_images(e[0]), e[1]};
+                               },
+                               data::kAutotune)
+                           .prefetch(data::kAutotune);
 
   train::FitOptions fit;
   fit.epochs = 1;

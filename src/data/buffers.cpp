@@ -209,6 +209,10 @@ public:
   }
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::string describe() const override { return "prefetch"; }
+  bool preserves_order(const Options&) const override { return true; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<PrefetchNode>(inputs.at(0), size_);
+  }
 
 private:
   std::int64_t size_;

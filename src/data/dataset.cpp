@@ -81,9 +81,10 @@ int available_cores() {
 // The runtime of one pass: the pool and tuner its stages share, and the stage tree.
 class IteratorImpl {
 public:
-  IteratorImpl(NodePtr node, std::int64_t iteration)
+  IteratorImpl(NodePtr node, std::int64_t iteration, std::shared_ptr<BatchSizes> batch_sizes)
       : node_(std::move(node)), iteration_(iteration) {
     IteratorContext ctx;
+    ctx.batch_sizes = std::move(batch_sizes);
     ctx.options = node_->options();
     ctx.iteration = iteration;
     const int threads = ctx.options.private_threadpool_size > 0
@@ -165,6 +166,13 @@ Dataset Dataset::range(std::int64_t start, std::int64_t stop, std::int64_t step)
   return Dataset(detail::make_range(start, stop, step, Options{}));
 }
 
+Dataset Dataset::random(std::uint64_t seed, bool rerandomize_each_iteration) {
+  return Dataset(detail::make_random(seed, rerandomize_each_iteration, Options{}));
+}
+Dataset Dataset::from_file_tensors(Element tensors, const std::vector<std::string>& files) {
+  return Dataset(detail::make_file_tensor_slices(std::move(tensors), files, Options{}));
+}
+
 Dataset Dataset::map(MapFn fn, std::int64_t num_parallel_calls,
                      std::optional<bool> deterministic) const {
   return Dataset(detail::make_map(node_, std::move(fn), num_parallel_calls, deterministic));
@@ -215,28 +223,41 @@ Dataset Dataset::with_options(const Options& options) const {
 }
 
 Iterator Dataset::make_iterator() const {
-  return Iterator(std::make_unique<detail::IteratorImpl>(node_, node_->next_iteration()));
+  return detail::make_iterator(node_, nullptr, nullptr);
 }
 
 Iterator Dataset::make_iterator(const IteratorState& state) const {
-  const std::string why = node_->graph_not_replayable(node_->options());
+  return detail::make_iterator(node_, nullptr, &state);
+}
+
+namespace detail {
+
+Iterator make_iterator(const NodePtr& node, std::shared_ptr<BatchSizes> batch_sizes,
+                       const IteratorState* resume) {
+  if (!resume) {
+    return Iterator(
+        std::make_unique<IteratorImpl>(node, node->next_iteration(), std::move(batch_sizes)));
+  }
+  const std::string why = node->graph_not_replayable(node->options());
   if (!why.empty())
     throw ConfigError("cannot resume this pipeline exactly: " + why);
-  if (state.fingerprint != node_->fingerprint()) {
+  if (resume->fingerprint != node->fingerprint()) {
     throw ConfigError(
         "the saved iterator state belongs to a different pipeline (its fingerprint differs); "
         "build the same dataset, with the same data, as when the state was saved");
   }
-  auto impl = std::make_unique<detail::IteratorImpl>(node_, state.iteration);
-  node_->continue_after(state.iteration);
-  const std::int64_t moved = impl->skip(state.produced);
-  if (moved < state.produced) {
+  auto impl = std::make_unique<IteratorImpl>(node, resume->iteration, std::move(batch_sizes));
+  node->continue_after(resume->iteration);
+  const std::int64_t moved = impl->skip(resume->produced);
+  if (moved < resume->produced) {
     throw DataError("the pipeline ends after " + std::to_string(moved) +
-                    " elements, before the saved position " + std::to_string(state.produced) +
+                    " elements, before the saved position " + std::to_string(resume->produced) +
                     "; the data changed since the state was saved");
   }
   return Iterator(std::move(impl));
 }
+
+} // namespace detail
 
 std::int64_t Dataset::cardinality() const {
   return node_->cardinality();

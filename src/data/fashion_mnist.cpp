@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "flotilla/data/idx.h"
+#include "flotilla/data/image.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {
@@ -46,8 +47,15 @@ LabeledImages load_fashion_mnist(const std::string& dir, Split split) {
 }
 
 torch::Tensor normalize_images(const torch::Tensor& images) {
-  constexpr double kMean = 0.2860, kStd = 0.3530; // of the 60,000 training images
-  return images.to(torch::kFloat32).mul_(1.0 / (255.0 * kStd)).sub_(kMean / kStd);
+  return image::normalize(images, kFashionMnistMean, kFashionMnistStd);
+}
+
+Dataset fashion_mnist(const std::string& dir, Split split) {
+  const std::string prefix = split == Split::kTrain ? "train" : "t10k";
+  auto data = load_fashion_mnist(dir, split);
+  return Dataset::from_file_tensors({data.images, data.labels},
+                                    {find_file(dir, prefix + "-images-idx3-ubyte"),
+                                     find_file(dir, prefix + "-labels-idx1-ubyte")});
 }
 
 } // namespace flotilla::data

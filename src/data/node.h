@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,11 +19,29 @@ namespace flotilla::data::detail {
 class ThreadPool;
 class Tuner;
 
+// The global size of each batch a distributed pass produced, in order: the rebatching stage
+// records it, the distributed iterator reads it to weigh a short last batch exactly.
+struct BatchSizes {
+  std::mutex mutex;
+  std::deque<std::int64_t> sizes;
+  void push(std::int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    sizes.push_back(n);
+  }
+  std::int64_t pop() {
+    std::lock_guard<std::mutex> lock(mutex);
+    const std::int64_t n = sizes.front();
+    sizes.pop_front();
+    return n;
+  }
+};
+
 struct IteratorContext {
   std::shared_ptr<ThreadPool> pool;
   std::shared_ptr<Tuner> tuner;
   Options options;
-  std::int64_t iteration = 0; // which pass; nested passes (repeat) derive their own
+  std::int64_t iteration = 0;              // which pass; nested passes (repeat) derive their own
+  std::shared_ptr<BatchSizes> batch_sizes; // set for a distributed pass
 };
 
 using Clock = std::chrono::steady_clock;
@@ -92,6 +111,12 @@ public:
   // Why a pass through this node could not be replayed exactly (same elements, same order) in
   // another process, or "" when it can.
   virtual std::string not_replayable(const Options& options) const { return ""; }
+  // For distribute_dataset's rewrite: whether element k out is made from element k in of each
+  // input, in order (so a batch below can be rebatched), and a copy over other inputs.
+  virtual bool preserves_order(const Options& options) const { return false; }
+  virtual std::shared_ptr<const Node> with_inputs(std::vector<std::shared_ptr<const Node>>) const {
+    return nullptr;
+  }
 
   std::string fingerprint() const;
   // The first reason found anywhere in the graph, or "".

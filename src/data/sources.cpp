@@ -1,8 +1,11 @@
 // In-memory sources: tensor slices, whole tensors, integer ranges.
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <sstream>
 
 #include "data/stages.h"
@@ -59,7 +62,9 @@ private:
 
 class SlicesNode : public InMemoryNode {
 public:
-  SlicesNode(Element tensors, const Options& options) : InMemoryNode(std::move(tensors), options) {
+  // `identity`, when given, stands for the data in the fingerprint (files' paths, sizes, times).
+  SlicesNode(Element tensors, const Options& options, std::string identity = "")
+      : InMemoryNode(std::move(tensors), options), identity_(std::move(identity)) {
     if (tensors_.empty()) {
       throw ConfigError("from_tensor_slices needs at least one tensor; saw none");
     }
@@ -80,7 +85,12 @@ public:
     return std::make_unique<SlicesStage>(tensors_, tensors_[0].size(0));
   }
   std::int64_t cardinality() const override { return tensors_[0].size(0); }
-  std::string describe() const override { return "tensor_slices(" + content_hash() + ")"; }
+  std::string describe() const override {
+    return "tensor_slices(" + (identity_.empty() ? content_hash() : identity_) + ")";
+  }
+
+private:
+  std::string identity_;
 };
 
 class TensorsNode : public InMemoryNode {
@@ -148,7 +158,63 @@ private:
   std::int64_t start_, stop_, step_;
 };
 
+class RandomStage : public Stage {
+public:
+  explicit RandomStage(std::uint64_t seed) : Stage("Random"), rng_(seed) {}
+  std::int64_t skip(std::int64_t n) override {
+    rng_.discard(static_cast<unsigned long long>(n));
+    return n;
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    return Element{torch::tensor(static_cast<std::int64_t>(rng_() >> 1), torch::kInt64)};
+  }
+
+private:
+  std::mt19937_64 rng_;
+};
+
+class RandomNode : public Node {
+public:
+  RandomNode(std::uint64_t seed, bool rerandomize, const Options& options)
+      : Node(options), seed_(seed), rerandomize_(rerandomize) {}
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    return std::make_unique<RandomStage>(
+        mix_seed(seed_, rerandomize_ ? static_cast<std::uint64_t>(ctx.iteration) : 0));
+  }
+  std::int64_t cardinality() const override { return kInfiniteCardinality; }
+  std::string describe() const override {
+    return "random(" + std::to_string(seed_) + "," + std::to_string(rerandomize_) + ")";
+  }
+
+private:
+  std::uint64_t seed_;
+  bool rerandomize_;
+};
+
+std::string file_identity(const std::vector<std::string>& files) {
+  std::string out;
+  for (const auto& f : files) {
+    struct stat info {};
+    if (::stat(f.c_str(), &info) != 0)
+      throw DataError(f + ": cannot stat it; check the path");
+    out += f + ":" + std::to_string(info.st_size) + ":" + std::to_string(info.st_mtim.tv_sec) +
+           "." + std::to_string(info.st_mtim.tv_nsec) + ";";
+  }
+  return out;
+}
+
 } // namespace
+
+NodePtr make_random(std::uint64_t seed, bool rerandomize, const Options& options) {
+  return std::make_shared<RandomNode>(seed, rerandomize, options);
+}
+
+NodePtr make_file_tensor_slices(Element tensors, const std::vector<std::string>& files,
+                                const Options& options) {
+  return std::make_shared<SlicesNode>(std::move(tensors), options, file_identity(files));
+}
 
 NodePtr make_tensor_slices(Element tensors, const Options& options) {
   return std::make_shared<SlicesNode>(std::move(tensors), options);

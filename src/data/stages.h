@@ -55,6 +55,9 @@ NodePtr make_tensor_slices(Element tensors, const Options& options);
 NodePtr make_tensors(Element tensors, const Options& options);
 NodePtr make_range(std::int64_t start, std::int64_t stop, std::int64_t step,
                    const Options& options);
+NodePtr make_random(std::uint64_t seed, bool rerandomize, const Options& options);
+NodePtr make_file_tensor_slices(Element tensors, const std::vector<std::string>& files,
+                                const Options& options);
 
 NodePtr make_map(NodePtr input, MapFn fn, std::int64_t num_parallel_calls,
                  std::optional<bool> deterministic);

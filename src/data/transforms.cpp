@@ -65,6 +65,12 @@ public:
                ? ""
                : "a parallel map with deterministic=false may reorder elements";
   }
+  bool preserves_order(const Options& options) const override {
+    return not_replayable(options).empty();
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<MapNode>(inputs.at(0), fn_, parallel_, deterministic_);
+  }
 
 private:
   MapFn fn_;
@@ -402,6 +408,10 @@ public:
   }
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::string describe() const override { return "enumerate(" + std::to_string(start_) + ")"; }
+  bool preserves_order(const Options&) const override { return true; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<EnumerateNode>(inputs.at(0), start_);
+  }
 
 private:
   std::int64_t start_;
@@ -469,6 +479,10 @@ public:
   }
   std::string describe() const override { return "zip(" + std::to_string(inputs_.size()) + ")"; }
   std::vector<NodePtr> inputs() const override { return inputs_; }
+  bool preserves_order(const Options&) const override { return true; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<ZipNode>(std::move(inputs));
+  }
 
 private:
   std::vector<NodePtr> inputs_;
@@ -536,6 +550,10 @@ public:
   }
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::string describe() const override { return "options"; }
+  bool preserves_order(const Options&) const override { return true; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<OptionsNode>(inputs.at(0), options());
+  }
 };
 
 // --- batch (one at a time) ---

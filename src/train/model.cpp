@@ -51,25 +51,48 @@ void Model::require_compiled(const char* what) const {
   }
 }
 
-History Model::fit(data::ShardedDataset& train, const FitOptions& options) {
+History Model::fit(const data::Dataset& train, const FitOptions& options) {
+  return fit(data::distribute_dataset(train, strategy_.input_context()), options);
+}
+
+namespace {
+
+struct StepResult {
+  double loss_sum = 0; // per-example losses, summed
+  double correct = 0;
+  double count = 0;
+};
+
+// (features, labels[, weights]) of a replica batch, checked.
+void check_element(const data::Element& e) {
+  if (e.size() < 2) {
+    throw DataError("a training element needs (features, labels[, weights]); saw " +
+                    std::to_string(e.size()) + " component(s)");
+  }
+}
+
+} // namespace
+
+History Model::fit(const data::DistributedDataset& train, const FitOptions& options) {
   require_compiled("fit");
   if (options.epochs < 1) {
     throw ConfigError("epochs must be at least 1; saw " + std::to_string(options.epochs));
   }
-  if (!train.options().drop_remainder) {
-    throw ConfigError(
-        "fit() needs a training dataset with drop_remainder: each step is a collective, so every "
-        "worker must run the same number of full steps; set ShardOptions.drop_remainder = true");
+  if (options.steps_per_epoch && *options.steps_per_epoch < 1) {
+    throw ConfigError("steps_per_epoch must be at least 1; saw " +
+                      std::to_string(*options.steps_per_epoch));
   }
-  const std::int64_t available = train.steps_per_epoch();
-  const std::int64_t steps = options.steps_per_epoch.value_or(available);
-  if (steps < 1 || steps > available) {
-    throw ConfigError("steps_per_epoch " + std::to_string(steps) +
-                      " is out of range: the dataset "
-                      "gives " +
-                      std::to_string(available) + " steps per epoch at global batch " +
-                      std::to_string(train.global_batch()));
-  }
+  // Every step is a collective, so every worker must take the same number. When each knows its
+  // pass length and they agree, that is enough; otherwise every step first asks all workers
+  // whether they still have a batch (what tf.distribute does for uneven input).
+  const std::int64_t known = train.cardinality();
+  const torch::Tensor lengths =
+      strategy_.reduce(strategy::ReduceOp::kMin, torch::tensor({known, -known}, torch::kInt64));
+  const bool agreed =
+      known >= 0 && lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
+  const std::int64_t steps_hint = options.steps_per_epoch.value_or(agreed ? known : 0);
+  const double replicas = strategy_.num_replicas_in_sync();
+
   Verbosity verbose = options.verbose;
   if (verbose == Verbosity::kAuto) {
     verbose = ::isatty(STDOUT_FILENO) ? Verbosity::kProgressBar : Verbosity::kOneLinePerEpoch;
@@ -79,42 +102,76 @@ History Model::fit(data::ShardedDataset& train, const FitOptions& options) {
 
   History history;
   auto& net = module();
-  for (int epoch = 1; epoch <= options.epochs; ++epoch) {
-    train.set_epoch(epoch - 1);
+  std::optional<data::DistributedIterator> pass;
+  bool ran_out = false;
+  for (int epoch = 1; epoch <= options.epochs && !ran_out; ++epoch) {
+    if (!pass || !options.steps_per_epoch)
+      pass.emplace(train.make_iterator());
     net.train();
-    progress.begin_epoch(epoch, options.epochs, steps);
-    double loss_sum = 0;
-    double correct = 0;
-    double count = 0;
+    progress.begin_epoch(epoch, options.epochs, steps_hint);
+    StepResult totals;
+    double input_seconds = 0;
+    std::int64_t steps = 0;
     const auto start = std::chrono::steady_clock::now();
-    for (std::int64_t step = 0; step < steps; ++step) {
-      const data::Batch batch = train.batch(step);
+    while (!options.steps_per_epoch || steps < *options.steps_per_epoch) {
+      const auto before_input = std::chrono::steady_clock::now();
+      std::optional<data::ReplicaBatch> batch = pass->next();
+      input_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - before_input).count();
+      bool have = batch.has_value();
+      if (!agreed) {
+        have =
+            strategy_.reduce(strategy::ReduceOp::kMin, torch::tensor({have ? 1 : 0})).item<int>() ==
+            1;
+      }
+      if (!have) {
+        ran_out = options.steps_per_epoch.has_value();
+        break;
+      }
+      check_element(batch->element);
+      const torch::Tensor& features = batch->element[0];
+      const torch::Tensor& labels = batch->element[1];
       optimizer_->zero_grad();
       reducer_->prepare();
-      const torch::Tensor logits = forward_(batch.features);
-      const torch::Tensor loss = F::cross_entropy(logits, batch.labels);
+      const torch::Tensor logits = forward_(features);
+      torch::Tensor per_example =
+          F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+      if (batch->element.size() > 2)
+        per_example = per_example * batch->element[2].to(per_example.dtype());
+      // Summed over this replica's slice and divided by the global batch's share per replica:
+      // averaged over replicas by the reducer, that is the global batch's mean loss exactly,
+      // short last batches included.
+      const torch::Tensor loss =
+          per_example.sum() / (static_cast<double>(batch->global_batch_size) / replicas);
       loss.backward();
       reducer_->finish();
       optimizer_->step();
 
-      const auto n = static_cast<double>(batch.labels.size(0));
-      loss_sum += loss.item<double>() * n;
-      correct += logits.detach().argmax(1).eq(batch.labels).sum().item<double>();
-      count += n;
-      progress.step(step + 1, loss_sum / count, correct / count);
+      ++steps;
+      const auto n = static_cast<double>(labels.size(0));
+      totals.loss_sum += per_example.detach().sum().item<double>();
+      totals.correct += logits.detach().argmax(1).eq(labels).sum().item<double>();
+      totals.count += n;
+      if (totals.count > 0) {
+        progress.step(steps, totals.loss_sum / totals.count, totals.correct / totals.count);
+      }
     }
+    if (steps == 0)
+      break; // the data ran out at an epoch's start: nothing to report
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const torch::Tensor totals = strategy_.reduce(
-        strategy::ReduceOp::kSum, torch::tensor({loss_sum, correct, count}, torch::kFloat64));
-    const double global_count = totals[2].item<double>();
+    const torch::Tensor global = strategy_.reduce(
+        strategy::ReduceOp::kSum,
+        torch::tensor({totals.loss_sum, totals.correct, totals.count}, torch::kFloat64));
+    const double global_count = global[2].item<double>();
     EpochLogs logs;
     logs.epoch = epoch;
     logs.steps = steps;
-    logs.loss = totals[0].item<double>() / global_count;
-    logs.accuracy = totals[1].item<double>() / global_count;
+    logs.loss = global[0].item<double>() / global_count;
+    logs.accuracy = global[1].item<double>() / global_count;
     logs.seconds = seconds;
     logs.samples_per_s = global_count / seconds;
+    logs.input_seconds = input_seconds;
     progress.end_epoch(logs);
     if (!options.model_dir.empty()) {
       checkpoint::save_model(strategy_, net, options.model_dir,
@@ -125,35 +182,44 @@ History Model::fit(data::ShardedDataset& train, const FitOptions& options) {
       options.on_epoch_end(logs);
     history.epochs.push_back(logs);
   }
+  if (ran_out && strategy_.is_chief()) {
+    strategy_.log().warn("your input ran out of data; interrupting training. Make sure the dataset "
+                         "can give at least steps_per_epoch x epochs batches (use repeat())");
+  }
   return history;
 }
 
-EvalResult Model::evaluate(data::ShardedDataset& data) {
+EvalResult Model::evaluate(const data::Dataset& data) {
+  return evaluate(data::distribute_dataset(data, strategy_.input_context()));
+}
+
+EvalResult Model::evaluate(const data::DistributedDataset& data) {
   require_compiled("evaluate");
   torch::NoGradGuard no_grad;
   auto& net = module();
   net.eval();
-  double loss_sum = 0;
-  double correct = 0;
-  double count = 0;
-  for (std::int64_t step = 0; step < data.steps_per_epoch(); ++step) {
-    const data::Batch batch = data.batch(step);
-    if (batch.labels.size(0) == 0)
+  StepResult totals;
+  auto pass = data.make_iterator();
+  while (auto batch = pass.next()) {
+    check_element(batch->element);
+    const torch::Tensor& labels = batch->element[1];
+    if (labels.size(0) == 0)
       continue; // this worker's share of a short last batch
-    const torch::Tensor logits = forward_(batch.features);
-    loss_sum +=
-        F::cross_entropy(logits, batch.labels, F::CrossEntropyFuncOptions().reduction(torch::kSum))
+    const torch::Tensor logits = forward_(batch->element[0]);
+    totals.loss_sum +=
+        F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kSum))
             .item<double>();
-    correct += logits.argmax(1).eq(batch.labels).sum().item<double>();
-    count += static_cast<double>(batch.labels.size(0));
+    totals.correct += logits.argmax(1).eq(labels).sum().item<double>();
+    totals.count += static_cast<double>(labels.size(0));
   }
-  const torch::Tensor totals = strategy_.reduce(
-      strategy::ReduceOp::kSum, torch::tensor({loss_sum, correct, count}, torch::kFloat64));
+  const torch::Tensor global = strategy_.reduce(
+      strategy::ReduceOp::kSum,
+      torch::tensor({totals.loss_sum, totals.correct, totals.count}, torch::kFloat64));
   EvalResult result;
-  result.samples = static_cast<std::int64_t>(totals[2].item<double>());
+  result.samples = static_cast<std::int64_t>(global[2].item<double>());
   if (result.samples > 0) {
-    result.loss = totals[0].item<double>() / static_cast<double>(result.samples);
-    result.accuracy = totals[1].item<double>() / static_cast<double>(result.samples);
+    result.loss = global[0].item<double>() / static_cast<double>(result.samples);
+    result.accuracy = global[1].item<double>() / static_cast<double>(result.samples);
   }
   return result;
 }

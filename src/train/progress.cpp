@@ -36,11 +36,17 @@ void Progress::step(std::int64_t done, double loss, double accuracy) {
   if (!enabled_ || !bar_)
     return;
   const auto now = std::chrono::steady_clock::now();
-  if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
+  if (done != steps_ && now - last_draw_ < std::chrono::milliseconds(100))
     return;
   last_draw_ = now;
+  if (steps_ <= 0) { // the pass's length is unknown: count, as Keras does
+    std::fprintf(out_, "\r%lld/Unknown - loss: %.4f - accuracy: %.4f   ",
+                 static_cast<long long>(done), loss, accuracy);
+    std::fflush(out_);
+    return;
+  }
   constexpr int kWidth = 30;
-  const int filled = steps_ > 0 ? static_cast<int>(kWidth * done / steps_) : kWidth;
+  const int filled = static_cast<int>(kWidth * std::min(done, steps_) / steps_);
   std::string bar(static_cast<std::size_t>(filled), '=');
   if (filled < kWidth)
     bar += '>';

@@ -30,13 +30,15 @@ TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
   testing::TempDir root;
   const fs::path model_dir = fs::path(root.path()) / "model";
   std::vector<torch::Tensor> trained(2);
+  const auto ds =
+      data::Dataset::from_tensor_slices({torch::randn({40, 16}), torch::randint(0, 3, {40})})
+          .shuffle(40, 0)
+          .batch(8, true);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
     auto net = s.scope([] { return nn::Sequential(nn::Flatten(), nn::Linear(16, 3)); });
     train::Model model(s, net);
     model.compile({});
-    data::ShardedDataset ds(torch::randn({40, 16}), torch::randint(0, 3, {40}), s.input_context(),
-                            {8, true, 0, true});
     train::FitOptions fit;
     fit.epochs = 2;
     fit.verbose = train::Verbosity::kSilent;

@@ -23,21 +23,31 @@ constexpr std::int64_t kSteps = 30;
 // Builds one model at a time from the same seed: ranks are threads sharing torch's generator.
 std::mutex build_mutex;
 
-std::vector<torch::Tensor> train(strategy::Strategy& strategy, const data::LabeledImages& images,
+std::vector<torch::Tensor> train(strategy::Strategy& strategy, const data::Dataset& images,
                                  strategy::InputContext context) {
   auto net = strategy.scope([] {
     std::lock_guard<std::mutex> lock(build_mutex);
     torch::manual_seed(1234);
-    return models::make_model("cnn");
+    auto m = models::make_model("cnn");
+    // In float64 the comparison tests the algorithm, not float32 rounding, which 30 steps of
+    // ReLU kinks amplify chaotically (seen: 4e-7 to 3e-4 depending on the learning rate).
+    m->to(torch::kFloat64);
+    return m;
   });
   train::Model model(strategy, net);
   train::CompileOptions compile;
   compile.optimizer.learning_rate = 0.05;
   compile.optimizer.momentum = 0.9;
   model.compile(compile);
-  data::ShardedDataset dataset(images.images, images.labels, context,
-                               {kGlobalBatch, /*shuffle=*/true, /*seed=*/5, true},
-                               data::normalize_images);
+  const auto dataset = data::distribute_dataset(
+      images.shuffle(10000, /*seed=*/5)
+          .batch(kGlobalBatch, /*drop_remainder=*/true)
+          .map(
+              [](data::Element e) {
+                return data::Element{data::normalize_images(e[0]).to(torch::kFloat64), e[1]};
+              },
+              data::kAutotune),
+      context);
   train::FitOptions fit;
   fit.steps_per_epoch = kSteps;
   fit.verbose = train::Verbosity::kSilent;
@@ -62,7 +72,7 @@ double max_relative_difference(const std::vector<torch::Tensor>& a,
 TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
   if (!testing::fashion_mnist_present())
     GTEST_SKIP() << "dataset-fashion-mnist absent";
-  const auto images = data::load_fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
+  const auto images = data::fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
 
   std::vector<torch::Tensor> single;
   run_ranks(1, [&](int rank, collective::Communicator& comm) {
@@ -86,7 +96,7 @@ TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
 
   const double diff = max_relative_difference(pair[0], single);
   RecordProperty("max_relative_difference", std::to_string(diff));
-  EXPECT_LT(diff, 1e-4);
+  EXPECT_LT(diff, 1e-8); // the issue asks < 1e-4; float64 makes 1e-8 safe
   EXPECT_GT(max_relative_difference(alone, single), 1e-2);
   // All workers hold bitwise identical parameters after training.
   for (std::size_t i = 0; i < pair[0].size(); ++i) {

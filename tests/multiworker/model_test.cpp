@@ -33,8 +33,7 @@ train::EvalResult evaluate_on(int world, const Data& data) {
     });
     train::Model model(s, net);
     model.compile({});
-    data::ShardedDataset ds(data.x, data.y, s.input_context(), {10, false, 0, false});
-    results[rank] = model.evaluate(ds);
+    results[rank] = model.evaluate(data::Dataset::from_tensor_slices({data.x, data.y}).batch(10));
   });
   for (int r = 1; r < world; ++r) {
     EXPECT_EQ(results[r].loss, results[0].loss);
@@ -62,7 +61,8 @@ TEST(Model, FitReportsTheSameGlobalEpochOnEveryWorker) {
     auto net = s.scope([] { return nn::Linear(8, 3); });
     train::Model model(s, net);
     model.compile({});
-    data::ShardedDataset ds(data.x, data.y, s.input_context(), {20, true, 1, true});
+    const auto ds =
+        data::Dataset::from_tensor_slices({data.x, data.y}).shuffle(101, 1).batch(20, true);
     train::FitOptions fit;
     fit.epochs = 2;
     fit.verbose = train::Verbosity::kSilent;
@@ -80,34 +80,54 @@ TEST(Model, FitReportsTheSameGlobalEpochOnEveryWorker) {
   }
 }
 
-TEST(Model, FitRefusesADatasetThatKeepsPartialBatches) {
-  run_ranks(1, [](int rank, collective::Communicator& comm) {
-    strategy::Strategy s(thread_cluster(rank, 1), comm);
-    auto net = s.scope([] { return nn::Linear(2, 2); });
-    train::Model model(s, net);
-    model.compile({});
-    data::ShardedDataset ds(torch::randn({10, 2}), torch::zeros({10}, torch::kInt64),
-                            s.input_context(), {4, true, 0, false});
-    try {
-      model.fit(ds);
-      FAIL();
-    } catch (const ConfigError& e) {
-      EXPECT_EQ(std::string(e.what()),
-                "fit() needs a training dataset with drop_remainder: each step is a collective, "
-                "so every worker must run the same number of full steps; set "
-                "ShardOptions.drop_remainder = true");
+// A short last global batch (101 = 5 x 20 + 1) is split across workers — one gets nothing — and
+// still every step is the one-worker step: parameters match 1, 2 and 4 workers.
+TEST(Model, AShortLastBatchIsWeighedExactlyOnAnyNumberOfWorkers) {
+  const Data data;
+  auto train_on = [&](int world) {
+    std::vector<torch::Tensor> out;
+    run_ranks(world, [&](int rank, collective::Communicator& comm) {
+      strategy::Strategy s(thread_cluster(rank, world), comm);
+      auto net = s.scope([] {
+        std::lock_guard<std::mutex> lock(build_mutex);
+        torch::manual_seed(9);
+        return nn::Sequential(nn::Linear(8, 16), nn::ReLU(), nn::Linear(16, 3));
+      });
+      train::Model model(s, net);
+      train::CompileOptions compile;
+      compile.optimizer.learning_rate = 0.5; // large steps make any weighting error visible
+      model.compile(compile);
+      train::FitOptions fit;
+      fit.epochs = 2;
+      fit.verbose = train::Verbosity::kSilent;
+      const auto history = model.fit(
+          data::Dataset::from_tensor_slices({data.x, data.y}).shuffle(101, 4).batch(20), fit);
+      EXPECT_EQ(history.epochs.at(0).steps, 6);
+      if (rank == 0) {
+        for (const auto& p : net->parameters())
+          out.push_back(p.detach().clone());
+      }
+    });
+    return out;
+  };
+  const auto one = train_on(1);
+  for (int world : {2, 4}) { // 101 = 5 x 20 + 1: the last batch leaves slices empty
+    const auto many = train_on(world);
+    for (std::size_t i = 0; i < one.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(many[i], one[i], 1e-5, 1e-6))
+          << world << " workers, parameter " << i;
     }
-  });
+  }
 }
 
 TEST(Model, UsingItBeforeCompileSaysSo) {
   run_ranks(1, [](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 1), comm);
     train::Model model(s, nn::Linear(2, 2));
-    data::ShardedDataset ds(torch::randn({4, 2}), torch::zeros({4}, torch::kInt64),
-                            s.input_context(), {2, false, 0, true});
     try {
-      model.fit(ds);
+      model.fit(data::Dataset::from_tensor_slices(
+                    {torch::randn({4, 2}), torch::zeros({4}, torch::kInt64)})
+                    .batch(2));
       FAIL();
     } catch (const ConfigError& e) {
       EXPECT_EQ(std::string(e.what()), "Model.fit() before compile(); call compile() first");

@@ -73,9 +73,14 @@ struct IteratorState {
   std::string fingerprint;   // of the pipeline that produced it, checked on restore
 };
 
+class Iterator;
 namespace detail {
 class Node;
 class IteratorImpl;
+struct BatchSizes;
+// Makes a pass, optionally recording batch sizes (distribute.cpp) or resuming at `resume`.
+Iterator make_iterator(const std::shared_ptr<const Node>& node,
+                       std::shared_ptr<BatchSizes> batch_sizes, const IteratorState* resume);
 } // namespace detail
 
 class Dataset;
@@ -119,6 +124,9 @@ public:
 
 private:
   friend class Dataset;
+  friend Iterator detail::make_iterator(const std::shared_ptr<const detail::Node>& node,
+                                        std::shared_ptr<detail::BatchSizes> batch_sizes,
+                                        const IteratorState* resume);
   explicit Iterator(std::unique_ptr<detail::IteratorImpl> impl);
   std::unique_ptr<detail::IteratorImpl> impl_;
 };
@@ -133,6 +141,13 @@ public:
   // int64 scalars start, start + step, ... before stop.
   static Dataset range(std::int64_t start, std::int64_t stop, std::int64_t step = 1);
   static Dataset range(std::int64_t stop) { return range(0, stop); }
+  // tf.data.Dataset.random: an endless stream of int64 scalars from `seed`, a new stream on each
+  // pass when rerandomize_each_iteration. Zip it with batches to seed their augmentation:
+  // stateless, reproducible, and resumable.
+  static Dataset random(std::uint64_t seed, bool rerandomize_each_iteration = true);
+  // Slices of tensors read from files: like from_tensor_slices, but its fingerprint is the files'
+  // paths, sizes and modification times rather than a hash of the data.
+  static Dataset from_file_tensors(Element tensors, const std::vector<std::string>& files);
 
   // --- transformations ---
   // num_parallel_calls: 1 runs fn on the consumer's side of the pipeline; N > 1 or kAutotune

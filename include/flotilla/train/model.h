@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "flotilla/data/sharded_dataset.h"
+#include "flotilla/data/distribute.h"
 #include "flotilla/strategy/strategy.h"
 
 namespace flotilla::train {
@@ -45,6 +45,7 @@ struct EpochLogs {
   double accuracy = 0;
   double samples_per_s = 0; // global samples ÷ the chief's wall-clock seconds
   double seconds = 0;
+  double input_seconds = 0; // of `seconds`, waiting for the input pipeline (input-bound share)
 };
 
 struct History {
@@ -61,8 +62,10 @@ enum class Verbosity { kAuto = -1, kSilent = 0, kProgressBar = 1, kOneLinePerEpo
 
 struct FitOptions {
   int epochs = 1;
-  std::optional<std::int64_t> steps_per_epoch; // default: the dataset's
-  Verbosity verbose = Verbosity::kAuto;        // auto: a bar on a terminal, else one line
+  // Default: one pass over the dataset. Given: that many steps, continuing the same pass
+  // across epochs; training stops early (with a warning) if the data runs out.
+  std::optional<std::int64_t> steps_per_epoch;
+  Verbosity verbose = Verbosity::kAuto; // auto: a bar on a terminal, else one line
   // Where checkpoints go ("" = none): the chief writes ckpt-<epoch>.safetensors after each
   // epoch; the other workers save into temporary directories beside it (checkpoint/).
   std::string model_dir;
@@ -84,8 +87,14 @@ public:
   Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward);
 
   void compile(const CompileOptions& options);
-  History fit(data::ShardedDataset& train, const FitOptions& options = {});
-  EvalResult evaluate(data::ShardedDataset& data);
+  // `train` yields global batches: it is distributed with this model's strategy
+  // (data::distribute_dataset). Every pass is a new iteration of it (a new shuffle), except with
+  // steps_per_epoch, where one pass continues across epochs as in Keras.
+  History fit(const data::Dataset& train, const FitOptions& options = {});
+  History fit(const data::DistributedDataset& train, const FitOptions& options = {});
+  // Loss and accuracy over every element, each counted once (a short last batch included).
+  EvalResult evaluate(const data::Dataset& data);
+  EvalResult evaluate(const data::DistributedDataset& data);
   torch::Tensor predict(const torch::Tensor& features);
 
   torch::nn::Module& module() { return *module_; }

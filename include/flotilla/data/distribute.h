@@ -1,0 +1,84 @@
+// Distributed datasets (tf.distribute's experimental_distribute_dataset and
+// distribute_datasets_from_function). The user batches by the GLOBAL batch; each worker gets its
+// part of every global batch and each replica its per-replica slice:
+//
+//   auto train = data::distribute_dataset(
+//       ds.shuffle(10000, seed).batch(global_batch, true).map(preprocess, kAutotune)
+//         .prefetch(kAutotune),
+//       strategy.input_context());
+//
+// With the DATA policy the batch in the pipeline is rewritten to take only this worker's slice,
+// so the stages after it (preprocessing) run on per-replica batches, not on everything. Every
+// worker sees every global batch, so all run the same number of steps; a short last global
+// batch is split as evenly as possible (a slice may be empty) and ReplicaBatch carries its
+// global size, so a loss summed and divided by it is exactly the one-worker mean.
+//
+// (Free functions rather than Strategy members: the strategy layer sits below the data layer.)
+#pragma once
+
+#include <functional>
+
+#include "flotilla/data/dataset.h"
+#include "flotilla/strategy/input_context.h"
+
+namespace flotilla::data {
+
+struct ReplicaBatch {
+  Element element;                    // this replica's slice of the global batch
+  std::int64_t global_batch_size = 0; // elements in the whole global batch (all replicas)
+};
+
+class DistributedIterator {
+public:
+  std::optional<ReplicaBatch> next();
+  std::vector<StageStats> stats() const { return iterator_.stats(); }
+  IteratorState save() const { return iterator_.save(); }
+
+private:
+  friend class DistributedDataset;
+  DistributedIterator(Iterator iterator, std::shared_ptr<detail::BatchSizes> sizes,
+                      std::int64_t replicas)
+      : iterator_(std::move(iterator)), sizes_(std::move(sizes)), replicas_(replicas) {}
+  Iterator iterator_;
+  std::shared_ptr<detail::BatchSizes> sizes_; // null: sizes are per-replica size × replicas
+  std::int64_t replicas_;
+};
+
+class DistributedDataset {
+public:
+  DistributedIterator make_iterator() const;
+  DistributedIterator make_iterator(const IteratorState& state) const;
+  // Steps per pass on this worker (kUnknownCardinality when the source cannot say).
+  std::int64_t cardinality() const { return per_worker_.cardinality(); }
+  const strategy::InputContext& input_context() const { return context_; }
+  // What was done, for logs: policy, rewrite or split, per-replica batch.
+  const std::string& plan() const { return plan_; }
+  // The pipeline this worker runs.
+  const Dataset& per_worker() const { return per_worker_; }
+
+private:
+  friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);
+  friend DistributedDataset
+  distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
+                                    const strategy::InputContext&);
+  DistributedDataset(Dataset per_worker, strategy::InputContext context, bool records_sizes,
+                     std::string plan)
+      : per_worker_(std::move(per_worker)), context_(context), records_sizes_(records_sizes),
+        plan_(std::move(plan)) {}
+  Dataset per_worker_;
+  strategy::InputContext context_;
+  bool records_sizes_;
+  std::string plan_;
+};
+
+// `dataset` yields global batches (its batch size must split evenly across the replicas).
+DistributedDataset distribute_dataset(const Dataset& dataset,
+                                      const strategy::InputContext& context);
+
+// `fn` builds this worker's pipeline itself, batched by the per-replica batch
+// (context.get_per_replica_batch_size(global)) and sharded as it likes; nothing is rewritten.
+DistributedDataset
+distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
+                                  const strategy::InputContext& context);
+
+} // namespace flotilla::data

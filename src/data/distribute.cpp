@@ -1,0 +1,272 @@
+#include "flotilla/data/distribute.h"
+
+#include "data/stages.h"
+#include "flotilla/error.h"
+#include "flotilla/log.h"
+
+namespace flotilla::data {
+namespace detail {
+namespace {
+
+// Which replicas' share of a global batch of `b` elements this worker keeps: [begin, end).
+std::pair<std::int64_t, std::int64_t> replica_range(std::int64_t b, std::int64_t replicas,
+                                                    std::int64_t first, std::int64_t count) {
+  return {first * b / replicas, (first + count) * b / replicas};
+}
+
+// Component-wise slice [begin, end) of parts, or an empty batch shaped like them.
+Element stack_range(const std::vector<Element>& parts, std::int64_t begin, std::int64_t end,
+                    std::int64_t batch_index) {
+  if (end > begin) {
+    return stack_batch(std::vector<Element>(parts.begin() + begin, parts.begin() + end),
+                       batch_index);
+  }
+  Element empty;
+  for (const auto& t : parts.front()) {
+    std::vector<std::int64_t> shape{0};
+    shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+    empty.push_back(torch::empty(shape, t.options()));
+  }
+  return empty;
+}
+
+// batch(G) rewritten for one worker: reads each global batch's G elements, stacks only this
+// worker's replicas' slice, and records G (or the short last batch's size).
+class RebatchShardStage : public UnaryStage {
+public:
+  RebatchShardStage(std::unique_ptr<Stage> input, std::int64_t global, bool drop,
+                    std::int64_t replicas, std::int64_t first, std::int64_t count,
+                    std::shared_ptr<BatchSizes> sizes)
+      : UnaryStage("RebatchShard", std::move(input)), global_(global), drop_(drop),
+        replicas_(replicas), first_(first), count_(count), sizes_(std::move(sizes)) {}
+  std::int64_t skip(std::int64_t n) override {
+    const std::int64_t moved = input_->skip(n * global_);
+    index_ += moved / global_;
+    return moved / global_ + (!drop_ && moved % global_ != 0 ? 1 : 0);
+  }
+
+protected:
+  std::optional<Element> produce() override {
+    std::vector<Element> parts;
+    parts.reserve(static_cast<std::size_t>(global_));
+    while (static_cast<std::int64_t>(parts.size()) < global_) {
+      auto e = input_->next();
+      if (!e)
+        break;
+      parts.push_back(std::move(*e));
+    }
+    const auto b = static_cast<std::int64_t>(parts.size());
+    if (b == 0 || (drop_ && b < global_))
+      return std::nullopt;
+    const auto [begin, end] = replica_range(b, replicas_, first_, count_);
+    Element out = stack_range(parts, begin, end, index_++);
+    if (sizes_)
+      sizes_->push(b);
+    return out;
+  }
+
+private:
+  std::int64_t global_;
+  bool drop_;
+  std::int64_t replicas_, first_, count_;
+  std::shared_ptr<BatchSizes> sizes_;
+  std::int64_t index_ = 0;
+};
+
+class RebatchShardNode : public UnaryNode {
+public:
+  RebatchShardNode(NodePtr input, std::int64_t global, bool drop, std::int64_t replicas,
+                   std::int64_t first, std::int64_t count)
+      : UnaryNode(std::move(input)), global_(global), drop_(drop), replicas_(replicas),
+        first_(first), count_(count) {}
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    return std::make_unique<RebatchShardStage>(input_->make_iterator(ctx), global_, drop_,
+                                               replicas_, first_, count_, ctx.batch_sizes);
+  }
+  std::int64_t cardinality() const override {
+    const std::int64_t c = input_->cardinality();
+    if (c < 0)
+      return c;
+    return drop_ ? c / global_ : (c + global_ - 1) / global_;
+  }
+  std::string describe() const override {
+    return "rebatch_shard(" + std::to_string(global_) + "," + std::to_string(drop_) + "," +
+           std::to_string(replicas_) + "," + std::to_string(first_) + "," + std::to_string(count_) +
+           ")";
+  }
+
+private:
+  std::int64_t global_;
+  bool drop_;
+  std::int64_t replicas_, first_, count_;
+};
+
+// The fallback when no batch can be rewritten: the whole pipeline runs, and each global batch
+// is split at the end. Components that are not batched (no leading dimension of the batch's
+// size) pass whole.
+class SplitStage : public UnaryStage {
+public:
+  SplitStage(std::unique_ptr<Stage> input, std::int64_t replicas, std::int64_t first,
+             std::int64_t count, std::shared_ptr<BatchSizes> sizes)
+      : UnaryStage("Split", std::move(input)), replicas_(replicas), first_(first), count_(count),
+        sizes_(std::move(sizes)) {}
+  std::int64_t skip(std::int64_t n) override { return input_->skip(n); }
+
+protected:
+  std::optional<Element> produce() override {
+    auto e = input_->next();
+    if (!e)
+      return std::nullopt;
+    if (e->empty() || e->front().dim() == 0) {
+      throw DataError("distribute_dataset: an element's first component is a scalar, not a "
+                      "batch; batch the dataset by the global batch size before distributing it");
+    }
+    const std::int64_t b = e->front().size(0);
+    const auto [begin, end] = replica_range(b, replicas_, first_, count_);
+    for (auto& t : *e) {
+      if (t.dim() > 0 && t.size(0) == b)
+        t = t.narrow(0, begin, end - begin);
+    }
+    if (sizes_)
+      sizes_->push(b);
+    return e;
+  }
+
+private:
+  std::int64_t replicas_, first_, count_;
+  std::shared_ptr<BatchSizes> sizes_;
+};
+
+class SplitNode : public UnaryNode {
+public:
+  SplitNode(NodePtr input, std::int64_t replicas, std::int64_t first, std::int64_t count)
+      : UnaryNode(std::move(input)), replicas_(replicas), first_(first), count_(count) {}
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    return std::make_unique<SplitStage>(input_->make_iterator(ctx), replicas_, first_, count_,
+                                        ctx.batch_sizes);
+  }
+  std::int64_t cardinality() const override { return input_->cardinality(); }
+  std::string describe() const override {
+    return "split(" + std::to_string(replicas_) + "," + std::to_string(first_) + "," +
+           std::to_string(count_) + ")";
+  }
+
+private:
+  std::int64_t replicas_, first_, count_;
+};
+
+using MakeFromBatch = std::function<NodePtr(NodePtr input, std::int64_t size, bool drop)>;
+
+// The graph with the batch on the order-preserving path from `node` replaced by make(...), or
+// nullptr when there is no such batch (or more than one branch has one).
+NodePtr rewrite_batch(const NodePtr& node, const Options& options, const MakeFromBatch& make) {
+  std::int64_t size = 0;
+  bool drop = false;
+  if (is_batch(*node, &size, &drop))
+    return make(node->inputs().at(0), size, drop);
+  if (!node->preserves_order(options))
+    return nullptr;
+  auto inputs = node->inputs();
+  int rewritten = 0;
+  for (auto& in : inputs) {
+    if (auto r = rewrite_batch(in, options, make)) {
+      in = r;
+      ++rewritten;
+    }
+  }
+  return rewritten == 1 ? node->with_inputs(std::move(inputs)) : nullptr;
+}
+
+} // namespace
+} // namespace detail
+
+std::optional<ReplicaBatch> DistributedIterator::next() {
+  auto e = iterator_.next();
+  if (!e)
+    return std::nullopt;
+  const std::int64_t global =
+      sizes_ ? sizes_->pop()
+             : (e->empty() || e->front().dim() == 0 ? 0 : e->front().size(0)) * replicas_;
+  return ReplicaBatch{std::move(*e), global};
+}
+
+DistributedIterator DistributedDataset::make_iterator() const {
+  auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
+  return DistributedIterator(detail::make_iterator(per_worker_.node(), sizes, nullptr), sizes,
+                             context_.num_replicas_in_sync);
+}
+
+DistributedIterator DistributedDataset::make_iterator(const IteratorState& state) const {
+  auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
+  return DistributedIterator(detail::make_iterator(per_worker_.node(), sizes, &state), sizes,
+                             context_.num_replicas_in_sync);
+}
+
+DistributedDataset distribute_dataset(const Dataset& dataset,
+                                      const strategy::InputContext& context) {
+  const std::int64_t replicas = context.num_replicas_in_sync;
+  const std::int64_t workers = context.num_input_pipelines;
+  const std::int64_t per_worker = replicas / workers; // replicas on each worker
+  const std::int64_t first = context.input_pipeline_id * per_worker;
+  const Options& options = dataset.options();
+  AutoShardPolicy policy = options.distribute.auto_shard_policy;
+  if (policy == AutoShardPolicy::kFile) {
+    Logger().warn("auto_shard_policy FILE needs a dataset that reads files; this one reads "
+                  "from memory, so each worker keeps its part of the data instead (DATA)");
+    policy = AutoShardPolicy::kData;
+  }
+  const std::string where =
+      "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
+  if (replicas == 1) {
+    return DistributedDataset(dataset, context, false, "one replica: the dataset as it is");
+  }
+
+  std::int64_t global = 0;
+  detail::NodePtr rewritten;
+  if (policy == AutoShardPolicy::kOff) {
+    // Every worker reads everything, in per-replica batches (tf.data's OFF).
+    rewritten = detail::rewrite_batch(
+        dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
+          global = size;
+          return detail::make_batch(std::move(input), context.get_per_replica_batch_size(size),
+                                    drop, 1);
+        });
+    if (!rewritten) {
+      throw ConfigError("distribute_dataset with auto_shard_policy OFF needs a batch() to "
+                        "rebatch per replica; batch the dataset by the global batch size");
+    }
+    return DistributedDataset(Dataset(rewritten), context, false,
+                              "OFF: every worker reads every element; batch(" +
+                                  std::to_string(global) + ") becomes " +
+                                  std::to_string(global / replicas) + " per replica");
+  }
+  rewritten = detail::rewrite_batch(
+      dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
+        global = size;
+        context.get_per_replica_batch_size(size); // ConfigError unless it splits evenly
+        return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, replicas,
+                                                          first, per_worker);
+      });
+  if (rewritten) {
+    return DistributedDataset(Dataset(rewritten), context, true,
+                              "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
+                                  " stacks only its " + std::to_string(global / workers) +
+                                  " of each global batch; " + std::to_string(global / replicas) +
+                                  " per replica");
+  }
+  return DistributedDataset(
+      Dataset(std::make_shared<detail::SplitNode>(dataset.node(), replicas, first, per_worker)),
+      context, true,
+      "DATA: no batch found to rewrite (or one behind an order-changing stage), so " + where +
+          " runs the whole pipeline and keeps its slice of each global batch");
+}
+
+DistributedDataset
+distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
+                                  const strategy::InputContext& context) {
+  return DistributedDataset(
+      fn(context), context, false,
+      "from a function: this worker's pipeline as built, per-replica batches");
+}
+
+} // namespace flotilla::data

@@ -1,0 +1,161 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+
+#include "flotilla/data/distribute.h"
+#include "flotilla/error.h"
+
+namespace flotilla::data {
+namespace {
+
+strategy::InputContext worker(int index, int workers) {
+  return strategy::InputContext{workers, index, workers};
+}
+
+// Every replica batch of a worker's pass: its ids (component 0) and recorded global sizes.
+struct Pass {
+  std::vector<std::vector<std::int64_t>> ids;
+  std::vector<std::int64_t> global_sizes;
+};
+
+Pass run(const DistributedDataset& ds) {
+  Pass out;
+  auto it = ds.make_iterator();
+  while (auto b = it.next()) {
+    const auto t = b->element[0].reshape({-1}).contiguous();
+    out.ids.emplace_back(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    out.global_sizes.push_back(b->global_batch_size);
+  }
+  return out;
+}
+
+Dataset ids(std::int64_t n) {
+  return Dataset::from_tensor_slices({torch::arange(n, torch::kInt64)});
+}
+
+TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat) {
+  std::atomic<std::int64_t> mapped{0};
+  auto pipeline = ids(100)
+                      .shuffle(100, 3)
+                      .batch(20, true)
+                      .map(
+                          [&](Element e) {
+                            mapped += e[0].size(0);
+                            return e;
+                          },
+                          kAutotune)
+                      .prefetch(2);
+  const auto single = run(distribute_dataset(pipeline, worker(0, 1)));
+  ASSERT_EQ(single.ids.size(), 5u);
+  mapped = 0;
+  std::vector<Pass> passes;
+  for (int w = 0; w < 2; ++w) {
+    const auto ds = distribute_dataset(pipeline, worker(w, 2));
+    EXPECT_NE(ds.plan().find("batch(20) rewritten"), std::string::npos) << ds.plan();
+    EXPECT_EQ(ds.cardinality(), 5);
+    passes.push_back(run(ds));
+  }
+  EXPECT_EQ(mapped.load(), 100); // not 200: the map ran on slices
+  for (std::size_t step = 0; step < 5; ++step) {
+    std::vector<std::int64_t> joined = passes[0].ids[step];
+    joined.insert(joined.end(), passes[1].ids[step].begin(), passes[1].ids[step].end());
+    EXPECT_EQ(joined, single.ids[step]) << "step " << step; // worker 0 first, in order
+    EXPECT_EQ(passes[0].global_sizes[step], 20);
+  }
+}
+
+TEST(Distribute, AShortLastBatchIsSplitAsEvenlyAsPossibleAndItsSizeRecorded) {
+  auto pipeline = ids(43).batch(20); // 20, 20, 3
+  std::vector<Pass> passes;
+  for (int w = 0; w < 4; ++w)
+    passes.push_back(run(distribute_dataset(pipeline, worker(w, 4))));
+  std::vector<std::int64_t> last;
+  for (int w = 0; w < 4; ++w) {
+    ASSERT_EQ(passes[w].ids.size(), 3u) << "every worker runs every step";
+    EXPECT_EQ(passes[w].ids[0].size(), 5u);
+    EXPECT_EQ(passes[w].global_sizes, (std::vector<std::int64_t>{20, 20, 3}));
+    last.insert(last.end(), passes[w].ids[2].begin(), passes[w].ids[2].end());
+  }
+  EXPECT_EQ(passes[0].ids[2].size(), 0u); // 3 elements over 4 replicas: one is empty
+  EXPECT_EQ(last, (std::vector<std::int64_t>{40, 41, 42}));
+}
+
+TEST(Distribute, WithoutARewritableBatchEveryWorkerSplitsAtTheEnd) {
+  // A filter after the batch changes which batch is which: no rewrite, split at the end.
+  auto pipeline = ids(40).batch(10).filter([](const Element&) { return true; });
+  std::set<std::int64_t> seen;
+  for (int w = 0; w < 2; ++w) {
+    const auto ds = distribute_dataset(pipeline, worker(w, 2));
+    EXPECT_NE(ds.plan().find("no batch found to rewrite"), std::string::npos) << ds.plan();
+    const auto pass = run(ds);
+    ASSERT_EQ(pass.ids.size(), 4u);
+    for (const auto& b : pass.ids) {
+      EXPECT_EQ(b.size(), 5u);
+      seen.insert(b.begin(), b.end());
+    }
+    EXPECT_EQ(pass.global_sizes.front(), 10);
+  }
+  EXPECT_EQ(seen.size(), 40u);
+}
+
+TEST(Distribute, OffGivesEveryWorkerEveryElementInPerReplicaBatches) {
+  Options options;
+  options.distribute.auto_shard_policy = AutoShardPolicy::kOff;
+  auto pipeline = ids(40).batch(10).with_options(options);
+  for (int w = 0; w < 2; ++w) {
+    const auto pass = run(distribute_dataset(pipeline, worker(w, 2)));
+    ASSERT_EQ(pass.ids.size(), 8u);
+    EXPECT_EQ(pass.ids[1], (std::vector<std::int64_t>{5, 6, 7, 8, 9}));
+  }
+}
+
+TEST(Distribute, AGlobalBatchThatDoesNotSplitIsRefused) {
+  try {
+    distribute_dataset(ids(40).batch(10), worker(0, 3));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "global batch 10 does not split evenly across 3 replicas; use a multiple of 3");
+  }
+}
+
+TEST(Distribute, ADistributedPassResumesOnTheNextBatch) {
+  auto pipeline = ids(200).shuffle(50, 1).batch(8, true).map([](Element e) { return e; }, 2);
+  const auto ds = distribute_dataset(pipeline, worker(1, 2));
+  auto it = ds.make_iterator();
+  for (int i = 0; i < 7; ++i)
+    it.next();
+  const auto state = it.save();
+  std::vector<std::vector<std::int64_t>> rest;
+  while (auto b = it.next()) {
+    auto t = b->element[0].contiguous();
+    rest.emplace_back(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+  }
+  auto resumed = distribute_dataset(pipeline, worker(1, 2)).make_iterator(state);
+  std::vector<std::vector<std::int64_t>> again;
+  while (auto b = resumed.next()) {
+    auto t = b->element[0].contiguous();
+    again.emplace_back(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    EXPECT_EQ(b->global_batch_size, 8);
+  }
+  EXPECT_EQ(again, rest);
+  EXPECT_EQ(rest.size(), 25u - 7u);
+}
+
+TEST(Distribute, FromAFunctionTheWorkerBuildsItsOwnPipeline) {
+  const auto ds = distribute_datasets_from_function(
+      [](const strategy::InputContext& ctx) {
+        return ids(40)
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(ctx.get_per_replica_batch_size(8));
+      },
+      worker(1, 2));
+  const auto pass = run(ds);
+  ASSERT_EQ(pass.ids.size(), 5u);
+  EXPECT_EQ(pass.ids[0], (std::vector<std::int64_t>{1, 3, 5, 7}));
+  EXPECT_EQ(pass.global_sizes[0], 8); // per-replica size x replicas
+}
+
+} // namespace
+} // namespace flotilla::data
