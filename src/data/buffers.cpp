@@ -79,6 +79,11 @@ public:
     return "shuffle(" + std::to_string(buffer_size_) + "," +
            (seeded_ ? std::to_string(seed_) : "unseeded") + "," + std::to_string(reshuffle_) + ")";
   }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<ShuffleNode>(
+        inputs.at(0), buffer_size_, seeded_ ? std::optional<std::uint64_t>(seed_) : std::nullopt,
+        reshuffle_);
+  }
   std::string not_replayable(const Options&) const override {
     return seeded_ ? ""
                    : "a shuffle without a seed draws a new order in every process; give it one";
@@ -442,6 +447,9 @@ public:
   }
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::string describe() const override { return "cache(" + filename_ + ")"; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<CacheNode>(inputs.at(0), filename_);
+  }
 
 private:
   std::unique_ptr<Stage> make_file_iterator(const IteratorContext& ctx) const {

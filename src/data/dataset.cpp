@@ -1,6 +1,9 @@
 #include "flotilla/data/dataset.h"
 
 #include <sched.h>
+
+#include <cerrno>
+#include <cstring>
 #include <unistd.h>
 
 #include "data/stages.h"
@@ -63,6 +66,54 @@ std::string Node::graph_not_replayable(const Options& options) const {
       return why;
   }
   return "";
+}
+
+std::int64_t Node::source_files() const {
+  std::int64_t n = 0;
+  for (const auto& in : inputs())
+    n = std::max(n, in->source_files());
+  return n;
+}
+
+NodePtr Node::shard_files(std::int64_t n, std::int64_t i) const {
+  auto ins = inputs();
+  if (ins.empty())
+    return nullptr; // a source that reads no files: nothing to shard here
+  bool changed = false;
+  for (auto& in : ins) {
+    if (in->source_files() == 0)
+      continue;
+    auto sharded = in->shard_files(n, i);
+    if (!sharded)
+      return nullptr;
+    in = sharded;
+    changed = true;
+  }
+  return changed ? with_inputs(std::move(ins)) : nullptr;
+}
+
+FileSourceNode::FileSourceNode(std::vector<std::string> files, const Options& options)
+    : Node(options), files_(std::move(files)) {
+  if (files_.empty())
+    throw DataError("a file dataset needs at least one file; the list is empty");
+  for (const auto& f : files_) {
+    if (::access(f.c_str(), R_OK) != 0) {
+      throw DataError(f + ": cannot read it (" + std::strerror(errno) + "); check the path");
+    }
+  }
+}
+
+NodePtr FileSourceNode::shard_files(std::int64_t n, std::int64_t i) const {
+  std::vector<std::string> mine;
+  for (std::size_t k = static_cast<std::size_t>(i); k < files_.size();
+       k += static_cast<std::size_t>(n)) {
+    mine.push_back(files_[k]);
+  }
+  return with_files(std::move(mine));
+}
+
+std::string FileSourceNode::describe_files() const {
+  return file_identity(files_);
 }
 
 void Node::continue_after(std::int64_t iteration) const {
@@ -176,6 +227,16 @@ Dataset Dataset::from_file_tensors(Element tensors, const std::vector<std::strin
 Dataset Dataset::map(MapFn fn, std::int64_t num_parallel_calls,
                      std::optional<bool> deterministic) const {
   return Dataset(detail::make_map(node_, std::move(fn), num_parallel_calls, deterministic));
+}
+Dataset Dataset::list_files(const std::string& pattern, bool shuffle,
+                            std::optional<std::uint64_t> seed) {
+  return Dataset(detail::make_list_files(pattern, shuffle, seed, Options{}));
+}
+Dataset Dataset::interleave(InterleaveFn fn, std::int64_t cycle_length, std::int64_t block_length,
+                            std::int64_t num_parallel_calls,
+                            std::optional<bool> deterministic) const {
+  return Dataset(detail::make_interleave(node_, std::move(fn), cycle_length, block_length,
+                                         num_parallel_calls, deterministic));
 }
 Dataset Dataset::filter(PredicateFn predicate) const {
   return Dataset(detail::make_filter(node_, std::move(predicate)));

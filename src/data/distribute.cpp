@@ -209,16 +209,45 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   const std::int64_t per_worker = replicas / workers; // replicas on each worker
   const std::int64_t first = context.input_pipeline_id * per_worker;
   const Options& options = dataset.options();
-  AutoShardPolicy policy = options.distribute.auto_shard_policy;
-  if (policy == AutoShardPolicy::kFile) {
-    Logger().warn("auto_shard_policy FILE needs a dataset that reads files; this one reads "
-                  "from memory, so each worker keeps its part of the data instead (DATA)");
-    policy = AutoShardPolicy::kData;
-  }
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
   if (replicas == 1) {
     return DistributedDataset(dataset, context, false, "one replica: the dataset as it is");
+  }
+  // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
+  // TF fails on FILE with too few files, fall back to DATA and say why.
+  AutoShardPolicy policy = options.distribute.auto_shard_policy;
+  const std::int64_t files = dataset.node()->source_files();
+  if (policy == AutoShardPolicy::kAuto) {
+    policy = files >= workers ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
+  } else if (policy == AutoShardPolicy::kFile && files < workers) {
+    Logger().warn("auto_shard_policy FILE: the dataset reads " + std::to_string(files) +
+                  " file(s), fewer than the " + std::to_string(workers) +
+                  " workers, so each worker keeps its part of the data instead (DATA)");
+    policy = AutoShardPolicy::kData;
+  }
+  if (policy == AutoShardPolicy::kFile) {
+    // Each worker reads its own files and batches its own replicas' share of the global batch.
+    std::int64_t global_size = 0;
+    detail::NodePtr sharded = dataset.node()->shard_files(workers, context.input_pipeline_id);
+    if (sharded) {
+      sharded = detail::rewrite_batch(
+          sharded, options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
+            global_size = size;
+            return detail::make_batch(
+                std::move(input), context.get_per_replica_batch_size(size) * per_worker, drop, 1);
+          });
+    }
+    if (sharded) {
+      const std::int64_t mine = (files - context.input_pipeline_id + workers - 1) / workers;
+      return DistributedDataset(Dataset(sharded), context, false,
+                                "FILE: " + where + " reads its " + std::to_string(mine) + " of " +
+                                    std::to_string(files) + " files; batch(" +
+                                    std::to_string(global_size) + ") becomes " +
+                                    std::to_string(global_size / replicas) + " per replica");
+    }
+    Logger().warn("auto_shard_policy FILE: the files cannot be sharded through this pipeline (no "
+                  "batch to rebatch, or a stage that cannot be copied); using DATA");
   }
 
   std::int64_t global = 0;

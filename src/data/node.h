@@ -117,6 +117,11 @@ public:
   virtual std::shared_ptr<const Node> with_inputs(std::vector<std::shared_ptr<const Node>>) const {
     return nullptr;
   }
+  // FILE auto-sharding: how many files the graph's file sources read (the largest source), and
+  // the graph with every file source reading only its files i, i + n, ... (nullptr when a node
+  // on the way cannot be copied).
+  virtual std::int64_t source_files() const;
+  virtual std::shared_ptr<const Node> shard_files(std::int64_t n, std::int64_t i) const;
 
   std::string fingerprint() const;
   // The first reason found anywhere in the graph, or "".

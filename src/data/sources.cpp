@@ -193,6 +193,8 @@ private:
   bool rerandomize_;
 };
 
+} // namespace
+
 std::string file_identity(const std::vector<std::string>& files) {
   std::string out;
   for (const auto& f : files) {
@@ -204,8 +206,6 @@ std::string file_identity(const std::vector<std::string>& files) {
   }
   return out;
 }
-
-} // namespace
 
 NodePtr make_random(std::uint64_t seed, bool rerandomize, const Options& options) {
   return std::make_shared<RandomNode>(seed, rerandomize, options);

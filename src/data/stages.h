@@ -28,6 +28,23 @@ protected:
   NodePtr input_;
 };
 
+// A source that reads a list of files; FILE auto-sharding hands each worker a subset.
+class FileSourceNode : public Node {
+public:
+  FileSourceNode(std::vector<std::string> files, const Options& options);
+  std::int64_t cardinality() const override { return kUnknownCardinality; }
+  std::int64_t source_files() const override { return static_cast<std::int64_t>(files_.size()); }
+  NodePtr shard_files(std::int64_t n, std::int64_t i) const override;
+  virtual NodePtr with_files(std::vector<std::string> files) const = 0;
+
+protected:
+  std::string describe_files() const;
+  std::vector<std::string> files_;
+};
+
+// "path:size:mtime;" for each file: what a fingerprint says of data read from files.
+std::string file_identity(const std::vector<std::string>& files);
+
 class EmptyStage : public Stage {
 public:
   EmptyStage() : Stage("Empty") {}
@@ -62,6 +79,11 @@ NodePtr make_file_tensor_slices(Element tensors, const std::vector<std::string>&
 NodePtr make_map(NodePtr input, MapFn fn, std::int64_t num_parallel_calls,
                  std::optional<bool> deterministic);
 NodePtr make_filter(NodePtr input, PredicateFn predicate);
+NodePtr make_interleave(NodePtr input, InterleaveFn fn, std::int64_t cycle_length,
+                        std::int64_t block_length, std::int64_t num_parallel_calls,
+                        std::optional<bool> deterministic);
+NodePtr make_list_files(const std::string& pattern, bool shuffle, std::optional<std::uint64_t> seed,
+                        const Options& options);
 NodePtr make_shuffle(NodePtr input, std::int64_t buffer_size, std::optional<std::uint64_t> seed,
                      bool reshuffle_each_iteration);
 NodePtr make_batch(NodePtr input, std::int64_t batch_size, bool drop_remainder,

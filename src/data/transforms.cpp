@@ -121,6 +121,9 @@ public:
                                                          : kUnknownCardinality;
   }
   std::string describe() const override { return "filter"; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<FilterNode>(inputs.at(0), predicate_);
+  }
 
 private:
   PredicateFn predicate_;
@@ -209,6 +212,9 @@ public:
     return c == kUnknownCardinality ? kUnknownCardinality : c * count_;
   }
   std::string describe() const override { return "repeat(" + std::to_string(count_) + ")"; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<RepeatNode>(inputs.at(0), count_);
+  }
 
 private:
   std::int64_t count_;
@@ -297,6 +303,9 @@ public:
   std::string describe() const override {
     return std::string(take_ ? "take(" : "skip(") + std::to_string(count_) + ")";
   }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<TakeSkipNode>(inputs.at(0), count_, take_);
+  }
 
 private:
   std::int64_t count_;
@@ -369,6 +378,9 @@ public:
   }
   std::string describe() const override {
     return "shard(" + std::to_string(n_) + "," + std::to_string(index_) + ")";
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<ShardNode>(inputs.at(0), n_, index_);
   }
 
 private:
@@ -534,6 +546,9 @@ public:
     return a + b;
   }
   std::string describe() const override { return "concatenate"; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<ConcatenateNode>(inputs.at(0), inputs.at(1));
+  }
   std::vector<NodePtr> inputs() const override { return {first_, second_}; }
 
 private:
@@ -611,6 +626,9 @@ public:
   }
   std::string describe() const override {
     return "batch(" + std::to_string(size_) + ",drop_remainder=" + std::to_string(drop_) + ")";
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
+    return std::make_shared<BatchNode>(inputs.at(0), size_, drop_, parallel_);
   }
   std::int64_t batch_size() const { return size_; }
   bool drop_remainder() const { return drop_; }

@@ -26,7 +26,7 @@ struct TrainArgs {
   int epochs = 1;
   std::int64_t steps_per_epoch = 0; // 0: the whole dataset
   std::int64_t batch_per_replica = 32;
-  double lr = 0.02;
+  double lr = 0.04; // linear scaling: 0.02 per 32 examples, at the default global batch 64
   double momentum = 0.9;
   std::uint64_t seed = 42;
   std::string model_dir;

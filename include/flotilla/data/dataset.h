@@ -148,6 +148,11 @@ public:
   // Slices of tensors read from files: like from_tensor_slices, but its fingerprint is the files'
   // paths, sizes and modification times rather than a hash of the data.
   static Dataset from_file_tensors(Element tensors, const std::vector<std::string>& files);
+  // tf.data.Dataset.list_files: the paths matching a glob pattern, as uint8 string tensors (see
+  // to_string in tfrecord.h), shuffled unless shuffle is false (seed it to resume exactly).
+  // DataError if nothing matches. FILE auto-sharding splits this list across workers.
+  static Dataset list_files(const std::string& pattern, bool shuffle = true,
+                            std::optional<std::uint64_t> seed = std::nullopt);
 
   // --- transformations ---
   // num_parallel_calls: 1 runs fn on the consumer's side of the pipeline; N > 1 or kAutotune
@@ -155,6 +160,13 @@ public:
   Dataset map(MapFn fn, std::int64_t num_parallel_calls = 1,
               std::optional<bool> deterministic = std::nullopt) const;
   Dataset filter(PredicateFn predicate) const;
+  // Opens fn(element) for up to cycle_length input elements at once and takes block_length
+  // elements from each in turn (e.g. records from several files). With num_parallel_calls > 1
+  // each open dataset is read ahead on its own thread; the order stays the same unless
+  // deterministic is false.
+  Dataset interleave(InterleaveFn fn, std::int64_t cycle_length, std::int64_t block_length = 1,
+                     std::int64_t num_parallel_calls = 1,
+                     std::optional<bool> deterministic = std::nullopt) const;
   // TF's buffered shuffle. Without a seed, a random one is drawn (and the pipeline cannot be
   // resumed exactly). reshuffle_each_iteration: a new order on each pass (each epoch).
   Dataset shuffle(std::int64_t buffer_size, std::optional<std::uint64_t> seed = std::nullopt,
