@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test bench-threads clean
+.PHONY: all bootstrap build run test bench-threads bench-data clean
 
 all: build
 
@@ -26,6 +26,10 @@ test: build
 # Threads per worker: the default against oversubscription (JSON lines; docs/benchmarks.md).
 bench-threads: build
 	bench/threads.sh
+
+# The input pipeline against tf.data (installs tensorflow-cpu into bench/.venv-tf once).
+bench-data: build
+	bench/data.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `make bench-data`: flotilla's input pipeline against tf.data, side by side on this machine.
+# Both run the same Fashion-MNIST pipeline with AUTOTUNE (bench/data_pipeline.cpp,
+# bench/tfdata_pipeline.py), in two orders: the issue's element-wise map before shuffle/batch,
+# and the seeds' batch-then-map. Runs alternate (A B A B ...) so drift hits both; prints one JSON
+# line per system and pipeline (median elements/s) and one ratio line per pipeline, then the
+# input-bound share of the 2-worker CNN training (time waiting for data / step time).
+# Usage: bench/data.sh [RUNS=3] [EPOCHS=2]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${1:-3}
+EPOCHS=${2:-2}
+BUILD_DIR=${BUILD_DIR:-build}
+bench/setup_tf.sh
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+value() { sed 's/.*"value": *\([0-9.]*\).*/\1/'; }
+for _ in $(seq "$RUNS"); do
+  for order in element batch; do
+    "$BUILD_DIR/bench_data_pipeline" "$order" "$EPOCHS" | tail -n1 | value >>"$tmp/flotilla-$order"
+    bench/.venv-tf/bin/python bench/tfdata_pipeline.py "$order" "$EPOCHS" 2>/dev/null | tail -n1 |
+      value >>"$tmp/tf-$order"
+  done
+done
+median() { sort -g "$1" | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+tf_version=$(bench/.venv-tf/bin/python -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
+for order in element batch; do
+  f=$(median "$tmp/flotilla-$order")
+  t=$(median "$tmp/tf-$order")
+  printf '{"bench":"data","system":"flotilla","pipeline":"%s","metric":"elements_per_s","value":%s,"runs":%d}\n' "$order" "$f" "$RUNS"
+  printf '{"bench":"data","system":"tf.data","pipeline":"%s","metric":"elements_per_s","value":%s,"runs":%d,"version":"%s"}\n' "$order" "$t" "$RUNS" "$tf_version"
+  awk -v f="$f" -v t="$t" -v o="$order" 'BEGIN {printf "{\"bench\":\"data\",\"pipeline\":\"%s\",\"metric\":\"elements_per_s\",\"ratio\":%.2f,\"of\":\"flotilla/tf.data\"}\n", o, f / t}'
+done
+
+# The input-bound share of the main job's training (300 steps, 2 workers, CNN).
+"$BUILD_DIR/flotilla" launch --workers 2 -- flotilla train --model cnn --steps-per-epoch 300 \
+  --metrics-json "$tmp/train.json" >/dev/null 2>&1
+share=$(head -n1 "$tmp/train.json" | sed 's/.*"input_bound_share":\([0-9.e-]*\).*/\1/')
+printf '{"bench":"data","system":"flotilla","pipeline":"train cnn, 2 workers","metric":"input_bound_share","value":%.4f}\n' "$share"
