@@ -116,11 +116,15 @@ int run(const TrainArgs& a) {
     }
     return data::Element{data::normalize_images(images), e[1]};
   };
+  // The pipeline's threads share this worker's cores with training, not the whole machine.
+  data::Options pipeline_options;
+  pipeline_options.private_threadpool_size = threads;
   const auto train_set = data::distribute_dataset(
       data::Dataset::zip({train_source.shuffle(a.shuffle_buffer, a.seed).batch(global_batch, true),
                           data::Dataset::random(a.seed)})
           .map(preprocess, data::kAutotune)
-          .prefetch(data::kAutotune),
+          .prefetch(data::kAutotune)
+          .with_options(pipeline_options),
       strategy.input_context());
   const auto test_set =
       data::distribute_dataset(test_source.batch(global_batch)
@@ -129,7 +133,8 @@ int run(const TrainArgs& a) {
                                          return data::Element{data::normalize_images(e[0]), e[1]};
                                        },
                                        data::kAutotune)
-                                   .prefetch(data::kAutotune),
+                                   .prefetch(data::kAutotune)
+                                   .with_options(pipeline_options),
                                strategy.input_context());
   if (strategy.is_chief())
     strategy.log().info("input: " + train_set.plan());
