@@ -72,8 +72,7 @@ int main(int argc, char** argv) {
             static_cast<long long>(s.buffer_size), s.autotuned ? " (autotuned)" : "");
       }
     }
-    if (epoch == 0)
-      continue; // warm-up: autotune settles, pages are in memory
+    if (epoch == 0) continue; // warm-up: autotune settles, pages are in memory
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     elements += n;
   }

@@ -29,15 +29,11 @@ nn::Sequential cnn() {
 } // namespace
 
 nn::Sequential make_model(const std::string& name) {
-  if (name == "mlp")
-    return mlp(256);
-  if (name == "mlp-wide")
-    return mlp(2048);
-  if (name == "cnn")
-    return cnn();
+  if (name == "mlp") return mlp(256);
+  if (name == "mlp-wide") return mlp(2048);
+  if (name == "cnn") return cnn();
   std::string known;
-  for (const auto& n : model_names())
-    known += (known.empty() ? "" : ", ") + n;
+  for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw ConfigError("model \"" + name + "\" is not built in; use one of: " + known);
 }
 

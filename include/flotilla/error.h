@@ -8,37 +8,37 @@
 namespace flotilla {
 
 class Error : public std::runtime_error {
-public:
+ public:
   using std::runtime_error::runtime_error;
 };
 
 // Bad configuration: TF_CONFIG, environment, flags, options.
 class ConfigError : public Error {
-public:
+ public:
   using Error::Error;
 };
 
 // Bad input data: missing, truncated or malformed files.
 class DataError : public Error {
-public:
+ public:
   using Error::Error;
 };
 
 // A collective failed: a peer closed its connection, a backend reported an error.
 class CommError : public Error {
-public:
+ public:
   using Error::Error;
 };
 
 // A collective or rendezvous did not complete within its timeout.
 class TimeoutError : public CommError {
-public:
+ public:
   using CommError::CommError;
 };
 
 // A checkpoint could not be written or read.
 class CheckpointError : public Error {
-public:
+ public:
   using Error::Error;
 };
 

@@ -10,7 +10,7 @@ namespace flotilla {
 enum class LogLevel { kInfo, kWarning, kError };
 
 class Logger {
-public:
+ public:
   Logger() = default; // untagged: before the cluster is known
   Logger(int rank, int world_size);
 
@@ -21,7 +21,7 @@ public:
 
   const std::string& tag() const { return tag_; }
 
-private:
+ private:
   std::string tag_;
 };
 

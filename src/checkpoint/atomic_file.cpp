@@ -40,8 +40,7 @@ void AtomicFile::write(const void* data, std::size_t size) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd_, p, size);
-    if (n < 0 && errno == EINTR)
-      continue;
+    if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       throw CheckpointError("cannot write " + temp_.string() + " (" + reason() +
                             "); free disk space or choose another directory; " + target_.string() +

@@ -10,11 +10,9 @@ namespace fs = std::filesystem;
 
 WriteLocation::WriteLocation(const fs::path& model_dir, bool is_chief, int rank)
     : temporary_(!is_chief) {
-  if (model_dir.empty())
-    throw ConfigError("model_dir is empty; give a directory to save into");
+  if (model_dir.empty()) throw ConfigError("model_dir is empty; give a directory to save into");
   fs::path base = model_dir;
-  if (!base.has_filename())
-    base = base.parent_path(); // "dir/" -> "dir"
+  if (!base.has_filename()) base = base.parent_path(); // "dir/" -> "dir"
   if (is_chief) {
     dir_ = base;
   } else {
@@ -41,10 +39,8 @@ fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& modul
                     const fs::path& model_dir, const std::string& file_name,
                     const std::map<std::string, std::string>& metadata) {
   NamedTensors tensors;
-  for (const auto& item : module.named_parameters())
-    tensors.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers())
-    tensors.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_parameters()) tensors.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) tensors.emplace_back(item.key(), item.value());
 
   std::exception_ptr failure;
   try {
@@ -56,8 +52,7 @@ fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& modul
   // Everyone learns whether everyone succeeded: nobody waits on a worker that gave up.
   const auto ok =
       strategy.reduce(strategy::ReduceOp::kMin, torch::tensor({failure ? 0 : 1}, torch::kInt32));
-  if (failure)
-    std::rethrow_exception(failure);
+  if (failure) std::rethrow_exception(failure);
   if (ok.item<int>() == 0) {
     throw CheckpointError("saving " + file_name +
                           " failed on another worker; see its output. The previous checkpoint "
@@ -65,8 +60,7 @@ fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& modul
                           model_dir.string() + " is intact");
   }
   fs::path base = model_dir;
-  if (!base.has_filename())
-    base = base.parent_path();
+  if (!base.has_filename()) base = base.parent_path();
   return base / file_name;
 }
 
@@ -86,10 +80,8 @@ std::map<std::string, std::string> load_model(torch::nn::Module& module, const f
     }
     target.copy_(it->second);
   };
-  for (auto& item : module.named_parameters())
-    assign(item.key(), item.value());
-  for (auto& item : module.named_buffers())
-    assign(item.key(), item.value());
+  for (auto& item : module.named_parameters()) assign(item.key(), item.value());
+  for (auto& item : module.named_buffers()) assign(item.key(), item.value());
   return saved.metadata;
 }
 

@@ -22,8 +22,7 @@ const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
 
 const char* dtype_name(torch::ScalarType type, const std::string& tensor) {
   for (const auto& [t, name] : dtype_names()) {
-    if (t == type)
-      return name;
+    if (t == type) return name;
   }
   throw CheckpointError("tensor \"" + tensor + "\" has dtype " + std::string(c10::toString(type)) +
                         ", which safetensors cannot store");
@@ -34,8 +33,7 @@ const char* dtype_name(torch::ScalarType type, const std::string& tensor) {
 void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   json header = json::object();
-  if (!metadata.empty())
-    header["__metadata__"] = metadata;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> data;
   std::int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
@@ -55,8 +53,7 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
   unsigned char length[8];
-  for (int i = 0; i < 8; ++i)
-    length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
   AtomicFile file(path);
   file.write(length, 8);
   file.write(text);
@@ -69,8 +66,7 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
 SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   const std::string where = path.string() + ": ";
   std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw CheckpointError(where + "cannot open it; check the path");
+  if (!in) throw CheckpointError(where + "cannot open it; check the path");
   in.seekg(0, std::ios::end);
   const auto file_size = static_cast<std::int64_t>(in.tellg());
   in.seekg(0);
@@ -80,8 +76,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
                           " bytes, shorter than the 8-byte header length");
   }
   std::uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i)
-    header_size = (header_size << 8) | length_bytes[i];
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
   if (header_size > static_cast<std::uint64_t>(file_size - 8) || header_size > (100u << 20)) {
     throw CheckpointError(where + "header length " + std::to_string(header_size) +
                           " does not fit in a file of " + std::to_string(file_size) +
@@ -95,8 +90,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   } catch (const json::exception& e) {
     throw CheckpointError(where + "header is not valid JSON (" + std::string(e.what()) + ")");
   }
-  if (!header.is_object())
-    throw CheckpointError(where + "header is not a JSON object");
+  if (!header.is_object()) throw CheckpointError(where + "header is not a JSON object");
   const std::int64_t data_start = 8 + static_cast<std::int64_t>(header_size);
   const std::int64_t data_size = file_size - data_start;
   std::vector<char> blob(static_cast<std::size_t>(data_size));
@@ -108,8 +102,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       for (const auto& [key, value] : entry.items()) {
-        if (value.is_string())
-          out.metadata[key] = value.get<std::string>();
+        if (value.is_string()) out.metadata[key] = value.get<std::string>();
       }
       continue;
     }

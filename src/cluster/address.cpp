@@ -39,10 +39,8 @@ Address parse_address(std::string_view text, const std::string& what) {
                         "]:" + std::string(port_text) + "\"");
     }
   }
-  if (host.empty())
-    throw ConfigError(what + ": " + seen + " has an empty host" + form);
-  if (port_text.empty())
-    throw ConfigError(what + ": " + seen + " has no port" + form);
+  if (host.empty()) throw ConfigError(what + ": " + seen + " has an empty host" + form);
+  if (port_text.empty()) throw ConfigError(what + ": " + seen + " has no port" + form);
   long port = 0;
   for (char c : port_text) {
     if (!std::isdigit(static_cast<unsigned char>(c)) || port > 65535) {

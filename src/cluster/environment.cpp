@@ -10,16 +10,14 @@ Environment Environment::from_process() {
                                        "FLOTILLA_TERMINAL"};
   std::map<std::string, std::string> vars;
   for (const char* name : kNames) {
-    if (const char* value = std::getenv(name))
-      vars[name] = value;
+    if (const char* value = std::getenv(name)) vars[name] = value;
   }
   return Environment(std::move(vars));
 }
 
 std::optional<std::string> Environment::get(const std::string& name) const {
   auto it = vars_.find(name);
-  if (it == vars_.end() || it->second.empty())
-    return std::nullopt;
+  if (it == vars_.end() || it->second.empty()) return std::nullopt;
   return it->second;
 }
 

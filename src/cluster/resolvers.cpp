@@ -9,14 +9,11 @@ namespace {
 
 long parse_int(const Environment& env, const std::string& name, long min, const std::string& fix) {
   const auto value = env.get(name);
-  if (!value)
-    throw ConfigError(name + " is not set; " + fix);
+  if (!value) throw ConfigError(name + " is not set; " + fix);
   long out = 0;
   bool ok = !value->empty() && value->size() < 10;
-  for (char c : *value)
-    ok = ok && std::isdigit(static_cast<unsigned char>(c));
-  if (ok)
-    out = std::stol(*value);
+  for (char c : *value) ok = ok && std::isdigit(static_cast<unsigned char>(c));
+  if (ok) out = std::stol(*value);
   if (!ok || out < min) {
     throw ConfigError(name + " must be an integer >= " + std::to_string(min) + "; saw \"" + *value +
                       "\"; " + fix);
@@ -39,11 +36,9 @@ ClusterSpec from_torchrun_env(const Environment& env) {
                       std::to_string(spec.world_size - 1));
   }
   const auto host = env.get("MASTER_ADDR");
-  if (!host)
-    throw ConfigError("MASTER_ADDR is not set; " + fix);
+  if (!host) throw ConfigError("MASTER_ADDR is not set; " + fix);
   const auto port = env.get("MASTER_PORT");
-  if (!port)
-    throw ConfigError("MASTER_PORT is not set; " + fix);
+  if (!port) throw ConfigError("MASTER_PORT is not set; " + fix);
   const bool v6 = host->find(':') != std::string::npos && host->front() != '[';
   spec.rendezvous =
       parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port, "MASTER_ADDR/MASTER_PORT");
@@ -67,16 +62,13 @@ ClusterSpec single_worker() {
 }
 
 ClusterSpec resolve_cluster(const Environment& env) {
-  if (const auto tf_config = env.get("TF_CONFIG"))
-    return parse_tf_config(*tf_config);
-  if (env.get("RANK") || env.get("WORLD_SIZE"))
-    return from_torchrun_env(env);
+  if (const auto tf_config = env.get("TF_CONFIG")) return parse_tf_config(*tf_config);
+  if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);
   return single_worker();
 }
 
 int local_world_size(const Environment& env) {
-  if (!env.get("LOCAL_WORLD_SIZE"))
-    return 1;
+  if (!env.get("LOCAL_WORLD_SIZE")) return 1;
   return static_cast<int>(
       parse_int(env, "LOCAL_WORLD_SIZE", 1, "it is the number of workers on this machine"));
 }

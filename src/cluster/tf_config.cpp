@@ -21,18 +21,15 @@ ConfigError error(const std::string& message) {
 }
 
 std::string type_name(const json& value) {
-  if (value.is_number())
-    return "the number " + value.dump();
-  if (value.is_string())
-    return "the string " + value.dump();
+  if (value.is_number()) return "the number " + value.dump();
+  if (value.is_string()) return "the string " + value.dump();
   return std::string(value.type_name()) + " " + value.dump();
 }
 
 std::vector<Address> parse_job(const json& cluster, const std::string& name) {
   std::vector<Address> out;
   auto it = cluster.find(name);
-  if (it == cluster.end())
-    return out;
+  if (it == cluster.end()) return out;
   const std::string field = "cluster." + name;
   if (!it->is_array()) {
     throw error(field + " must be a list of \"host:port\" strings; saw " + type_name(*it));
@@ -50,11 +47,9 @@ std::vector<Address> parse_job(const json& cluster, const std::string& name) {
 
 void check_at_most_one(const std::vector<Address>& job, const std::string& name,
                        const std::string& fix) {
-  if (job.size() <= 1)
-    return;
+  if (job.size() <= 1) return;
   std::string listed;
-  for (const auto& a : job)
-    listed += (listed.empty() ? "\"" : ", \"") + a.to_string() + "\"";
+  for (const auto& a : job) listed += (listed.empty() ? "\"" : ", \"") + a.to_string() + "\"";
   throw error("cluster." + name + " lists " + std::to_string(job.size()) + " addresses (" + listed +
               "); a cluster has at most one " + name + ": " + fix);
 }
@@ -87,8 +82,7 @@ TaskType parse_task_type(const json& task, const json& cluster) {
   if (!cluster.contains(name) || cluster[name].empty()) {
     std::string listed;
     for (const auto& [job, addresses] : cluster.items()) {
-      if (!addresses.empty())
-        listed += (listed.empty() ? "\"" : ", \"") + job + "\"";
+      if (!addresses.empty()) listed += (listed.empty() ? "\"" : ", \"") + job + "\"";
     }
     throw error("task.type is \"" + name + "\" but cluster has no \"" + name +
                 "\" addresses; add them to cluster or use a type it lists (" + listed + ")");
@@ -98,8 +92,7 @@ TaskType parse_task_type(const json& task, const json& cluster) {
 
 int parse_task_index(const json& task, const std::string& type_name_, size_t count) {
   auto it = task.find("index");
-  if (it == task.end())
-    return 0; // TensorFlow's default
+  if (it == task.end()) return 0; // TensorFlow's default
   if (!it->is_number_integer()) {
     throw error("task.index must be an integer; saw " + type_name(*it));
   }
@@ -145,8 +138,7 @@ ClusterSpec parse_tf_config(std::string_view text) {
   }
   for (const auto& [name, value] : cluster.items()) {
     if (name == "ps") {
-      if (!value.empty())
-        throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
+      if (!value.empty()) throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
     } else if (name == "master") {
       throw error("cluster.master is the deprecated name of the chief; rename it \"chief\"");
     } else if (name != "chief" && name != "worker" && name != "evaluator") {
@@ -201,8 +193,7 @@ ClusterSpec parse_tf_config(std::string_view text) {
 
   for (const char* key : {"rpc_layer", "environment"}) {
     auto it = doc.find(key);
-    if (it == doc.end())
-      continue;
+    if (it == doc.end()) continue;
     if (!it->is_string())
       throw error(std::string(key) + " must be a string; saw " + type_name(*it));
     (key[0] == 'r' ? spec.rpc_layer : spec.environment) = it->get<std::string>();
@@ -228,11 +219,9 @@ ClusterSpec parse_tf_config(std::string_view text) {
 std::string to_tf_config(const ClusterSpec& spec) {
   json cluster = json::object();
   auto put = [&](const char* name, const std::vector<Address>& job) {
-    if (job.empty())
-      return;
+    if (job.empty()) return;
     json list = json::array();
-    for (const auto& a : job)
-      list.push_back(a.to_string());
+    for (const auto& a : job) list.push_back(a.to_string());
     cluster[name] = list;
   };
   put("chief", spec.chief);
@@ -241,10 +230,8 @@ std::string to_tf_config(const ClusterSpec& spec) {
   json doc = {
       {"cluster", cluster},
       {"task", {{"type", std::string(to_string(spec.task.type))}, {"index", spec.task.index}}}};
-  if (!spec.rpc_layer.empty())
-    doc["rpc_layer"] = spec.rpc_layer;
-  if (!spec.environment.empty())
-    doc["environment"] = spec.environment;
+  if (!spec.rpc_layer.empty()) doc["rpc_layer"] = spec.rpc_layer;
+  if (!spec.environment.empty()) doc["environment"] = spec.environment;
   return doc.dump();
 }
 

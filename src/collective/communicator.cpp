@@ -44,14 +44,10 @@ std::string_view to_string(ReduceOp op) {
 
 Implementation parse_implementation(std::string_view name) {
   std::string lower;
-  for (char c : name)
-    lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower == "auto")
-    return Implementation::kAuto;
-  if (lower == "ring")
-    return Implementation::kRing;
-  if (lower == "nccl")
-    return Implementation::kNccl;
+  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "auto") return Implementation::kAuto;
+  if (lower == "ring") return Implementation::kRing;
+  if (lower == "nccl") return Implementation::kNccl;
   throw ConfigError("communication implementation \"" + std::string(name) +
                     "\" is unknown; use AUTO, RING or NCCL");
 }
@@ -77,18 +73,15 @@ std::string backend_message(const std::exception& e) {
   }
   if (what.rfind("[", 0) == 0) {
     const auto close = what.find("] ");
-    if (close != std::string::npos && what.find(".cc:") < close)
-      what = what.substr(close + 2);
+    if (close != std::string::npos && what.find(".cc:") < close) what = what.substr(close + 2);
   }
-  while (!what.empty() && (what.back() == '\n' || what.back() == ' '))
-    what.pop_back();
+  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
   return what;
 }
 
 bool is_connection_loss(const std::string& message) {
   for (const char* needle : {"closed", "reset", "Connection", "peer", "Broken pipe"}) {
-    if (message.find(needle) != std::string::npos)
-      return true;
+    if (message.find(needle) != std::string::npos) return true;
   }
   return false;
 }
@@ -96,15 +89,13 @@ bool is_connection_loss(const std::string& message) {
 // "float", "long", "bfloat16": c10's names, lower-cased.
 std::string dtype_name(const at::Tensor& t) {
   std::string name = c10::toString(t.scalar_type());
-  for (auto& c : name)
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return name;
 }
 
 bool is_timeout(const std::string& message) {
   for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
-    if (message.find(needle) != std::string::npos)
-      return true;
+    if (message.find(needle) != std::string::npos) return true;
   }
   return false;
 }
@@ -124,8 +115,7 @@ struct Work::State {
 };
 
 void Work::wait() {
-  if (!state_)
-    return;
+  if (!state_) return;
   std::lock_guard<std::mutex> lock(state_->mutex);
   finish_locked();
 }
@@ -135,10 +125,8 @@ void Work::finish_locked() {
     try {
       // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that
       // would not.
-      if (state_->work)
-        state_->work->wait(state_->timeout + std::chrono::seconds(5));
-      if (state_->finish)
-        state_->finish();
+      if (state_->work) state_->work->wait(state_->timeout + std::chrono::seconds(5));
+      if (state_->finish) state_->finish();
     } catch (const Error&) {
       state_->error = std::current_exception();
     } catch (const std::exception& e) {
@@ -159,17 +147,14 @@ void Work::finish_locked() {
     }
     state_->done = true;
   }
-  if (state_->error)
-    std::rethrow_exception(state_->error);
+  if (state_->error) std::rethrow_exception(state_->error);
 }
 
 bool Work::is_completed() {
-  if (!state_)
-    return true;
+  if (!state_) return true;
   // Never blocks: a thread inside wait() holds the lock, and then it is not completed yet.
   std::unique_lock<std::mutex> lock(state_->mutex, std::try_to_lock);
-  if (!lock.owns_lock())
-    return false;
+  if (!lock.owns_lock()) return false;
   if (!state_->done && (!state_->work || state_->work->isCompleted())) {
     finish_locked(); // the backend is done: the result is final only after `finish` runs
   }
@@ -178,8 +163,7 @@ bool Work::is_completed() {
 
 const std::vector<at::Tensor>& Work::result() const {
   static const std::vector<at::Tensor> kNone;
-  if (!state_ || state_->gathered.empty())
-    return kNone;
+  if (!state_ || state_->gathered.empty()) return kNone;
   return state_->gathered.front();
 }
 
@@ -219,8 +203,7 @@ struct Communicator::Impl {
       shape = std::to_string(tensor->numel()) + " x " + dtype_name(*tensor);
     }
     std::string inside = detail;
-    if (!shape.empty())
-      inside += (inside.empty() ? "" : ", ") + shape;
+    if (!shape.empty()) inside += (inside.empty() ? "" : ", ") + shape;
     state->description =
         op + " #" + std::to_string(++sequence) + (inside.empty() ? "" : " (" + inside + ")");
     state->where = "rank " + std::to_string(rank) + " of " + std::to_string(size);
@@ -286,8 +269,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
         "this task is the evaluator, which is not part of the training group; only chief and "
         "worker tasks join the collectives");
   }
-  if (spec.world_size == 1)
-    return local_group(1, options).front();
+  if (spec.world_size == 1) return local_group(1, options).front();
 
   const std::string where =
       "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
@@ -353,16 +335,13 @@ std::vector<Communicator> Communicator::local_group(int world_size,
         }
       });
     }
-    for (auto& t : threads)
-      t.join();
+    for (auto& t : threads) t.join();
   }
   for (auto& e : errors) {
-    if (e)
-      std::rethrow_exception(e);
+    if (e) std::rethrow_exception(e);
   }
   std::vector<Communicator> out;
-  for (auto& impl : impls)
-    out.push_back(Communicator(impl));
+  for (auto& impl : impls) out.push_back(Communicator(impl));
   return out;
 }
 
@@ -382,18 +361,15 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
     throw ConfigError(state->description + ": a mean of integer values would be truncated; use "
                                            "ReduceOp::kSum and divide in floating point");
   }
-  if (tensor.numel() == 0)
-    return Work(std::move(state));
+  if (tensor.numel() == 0) return Work(std::move(state));
   // The backends need contiguous memory; a strided view is reduced in a copy and written back.
   at::Tensor buffer = tensor.contiguous();
   const bool copy_back = !buffer.is_same(tensor);
   const int size = impl_->size;
   if (op == ReduceOp::kMean || copy_back) {
     state->finish = [buffer, tensor, op, size, copy_back] {
-      if (op == ReduceOp::kMean)
-        buffer.div_(size);
-      if (copy_back)
-        tensor.copy_(buffer);
+      if (op == ReduceOp::kMean) buffer.div_(size);
+      if (copy_back) tensor.copy_(buffer);
     };
   }
   c10d::AllreduceOptions opts;
@@ -413,11 +389,9 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
     throw ConfigError(state->description + ": root rank " + std::to_string(root) +
                       " is out of range; use 0 to " + std::to_string(impl_->size - 1));
   }
-  if (tensor.numel() == 0)
-    return Work(std::move(state));
+  if (tensor.numel() == 0) return Work(std::move(state));
   at::Tensor buffer = tensor.contiguous();
-  if (!buffer.is_same(tensor))
-    state->finish = [buffer, tensor] { tensor.copy_(buffer); };
+  if (!buffer.is_same(tensor)) state->finish = [buffer, tensor] { tensor.copy_(buffer); };
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   auto& backend = impl_->backend_for(tensor);
@@ -431,10 +405,8 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
   auto state = impl_->begin("all_gather", &tensor);
   at::Tensor buffer = tensor.contiguous();
   state->gathered.resize(1);
-  for (int r = 0; r < impl_->size; ++r)
-    state->gathered[0].push_back(at::empty_like(buffer));
-  if (tensor.numel() == 0)
-    return Work(std::move(state));
+  for (int r = 0; r < impl_->size; ++r) state->gathered[0].push_back(at::empty_like(buffer));
+  if (tensor.numel() == 0) return Work(std::move(state));
   auto& backend = impl_->backend_for(tensor);
   auto* gathered = &state->gathered;
   return impl_->start(std::move(state), [&] {

@@ -21,11 +21,11 @@ namespace {
 // --- shuffle ---
 
 class ShuffleStage : public UnaryStage {
-public:
+ public:
   ShuffleStage(std::unique_ptr<Stage> input, std::int64_t buffer_size, std::uint64_t seed)
       : UnaryStage("Shuffle", std::move(input)), buffer_size_(buffer_size), rng_(seed) {}
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     while (!input_done_ && static_cast<std::int64_t>(buffer_.size()) < buffer_size_) {
       auto e = input_->next();
@@ -35,8 +35,7 @@ protected:
       }
       buffer_.push_back(std::move(*e));
     }
-    if (buffer_.empty())
-      return std::nullopt;
+    if (buffer_.empty()) return std::nullopt;
     // As tf.data: a uniformly chosen buffered element leaves; the next input takes its place.
     const std::size_t pick = static_cast<std::size_t>(rng_() % buffer_.size());
     Element out = std::move(buffer_[pick]);
@@ -51,7 +50,7 @@ protected:
   }
   void fill(StageStats& s) const override { s.buffer_size = buffer_size_; }
 
-private:
+ private:
   std::int64_t buffer_size_;
   std::mt19937_64 rng_;
   std::vector<Element> buffer_;
@@ -59,7 +58,7 @@ private:
 };
 
 class ShuffleNode : public UnaryNode {
-public:
+ public:
   ShuffleNode(NodePtr input, std::int64_t buffer_size, std::optional<std::uint64_t> seed,
               bool reshuffle)
       : UnaryNode(std::move(input)), buffer_size_(buffer_size), seeded_(seed.has_value()),
@@ -89,7 +88,7 @@ public:
                    : "a shuffle without a seed draws a new order in every process; give it one";
   }
 
-private:
+ private:
   std::int64_t buffer_size_;
   bool seeded_;
   std::uint64_t seed_;
@@ -99,12 +98,11 @@ private:
 // --- prefetch ---
 
 class PrefetchStage : public UnaryStage {
-public:
+ public:
   PrefetchStage(std::unique_ptr<Stage> input, std::int64_t buffer_size, const IteratorContext& ctx)
       : UnaryStage("Prefetch", std::move(input)), autotuned_(buffer_size == kAutotune),
         tuner_(ctx.tuner), knob_(autotuned_ ? 2 : buffer_size, autotuned_ ? 64 : buffer_size, 0) {
-    if (autotuned_)
-      tuner_->add(&knob_);
+    if (autotuned_) tuner_->add(&knob_);
   }
   ~PrefetchStage() override {
     {
@@ -112,21 +110,17 @@ public:
       cancelled_ = true;
     }
     changed_.notify_all();
-    if (producer_.joinable())
-      producer_.join();
-    if (autotuned_)
-      tuner_->remove(&knob_);
+    if (producer_.joinable()) producer_.join();
+    if (autotuned_) tuner_->remove(&knob_);
   }
   std::int64_t skip(std::int64_t n) override {
-    if (producer_.joinable())
-      return Stage::skip(n);
+    if (producer_.joinable()) return Stage::skip(n);
     return input_->skip(n);
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (!producer_.joinable())
-      producer_ = std::thread([this] { run(); });
+    if (!producer_.joinable()) producer_ = std::thread([this] { run(); });
     std::unique_lock<std::mutex> lock(mutex_);
     const auto start = Clock::now();
     changed_.wait(lock, [&] { return !buffer_.empty() || done_; });
@@ -134,16 +128,14 @@ protected:
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     knob_.counters().consumer_wait_ns += waited;
     knob_.counters().consumer_wait_total_ns += waited;
-    if (buffer_.empty()) {
-      if (error_)
-        std::rethrow_exception(error_);
-      return std::nullopt;
-    }
-    Element out = std::move(buffer_.front());
+    if (buffer_.empty()) return std::nullopt;
+    Result out = std::move(buffer_.front());
     buffer_.pop_front();
-    lock.unlock();
     changed_.notify_all();
-    return out;
+    lock.unlock();
+    // An input error is passed on in its place; the elements after it still come.
+    if (out.error) std::rethrow_exception(out.error);
+    return std::move(out.element);
   }
   void fill(StageStats& s) const override {
     s.buffer_size = knob_.value();
@@ -151,7 +143,7 @@ protected:
     s.consumer_wait_share = share(knob_.counters().consumer_wait_total_ns.load());
   }
 
-private:
+ private:
   void run() {
     for (;;) {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -161,27 +153,22 @@ private:
       });
       knob_.counters().producer_full_ns +=
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-      if (cancelled_)
-        return;
+      if (cancelled_) return;
       lock.unlock();
-      std::optional<Element> e;
-      std::exception_ptr error;
+      Result r;
       try {
-        e = input_->next();
+        r.element = input_->next();
       } catch (...) {
-        error = std::current_exception();
+        r.error = std::current_exception();
       }
       lock.lock();
-      if (!e) {
-        error_ = error;
+      if (!r.element && !r.error) {
         done_ = true;
-        lock.unlock();
         changed_.notify_all();
         return;
       }
-      knob_.observe_element_bytes(element_bytes(*e));
-      buffer_.push_back(std::move(*e));
-      lock.unlock();
+      if (r.element) knob_.observe_element_bytes(element_bytes(*r.element));
+      buffer_.push_back(std::move(r));
       changed_.notify_all();
     }
   }
@@ -191,15 +178,14 @@ private:
   Knob knob_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<Element> buffer_;
+  std::deque<Result> buffer_;
   bool done_ = false;
   bool cancelled_ = false;
-  std::exception_ptr error_;
   std::thread producer_;
 };
 
 class PrefetchNode : public UnaryNode {
-public:
+ public:
   PrefetchNode(NodePtr input, std::int64_t size) : UnaryNode(std::move(input)), size_(size) {
     if (size < 0 && size != kAutotune) {
       throw ConfigError("prefetch buffer_size must be at least 0 or kAutotune; saw " +
@@ -208,8 +194,7 @@ public:
   }
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     auto in = input_->make_iterator(ctx);
-    if (size_ == 0)
-      return in; // tf.data: prefetch(0) does nothing
+    if (size_ == 0) return in; // tf.data: prefetch(0) does nothing
     return std::make_unique<PrefetchStage>(std::move(in), size_, ctx);
   }
   std::int64_t cardinality() const override { return input_->cardinality(); }
@@ -219,7 +204,7 @@ public:
     return std::make_shared<PrefetchNode>(inputs.at(0), size_);
   }
 
-private:
+ private:
   std::int64_t size_;
 };
 
@@ -233,7 +218,7 @@ struct MemoryCache {
 };
 
 class MemoryReplayStage : public Stage {
-public:
+ public:
   explicit MemoryReplayStage(std::shared_ptr<MemoryCache> cache)
       : Stage("Cache(read)"), cache_(std::move(cache)) {}
   std::int64_t skip(std::int64_t n) override {
@@ -243,20 +228,19 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(cache_->elements.size()))
-      return std::nullopt;
+    if (position_ >= static_cast<std::int64_t>(cache_->elements.size())) return std::nullopt;
     return cache_->elements[static_cast<std::size_t>(position_++)];
   }
 
-private:
+ private:
   std::shared_ptr<MemoryCache> cache_; // complete, so read without the lock
   std::int64_t position_ = 0;
 };
 
 class MemoryFillStage : public UnaryStage {
-public:
+ public:
   MemoryFillStage(std::unique_ptr<Stage> input, std::shared_ptr<MemoryCache> cache)
       : UnaryStage("Cache(fill)", std::move(input)), cache_(std::move(cache)) {}
   ~MemoryFillStage() override {
@@ -266,7 +250,7 @@ public:
     cache_->filling = false;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto e = input_->next();
     if (e) {
@@ -279,7 +263,7 @@ protected:
     return e;
   }
 
-private:
+ private:
   std::shared_ptr<MemoryCache> cache_;
   std::vector<Element> pending_;
 };
@@ -293,7 +277,7 @@ constexpr char kCacheMagic[] = "FLOTILLA-CACHE-1\n";
 constexpr char kCacheEnd[] = "END\n";
 
 class FileReader {
-public:
+ public:
   explicit FileReader(const std::string& path) : in_(path, std::ios::binary), path_(path) {}
   explicit operator bool() const { return static_cast<bool>(in_); }
   template <class T> T read() {
@@ -313,10 +297,9 @@ public:
     check();
   }
 
-private:
+ private:
   void check() {
-    if (!in_)
-      throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
+    if (!in_) throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
   }
   std::ifstream in_;
   std::string path_;
@@ -325,13 +308,11 @@ private:
 // The fingerprint at the head of a complete cache file, or "" if absent or incomplete.
 std::string cached_fingerprint(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in)
-    return "";
+  if (!in) return "";
   const auto size = static_cast<std::int64_t>(in.tellg());
   const std::int64_t magic = sizeof(kCacheMagic) - 1;
   const std::int64_t end = sizeof(kCacheEnd) - 1;
-  if (size < magic + 8 + 8 + end)
-    return "";
+  if (size < magic + 8 + 8 + end) return "";
   std::string tail(static_cast<std::size_t>(end), '\0');
   in.seekg(size - end);
   in.read(tail.data(), end);
@@ -350,24 +331,25 @@ std::string cached_fingerprint(const std::string& path) {
 }
 
 class FileReplayStage : public Stage {
-public:
+ public:
   explicit FileReplayStage(const std::string& path) : Stage("Cache(file read)"), in_(path) {
     in_.read_string(sizeof(kCacheMagic) - 1);
-    in_.read_string(in_.read<std::uint64_t>());
+    fingerprint_ = in_.read_string(in_.read<std::uint64_t>());
   }
+  // The fingerprint of the file actually opened (another process may have replaced it since
+  // it was checked).
+  const std::string& fingerprint() const { return fingerprint_; }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     const auto arity = in_.read<std::uint32_t>();
-    if (arity == 0xFFFFFFFFu)
-      return std::nullopt; // the count marker follows
+    if (arity == 0xFFFFFFFFu) return std::nullopt; // the count marker follows
     Element out;
     for (std::uint32_t i = 0; i < arity; ++i) {
       const auto dtype = static_cast<torch::ScalarType>(in_.read<std::int8_t>());
       const auto ndim = in_.read<std::uint8_t>();
       std::vector<std::int64_t> dims(ndim);
-      for (auto& d : dims)
-        d = in_.read<std::int64_t>();
+      for (auto& d : dims) d = in_.read<std::int64_t>();
       const auto bytes = in_.read<std::uint64_t>();
       torch::Tensor t = torch::empty(dims, dtype);
       if (static_cast<std::uint64_t>(t.numel()) * t.element_size() != bytes) {
@@ -380,12 +362,13 @@ protected:
     return out;
   }
 
-private:
+ private:
   FileReader in_;
+  std::string fingerprint_;
 };
 
 class FileFillStage : public UnaryStage {
-public:
+ public:
   FileFillStage(std::unique_ptr<Stage> input, const std::string& path, std::string fingerprint)
       : UnaryStage("Cache(file write)", std::move(input)),
         file_(std::make_unique<checkpoint::AtomicFile>(path)) {
@@ -394,11 +377,10 @@ public:
     file_->write(fingerprint);
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto e = input_->next();
-    if (!file_)
-      return e;
+    if (!file_) return e;
     if (!e) {
       put<std::uint32_t>(0xFFFFFFFFu);
       put<std::uint64_t>(static_cast<std::uint64_t>(count_));
@@ -412,8 +394,7 @@ protected:
       const torch::Tensor c = t.contiguous().cpu();
       put<std::int8_t>(static_cast<std::int8_t>(c.scalar_type()));
       put<std::uint8_t>(static_cast<std::uint8_t>(c.dim()));
-      for (auto d : c.sizes())
-        put<std::int64_t>(d);
+      for (auto d : c.sizes()) put<std::int64_t>(d);
       const auto bytes = static_cast<std::uint64_t>(c.numel()) * c.element_size();
       put<std::uint64_t>(bytes);
       file_->write(c.data_ptr(), bytes);
@@ -422,26 +403,23 @@ protected:
     return e;
   }
 
-private:
+ private:
   template <class T> void put(T v) { file_->write(&v, sizeof v); }
   std::unique_ptr<checkpoint::AtomicFile> file_; // removed unless the pass completes
   std::int64_t count_ = 0;
 };
 
 class CacheNode : public UnaryNode {
-public:
+ public:
   CacheNode(NodePtr input, std::string filename)
       : UnaryNode(std::move(input)), filename_(std::move(filename)),
         memory_(std::make_shared<MemoryCache>()) {}
 
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
-    if (!filename_.empty())
-      return make_file_iterator(ctx);
+    if (!filename_.empty()) return make_file_iterator(ctx);
     std::lock_guard<std::mutex> lock(memory_->mutex);
-    if (memory_->complete)
-      return std::make_unique<MemoryReplayStage>(memory_);
-    if (memory_->filling)
-      return input_->make_iterator(ctx); // another pass is filling it
+    if (memory_->complete) return std::make_unique<MemoryReplayStage>(memory_);
+    if (memory_->filling) return input_->make_iterator(ctx); // another pass is filling it
     memory_->filling = true;
     return std::make_unique<MemoryFillStage>(input_->make_iterator(ctx), memory_);
   }
@@ -451,13 +429,19 @@ public:
     return std::make_shared<CacheNode>(inputs.at(0), filename_);
   }
 
-private:
+ private:
   std::unique_ptr<Stage> make_file_iterator(const IteratorContext& ctx) const {
     const std::string path = filename_ + ".flotilla-cache";
     const std::string fingerprint = input_->fingerprint();
     const std::string found = cached_fingerprint(path);
-    if (!found.empty() && found == fingerprint)
-      return std::make_unique<FileReplayStage>(path);
+    if (!found.empty() && found == fingerprint) {
+      try {
+        auto replay = std::make_unique<FileReplayStage>(path);
+        if (replay->fingerprint() == fingerprint) return replay;
+      } catch (const DataError&) {
+        // replaced or truncated between the check and the open: rebuild below
+      }
+    }
     if (!found.empty()) {
       Logger().warn("cache file " + path +
                     " was made by a different pipeline or from different data; rebuilding it");

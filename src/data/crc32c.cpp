@@ -16,13 +16,11 @@ struct Tables {
   Tables() {
     for (std::uint32_t i = 0; i < 256; ++i) {
       std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k)
-        c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
       t[0][i] = c;
     }
     for (std::uint32_t i = 0; i < 256; ++i) {
-      for (int s = 1; s < 8; ++s)
-        t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
     }
   }
 };
@@ -40,8 +38,7 @@ std::uint32_t software(const unsigned char* p, std::size_t n, std::uint32_t c) {
     p += 8;
     n -= 8;
   }
-  while (n--)
-    c = (c >> 8) ^ t[0][(c ^ *p++) & 0xff];
+  while (n--) c = (c >> 8) ^ t[0][(c ^ *p++) & 0xff];
   return c;
 }
 
@@ -57,8 +54,7 @@ __attribute__((target("sse4.2"))) std::uint32_t hardware(const unsigned char* p,
     n -= 8;
   }
   c = static_cast<std::uint32_t>(c64);
-  while (n--)
-    c = _mm_crc32_u8(c, *p++);
+  while (n--) c = _mm_crc32_u8(c, *p++);
   return c;
 }
 #endif

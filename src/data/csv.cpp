@@ -38,21 +38,19 @@ std::vector<std::string> split(const std::string& line, char delimiter) {
 }
 
 class CsvStage : public Stage {
-public:
+ public:
   CsvStage(std::vector<std::string> files, CsvOptions options)
       : Stage("Csv"), files_(std::move(files)), options_(std::move(options)) {}
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     std::string line;
     for (;;) {
       if (!in_.is_open()) {
-        if (next_file_ >= files_.size())
-          return std::nullopt;
+        if (next_file_ >= files_.size()) return std::nullopt;
         path_ = files_[next_file_++];
         in_.open(path_);
-        if (!in_)
-          throw DataError(path_ + ": cannot open it; check the path");
+        if (!in_) throw DataError(path_ + ": cannot open it; check the path");
         line_ = 0;
         if (options_.header) {
           std::getline(in_, line);
@@ -64,15 +62,13 @@ protected:
         continue;
       }
       ++line_;
-      if (!line.empty() && line.back() == '\r')
-        line.pop_back();
-      if (line.empty())
-        continue; // blank lines, often at the end
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line.empty()) continue; // blank lines, often at the end
       return parse(line);
     }
   }
 
-private:
+ private:
   Element parse(const std::string& line) const {
     const std::string where = path_ + ":" + std::to_string(line_);
     const auto fields = split(line, options_.delimiter);
@@ -99,8 +95,7 @@ private:
       } else {
         value = std::strtod(begin, &end);
       }
-      while (end && *end == ' ')
-        ++end;
+      while (end && *end == ' ') ++end;
       if (text.empty() || end == begin || *end != '\0' || errno == ERANGE) {
         throw DataError(
             where + ": column " + std::to_string(c) + ": \"" + text + "\" is not " +
@@ -114,8 +109,7 @@ private:
         *f++ = static_cast<float>(value);
       }
     }
-    if (label < 0)
-      return Element{features};
+    if (label < 0) return Element{features};
     return Element{features, label_tensor};
   }
 
@@ -128,7 +122,7 @@ private:
 };
 
 class CsvNode : public FileSourceNode {
-public:
+ public:
   CsvNode(std::vector<std::string> files, CsvOptions csv, const Options& options)
       : FileSourceNode(std::move(files), options), csv_(std::move(csv)) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext&) const override {
@@ -136,8 +130,7 @@ public:
   }
   std::string describe() const override {
     std::string types;
-    for (auto t : csv_.column_types)
-      types += t == ColumnType::kInt64 ? 'i' : 'f';
+    for (auto t : csv_.column_types) types += t == ColumnType::kInt64 ? 'i' : 'f';
     return "csv(" + types + "," + std::to_string(csv_.header) + "," +
            std::string(1, csv_.delimiter) + "," + std::to_string(csv_.label_column.value_or(-1)) +
            "|" + describe_files() + ")";
@@ -146,7 +139,7 @@ public:
     return std::make_shared<CsvNode>(std::move(files), csv_, options());
   }
 
-private:
+ private:
   CsvOptions csv_;
 };
 

@@ -26,14 +26,12 @@ std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
 
 std::int64_t Stage::skip(std::int64_t n) {
   std::int64_t moved = 0;
-  while (moved < n && next())
-    ++moved;
+  while (moved < n && next()) ++moved;
   return moved;
 }
 
 void Stage::stats(std::vector<StageStats>& out) const {
-  for (const Stage* in : stat_inputs())
-    in->stats(out);
+  for (const Stage* in : stat_inputs()) in->stats(out);
   StageStats s;
   s.name = name_;
   s.elements = elements_.load();
@@ -49,8 +47,7 @@ std::string Node::fingerprint() const {
   const auto ins = inputs();
   if (!ins.empty()) {
     out += "<-[";
-    for (std::size_t i = 0; i < ins.size(); ++i)
-      out += (i ? "," : "") + ins[i]->fingerprint();
+    for (std::size_t i = 0; i < ins.size(); ++i) out += (i ? "," : "") + ins[i]->fingerprint();
     out += "]";
   }
   return out;
@@ -58,44 +55,36 @@ std::string Node::fingerprint() const {
 
 std::string Node::graph_not_replayable(const Options& options) const {
   std::string why = not_replayable(options);
-  if (!why.empty())
-    return why;
+  if (!why.empty()) return why;
   for (const auto& in : inputs()) {
     why = in->graph_not_replayable(options);
-    if (!why.empty())
-      return why;
+    if (!why.empty()) return why;
   }
   return "";
 }
 
 std::int64_t Node::source_files() const {
   std::int64_t n = 0;
-  for (const auto& in : inputs())
-    n = std::max(n, in->source_files());
+  for (const auto& in : inputs()) n = std::max(n, in->source_files());
   return n;
 }
 
 NodePtr Node::shard_files(std::int64_t n, std::int64_t i) const {
   auto ins = inputs();
-  if (ins.empty())
-    return nullptr; // a source that reads no files: nothing to shard here
-  bool changed = false;
+  if (ins.empty()) return nullptr; // a source that reads no files cannot be sharded by file
   for (auto& in : ins) {
-    if (in->source_files() == 0)
-      continue;
+    // Every input must shard: zipping worker w's records with everyone's in-memory labels, or
+    // concatenating everyone's in-memory part, would be wrong. Then DATA is used instead.
     auto sharded = in->shard_files(n, i);
-    if (!sharded)
-      return nullptr;
+    if (!sharded) return nullptr;
     in = sharded;
-    changed = true;
   }
-  return changed ? with_inputs(std::move(ins)) : nullptr;
+  return with_inputs(std::move(ins));
 }
 
 FileSourceNode::FileSourceNode(std::vector<std::string> files, const Options& options)
     : Node(options), files_(std::move(files)) {
-  if (files_.empty())
-    throw DataError("a file dataset needs at least one file; the list is empty");
+  if (files_.empty()) throw DataError("a file dataset needs at least one file; the list is empty");
   for (const auto& f : files_) {
     if (::access(f.c_str(), R_OK) != 0) {
       throw DataError(f + ": cannot read it (" + std::strerror(errno) + "); check the path");
@@ -104,6 +93,7 @@ FileSourceNode::FileSourceNode(std::vector<std::string> files, const Options& op
 }
 
 NodePtr FileSourceNode::shard_files(std::int64_t n, std::int64_t i) const {
+  if (static_cast<std::int64_t>(files_.size()) < n) return nullptr; // some worker would get none
   std::vector<std::string> mine;
   for (std::size_t k = static_cast<std::size_t>(i); k < files_.size();
        k += static_cast<std::size_t>(n)) {
@@ -124,16 +114,16 @@ void Node::continue_after(std::int64_t iteration) const {
 
 int available_cores() {
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0)
-    return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
   return 1;
 }
 
 // The runtime of one pass: the pool and tuner its stages share, and the stage tree.
 class IteratorImpl {
-public:
-  IteratorImpl(NodePtr node, std::int64_t iteration, std::shared_ptr<BatchSizes> batch_sizes)
-      : node_(std::move(node)), iteration_(iteration) {
+ public:
+  IteratorImpl(NodePtr node, NodePtr identity, std::int64_t iteration,
+               std::shared_ptr<BatchSizes> batch_sizes)
+      : node_(std::move(node)), identity_(std::move(identity)), iteration_(iteration) {
     IteratorContext ctx;
     ctx.batch_sizes = std::move(batch_sizes);
     ctx.options = node_->options();
@@ -155,8 +145,7 @@ public:
   std::optional<Element> next() {
     ctx_.tuner->maybe_tune();
     auto e = root_->next();
-    if (e)
-      ++produced_;
+    if (e) ++produced_;
     return e;
   }
   std::int64_t skip(std::int64_t n) {
@@ -174,11 +163,12 @@ public:
     if (!why.empty()) {
       throw ConfigError("this iterator cannot be saved to resume exactly: " + why);
     }
-    return IteratorState{iteration_, produced_, node_->fingerprint()};
+    return IteratorState{iteration_, produced_, identity_->fingerprint()};
   }
 
-private:
+ private:
   NodePtr node_;
+  NodePtr identity_; // what save() fingerprints: the user's dataset
   std::int64_t iteration_;
   std::int64_t produced_ = 0;
   IteratorContext ctx_;
@@ -272,8 +262,7 @@ Dataset Dataset::prefetch(std::int64_t buffer_size) const {
 }
 Dataset Dataset::zip(const std::vector<Dataset>& datasets) {
   std::vector<std::shared_ptr<const detail::Node>> nodes;
-  for (const auto& d : datasets)
-    nodes.push_back(d.node_);
+  for (const auto& d : datasets) nodes.push_back(d.node_);
   return Dataset(detail::make_zip(std::move(nodes)));
 }
 Dataset Dataset::concatenate(const Dataset& other) const {
@@ -294,21 +283,22 @@ Iterator Dataset::make_iterator(const IteratorState& state) const {
 namespace detail {
 
 Iterator make_iterator(const NodePtr& node, std::shared_ptr<BatchSizes> batch_sizes,
-                       const IteratorState* resume) {
+                       const IteratorState* resume, const NodePtr& identity_or_null) {
+  const NodePtr& identity = identity_or_null ? identity_or_null : node;
   if (!resume) {
-    return Iterator(
-        std::make_unique<IteratorImpl>(node, node->next_iteration(), std::move(batch_sizes)));
+    return Iterator(std::make_unique<IteratorImpl>(node, identity, identity->next_iteration(),
+                                                   std::move(batch_sizes)));
   }
   const std::string why = node->graph_not_replayable(node->options());
-  if (!why.empty())
-    throw ConfigError("cannot resume this pipeline exactly: " + why);
-  if (resume->fingerprint != node->fingerprint()) {
+  if (!why.empty()) throw ConfigError("cannot resume this pipeline exactly: " + why);
+  if (resume->fingerprint != identity->fingerprint()) {
     throw ConfigError(
         "the saved iterator state belongs to a different pipeline (its fingerprint differs); "
         "build the same dataset, with the same data, as when the state was saved");
   }
-  auto impl = std::make_unique<IteratorImpl>(node, resume->iteration, std::move(batch_sizes));
-  node->continue_after(resume->iteration);
+  auto impl =
+      std::make_unique<IteratorImpl>(node, identity, resume->iteration, std::move(batch_sizes));
+  identity->continue_after(resume->iteration);
   const std::int64_t moved = impl->skip(resume->produced);
   if (moved < resume->produced) {
     throw DataError("the pipeline ends after " + std::to_string(moved) +
@@ -331,8 +321,7 @@ std::string Dataset::fingerprint() const {
 }
 
 Element stack(const std::vector<Element>& elements) {
-  if (elements.empty())
-    throw DataError("stack needs at least one element; saw none");
+  if (elements.empty()) throw DataError("stack needs at least one element; saw none");
   return detail::stack_batch(elements, 0);
 }
 

@@ -33,7 +33,7 @@ Element stack_range(const std::vector<Element>& parts, std::int64_t begin, std::
 // batch(G) rewritten for one worker: reads each global batch's G elements, stacks only this
 // worker's replicas' slice, and records G (or the short last batch's size).
 class RebatchShardStage : public UnaryStage {
-public:
+ public:
   RebatchShardStage(std::unique_ptr<Stage> input, std::int64_t global, bool drop,
                     std::int64_t replicas, std::int64_t first, std::int64_t count,
                     std::shared_ptr<BatchSizes> sizes)
@@ -45,27 +45,24 @@ public:
     return moved / global_ + (!drop_ && moved % global_ != 0 ? 1 : 0);
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     std::vector<Element> parts;
     parts.reserve(static_cast<std::size_t>(global_));
     while (static_cast<std::int64_t>(parts.size()) < global_) {
       auto e = input_->next();
-      if (!e)
-        break;
+      if (!e) break;
       parts.push_back(std::move(*e));
     }
     const auto b = static_cast<std::int64_t>(parts.size());
-    if (b == 0 || (drop_ && b < global_))
-      return std::nullopt;
+    if (b == 0 || (drop_ && b < global_)) return std::nullopt;
     const auto [begin, end] = replica_range(b, replicas_, first_, count_);
     Element out = stack_range(parts, begin, end, index_++);
-    if (sizes_)
-      sizes_->push(b);
+    if (sizes_) sizes_->push(b);
     return out;
   }
 
-private:
+ private:
   std::int64_t global_;
   bool drop_;
   std::int64_t replicas_, first_, count_;
@@ -74,7 +71,7 @@ private:
 };
 
 class RebatchShardNode : public UnaryNode {
-public:
+ public:
   RebatchShardNode(NodePtr input, std::int64_t global, bool drop, std::int64_t replicas,
                    std::int64_t first, std::int64_t count)
       : UnaryNode(std::move(input)), global_(global), drop_(drop), replicas_(replicas),
@@ -85,8 +82,7 @@ public:
   }
   std::int64_t cardinality() const override {
     const std::int64_t c = input_->cardinality();
-    if (c < 0)
-      return c;
+    if (c < 0) return c;
     return drop_ ? c / global_ : (c + global_ - 1) / global_;
   }
   std::string describe() const override {
@@ -95,7 +91,7 @@ public:
            ")";
   }
 
-private:
+ private:
   std::int64_t global_;
   bool drop_;
   std::int64_t replicas_, first_, count_;
@@ -105,18 +101,17 @@ private:
 // is split at the end. Components that are not batched (no leading dimension of the batch's
 // size) pass whole.
 class SplitStage : public UnaryStage {
-public:
+ public:
   SplitStage(std::unique_ptr<Stage> input, std::int64_t replicas, std::int64_t first,
              std::int64_t count, std::shared_ptr<BatchSizes> sizes)
       : UnaryStage("Split", std::move(input)), replicas_(replicas), first_(first), count_(count),
         sizes_(std::move(sizes)) {}
   std::int64_t skip(std::int64_t n) override { return input_->skip(n); }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto e = input_->next();
-    if (!e)
-      return std::nullopt;
+    if (!e) return std::nullopt;
     if (e->empty() || e->front().dim() == 0) {
       throw DataError("distribute_dataset: an element's first component is a scalar, not a "
                       "batch; batch the dataset by the global batch size before distributing it");
@@ -124,21 +119,19 @@ protected:
     const std::int64_t b = e->front().size(0);
     const auto [begin, end] = replica_range(b, replicas_, first_, count_);
     for (auto& t : *e) {
-      if (t.dim() > 0 && t.size(0) == b)
-        t = t.narrow(0, begin, end - begin);
+      if (t.dim() > 0 && t.size(0) == b) t = t.narrow(0, begin, end - begin);
     }
-    if (sizes_)
-      sizes_->push(b);
+    if (sizes_) sizes_->push(b);
     return e;
   }
 
-private:
+ private:
   std::int64_t replicas_, first_, count_;
   std::shared_ptr<BatchSizes> sizes_;
 };
 
 class SplitNode : public UnaryNode {
-public:
+ public:
   SplitNode(NodePtr input, std::int64_t replicas, std::int64_t first, std::int64_t count)
       : UnaryNode(std::move(input)), replicas_(replicas), first_(first), count_(count) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
@@ -151,7 +144,7 @@ public:
            std::to_string(count_) + ")";
   }
 
-private:
+ private:
   std::int64_t replicas_, first_, count_;
 };
 
@@ -162,10 +155,8 @@ using MakeFromBatch = std::function<NodePtr(NodePtr input, std::int64_t size, bo
 NodePtr rewrite_batch(const NodePtr& node, const Options& options, const MakeFromBatch& make) {
   std::int64_t size = 0;
   bool drop = false;
-  if (is_batch(*node, &size, &drop))
-    return make(node->inputs().at(0), size, drop);
-  if (!node->preserves_order(options))
-    return nullptr;
+  if (is_batch(*node, &size, &drop)) return make(node->inputs().at(0), size, drop);
+  if (!node->preserves_order(options)) return nullptr;
   auto inputs = node->inputs();
   int rewritten = 0;
   for (auto& in : inputs) {
@@ -181,9 +172,14 @@ NodePtr rewrite_batch(const NodePtr& node, const Options& options, const MakeFro
 } // namespace detail
 
 std::optional<ReplicaBatch> DistributedIterator::next() {
-  auto e = iterator_.next();
-  if (!e)
-    return std::nullopt;
+  std::optional<Element> e;
+  try {
+    e = iterator_.next();
+  } catch (...) {
+    if (sizes_) sizes_->pop(); // the failed batch's size, so the next batch gets its own
+    throw;
+  }
+  if (!e) return std::nullopt;
   const std::int64_t global =
       sizes_ ? sizes_->pop()
              : (e->empty() || e->front().dim() == 0 ? 0 : e->front().size(0)) * replicas_;
@@ -192,14 +188,16 @@ std::optional<ReplicaBatch> DistributedIterator::next() {
 
 DistributedIterator DistributedDataset::make_iterator() const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
-  return DistributedIterator(detail::make_iterator(per_worker_.node(), sizes, nullptr), sizes,
-                             context_.num_replicas_in_sync);
+  return DistributedIterator(
+      detail::make_iterator(per_worker_.node(), sizes, nullptr, original_.node()), sizes,
+      context_.num_replicas_in_sync);
 }
 
 DistributedIterator DistributedDataset::make_iterator(const IteratorState& state) const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
-  return DistributedIterator(detail::make_iterator(per_worker_.node(), sizes, &state), sizes,
-                             context_.num_replicas_in_sync);
+  return DistributedIterator(
+      detail::make_iterator(per_worker_.node(), sizes, &state, original_.node()), sizes,
+      context_.num_replicas_in_sync);
 }
 
 DistributedDataset distribute_dataset(const Dataset& dataset,
@@ -212,7 +210,8 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
   if (replicas == 1) {
-    return DistributedDataset(dataset, context, false, "one replica: the dataset as it is");
+    return DistributedDataset(dataset, dataset, context, false,
+                              "one replica: the dataset as it is");
   }
   // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
   // TF fails on FILE with too few files, fall back to DATA and say why.
@@ -240,7 +239,7 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     }
     if (sharded) {
       const std::int64_t mine = (files - context.input_pipeline_id + workers - 1) / workers;
-      return DistributedDataset(Dataset(sharded), context, false,
+      return DistributedDataset(dataset, Dataset(sharded), context, false,
                                 "FILE: " + where + " reads its " + std::to_string(mine) + " of " +
                                     std::to_string(files) + " files; batch(" +
                                     std::to_string(global_size) + ") becomes " +
@@ -264,10 +263,18 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
       throw ConfigError("distribute_dataset with auto_shard_policy OFF needs a batch() to "
                         "rebatch per replica; batch the dataset by the global batch size");
     }
-    return DistributedDataset(Dataset(rewritten), context, false,
+    return DistributedDataset(dataset, Dataset(rewritten), context, false,
                               "OFF: every worker reads every element; batch(" +
                                   std::to_string(global) + ") becomes " +
                                   std::to_string(global / replicas) + " per replica");
+  }
+  // DATA: every worker builds every global batch and keeps its slice, which only partitions
+  // the data if every worker builds the same batches.
+  const std::string why = dataset.node()->graph_not_replayable(options);
+  if (!why.empty()) {
+    throw ConfigError("distribute_dataset: with DATA sharding every worker must build the same "
+                      "global batches, but " +
+                      why + " (or shard it yourself with distribute_datasets_from_function)");
   }
   rewritten = detail::rewrite_batch(
       dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
@@ -277,13 +284,14 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                                                           first, per_worker);
       });
   if (rewritten) {
-    return DistributedDataset(Dataset(rewritten), context, true,
+    return DistributedDataset(dataset, Dataset(rewritten), context, true,
                               "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
                                   " stacks only its " + std::to_string(global / workers) +
                                   " of each global batch; " + std::to_string(global / replicas) +
                                   " per replica");
   }
   return DistributedDataset(
+      dataset,
       Dataset(std::make_shared<detail::SplitNode>(dataset.node(), replicas, first, per_worker)),
       context, true,
       "DATA: no batch found to rewrite (or one behind an order-changing stage), so " + where +
@@ -293,8 +301,9 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
 DistributedDataset
 distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
                                   const strategy::InputContext& context) {
+  const Dataset built = fn(context);
   return DistributedDataset(
-      fn(context), context, false,
+      built, built, context, false,
       "from a function: this worker's pipeline as built, per-replica batches");
 }
 

@@ -6,8 +6,7 @@ namespace flotilla::data::detail {
 
 bool decode_example(const std::string& serialized, std::map<std::string, FeatureValues>& out) {
   proto::Example example;
-  if (!example.ParseFromString(serialized))
-    return false;
+  if (!example.ParseFromString(serialized)) return false;
   out.clear();
   for (const auto& [name, f] : example.features().feature()) {
     FeatureValues& v = out[name];
@@ -38,8 +37,7 @@ std::string encode_example(const std::map<std::string, FeatureValues>& features)
     proto::Feature& f = (*map)[name];
     switch (v.kind) {
     case FeatureValues::Kind::kBytes:
-      for (const auto& b : v.bytes)
-        f.mutable_bytes_list()->add_value(b);
+      for (const auto& b : v.bytes) f.mutable_bytes_list()->add_value(b);
       break;
     case FeatureValues::Kind::kFloat:
       f.mutable_float_list()->mutable_value()->Add(v.floats.begin(), v.floats.end());

@@ -13,8 +13,7 @@ std::string find_file(const std::string& dir, const std::string& stem) {
   namespace fs = std::filesystem;
   for (const char* suffix : {".gz", ""}) {
     const fs::path candidate = fs::path(dir) / (stem + suffix);
-    if (fs::exists(candidate))
-      return candidate.string();
+    if (fs::exists(candidate)) return candidate.string();
   }
   throw DataError(dir + ": has no " + stem + ".gz (nor " + stem +
                   "); point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "

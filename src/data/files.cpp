@@ -17,7 +17,7 @@ namespace {
 // --- list_files ---
 
 class ListFilesStage : public Stage {
-public:
+ public:
   explicit ListFilesStage(std::vector<std::string> files)
       : Stage("ListFiles"), files_(std::move(files)) {}
   std::int64_t skip(std::int64_t n) override {
@@ -27,20 +27,19 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(files_.size()))
-      return std::nullopt;
+    if (position_ >= static_cast<std::int64_t>(files_.size())) return std::nullopt;
     return Element{string_tensor(files_[static_cast<std::size_t>(position_++)])};
   }
 
-private:
+ private:
   std::vector<std::string> files_;
   std::int64_t position_ = 0;
 };
 
 class ListFilesNode : public FileSourceNode {
-public:
+ public:
   ListFilesNode(std::vector<std::string> files, std::string pattern, bool shuffle, bool seeded,
                 std::uint64_t seed, const Options& options)
       : FileSourceNode(std::move(files), options), pattern_(std::move(pattern)), shuffle_(shuffle),
@@ -68,7 +67,7 @@ public:
                                            options());
   }
 
-private:
+ private:
   std::string pattern_;
   bool shuffle_, seeded_;
   std::uint64_t seed_;
@@ -78,11 +77,10 @@ private:
 
 // One open dataset of the cycle. Read ahead on its own thread when parallel.
 class Child {
-public:
+ public:
   Child(std::unique_ptr<Stage> stage, bool parallel, std::int64_t ahead)
       : stage_(std::move(stage)), ahead_(ahead) {
-    if (parallel)
-      thread_ = std::thread([this] { run(); });
+    if (parallel) thread_ = std::thread([this] { run(); });
   }
   ~Child() {
     {
@@ -90,18 +88,15 @@ public:
       cancelled_ = true;
     }
     changed_.notify_all();
-    if (thread_.joinable())
-      thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   // The child's next element, nullopt at its end; rethrows its failure.
   std::optional<Element> next() {
-    if (!thread_.joinable())
-      return stage_->next();
+    if (!thread_.joinable()) return stage_->next();
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [&] { return !buffer_.empty() || done_; });
     if (buffer_.empty()) {
-      if (error_)
-        std::rethrow_exception(error_);
+      if (error_) std::rethrow_exception(error_);
       return std::nullopt;
     }
     Element e = std::move(buffer_.front());
@@ -112,21 +107,19 @@ public:
   }
   // Without waiting: whether next() would not block (for deterministic=false).
   bool ready() {
-    if (!thread_.joinable())
-      return true;
+    if (!thread_.joinable()) return true;
     std::lock_guard<std::mutex> lock(mutex_);
     return !buffer_.empty() || done_;
   }
 
-private:
+ private:
   void run() {
     for (;;) {
       {
         std::unique_lock<std::mutex> lock(mutex_);
         changed_.wait(
             lock, [&] { return cancelled_ || static_cast<std::int64_t>(buffer_.size()) < ahead_; });
-        if (cancelled_)
-          return;
+        if (cancelled_) return;
       }
       std::optional<Element> e;
       std::exception_ptr error;
@@ -159,26 +152,23 @@ private:
 };
 
 class InterleaveStage : public UnaryStage {
-public:
+ public:
   InterleaveStage(std::unique_ptr<Stage> input, InterleaveFn fn, std::int64_t cycle,
                   std::int64_t block, bool parallel, bool deterministic, IteratorContext ctx)
       : UnaryStage("Interleave", std::move(input)), fn_(std::move(fn)), cycle_(cycle),
         block_(block), parallel_(parallel), deterministic_(deterministic), ctx_(std::move(ctx)),
         slots_(static_cast<std::size_t>(cycle)) {}
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     for (;;) {
       fill();
-      if (open_ == 0)
-        return std::nullopt;
-      if (!deterministic_)
-        pick_ready();
+      if (open_ == 0) return std::nullopt;
+      if (!deterministic_) pick_ready();
       auto& slot = slots_[current_];
       if (slot.child) {
         if (auto e = slot.child->next()) {
-          if (++slot.taken >= block_)
-            advance();
+          if (++slot.taken >= block_) advance();
           return e;
         }
         slot.child.reset(); // this one is done: another input element takes its place
@@ -188,7 +178,7 @@ protected:
     }
   }
 
-private:
+ private:
   struct Slot {
     std::unique_ptr<Child> child;
     std::int64_t taken = 0;
@@ -200,8 +190,7 @@ private:
   // Opens datasets for empty slots while the input has elements.
   void fill() {
     for (auto& slot : slots_) {
-      if (slot.child || input_done_)
-        continue;
+      if (slot.child || input_done_) continue;
       auto e = input_->next();
       if (!e) {
         input_done_ = true;
@@ -226,8 +215,7 @@ private:
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       const std::size_t s = (current_ + k) % slots_.size();
       if (slots_[s].child && slots_[s].child->ready()) {
-        if (s != current_)
-          slots_[current_].taken = 0;
+        if (s != current_) slots_[current_].taken = 0;
         current_ = s;
         return;
       }
@@ -246,7 +234,7 @@ private:
 };
 
 class InterleaveNode : public UnaryNode {
-public:
+ public:
   InterleaveNode(NodePtr input, InterleaveFn fn, std::int64_t cycle, std::int64_t block,
                  std::int64_t parallel, std::optional<bool> deterministic)
       : UnaryNode(std::move(input)), fn_(std::move(fn)), cycle_(cycle), block_(block),
@@ -271,7 +259,7 @@ public:
                                             deterministic_);
   }
 
-private:
+ private:
   InterleaveFn fn_;
   std::int64_t cycle_, block_, parallel_;
   std::optional<bool> deterministic_;
@@ -284,8 +272,7 @@ NodePtr make_list_files(const std::string& pattern, bool shuffle, std::optional<
   glob_t found{};
   const int rc = ::glob(pattern.c_str(), 0, nullptr, &found);
   std::vector<std::string> files;
-  for (std::size_t i = 0; rc == 0 && i < found.gl_pathc; ++i)
-    files.emplace_back(found.gl_pathv[i]);
+  for (std::size_t i = 0; rc == 0 && i < found.gl_pathc; ++i) files.emplace_back(found.gl_pathv[i]);
   ::globfree(&found);
   if (files.empty()) {
     throw DataError("list_files: pattern \"" + pattern +
@@ -299,8 +286,7 @@ NodePtr make_list_files(const std::string& pattern, bool shuffle, std::optional<
 NodePtr make_interleave(NodePtr input, InterleaveFn fn, std::int64_t cycle_length,
                         std::int64_t block_length, std::int64_t num_parallel_calls,
                         std::optional<bool> deterministic) {
-  if (!fn)
-    throw ConfigError("interleave needs a function; saw an empty one");
+  if (!fn) throw ConfigError("interleave needs a function; saw an empty one");
   if (cycle_length < 1) {
     throw ConfigError("interleave cycle_length must be at least 1; saw " +
                       std::to_string(cycle_length));

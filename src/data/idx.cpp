@@ -34,19 +34,30 @@ std::size_t read_some(gzFile f, void* out, std::size_t n, const std::string& pat
     if (got < 0) {
       int code = 0;
       const char* message = gzerror(f, &code);
-      if (code == Z_BUF_ERROR)
-        break; // the compressed stream stops early: a truncated file
+      if (code == Z_BUF_ERROR) break; // the compressed stream stops early: a truncated file
       throw DataError(path + ": cannot decompress (" + std::string(message) +
                       "); the file is corrupt: download or reinstall it");
     }
-    if (got == 0)
-      break;
+    if (got == 0) break;
     total += static_cast<std::size_t>(got);
   }
   return total;
 }
 
 } // namespace
+
+Dataset idx_dataset(const std::vector<std::string>& files) {
+  Element tensors;
+  for (const auto& f : files) tensors.push_back(read_idx(f));
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    if (tensors[i].size(0) != tensors[0].size(0)) {
+      throw DataError(files[i] + ": holds " + std::to_string(tensors[i].size(0)) + " items, " +
+                      files[0] + " holds " + std::to_string(tensors[0].size(0)) +
+                      "; idx_dataset pairs files item by item");
+    }
+  }
+  return Dataset::from_file_tensors(std::move(tensors), files);
+}
 
 torch::Tensor read_idx(const std::string& path) {
   GzFile file(gzopen(path.c_str(), "rb"));
@@ -87,8 +98,7 @@ torch::Tensor read_idx(const std::string& path) {
   }
   auto truncated = [&](std::int64_t held) {
     std::ostringstream shape;
-    for (int d = 0; d < ndim; ++d)
-      shape << (d ? "x" : "") << dims[d];
+    for (int d = 0; d < ndim; ++d) shape << (d ? "x" : "") << dims[d];
     return DataError(path + ": truncated: the header promises " + shape.str() + " = " +
                      std::to_string(count) + " bytes of data, the file holds " +
                      std::to_string(held) + "; download or reinstall it");
@@ -109,8 +119,7 @@ torch::Tensor read_idx(const std::string& path) {
   }
   const std::size_t got =
       read_some(file.get(), out.data_ptr(), static_cast<std::size_t>(count), path);
-  if (got != static_cast<std::size_t>(count))
-    throw truncated(static_cast<std::int64_t>(got));
+  if (got != static_cast<std::size_t>(count)) throw truncated(static_cast<std::int64_t>(got));
   return out;
 }
 

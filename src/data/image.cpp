@@ -41,17 +41,39 @@ void for_each_image(const torch::Tensor& in, torch::Tensor& out, Fn&& fn) {
   }
 }
 
-template <class T> void flip(const torch::Tensor& in, torch::Tensor& out, std::uint64_t seed) {
+// Per-image keys: the given int64 [N] tensor, or 0..N-1.
+std::vector<std::uint64_t> image_keys(const torch::Tensor& images, const torch::Tensor& keys,
+                                      const char* what) {
+  const std::int64_t n = images.size(0);
+  std::vector<std::uint64_t> out(static_cast<std::size_t>(n));
+  if (!keys.defined()) {
+    for (std::int64_t i = 0; i < n; ++i)
+      out[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(i);
+    return out;
+  }
+  if (keys.dim() != 1 || keys.size(0) != n) {
+    throw DataError(std::string(what) + ": keys must be one int64 per image ([" +
+                    std::to_string(n) + "]); saw shape " + c10::str(keys.sizes()));
+  }
+  const torch::Tensor k = keys.to(torch::kCPU, torch::kInt64).contiguous();
+  for (std::int64_t i = 0; i < n; ++i) {
+    out[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(k.data_ptr<std::int64_t>()[i]);
+  }
+  return out;
+}
+
+template <class T>
+void flip(const torch::Tensor& in, torch::Tensor& out, std::uint64_t seed,
+          const std::vector<std::uint64_t>& keys) {
   for_each_image<T>(in, out,
                     [&](std::int64_t i, std::int64_t planes, std::int64_t h, std::int64_t w,
                         const T* src, T* dst) {
-                      const bool mirror = draw(seed, static_cast<std::uint64_t>(i)) & 1;
+                      const bool mirror = draw(seed, keys[static_cast<std::size_t>(i)]) & 1;
                       for (std::int64_t r = 0; r < planes * h; ++r) {
                         const T* row = src + r * w;
                         T* to = dst + r * w;
                         if (mirror) {
-                          for (std::int64_t x = 0; x < w; ++x)
-                            to[x] = row[w - 1 - x];
+                          for (std::int64_t x = 0; x < w; ++x) to[x] = row[w - 1 - x];
                         } else {
                           std::copy(row, row + w, to);
                         }
@@ -60,12 +82,13 @@ template <class T> void flip(const torch::Tensor& in, torch::Tensor& out, std::u
 }
 
 template <class T>
-void crop(const torch::Tensor& in, torch::Tensor& out, std::int64_t padding, std::uint64_t seed) {
+void crop(const torch::Tensor& in, torch::Tensor& out, std::int64_t padding, std::uint64_t seed,
+          const std::vector<std::uint64_t>& keys) {
   const std::uint64_t span = static_cast<std::uint64_t>(2 * padding + 1);
   for_each_image<T>(in, out,
                     [&](std::int64_t i, std::int64_t planes, std::int64_t h, std::int64_t w,
                         const T* src, T* dst) {
-                      const std::uint64_t r = draw(seed, static_cast<std::uint64_t>(i));
+                      const std::uint64_t r = draw(seed, keys[static_cast<std::size_t>(i)]);
                       // Offsets in the padded image, as a shift of the original: -padding..padding.
                       const std::int64_t dy = static_cast<std::int64_t>((r >> 8) % span) - padding;
                       const std::int64_t dx = static_cast<std::int64_t>((r >> 32) % span) - padding;
@@ -96,45 +119,46 @@ torch::Tensor normalize(const torch::Tensor& images, double mean, double stddev)
   const float scale = static_cast<float>(1.0 / (255.0 * stddev));
   const float shift = static_cast<float>(mean / stddev);
   if (images.scalar_type() != torch::kUInt8 || images.device().type() != torch::kCPU) {
-    return images.to(torch::kFloat32).mul_(scale).sub_(shift);
+    return images.to(torch::kFloat32).mul(scale).sub(shift); // never in place: it may be a view
   }
   const torch::Tensor in = images.contiguous();
   torch::Tensor out = torch::empty(in.sizes(), torch::kFloat32);
   const std::uint8_t* src = in.data_ptr<std::uint8_t>();
   float* dst = out.data_ptr<float>();
   const std::int64_t n = in.numel();
-  for (std::int64_t k = 0; k < n; ++k)
-    dst[k] = static_cast<float>(src[k]) * scale - shift;
+  for (std::int64_t k = 0; k < n; ++k) dst[k] = static_cast<float>(src[k]) * scale - shift;
   return out;
 }
 
-torch::Tensor random_flip_left_right(const torch::Tensor& images, std::uint64_t seed) {
+torch::Tensor random_flip_left_right(const torch::Tensor& images, std::uint64_t seed,
+                                     const torch::Tensor& keys) {
   check_batch(images, "random_flip_left_right");
+  const auto k = image_keys(images, keys, "random_flip_left_right");
   const torch::Tensor in = images.contiguous().cpu();
   torch::Tensor out = torch::empty_like(in);
   if (in.scalar_type() == torch::kUInt8) {
-    flip<std::uint8_t>(in, out, seed);
+    flip<std::uint8_t>(in, out, seed, k);
   } else {
-    flip<float>(in, out, seed);
+    flip<float>(in, out, seed, k);
   }
   return out;
 }
 
 torch::Tensor random_crop_with_padding(const torch::Tensor& images, std::int64_t padding,
-                                       std::uint64_t seed) {
+                                       std::uint64_t seed, const torch::Tensor& keys) {
   check_batch(images, "random_crop_with_padding");
+  const auto k = image_keys(images, keys, "random_crop_with_padding");
   if (padding < 0) {
     throw ConfigError("random_crop_with_padding: padding must be >= 0; saw " +
                       std::to_string(padding));
   }
-  if (padding == 0)
-    return images;
+  if (padding == 0) return images;
   const torch::Tensor in = images.contiguous().cpu();
   torch::Tensor out = torch::empty_like(in);
   if (in.scalar_type() == torch::kUInt8) {
-    crop<std::uint8_t>(in, out, padding, seed);
+    crop<std::uint8_t>(in, out, padding, seed, k);
   } else {
-    crop<float>(in, out, padding, seed);
+    crop<float>(in, out, padding, seed, k);
   }
   return out;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "flotilla/data/dataset.h"
+#include "flotilla/error.h"
 
 namespace flotilla::data::detail {
 
@@ -30,6 +31,10 @@ struct BatchSizes {
   }
   std::int64_t pop() {
     std::lock_guard<std::mutex> lock(mutex);
+    if (sizes.empty()) {
+      throw DataError("distributed pass: a batch arrived without its recorded global size (a "
+                      "stage after the batch dropped or added elements); this is a bug to report");
+    }
     const std::int64_t n = sizes.front();
     sizes.pop_front();
     return n;
@@ -47,23 +52,28 @@ struct IteratorContext {
 using Clock = std::chrono::steady_clock;
 
 class Stage {
-public:
+ public:
   explicit Stage(std::string name) : name_(std::move(name)) {}
   virtual ~Stage() = default;
   Stage(const Stage&) = delete;
   Stage& operator=(const Stage&) = delete;
 
   // The next element or nullopt at the end; timed for stats.
+  // Once a stage has ended it stays ended: a consumer that asks again (a batch that returned
+  // its short last batch, a cache completing) gets nullopt without the stage running again.
   std::optional<Element> next() {
+    if (ended_) return std::nullopt;
     const std::int64_t start = now_ns();
-    if (first_ns_ == 0)
-      first_ns_ = start;
+    if (first_ns_ == 0) first_ns_ = start;
     auto out = produce();
     const std::int64_t end = now_ns();
     latency_ns_ += end - start;
     last_ns_ = end;
-    if (out)
+    if (out) {
       ++elements_;
+    } else {
+      ended_ = true;
+    }
     return out;
   }
   const std::string& name() const { return name_; }
@@ -73,7 +83,7 @@ public:
   // This stage's figures after its inputs' (source first).
   virtual void stats(std::vector<StageStats>& out) const;
 
-protected:
+ protected:
   virtual std::optional<Element> produce() = 0;
   virtual void fill(StageStats& s) const {} // parallelism, buffer, waits
   // The inputs whose stats come before this stage's.
@@ -96,10 +106,11 @@ protected:
   std::atomic<std::int64_t> latency_ns_{0};
   std::atomic<std::int64_t> first_ns_{0};
   std::atomic<std::int64_t> last_ns_{0};
+  bool ended_ = false;
 };
 
 class Node {
-public:
+ public:
   explicit Node(Options options) : options_(std::move(options)) {}
   virtual ~Node() = default;
 
@@ -130,7 +141,7 @@ public:
   std::int64_t next_iteration() const { return iterations_.fetch_add(1); }
   void continue_after(std::int64_t iteration) const;
 
-private:
+ private:
   Options options_;
   mutable std::atomic<std::int64_t> iterations_{0};
 };

@@ -4,6 +4,10 @@
 // per-element function then costs one task hand-off per chunk rather than per element, which is
 // what lets element-wise preprocessing keep up with tf.data's C++ kernels. A batch unit is
 // batch_size elements. Parallelism (units in flight) is fixed, or an AUTOTUNE knob.
+//
+// Errors are results too: a function that throws on element k yields an error in k's place and
+// the elements after it still come, as with the sequential map; an input error is passed on in
+// its place and the runner goes on reading.
 #include <condition_variable>
 #include <deque>
 #include <thread>
@@ -16,11 +20,11 @@ namespace flotilla::data::detail {
 namespace {
 
 class ParallelStage : public UnaryStage {
-public:
+ public:
   // Turns a unit of input elements (the first being element `first_index` of this pass) into
-  // output elements appended to `out`; may throw after appending some.
+  // results appended to `out`, one per output element or error.
   using Work = std::function<void(std::vector<Element>& unit, std::int64_t first_index,
-                                  std::deque<Element>& out)>;
+                                  std::deque<Result>& out)>;
 
   ParallelStage(std::string name, std::unique_ptr<Stage> input, bool chunked,
                 std::int64_t unit_size, bool drop_partial, std::int64_t parallel,
@@ -31,30 +35,25 @@ public:
         work_(std::move(work)),
         knob_(autotuned_ ? std::min<std::int64_t>(2, ctx.pool->size()) : parallel,
               autotuned_ ? ctx.pool->size() : parallel, 0) {
-    if (autotuned_)
-      tuner_->add(&knob_);
+    if (autotuned_) tuner_->add(&knob_);
   }
 
   ~ParallelStage() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      cancelled_ = true;
-    }
-    space_.notify_all();
-    if (runner_.joinable())
-      runner_.join();
-    // Tasks on the pool hold `this`: wait for them before the members go.
     std::unique_lock<std::mutex> lock(mutex_);
+    cancelled_ = true;
+    space_.notify_all();
+    lock.unlock();
+    if (runner_.joinable()) runner_.join();
+    // Tasks on the pool hold `this`: wait until the last one has let go of the lock.
+    lock.lock();
     space_.wait(lock, [&] { return in_flight_ == 0; });
     lock.unlock();
-    if (autotuned_)
-      tuner_->remove(&knob_);
+    if (autotuned_) tuner_->remove(&knob_);
   }
 
   std::int64_t skip(std::int64_t n) override {
-    if (runner_.joinable())
-      return Stage::skip(n); // results are in flight: take them in order
-    if (chunked_) {          // map functions are pure: move the input, run nothing
+    if (runner_.joinable()) return Stage::skip(n); // results are in flight: take them in order
+    if (chunked_) {                                // map functions are pure: run nothing
       const std::int64_t moved = input_->skip(n);
       next_index_ += moved;
       return moved;
@@ -64,17 +63,15 @@ public:
     return moved / unit_size_ + (!drop_partial_ && moved % unit_size_ != 0 ? 1 : 0);
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (!runner_.joinable())
-      runner_ = std::thread([this] { run(); });
+    if (!runner_.joinable()) runner_ = std::thread([this] { run(); });
     std::unique_lock<std::mutex> lock(mutex_);
     const auto start = Clock::now();
     std::shared_ptr<Slot> slot;
     for (;;) {
       if (deterministic_) {
-        if (!slots_.empty() && slots_.front()->ready)
-          slot = slots_.front();
+        if (!slots_.empty() && slots_.front()->ready) slot = slots_.front();
       } else {
         for (const auto& s : slots_) {
           if (s->ready) {
@@ -83,37 +80,25 @@ protected:
           }
         }
       }
-      if (slot || (slots_.empty() && input_done_))
-        break;
+      if (slot || (slots_.empty() && input_done_)) break;
       ready_.wait(lock);
     }
     const auto waited =
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     knob_.counters().consumer_wait_ns += waited;
     knob_.counters().consumer_wait_total_ns += waited;
-    if (!slot)
-      return std::nullopt;
-    std::optional<Element> out;
-    if (!slot->results.empty()) {
-      out = std::move(slot->results.front());
-      slot->results.pop_front();
-    }
-    // A unit that failed part-way gives its results first; its error comes on the next call.
-    const bool finished = slot->results.empty() && (!out || !slot->error);
-    const std::exception_ptr error = finished ? slot->error : nullptr;
-    if (finished) {
+    if (!slot) return std::nullopt;
+    Result result = std::move(slot->results.front());
+    slot->results.pop_front();
+    if (slot->results.empty()) {
       slots_.erase(std::find(slots_.begin(), slots_.end(), slot));
-      lock.unlock();
       space_.notify_one(); // room for the runner
     }
-    if (out) {
-      knob_.observe_element_bytes(element_bytes(*out) *
-                                  (chunked_ ? chunk_.load() : std::int64_t{1}));
-      return out;
-    }
-    if (error)
-      std::rethrow_exception(error);
-    return produce(); // an empty unit (all filtered out upstream): take the next
+    lock.unlock();
+    if (result.error) std::rethrow_exception(result.error);
+    knob_.observe_element_bytes(element_bytes(*result.element) *
+                                (chunked_ ? chunk_.load() : std::int64_t{1}));
+    return std::move(result.element);
   }
 
   void fill(StageStats& s) const override {
@@ -123,17 +108,15 @@ protected:
     s.consumer_wait_share = share(knob_.counters().consumer_wait_total_ns.load());
   }
 
-private:
+ private:
   struct Slot {
     bool ready = false;
-    std::deque<Element> results;
-    std::exception_ptr error;
+    std::deque<Result> results; // never empty once ready
   };
 
   // Elements per map task: enough for ~200 µs of work, learned from the tasks so far.
   std::int64_t next_unit_size() const {
-    if (!chunked_)
-      return unit_size_;
+    if (!chunked_) return unit_size_;
     constexpr std::int64_t kTaskNs = 200000;
     const std::int64_t per_element = per_element_ns_.load();
     const std::int64_t chunk =
@@ -151,78 +134,79 @@ private:
       });
       knob_.counters().producer_full_ns +=
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-      if (cancelled_)
-        return;
+      if (cancelled_) return;
       lock.unlock();
 
       const std::int64_t want = next_unit_size();
       std::vector<Element> unit;
       unit.reserve(static_cast<std::size_t>(want));
-      std::exception_ptr error;
+      std::exception_ptr error; // the input's, which comes after the unit's elements
+      bool input_ended = false;
       try {
         while (static_cast<std::int64_t>(unit.size()) < want) {
           auto e = input_->next();
-          if (!e)
+          if (!e) {
+            input_ended = true;
             break;
+          }
           unit.push_back(std::move(*e));
         }
       } catch (...) {
         error = std::current_exception();
       }
-      const bool short_unit = static_cast<std::int64_t>(unit.size()) < want;
-      const bool dropped = !chunked_ && drop_partial_ && short_unit;
-      const bool end = error || short_unit; // a short unit is the input's last
+      const bool dropped = !chunked_ && drop_partial_ && input_ended &&
+                           static_cast<std::int64_t>(unit.size()) < want;
+      // A short last batch under drop_remainder is dropped; so is a batch cut by an input error
+      // (the sequential batch loses it the same way).
+      if (dropped || (!chunked_ && error)) unit.clear();
       lock.lock();
-      auto slot = std::make_shared<Slot>();
-      slots_.push_back(slot);
       const std::int64_t first = next_index_;
       next_index_ += static_cast<std::int64_t>(unit.size());
-      const bool compute = !unit.empty() && !dropped;
-      if (compute) {
-        ++in_flight_;
-      } else if (error) { // nothing to compute: the slot carries the input's error, in order
-        slot->ready = true;
-        slot->error = error;
-      } else {
-        slots_.pop_back();
+      if (!unit.empty() || error) {
+        auto slot = std::make_shared<Slot>();
+        slots_.push_back(slot);
+        if (unit.empty()) { // only the input's error: ready now, in its place
+          slot->results.push_back(Result{std::nullopt, error});
+          slot->ready = true;
+        } else {
+          ++in_flight_;
+          pool_->submit([this, slot, first, error, unit = std::move(unit)]() mutable {
+            compute(*slot, unit, first, error);
+          });
+        }
       }
-      if (end)
-        input_done_ = true;
-      lock.unlock();
+      if (input_ended) input_done_ = true;
       ready_.notify_all();
-      if (compute) {
-        pool_->submit([this, slot, first, error, unit = std::move(unit)]() mutable {
-          const auto work_start = Clock::now();
-          const auto count = static_cast<std::int64_t>(unit.size());
-          std::deque<Element> results;
-          std::exception_ptr failure;
-          try {
-            work_(unit, first, results);
-          } catch (...) {
-            failure = std::current_exception();
-          }
-          if (chunked_) {
-            const auto ns =
-                std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - work_start)
-                    .count();
-            const std::int64_t per = ns / std::max<std::int64_t>(1, count);
-            const std::int64_t old = per_element_ns_.load();
-            per_element_ns_.store(old <= 0 ? per : (3 * old + per) / 4);
-          }
-          {
-            std::lock_guard<std::mutex> guard(mutex_);
-            slot->results = std::move(results);
-            slot->error = failure ? failure : error; // the input's error comes after the unit
-            slot->ready = true;
-            --in_flight_;
-          }
-          ready_.notify_all();
-          space_.notify_all(); // the destructor may be waiting for the last task
-        });
-      }
-      if (end)
-        return;
+      if (input_ended) return;
     }
+  }
+
+  // On the pool: the unit's results, then the input's error if it had one.
+  void compute(Slot& slot, std::vector<Element>& unit, std::int64_t first,
+               std::exception_ptr input_error) {
+    const auto start = Clock::now();
+    const auto count = static_cast<std::int64_t>(unit.size());
+    std::deque<Result> results;
+    try {
+      work_(unit, first, results);
+    } catch (...) {
+      results.push_back(Result{std::nullopt, std::current_exception()});
+    }
+    if (input_error) results.push_back(Result{std::nullopt, input_error});
+    if (chunked_) {
+      const auto ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+      const std::int64_t per = ns / std::max<std::int64_t>(1, count);
+      const std::int64_t old = per_element_ns_.load();
+      per_element_ns_.store(old <= 0 ? per : (3 * old + per) / 4);
+    }
+    // Notified under the lock: once in_flight_ drops to 0 the destructor may free everything.
+    std::lock_guard<std::mutex> guard(mutex_);
+    slot.results = std::move(results);
+    slot.ready = true;
+    --in_flight_;
+    ready_.notify_all();
+    space_.notify_all();
   }
 
   const bool chunked_;
@@ -256,12 +240,14 @@ std::unique_ptr<Stage> make_parallel_map(std::unique_ptr<Stage> input, MapFn fn,
   return std::make_unique<ParallelStage>(
       "ParallelMap", std::move(input), /*chunked=*/true, 1, false, parallel, deterministic, ctx,
       [fn = std::move(fn)](std::vector<Element>& unit, std::int64_t first,
-                           std::deque<Element>& out) {
+                           std::deque<Result>& out) {
         for (std::size_t k = 0; k < unit.size(); ++k) {
           try {
-            out.push_back(fn(std::move(unit[k])));
+            out.push_back(Result{fn(std::move(unit[k])), nullptr});
           } catch (...) {
-            throw map_failure(first + static_cast<std::int64_t>(k), std::current_exception());
+            out.push_back(Result{std::nullopt, std::make_exception_ptr(
+                                                   map_failure(first + static_cast<std::int64_t>(k),
+                                                               std::current_exception()))});
           }
         }
       });
@@ -273,8 +259,8 @@ std::unique_ptr<Stage> make_parallel_batch(std::unique_ptr<Stage> input, std::in
   // Batches are assembled in parallel but always returned in order.
   return std::make_unique<ParallelStage>(
       "ParallelBatch", std::move(input), /*chunked=*/false, size, drop_remainder, parallel, true,
-      ctx, [size](std::vector<Element>& unit, std::int64_t first, std::deque<Element>& out) {
-        out.push_back(stack_batch(unit, first / size));
+      ctx, [size](std::vector<Element>& unit, std::int64_t first, std::deque<Result>& out) {
+        out.push_back(Result{stack_batch(unit, first / size), nullptr});
       });
 }
 

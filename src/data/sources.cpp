@@ -15,7 +15,7 @@ namespace flotilla::data::detail {
 namespace {
 
 class SlicesStage : public Stage {
-public:
+ public:
   SlicesStage(Element tensors, std::int64_t size)
       : Stage("TensorSlices"), tensors_(std::move(tensors)), size_(size) {}
   std::int64_t skip(std::int64_t n) override {
@@ -24,19 +24,17 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (position_ >= size_)
-      return std::nullopt;
+    if (position_ >= size_) return std::nullopt;
     Element out;
     out.reserve(tensors_.size());
-    for (const auto& t : tensors_)
-      out.push_back(t[position_]);
+    for (const auto& t : tensors_) out.push_back(t[position_]);
     ++position_;
     return out;
   }
 
-private:
+ private:
   Element tensors_;
   std::int64_t size_;
   std::int64_t position_ = 0;
@@ -44,7 +42,7 @@ private:
 
 // Hashes the data once, on first use of the fingerprint.
 class InMemoryNode : public Node {
-public:
+ public:
   InMemoryNode(Element tensors, const Options& options)
       : Node(options), tensors_(std::move(tensors)) {}
   std::string content_hash() const {
@@ -52,16 +50,16 @@ public:
     return hash_;
   }
 
-protected:
+ protected:
   Element tensors_;
 
-private:
+ private:
   mutable std::once_flag hashed_;
   mutable std::string hash_;
 };
 
 class SlicesNode : public InMemoryNode {
-public:
+ public:
   // `identity`, when given, stands for the data in the fingerprint (files' paths, sizes, times).
   SlicesNode(Element tensors, const Options& options, std::string identity = "")
       : InMemoryNode(std::move(tensors), options), identity_(std::move(identity)) {
@@ -89,18 +87,17 @@ public:
     return "tensor_slices(" + (identity_.empty() ? content_hash() : identity_) + ")";
   }
 
-private:
+ private:
   std::string identity_;
 };
 
 class TensorsNode : public InMemoryNode {
-public:
+ public:
   using InMemoryNode::InMemoryNode;
   std::unique_ptr<Stage> make_iterator(const IteratorContext&) const override {
     // One element: a stack of one, unsqueezed, is the tensors themselves.
     std::vector<torch::Tensor> single;
-    for (const auto& t : tensors_)
-      single.push_back(t.unsqueeze(0));
+    for (const auto& t : tensors_) single.push_back(t.unsqueeze(0));
     return std::make_unique<SlicesStage>(single, 1);
   }
   std::int64_t cardinality() const override { return 1; }
@@ -108,7 +105,7 @@ public:
 };
 
 class RangeStage : public Stage {
-public:
+ public:
   RangeStage(std::int64_t start, std::int64_t stop, std::int64_t step)
       : Stage("Range"), next_(start), stop_(stop), step_(step) {}
   std::int64_t skip(std::int64_t n) override {
@@ -120,26 +117,24 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (!more())
-      return std::nullopt;
+    if (!more()) return std::nullopt;
     Element out{torch::tensor(next_, torch::kInt64)};
     next_ += step_;
     return out;
   }
 
-private:
+ private:
   bool more() const { return step_ > 0 ? next_ < stop_ : next_ > stop_; }
   std::int64_t next_, stop_, step_;
 };
 
 class RangeNode : public Node {
-public:
+ public:
   RangeNode(std::int64_t start, std::int64_t stop, std::int64_t step, const Options& options)
       : Node(options), start_(start), stop_(stop), step_(step) {
-    if (step == 0)
-      throw ConfigError("range step must not be 0");
+    if (step == 0) throw ConfigError("range step must not be 0");
   }
   std::unique_ptr<Stage> make_iterator(const IteratorContext&) const override {
     return std::make_unique<RangeStage>(start_, stop_, step_);
@@ -154,29 +149,29 @@ public:
            std::to_string(step_) + ")";
   }
 
-private:
+ private:
   std::int64_t start_, stop_, step_;
 };
 
 class RandomStage : public Stage {
-public:
+ public:
   explicit RandomStage(std::uint64_t seed) : Stage("Random"), rng_(seed) {}
   std::int64_t skip(std::int64_t n) override {
     rng_.discard(static_cast<unsigned long long>(n));
     return n;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     return Element{torch::tensor(static_cast<std::int64_t>(rng_() >> 1), torch::kInt64)};
   }
 
-private:
+ private:
   std::mt19937_64 rng_;
 };
 
 class RandomNode : public Node {
-public:
+ public:
   RandomNode(std::uint64_t seed, bool rerandomize, const Options& options)
       : Node(options), seed_(seed), rerandomize_(rerandomize) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
@@ -187,8 +182,12 @@ public:
   std::string describe() const override {
     return "random(" + std::to_string(seed_) + "," + std::to_string(rerandomize_) + ")";
   }
+  // Seeds hold no data to divide: every worker's file shard may draw from the same stream.
+  NodePtr shard_files(std::int64_t, std::int64_t) const override {
+    return std::make_shared<RandomNode>(seed_, rerandomize_, options());
+  }
 
-private:
+ private:
   std::uint64_t seed_;
   bool rerandomize_;
 };
@@ -199,8 +198,7 @@ std::string file_identity(const std::vector<std::string>& files) {
   std::string out;
   for (const auto& f : files) {
     struct stat info {};
-    if (::stat(f.c_str(), &info) != 0)
-      throw DataError(f + ": cannot stat it; check the path");
+    if (::stat(f.c_str(), &info) != 0) throw DataError(f + ": cannot stat it; check the path");
     out += f + ":" + std::to_string(info.st_size) + ":" + std::to_string(info.st_mtim.tv_sec) +
            "." + std::to_string(info.st_mtim.tv_nsec) + ";";
   }
@@ -239,8 +237,7 @@ std::string hash_tensors(const Element& tensors) {
   for (const auto& t : tensors) {
     const torch::Tensor c = t.contiguous().cpu();
     mix(static_cast<std::uint64_t>(c.scalar_type()));
-    for (auto d : c.sizes())
-      mix(static_cast<std::uint64_t>(d));
+    for (auto d : c.sizes()) mix(static_cast<std::uint64_t>(d));
     const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
     const std::size_t n = static_cast<std::size_t>(c.numel()) * c.element_size();
     std::size_t i = 0;
@@ -260,8 +257,7 @@ std::string hash_tensors(const Element& tensors) {
 
 std::int64_t element_bytes(const Element& e) {
   std::int64_t bytes = 0;
-  for (const auto& t : e)
-    bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+  for (const auto& t : e) bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
   return bytes;
 }
 

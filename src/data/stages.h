@@ -9,9 +9,15 @@
 
 namespace flotilla::data::detail {
 
+// An element or the error raised in its place, as buffered by the threaded stages.
+struct Result {
+  std::optional<Element> element;
+  std::exception_ptr error;
+};
+
 // A stage with one input, whose stats come first.
 class UnaryStage : public Stage {
-protected:
+ protected:
   UnaryStage(std::string name, std::unique_ptr<Stage> input)
       : Stage(std::move(name)), input_(std::move(input)) {}
   std::vector<const Stage*> stat_inputs() const override { return {input_.get()}; }
@@ -19,25 +25,25 @@ protected:
 };
 
 class UnaryNode : public Node {
-public:
+ public:
   explicit UnaryNode(NodePtr input) : Node(input->options()), input_(std::move(input)) {}
   UnaryNode(NodePtr input, const Options& options) : Node(options), input_(std::move(input)) {}
   std::vector<NodePtr> inputs() const override { return {input_}; }
 
-protected:
+ protected:
   NodePtr input_;
 };
 
 // A source that reads a list of files; FILE auto-sharding hands each worker a subset.
 class FileSourceNode : public Node {
-public:
+ public:
   FileSourceNode(std::vector<std::string> files, const Options& options);
   std::int64_t cardinality() const override { return kUnknownCardinality; }
   std::int64_t source_files() const override { return static_cast<std::int64_t>(files_.size()); }
   NodePtr shard_files(std::int64_t n, std::int64_t i) const override;
   virtual NodePtr with_files(std::vector<std::string> files) const = 0;
 
-protected:
+ protected:
   std::string describe_files() const;
   std::vector<std::string> files_;
 };
@@ -46,10 +52,10 @@ protected:
 std::string file_identity(const std::vector<std::string>& files);
 
 class EmptyStage : public Stage {
-public:
+ public:
   EmptyStage() : Stage("Empty") {}
 
-protected:
+ protected:
   std::optional<Element> produce() override { return std::nullopt; }
 };
 

@@ -35,8 +35,7 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
   std::int64_t n = 1;
-  for (auto d : shape)
-    n *= d;
+  for (auto d : shape) n *= d;
   return n;
 }
 
@@ -109,8 +108,7 @@ Element parse_example(const std::string& serialized, const FeatureSpec& spec,
       out.push_back(s.default_value->clone());
     } else {
       std::string present;
-      for (const auto& [name, value] : features)
-        present += (present.empty() ? "" : ", ") + name;
+      for (const auto& [name, value] : features) present += (present.empty() ? "" : ", ") + name;
       throw DataError(where + ": feature \"" + s.name +
                       "\" is missing and has no default; the Example has: " +
                       (present.empty() ? "no features" : present) +
@@ -162,8 +160,7 @@ std::string to_string(const torch::Tensor& bytes) {
 
 TFRecordReader::TFRecordReader(std::string path)
     : path_(std::move(path)), in_(path_, std::ios::binary) {
-  if (!in_)
-    throw DataError(path_ + ": cannot open it; check the path");
+  if (!in_) throw DataError(path_ + ": cannot open it; check the path");
 }
 
 std::optional<std::string> TFRecordReader::next() {
@@ -171,8 +168,7 @@ std::optional<std::string> TFRecordReader::next() {
   unsigned char header[12];
   in_.read(reinterpret_cast<char*>(header), 12);
   const auto got = in_.gcount();
-  if (got == 0)
-    return std::nullopt;
+  if (got == 0) return std::nullopt;
   if (got < 12) {
     throw DataError(where + ": truncated: the file ends inside the record's 12-byte header");
   }
@@ -207,8 +203,7 @@ TFRecordWriter::TFRecordWriter(const std::string& path)
 TFRecordWriter::~TFRecordWriter() = default;
 
 void TFRecordWriter::write(const std::string& record) {
-  if (!file_)
-    throw DataError("TFRecordWriter: write after close()");
+  if (!file_) throw DataError("TFRecordWriter: write after close()");
   unsigned char header[12];
   const std::uint64_t length = record.size();
   std::memcpy(header, &length, 8);
@@ -221,8 +216,7 @@ void TFRecordWriter::write(const std::string& record) {
 }
 
 void TFRecordWriter::close() {
-  if (file_)
-    file_->commit();
+  if (file_) file_->commit();
   file_.reset();
 }
 
@@ -232,39 +226,34 @@ namespace detail {
 namespace {
 
 class TFRecordStage : public Stage {
-public:
+ public:
   TFRecordStage(std::vector<std::string> files, std::optional<FeatureSpec> spec)
       : Stage(spec ? "TFRecord(parsed)" : "TFRecord"), files_(std::move(files)),
         spec_(std::move(spec)) {}
   std::int64_t skip(std::int64_t n) override {
     std::int64_t moved = 0;
-    while (moved < n && read())
-      ++moved; // framing is checked; parsing is not needed
+    while (moved < n && read()) ++moved; // framing is checked; parsing is not needed
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto record = read();
-    if (!record)
-      return std::nullopt;
-    if (!spec_)
-      return Element{string_tensor(*record)};
+    if (!record) return std::nullopt;
+    if (!spec_) return Element{string_tensor(*record)};
     return parse_example(*record, *spec_,
                          reader_->path() + ": record " +
                              std::to_string(reader_->records_read() - 1));
   }
 
-private:
+ private:
   std::optional<std::string> read() {
     for (;;) {
       if (!reader_) {
-        if (next_file_ >= files_.size())
-          return std::nullopt;
+        if (next_file_ >= files_.size()) return std::nullopt;
         reader_ = std::make_unique<TFRecordReader>(files_[next_file_++]);
       }
-      if (auto r = reader_->next())
-        return r;
+      if (auto r = reader_->next()) return r;
       reader_.reset();
     }
   }
@@ -276,7 +265,7 @@ private:
 };
 
 class TFRecordNode : public FileSourceNode {
-public:
+ public:
   TFRecordNode(std::vector<std::string> files, std::optional<FeatureSpec> spec, const Options& o)
       : FileSourceNode(std::move(files), o), spec_(std::move(spec)) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext&) const override {
@@ -296,7 +285,7 @@ public:
     return std::make_shared<TFRecordNode>(std::move(files), spec_, options());
   }
 
-private:
+ private:
   std::optional<FeatureSpec> spec_;
 };
 

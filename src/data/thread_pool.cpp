@@ -3,8 +3,7 @@
 namespace flotilla::data::detail {
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 0; i < std::max(1, threads); ++i)
-    threads_.emplace_back([this] { work(); });
+  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { work(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -13,8 +12,7 @@ ThreadPool::~ThreadPool() {
     stopping_ = true;
   }
   ready_.notify_all();
-  for (auto& t : threads_)
-    t.join();
+  for (auto& t : threads_) t.join();
 }
 
 void ThreadPool::submit(std::function<void()> task) {
@@ -31,8 +29,7 @@ void ThreadPool::work() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       ready_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty())
-        return; // stopping, and everything queued has run
+      if (tasks_.empty()) return; // stopping, and everything queued has run
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }

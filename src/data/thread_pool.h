@@ -12,7 +12,7 @@
 namespace flotilla::data::detail {
 
 class ThreadPool {
-public:
+ public:
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -22,7 +22,7 @@ public:
   void submit(std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
 
-private:
+ private:
   void work();
 
   std::mutex mutex_;

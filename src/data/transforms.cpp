@@ -14,7 +14,7 @@ std::int64_t known(std::int64_t c) {
 // --- map (one call at a time) ---
 
 class MapStage : public UnaryStage {
-public:
+ public:
   MapStage(std::unique_ptr<Stage> input, MapFn fn)
       : UnaryStage("Map", std::move(input)), fn_(std::move(fn)) {}
   std::int64_t skip(std::int64_t n) override {
@@ -23,11 +23,10 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto e = input_->next();
-    if (!e)
-      return std::nullopt;
+    if (!e) return std::nullopt;
     const std::int64_t index = index_++;
     try {
       return fn_(std::move(*e));
@@ -36,20 +35,19 @@ protected:
     }
   }
 
-private:
+ private:
   MapFn fn_;
   std::int64_t index_ = 0;
 };
 
 class MapNode : public UnaryNode {
-public:
+ public:
   MapNode(NodePtr input, MapFn fn, std::int64_t parallel, std::optional<bool> deterministic)
       : UnaryNode(std::move(input)), fn_(std::move(fn)), parallel_(parallel),
         deterministic_(deterministic) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     auto in = input_->make_iterator(ctx);
-    if (parallel_ == 1)
-      return std::make_unique<MapStage>(std::move(in), fn_);
+    if (parallel_ == 1) return std::make_unique<MapStage>(std::move(in), fn_);
     return make_parallel_map(std::move(in), fn_, parallel_,
                              deterministic_.value_or(ctx.options.deterministic), ctx);
   }
@@ -72,7 +70,7 @@ public:
     return std::make_shared<MapNode>(inputs.at(0), fn_, parallel_, deterministic_);
   }
 
-private:
+ private:
   MapFn fn_;
   std::int64_t parallel_;
   std::optional<bool> deterministic_;
@@ -81,16 +79,15 @@ private:
 // --- filter ---
 
 class FilterStage : public UnaryStage {
-public:
+ public:
   FilterStage(std::unique_ptr<Stage> input, PredicateFn predicate)
       : UnaryStage("Filter", std::move(input)), predicate_(std::move(predicate)) {}
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     for (;;) {
       auto e = input_->next();
-      if (!e)
-        return std::nullopt;
+      if (!e) return std::nullopt;
       const std::int64_t index = index_++;
       bool keep = false;
       try {
@@ -99,18 +96,17 @@ protected:
         throw DataError("filter predicate failed on element " + std::to_string(index) + ": " +
                         describe_exception(std::current_exception()));
       }
-      if (keep)
-        return e;
+      if (keep) return e;
     }
   }
 
-private:
+ private:
   PredicateFn predicate_;
   std::int64_t index_ = 0;
 };
 
 class FilterNode : public UnaryNode {
-public:
+ public:
   FilterNode(NodePtr input, PredicateFn p)
       : UnaryNode(std::move(input)), predicate_(std::move(p)) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
@@ -125,14 +121,14 @@ public:
     return std::make_shared<FilterNode>(inputs.at(0), predicate_);
   }
 
-private:
+ private:
   PredicateFn predicate_;
 };
 
 // --- repeat ---
 
 class RepeatStage : public Stage {
-public:
+ public:
   RepeatStage(NodePtr input, IteratorContext ctx, std::int64_t count)
       : Stage("Repeat"), node_(std::move(input)), ctx_(std::move(ctx)), count_(count) {
     start_pass();
@@ -143,13 +139,12 @@ public:
       const std::int64_t m = current_->skip(n - moved);
       moved += m;
       produced_in_pass_ += m;
-      if (moved < n && !next_pass())
-        break;
+      if (moved < n && !next_pass()) break;
     }
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     while (current_) {
       auto e = current_->next();
@@ -157,29 +152,43 @@ protected:
         ++produced_in_pass_;
         return e;
       }
-      if (!next_pass())
-        break;
+      if (!next_pass()) break;
     }
     return std::nullopt;
   }
-  std::vector<const Stage*> stat_inputs() const override {
-    return current_ ? std::vector<const Stage*>{current_.get()} : std::vector<const Stage*>{};
+  // The current pass is replaced at pass boundaries, maybe on a prefetch thread, while the
+  // consumer asks for stats: both hold the lock for that.
+  void stats(std::vector<StageStats>& out) const override {
+    {
+      std::lock_guard<std::mutex> lock(swap_mutex_);
+      if (current_) current_->stats(out);
+    }
+    StageStats s;
+    s.name = name_;
+    s.elements = elements_.load();
+    out.push_back(s);
   }
 
-private:
+ private:
   void start_pass() {
     IteratorContext inner = ctx_;
     // Each repetition is its own pass: a shuffle inside reshuffles, as in tf.data.
     inner.iteration = static_cast<std::int64_t>(
         mix_seed(static_cast<std::uint64_t>(ctx_.iteration), static_cast<std::uint64_t>(pass_)) >>
         1);
-    current_ = node_->make_iterator(inner);
+    auto next = node_->make_iterator(inner);
+    {
+      std::lock_guard<std::mutex> lock(swap_mutex_);
+      std::swap(current_, next);
+    }
     produced_in_pass_ = 0;
-  }
+  } // the finished pass is destroyed here, outside the lock
   bool next_pass() {
     // An empty pass would repeat forever without producing: end instead.
     if (produced_in_pass_ == 0 || (count_ >= 0 && pass_ + 1 >= count_)) {
-      current_.reset();
+      std::unique_ptr<Stage> done;
+      std::lock_guard<std::mutex> lock(swap_mutex_);
+      std::swap(current_, done);
       return false;
     }
     ++pass_;
@@ -192,63 +201,60 @@ private:
   std::int64_t count_;
   std::int64_t pass_ = 0;
   std::int64_t produced_in_pass_ = 0;
+  mutable std::mutex swap_mutex_;
   std::unique_ptr<Stage> current_;
 };
 
 class RepeatNode : public UnaryNode {
-public:
+ public:
   RepeatNode(NodePtr input, std::int64_t count) : UnaryNode(std::move(input)), count_(count) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
-    if (count_ == 0)
-      return std::make_unique<EmptyStage>();
+    if (count_ == 0) return std::make_unique<EmptyStage>();
     return std::make_unique<RepeatStage>(input_, ctx, count_);
   }
   std::int64_t cardinality() const override {
     const std::int64_t c = input_->cardinality();
-    if (count_ == 0 || c == 0)
-      return 0;
-    if (count_ < 0 || c == kInfiniteCardinality)
-      return kInfiniteCardinality;
+    if (count_ == 0 || c == 0) return 0;
+    if (count_ < 0 || c == kInfiniteCardinality) return kInfiniteCardinality;
     return c == kUnknownCardinality ? kUnknownCardinality : c * count_;
   }
   std::string describe() const override { return "repeat(" + std::to_string(count_) + ")"; }
+  // The rebatching under it records a size per batch it produces, in order, in every pass.
+  bool preserves_order(const Options&) const override { return true; }
   NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
     return std::make_shared<RepeatNode>(inputs.at(0), count_);
   }
 
-private:
+ private:
   std::int64_t count_;
 };
 
 // --- take / skip ---
 
 class TakeStage : public UnaryStage {
-public:
+ public:
   TakeStage(std::unique_ptr<Stage> input, std::int64_t count)
       : UnaryStage("Take", std::move(input)), left_(count) {}
   std::int64_t skip(std::int64_t n) override {
     const std::int64_t moved = input_->skip(left_ < 0 ? n : std::min(n, left_));
-    if (left_ >= 0)
-      left_ -= moved;
+    if (left_ >= 0) left_ -= moved;
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (left_ == 0)
-      return std::nullopt;
+    if (left_ == 0) return std::nullopt;
     auto e = input_->next();
-    if (e && left_ > 0)
-      --left_;
+    if (e && left_ > 0) --left_;
     return e;
   }
 
-private:
+ private:
   std::int64_t left_; // -1: no limit
 };
 
 class SkipStage : public UnaryStage {
-public:
+ public:
   SkipStage(std::unique_ptr<Stage> input, std::int64_t count)
       : UnaryStage("Skip", std::move(input)), pending_(count) {}
   std::int64_t skip(std::int64_t n) override {
@@ -256,13 +262,13 @@ public:
     return input_->skip(n);
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     settle();
     return input_->next();
   }
 
-private:
+ private:
   void settle() {
     if (pending_ < 0) {
       while (input_->skip(1 << 20) > 0) {
@@ -276,28 +282,23 @@ private:
 };
 
 class TakeSkipNode : public UnaryNode {
-public:
+ public:
   TakeSkipNode(NodePtr input, std::int64_t count, bool take)
       : UnaryNode(std::move(input)), count_(count), take_(take) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     auto in = input_->make_iterator(ctx);
-    if (take_)
-      return std::make_unique<TakeStage>(std::move(in), count_);
+    if (take_) return std::make_unique<TakeStage>(std::move(in), count_);
     return std::make_unique<SkipStage>(std::move(in), count_);
   }
   std::int64_t cardinality() const override {
     const std::int64_t c = input_->cardinality();
     if (take_) {
-      if (count_ < 0)
-        return c;
-      if (c == kInfiniteCardinality)
-        return count_;
+      if (count_ < 0) return c;
+      if (c == kInfiniteCardinality) return count_;
       return c == kUnknownCardinality ? kUnknownCardinality : std::min(c, count_);
     }
-    if (count_ < 0)
-      return c == kInfiniteCardinality ? kInfiniteCardinality : 0;
-    if (c < 0)
-      return c;
+    if (count_ < 0) return c == kInfiniteCardinality ? kInfiniteCardinality : 0;
+    if (c < 0) return c;
     return std::max<std::int64_t>(0, c - count_);
   }
   std::string describe() const override {
@@ -306,8 +307,10 @@ public:
   NodePtr with_inputs(std::vector<NodePtr> inputs) const override {
     return std::make_shared<TakeSkipNode>(inputs.at(0), count_, take_);
   }
+  // A skip moves its input without producing (no size is recorded); a take stops early.
+  bool preserves_order(const Options&) const override { return true; }
 
-private:
+ private:
   std::int64_t count_;
   bool take_;
 };
@@ -315,7 +318,7 @@ private:
 // --- shard ---
 
 class ShardStage : public UnaryStage {
-public:
+ public:
   ShardStage(std::unique_ptr<Stage> input, std::int64_t n, std::int64_t index)
       : UnaryStage("Shard", std::move(input)), n_(n), index_(index) {}
   std::int64_t skip(std::int64_t m) override {
@@ -326,28 +329,24 @@ public:
       const std::int64_t got = input_->skip(1 + (want - 1) * n_);
       moved += got > 0 ? 1 + (got - 1) / n_ : 0;
       position_ += got;
-      if (got < 1 + (want - 1) * n_)
-        break;
+      if (got < 1 + (want - 1) * n_) break;
     }
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
-    if (!align())
-      return std::nullopt;
+    if (!align()) return std::nullopt;
     auto e = input_->next();
-    if (e)
-      ++position_;
+    if (e) ++position_;
     return e;
   }
 
-private:
+ private:
   // Moves the input to the next position that belongs to this shard.
   bool align() {
     const std::int64_t offset = ((index_ - position_) % n_ + n_) % n_;
-    if (offset == 0)
-      return true;
+    if (offset == 0) return true;
     const std::int64_t got = input_->skip(offset);
     position_ += got;
     return got == offset;
@@ -357,11 +356,10 @@ private:
 };
 
 class ShardNode : public UnaryNode {
-public:
+ public:
   ShardNode(NodePtr input, std::int64_t n, std::int64_t index)
       : UnaryNode(std::move(input)), n_(n), index_(index) {
-    if (n < 1)
-      throw ConfigError("shard: num_shards must be at least 1; saw " + std::to_string(n));
+    if (n < 1) throw ConfigError("shard: num_shards must be at least 1; saw " + std::to_string(n));
     if (index < 0 || index >= n) {
       throw ConfigError("shard: index " + std::to_string(index) + " is out of range for " +
                         std::to_string(n) + " shards; use 0 to " + std::to_string(n - 1));
@@ -372,8 +370,7 @@ public:
   }
   std::int64_t cardinality() const override {
     const std::int64_t c = input_->cardinality();
-    if (c < 0)
-      return c;
+    if (c < 0) return c;
     return c <= index_ ? 0 : (c - index_ + n_ - 1) / n_;
   }
   std::string describe() const override {
@@ -383,14 +380,14 @@ public:
     return std::make_shared<ShardNode>(inputs.at(0), n_, index_);
   }
 
-private:
+ private:
   std::int64_t n_, index_;
 };
 
 // --- enumerate ---
 
 class EnumerateStage : public UnaryStage {
-public:
+ public:
   EnumerateStage(std::unique_ptr<Stage> input, std::int64_t start)
       : UnaryStage("Enumerate", std::move(input)), next_(start) {}
   std::int64_t skip(std::int64_t n) override {
@@ -399,21 +396,20 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     auto e = input_->next();
-    if (!e)
-      return std::nullopt;
+    if (!e) return std::nullopt;
     e->insert(e->begin(), torch::tensor(next_++, torch::kInt64));
     return e;
   }
 
-private:
+ private:
   std::int64_t next_;
 };
 
 class EnumerateNode : public UnaryNode {
-public:
+ public:
   EnumerateNode(NodePtr input, std::int64_t start) : UnaryNode(std::move(input)), start_(start) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     return std::make_unique<EnumerateStage>(input_->make_iterator(ctx), start_);
@@ -425,56 +421,51 @@ public:
     return std::make_shared<EnumerateNode>(inputs.at(0), start_);
   }
 
-private:
+ private:
   std::int64_t start_;
 };
 
 // --- zip / concatenate ---
 
 class ZipStage : public Stage {
-public:
+ public:
   explicit ZipStage(std::vector<std::unique_ptr<Stage>> inputs)
       : Stage("Zip"), inputs_(std::move(inputs)) {}
   std::int64_t skip(std::int64_t n) override {
     std::int64_t moved = n;
-    for (auto& in : inputs_)
-      moved = std::min(moved, in->skip(n));
+    for (auto& in : inputs_) moved = std::min(moved, in->skip(n));
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     Element out;
     for (auto& in : inputs_) {
       auto e = in->next();
-      if (!e)
-        return std::nullopt;
+      if (!e) return std::nullopt;
       out.insert(out.end(), e->begin(), e->end());
     }
     return out;
   }
   std::vector<const Stage*> stat_inputs() const override {
     std::vector<const Stage*> out;
-    for (const auto& in : inputs_)
-      out.push_back(in.get());
+    for (const auto& in : inputs_) out.push_back(in.get());
     return out;
   }
 
-private:
+ private:
   std::vector<std::unique_ptr<Stage>> inputs_;
 };
 
 class ZipNode : public Node {
-public:
+ public:
   explicit ZipNode(std::vector<NodePtr> inputs)
       : Node(inputs.empty() ? Options{} : inputs.front()->options()), inputs_(std::move(inputs)) {
-    if (inputs_.empty())
-      throw ConfigError("zip needs at least one dataset; saw none");
+    if (inputs_.empty()) throw ConfigError("zip needs at least one dataset; saw none");
   }
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     std::vector<std::unique_ptr<Stage>> stages;
-    for (const auto& in : inputs_)
-      stages.push_back(in->make_iterator(ctx));
+    for (const auto& in : inputs_) stages.push_back(in->make_iterator(ctx));
     return std::make_unique<ZipStage>(std::move(stages));
   }
   std::int64_t cardinality() const override {
@@ -482,12 +473,11 @@ public:
     bool unknown = false;
     for (const auto& in : inputs_) {
       const std::int64_t c = in->cardinality();
-      if (c == kUnknownCardinality)
-        unknown = true;
-      if (c >= 0)
-        out = out < 0 ? c : std::min(out, c);
+      if (c == kUnknownCardinality) unknown = true;
+      if (c >= 0) out = out < 0 ? c : std::min(out, c);
     }
-    return out >= 0 || !unknown ? out : kUnknownCardinality;
+    // tf.data: unknown if any input is unknown (a known count could end later than it says).
+    return unknown ? kUnknownCardinality : out;
   }
   std::string describe() const override { return "zip(" + std::to_string(inputs_.size()) + ")"; }
   std::vector<NodePtr> inputs() const override { return inputs_; }
@@ -496,12 +486,12 @@ public:
     return std::make_shared<ZipNode>(std::move(inputs));
   }
 
-private:
+ private:
   std::vector<NodePtr> inputs_;
 };
 
 class ConcatenateStage : public Stage {
-public:
+ public:
   ConcatenateStage(std::unique_ptr<Stage> first, std::unique_ptr<Stage> second)
       : Stage("Concatenate"), first_(std::move(first)), second_(std::move(second)) {}
   std::int64_t skip(std::int64_t n) override {
@@ -513,24 +503,23 @@ public:
     return moved;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     if (!first_done_) {
-      if (auto e = first_->next())
-        return e;
+      if (auto e = first_->next()) return e;
       first_done_ = true;
     }
     return second_->next();
   }
   std::vector<const Stage*> stat_inputs() const override { return {first_.get(), second_.get()}; }
 
-private:
+ private:
   std::unique_ptr<Stage> first_, second_;
   bool first_done_ = false;
 };
 
 class ConcatenateNode : public Node {
-public:
+ public:
   ConcatenateNode(NodePtr first, NodePtr second)
       : Node(first->options()), first_(std::move(first)), second_(std::move(second)) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
@@ -539,10 +528,8 @@ public:
   }
   std::int64_t cardinality() const override {
     const std::int64_t a = first_->cardinality(), b = second_->cardinality();
-    if (a == kInfiniteCardinality || b == kInfiniteCardinality)
-      return kInfiniteCardinality;
-    if (a < 0 || b < 0)
-      return kUnknownCardinality;
+    if (a == kInfiniteCardinality || b == kInfiniteCardinality) return kInfiniteCardinality;
+    if (a < 0 || b < 0) return kUnknownCardinality;
     return a + b;
   }
   std::string describe() const override { return "concatenate"; }
@@ -551,14 +538,14 @@ public:
   }
   std::vector<NodePtr> inputs() const override { return {first_, second_}; }
 
-private:
+ private:
   NodePtr first_, second_;
 };
 
 // --- with_options: changes the options the whole pipeline runs with; no stage of its own ---
 
 class OptionsNode : public UnaryNode {
-public:
+ public:
   OptionsNode(NodePtr input, const Options& options) : UnaryNode(std::move(input), options) {}
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     return input_->make_iterator(ctx);
@@ -574,22 +561,23 @@ public:
 // --- batch (one at a time) ---
 
 class BatchStage : public UnaryStage {
-public:
+ public:
   BatchStage(std::unique_ptr<Stage> input, std::int64_t size, bool drop)
       : UnaryStage("Batch", std::move(input)), size_(size), drop_(drop) {}
   std::int64_t skip(std::int64_t n) override {
     const std::int64_t moved = input_->skip(n * size_);
-    return moved / size_ + (!drop_ && moved % size_ != 0 ? 1 : 0);
+    const std::int64_t batches = moved / size_ + (!drop_ && moved % size_ != 0 ? 1 : 0);
+    index_ += batches; // so an error names the right batch after a restore
+    return batches;
   }
 
-protected:
+ protected:
   std::optional<Element> produce() override {
     std::vector<Element> parts;
     parts.reserve(static_cast<std::size_t>(size_));
     while (static_cast<std::int64_t>(parts.size()) < size_) {
       auto e = input_->next();
-      if (!e)
-        break;
+      if (!e) break;
       parts.push_back(std::move(*e));
     }
     if (parts.empty() || (drop_ && static_cast<std::int64_t>(parts.size()) < size_)) {
@@ -598,14 +586,14 @@ protected:
     return stack_batch(parts, index_++);
   }
 
-private:
+ private:
   std::int64_t size_;
   bool drop_;
   std::int64_t index_ = 0;
 };
 
 class BatchNode : public UnaryNode {
-public:
+ public:
   BatchNode(NodePtr input, std::int64_t size, bool drop, std::int64_t parallel)
       : UnaryNode(std::move(input)), size_(size), drop_(drop), parallel_(parallel) {
     if (size < 1) {
@@ -614,14 +602,12 @@ public:
   }
   std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
     auto in = input_->make_iterator(ctx);
-    if (parallel_ == 1)
-      return std::make_unique<BatchStage>(std::move(in), size_, drop_);
+    if (parallel_ == 1) return std::make_unique<BatchStage>(std::move(in), size_, drop_);
     return make_parallel_batch(std::move(in), size_, drop_, parallel_, ctx);
   }
   std::int64_t cardinality() const override {
     const std::int64_t c = input_->cardinality();
-    if (c < 0)
-      return c;
+    if (c < 0) return c;
     return drop_ ? c / size_ : (c + size_ - 1) / size_;
   }
   std::string describe() const override {
@@ -633,7 +619,7 @@ public:
   std::int64_t batch_size() const { return size_; }
   bool drop_remainder() const { return drop_; }
 
-private:
+ private:
   std::int64_t size_;
   bool drop_;
   std::int64_t parallel_;
@@ -675,8 +661,7 @@ Element stack_batch(const std::vector<Element>& parts, std::int64_t batch_index)
 
 NodePtr make_map(NodePtr input, MapFn fn, std::int64_t num_parallel_calls,
                  std::optional<bool> deterministic) {
-  if (!fn)
-    throw ConfigError("map needs a function; saw an empty one");
+  if (!fn) throw ConfigError("map needs a function; saw an empty one");
   if (num_parallel_calls < 1 && num_parallel_calls != kAutotune) {
     throw ConfigError("map num_parallel_calls must be at least 1 or kAutotune; saw " +
                       std::to_string(num_parallel_calls));
@@ -685,8 +670,7 @@ NodePtr make_map(NodePtr input, MapFn fn, std::int64_t num_parallel_calls,
                                    deterministic);
 }
 NodePtr make_filter(NodePtr input, PredicateFn predicate) {
-  if (!predicate)
-    throw ConfigError("filter needs a predicate; saw an empty one");
+  if (!predicate) throw ConfigError("filter needs a predicate; saw an empty one");
   return std::make_shared<FilterNode>(std::move(input), std::move(predicate));
 }
 NodePtr make_batch(NodePtr input, std::int64_t batch_size, bool drop_remainder,
@@ -725,8 +709,7 @@ NodePtr make_with_options(NodePtr input, const Options& options) {
 
 bool is_batch(const Node& node, std::int64_t* size, bool* drop) {
   const auto* b = dynamic_cast<const BatchNode*>(&node);
-  if (!b)
-    return false;
+  if (!b) return false;
   *size = b->batch_size();
   *drop = b->drop_remainder();
   return true;

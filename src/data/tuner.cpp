@@ -17,21 +17,18 @@ void Tuner::remove(Knob* knob) {
 void Tuner::maybe_tune() {
   const auto now = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock() || now - window_start_ < kWindow)
-    return;
+  if (!lock.owns_lock() || now - window_start_ < kWindow) return;
   const double window_ns = static_cast<double>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(now - window_start_).count());
   window_start_ = now;
 
   std::int64_t ram_used = 0;
-  for (const Knob* k : knobs_)
-    ram_used += k->value() * k->bytes_per_unit();
+  for (const Knob* k : knobs_) ram_used += k->value() * k->bytes_per_unit();
   for (Knob* k : knobs_) {
     const double waited =
         static_cast<double>(k->counters_.consumer_wait_ns.exchange(0)) / window_ns;
     const double full = static_cast<double>(k->counters_.producer_full_ns.exchange(0)) / window_ns;
-    if (!enabled_)
-      continue;
+    if (!enabled_) continue;
     const std::int64_t value = k->value();
     const std::int64_t step = std::max<std::int64_t>(1, value / 4);
     const std::int64_t extra_bytes = step * k->bytes_per_unit();

@@ -22,7 +22,7 @@ struct WaitCounters {
 };
 
 class Knob {
-public:
+ public:
   Knob(std::int64_t initial, std::int64_t max, std::int64_t bytes_per_unit)
       : value_(initial), max_(max), bytes_per_unit_(bytes_per_unit) {}
   std::int64_t value() const { return value_.load(); }
@@ -33,7 +33,7 @@ public:
   void observe_element_bytes(std::int64_t bytes) { bytes_per_unit_.store(bytes); }
   std::int64_t bytes_per_unit() const { return bytes_per_unit_.load(); }
 
-private:
+ private:
   friend class Tuner;
   std::atomic<std::int64_t> value_;
   std::int64_t max_;
@@ -42,7 +42,7 @@ private:
 };
 
 class Tuner {
-public:
+ public:
   Tuner(bool enabled, std::int64_t ram_budget_bytes)
       : enabled_(enabled), ram_budget_(ram_budget_bytes), window_start_(Clock::now()) {}
 
@@ -59,7 +59,7 @@ public:
   // A producer idle this share of a window because the knob was full is limited by the knob.
   static constexpr double kFullShare = 0.10;
 
-private:
+ private:
   using Clock = std::chrono::steady_clock;
   bool enabled_;
   std::int64_t ram_budget_;

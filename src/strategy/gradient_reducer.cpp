@@ -15,8 +15,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
   Bucket current;
   std::int64_t current_bytes = 0;
   auto close = [&] {
-    if (current.params.empty())
-      return;
+    if (current.params.empty()) return;
     const auto& first = parameters_[current.params.front()];
     current.numel = current.offsets.back() + parameters_[current.params.back()].numel();
     // One "has a gradient" flag per parameter rides at the end of the bucket (0/1 and their
@@ -33,8 +32,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     const bool same_kind =
         current.params.empty() || (parameters_[current.params.front()].dtype() == p.dtype() &&
                                    parameters_[current.params.front()].device() == p.device());
-    if (!same_kind || (!current.params.empty() && current_bytes + bytes > bytes_per_pack))
-      close();
+    if (!same_kind || (!current.params.empty() && current_bytes + bytes > bytes_per_pack)) close();
     const std::int64_t offset =
         current.params.empty()
             ? 0
@@ -49,8 +47,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
 void GradientReducer::finish() {
   torch::NoGradGuard no_grad;
   const int replicas = communicator_.size();
-  if (replicas == 1)
-    return;
+  if (replicas == 1) return;
   std::vector<collective::Work> works;
   works.reserve(buckets_.size());
   for (auto& bucket : buckets_) {
@@ -81,8 +78,7 @@ void GradientReducer::finish() {
       auto p = parameters_[bucket.params[i]];
       // Unused on every replica: no gradient, as single-worker training (and DDP) would leave it,
       // so momentum and weight decay do not move it.
-      if (used_by[i] == 0.0f)
-        continue;
+      if (used_by[i] == 0.0f) continue;
       auto slot = bucket.flat.narrow(0, bucket.offsets[i], p.numel()).view(p.sizes());
       if (p.grad().defined()) {
         p.mutable_grad().copy_(slot);

@@ -28,8 +28,7 @@ InputContext Strategy::input_context() const {
 }
 
 void Strategy::mirror(torch::nn::Module& module) {
-  if (communicator_.size() == 1)
-    return;
+  if (communicator_.size() == 1) return;
   torch::NoGradGuard no_grad;
   // One flat broadcast per (dtype, device) instead of one per tensor.
   std::map<std::pair<int, std::string>, std::vector<torch::Tensor>> groups;
@@ -41,8 +40,7 @@ void Strategy::mirror(torch::nn::Module& module) {
   }
   for (auto& [key, tensors] : groups) {
     std::vector<torch::Tensor> flat_parts;
-    for (const auto& t : tensors)
-      flat_parts.push_back(t.reshape({-1}));
+    for (const auto& t : tensors) flat_parts.push_back(t.reshape({-1}));
     torch::Tensor flat = torch::cat(flat_parts);
     communicator_.broadcast(flat, 0).wait();
     std::int64_t offset = 0;
@@ -62,8 +60,7 @@ torch::Tensor Strategy::reduce(ReduceOp op, const torch::Tensor& value) {
 GradientReducer Strategy::make_gradient_reducer(const torch::nn::Module& module) {
   std::vector<torch::Tensor> trainable;
   for (const auto& p : module.parameters()) {
-    if (p.requires_grad())
-      trainable.push_back(p);
+    if (p.requires_grad()) trainable.push_back(p);
   }
   return GradientReducer(communicator_, std::move(trainable),
                          communicator_.options().bytes_per_pack);

@@ -16,8 +16,7 @@ namespace F = torch::nn::functional;
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)) {
-  if (!module_ || !forward_)
-    throw ConfigError("Model needs a module and its forward function");
+  if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
 }
 
 void Model::compile(const CompileOptions& options) {
@@ -105,8 +104,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   std::optional<data::DistributedIterator> pass;
   bool ran_out = false;
   for (int epoch = 1; epoch <= options.epochs && !ran_out; ++epoch) {
-    if (!pass || !options.steps_per_epoch)
-      pass.emplace(train.make_iterator());
+    if (!pass || !options.steps_per_epoch) pass.emplace(train.make_iterator());
     net.train();
     progress.begin_epoch(epoch, options.epochs, steps_hint);
     StepResult totals;
@@ -133,31 +131,37 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       const torch::Tensor& labels = batch->element[1];
       optimizer_->zero_grad();
       reducer_->prepare();
-      const torch::Tensor logits = forward_(features);
-      torch::Tensor per_example =
-          F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kNone));
-      if (batch->element.size() > 2)
-        per_example = per_example * batch->element[2].to(per_example.dtype());
-      // Summed over this replica's slice and divided by the global batch's share per replica:
-      // averaged over replicas by the reducer, that is the global batch's mean loss exactly,
-      // short last batches included.
-      const torch::Tensor loss =
-          per_example.sum() / (static_cast<double>(batch->global_batch_size) / replicas);
-      loss.backward();
+      torch::Tensor logits, per_example;
+      if (labels.size(0) > 0) {
+        logits = forward_(features);
+        per_example =
+            F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+        if (batch->element.size() > 2) {
+          per_example = per_example * batch->element[2].to(per_example.dtype());
+        }
+        // Summed over this replica's slice and divided by the global batch's share per
+        // replica: averaged over replicas by the reducer, that is the global batch's mean loss
+        // exactly, short last batches included.
+        const torch::Tensor loss =
+            per_example.sum() / (static_cast<double>(batch->global_batch_size) / replicas);
+        loss.backward();
+      }
+      // An empty slice (a short last batch over many replicas) runs no forward — a batch norm
+      // could not — but still joins the reduction, with no gradients of its own.
       reducer_->finish();
       optimizer_->step();
 
       ++steps;
-      const auto n = static_cast<double>(labels.size(0));
-      totals.loss_sum += per_example.detach().sum().item<double>();
-      totals.correct += logits.detach().argmax(1).eq(labels).sum().item<double>();
-      totals.count += n;
+      if (labels.size(0) > 0) {
+        totals.loss_sum += per_example.detach().sum().item<double>();
+        totals.correct += logits.detach().argmax(1).eq(labels).sum().item<double>();
+        totals.count += static_cast<double>(labels.size(0));
+      }
       if (totals.count > 0) {
         progress.step(steps, totals.loss_sum / totals.count, totals.correct / totals.count);
       }
     }
-    if (steps == 0)
-      break; // the data ran out at an epoch's start: nothing to report
+    if (steps == 0) break; // the data ran out at an epoch's start: nothing to report
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const torch::Tensor global = strategy_.reduce(
@@ -178,8 +182,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
                              "ckpt-" + std::to_string(epoch) + ".safetensors",
                              {{"epoch", std::to_string(epoch)}, {"format", "flotilla"}});
     }
-    if (options.on_epoch_end)
-      options.on_epoch_end(logs);
+    if (options.on_epoch_end) options.on_epoch_end(logs);
     history.epochs.push_back(logs);
   }
   if (ran_out && strategy_.is_chief()) {
@@ -203,8 +206,7 @@ EvalResult Model::evaluate(const data::DistributedDataset& data) {
   while (auto batch = pass.next()) {
     check_element(batch->element);
     const torch::Tensor& labels = batch->element[1];
-    if (labels.size(0) == 0)
-      continue; // this worker's share of a short last batch
+    if (labels.size(0) == 0) continue; // this worker's share of a short last batch
     const torch::Tensor logits = forward_(batch->element[0]);
     totals.loss_sum +=
         F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kSum))

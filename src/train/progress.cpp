@@ -26,18 +26,15 @@ Progress::Progress(bool enabled, bool bar, std::FILE* out)
 void Progress::begin_epoch(int epoch, int epochs, std::int64_t steps) {
   steps_ = steps;
   start_ = last_draw_ = std::chrono::steady_clock::now();
-  if (!enabled_)
-    return;
+  if (!enabled_) return;
   std::fprintf(out_, "Epoch %d/%d\n", epoch, epochs);
   std::fflush(out_);
 }
 
 void Progress::step(std::int64_t done, double loss, double accuracy) {
-  if (!enabled_ || !bar_)
-    return;
+  if (!enabled_ || !bar_) return;
   const auto now = std::chrono::steady_clock::now();
-  if (done != steps_ && now - last_draw_ < std::chrono::milliseconds(100))
-    return;
+  if (done != steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
   last_draw_ = now;
   if (steps_ <= 0) { // the pass's length is unknown: count, as Keras does
     std::fprintf(out_, "\r%lld/Unknown - loss: %.4f - accuracy: %.4f   ",
@@ -48,8 +45,7 @@ void Progress::step(std::int64_t done, double loss, double accuracy) {
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(kWidth * std::min(done, steps_) / steps_);
   std::string bar(static_cast<std::size_t>(filled), '=');
-  if (filled < kWidth)
-    bar += '>';
+  if (filled < kWidth) bar += '>';
   bar.resize(kWidth, '.');
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * (steps_ - done) : 0;
@@ -60,11 +56,9 @@ void Progress::step(std::int64_t done, double loss, double accuracy) {
 }
 
 void Progress::end_epoch(const EpochLogs& logs) {
-  if (!enabled_)
-    return;
+  if (!enabled_) return;
   const double ms_per_step = logs.steps > 0 ? 1000.0 * logs.seconds / logs.steps : 0;
-  if (bar_)
-    std::fprintf(out_, "\r");
+  if (bar_) std::fprintf(out_, "\r");
   std::fprintf(out_,
                "%lld/%lld%s - %s - %.0fms/step - loss: %.4f - accuracy: %.4f - %.0f samples/s\n",
                static_cast<long long>(logs.steps), static_cast<long long>(logs.steps),
@@ -74,8 +68,7 @@ void Progress::end_epoch(const EpochLogs& logs) {
 }
 
 void Progress::line(const std::string& text) {
-  if (!enabled_)
-    return;
+  if (!enabled_) return;
   std::fprintf(out_, "%s\n", text.c_str());
   std::fflush(out_);
 }

@@ -14,16 +14,13 @@ using flotilla::testing::run_ranks;
 
 // Why these tests cannot run here, or "" when they can.
 std::string missing_cuda() {
-  if (!torch::cuda::is_available())
-    return "no CUDA device visible";
-  if (!nccl_available())
-    return "this build has no NCCL backend";
+  if (!torch::cuda::is_available()) return "no CUDA device visible";
+  if (!nccl_available()) return "this build has no NCCL backend";
   return "";
 }
 
 TEST(CudaCollectives, AutoUsesNcclForCudaTensorsAndGlooForCpuTensors) {
-  if (!missing_cuda().empty())
-    GTEST_SKIP() << missing_cuda();
+  if (!missing_cuda().empty()) GTEST_SKIP() << missing_cuda();
   auto comm = Communicator::local_group(1).front();
   auto t = torch::arange(1000, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA));
   EXPECT_EQ(comm.transport(t), "nccl");
@@ -35,8 +32,7 @@ TEST(CudaCollectives, AutoUsesNcclForCudaTensorsAndGlooForCpuTensors) {
 }
 
 TEST(CudaCollectives, RingReducesCudaTensorsAcrossRanks) {
-  if (!missing_cuda().empty())
-    GTEST_SKIP() << missing_cuda();
+  if (!missing_cuda().empty()) GTEST_SKIP() << missing_cuda();
   CommunicationOptions options;
   options.implementation = Implementation::kRing;
   run_ranks(

@@ -22,8 +22,7 @@ const std::string kCli = flotilla::testing::flotilla_cli();
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::istringstream in(text);
-  for (std::string line; std::getline(in, line);)
-    out.push_back(line);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
   return out;
 }
 
@@ -42,8 +41,7 @@ TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
     const auto spec = cluster::parse_tf_config(line.substr(line.find("] ") + 2));
     EXPECT_EQ(spec.task.index, index);
     EXPECT_EQ(spec.world_size, 3);
-    for (const auto& a : spec.worker)
-      addresses.insert(a.to_string());
+    for (const auto& a : spec.worker) addresses.insert(a.to_string());
     indices.insert(index);
   }
   EXPECT_EQ(indices, (std::set<int>{0, 1, 2}));
@@ -52,8 +50,7 @@ TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
   ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
   const int cores = CPU_COUNT(&set); // what this process may use, as the launcher counts
   const std::string threads = "threads=" + std::to_string(std::max(1, cores / 3));
-  for (const auto& line : lines_of(r.err))
-    EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
+  for (const auto& line : lines_of(r.err)) EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
 }
 
 TEST(Launch, CarriageReturnsRedrawAndDosNewlinesEndLines) {
@@ -111,8 +108,7 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
     pids.clear();
     for (int r = 0; r < 2; ++r) {
       const std::string text = testing::read_file(dir.path() + "/pid." + std::to_string(r));
-      if (!text.empty() && text.back() == '\n')
-        pids.push_back(std::stoi(text));
+      if (!text.empty() && text.back() == '\n') pids.push_back(std::stoi(text));
     }
   }
   ASSERT_EQ(pids.size(), 2u);
@@ -122,8 +118,7 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
     bool gone = false;
     for (int i = 0; i < 200 && !gone; ++i) { // up to 10 s
       gone = ::kill(pid, 0) != 0;
-      if (!gone)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     EXPECT_TRUE(gone) << "worker " << pid << " outlived its launcher";
   }
@@ -137,8 +132,7 @@ TEST(Launch, UnknownProgramIsABadInput) {
 }
 
 TEST(Launch, TwoWorkersTrainOnLoopback) {
-  if (!testing::fashion_mnist_present())
-    GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
   const std::string metrics = dir.path() + "/metrics.jsonl";
   const std::string model_dir = dir.path() + "/model";
@@ -164,8 +158,7 @@ TEST(Launch, TwoWorkersTrainOnLoopback) {
   EXPECT_GT(test["test_accuracy"].get<double>(), 0.7); // 120 steps of an MLP get ~0.8
   namespace fs = std::filesystem;
   std::vector<std::string> beside;
-  for (const auto& e : fs::directory_iterator(dir.path()))
-    beside.push_back(e.path().filename());
+  for (const auto& e : fs::directory_iterator(dir.path())) beside.push_back(e.path().filename());
   std::sort(beside.begin(), beside.end());
   EXPECT_EQ(beside, (std::vector<std::string>{"metrics.jsonl", "model"}));
   EXPECT_TRUE(fs::exists(fs::path(model_dir) / "ckpt-2.safetensors"));

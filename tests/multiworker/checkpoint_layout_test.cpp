@@ -20,8 +20,7 @@ namespace nn = torch::nn;
 
 std::vector<std::string> entries(const fs::path& dir) {
   std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir))
-    out.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -30,11 +29,11 @@ TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
   testing::TempDir root;
   const fs::path model_dir = fs::path(root.path()) / "model";
   std::vector<torch::Tensor> trained(2);
-  const auto ds =
-      data::Dataset::from_tensor_slices({torch::randn({40, 16}), torch::randint(0, 3, {40})})
-          .shuffle(40, 0)
-          .batch(8, true);
+  const auto x = torch::randn({40, 16});
+  const auto y = torch::randint(0, 3, {40});
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    // Each worker builds its own pipeline, as each process would.
+    const auto ds = data::Dataset::from_tensor_slices({x, y}).shuffle(40, 0).batch(8, true);
     strategy::Strategy s(thread_cluster(rank, 2), comm);
     auto net = s.scope([] { return nn::Sequential(nn::Flatten(), nn::Linear(16, 3)); });
     train::Model model(s, net);

@@ -19,8 +19,7 @@ const std::string kWorker = flotilla::testing::test_bin_dir() + "/collective_wor
 
 std::string tf_config(const std::vector<int>& ports, int index) {
   cluster::ClusterSpec spec;
-  for (int p : ports)
-    spec.worker.push_back({"127.0.0.1", p});
+  for (int p : ports) spec.worker.push_back({"127.0.0.1", p});
   spec.task = {cluster::TaskType::kWorker, index};
   return cluster::to_tf_config(spec);
 }
@@ -30,16 +29,14 @@ std::vector<ProcessResult> run_cluster(int world, const std::vector<std::string>
   const auto ports = testing::free_ports(world);
   std::vector<std::unique_ptr<Process>> procs;
   for (int i = 0; i < world; ++i) {
-    if (start_only >= 0 && i != start_only)
-      continue;
+    if (start_only >= 0 && i != start_only) continue;
     std::vector<std::string> argv = {kWorker};
     argv.insert(argv.end(), flags.begin(), flags.end());
     procs.push_back(std::make_unique<Process>(
         argv, std::map<std::string, std::string>{{"TF_CONFIG", tf_config(ports, i)}}));
   }
   std::vector<ProcessResult> results;
-  for (auto& p : procs)
-    results.push_back(p->wait(std::chrono::seconds(120)));
+  for (auto& p : procs) results.push_back(p->wait(std::chrono::seconds(120)));
   return results;
 }
 

@@ -57,8 +57,7 @@ TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
     auto gather = comm.all_gather(input(rank, n));
     gather.wait();
     ASSERT_EQ(gather.result().size(), static_cast<std::size_t>(world));
-    for (int r = 0; r < world; ++r)
-      EXPECT_TRUE(torch::equal(gather.result()[r], input(r, n)));
+    for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(gather.result()[r], input(r, n)));
 
     comm.barrier().wait();
   });
@@ -76,8 +75,7 @@ TEST(Collectives, AMeanIsFinalOnceCompletedEvenWithoutWait) {
   run_ranks(2, [](int rank, Communicator& comm) {
     auto t = torch::full({1000}, static_cast<double>(rank + 1));
     auto work = comm.all_reduce(t, ReduceOp::kMean);
-    while (!work.is_completed())
-      std::this_thread::yield();
+    while (!work.is_completed()) std::this_thread::yield();
     EXPECT_TRUE(torch::equal(t, torch::full({1000}, 1.5))); // divided, not the raw sum 3
     work.wait();
     EXPECT_TRUE(torch::equal(t, torch::full({1000}, 1.5))); // and only once

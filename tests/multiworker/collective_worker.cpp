@@ -26,8 +26,7 @@ int main(int argc, char** argv) {
   try {
     const auto spec = cluster::resolve_cluster(cluster::Environment::from_process());
     auto comm = collective::Communicator::connect(spec, options);
-    if (comm.rank() == leave_rank)
-      return 0;
+    if (comm.rank() == leave_rank) return 0;
     const int world = comm.size();
     const std::int64_t n = (1 << 20) + 3;
     const auto base = (torch::arange(n, torch::kInt64) % 13 + 1).to(torch::kFloat32);
@@ -44,8 +43,7 @@ int main(int argc, char** argv) {
     auto gather = comm.all_gather(torch::tensor({comm.rank()}, torch::kInt64));
     gather.wait();
     ok &= static_cast<int>(gather.result().size()) == world;
-    for (int r = 0; ok && r < world; ++r)
-      ok &= gather.result()[r].item<std::int64_t>() == r;
+    for (int r = 0; ok && r < world; ++r) ok &= gather.result()[r].item<std::int64_t>() == r;
 
     comm.barrier().wait();
     std::cout << "rank " << comm.rank() << " of " << world << (ok ? " ok" : " WRONG") << std::endl;

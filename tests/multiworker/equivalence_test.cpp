@@ -53,8 +53,7 @@ std::vector<torch::Tensor> train(strategy::Strategy& strategy, const data::Datas
   fit.verbose = train::Verbosity::kSilent;
   model.fit(dataset, fit);
   std::vector<torch::Tensor> out;
-  for (const auto& p : net->parameters())
-    out.push_back(p.detach().clone());
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
   return out;
 }
 
@@ -70,8 +69,7 @@ double max_relative_difference(const std::vector<torch::Tensor>& a,
 }
 
 TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
-  if (!testing::fashion_mnist_present())
-    GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   const auto images = data::fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
 
   std::vector<torch::Tensor> single;

@@ -104,8 +104,7 @@ TEST(Model, AShortLastBatchIsWeighedExactlyOnAnyNumberOfWorkers) {
           data::Dataset::from_tensor_slices({data.x, data.y}).shuffle(101, 4).batch(20), fit);
       EXPECT_EQ(history.epochs.at(0).steps, 6);
       if (rank == 0) {
-        for (const auto& p : net->parameters())
-          out.push_back(p.detach().clone());
+        for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
       }
     });
     return out;

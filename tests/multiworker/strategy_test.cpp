@@ -14,10 +14,8 @@ namespace nn = torch::nn;
 
 torch::Tensor flat_state(nn::Module& m) {
   std::vector<torch::Tensor> parts;
-  for (const auto& p : m.parameters())
-    parts.push_back(p.detach().reshape({-1}));
-  for (const auto& b : m.buffers())
-    parts.push_back(b.detach().to(torch::kFloat32).reshape({-1}));
+  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape({-1}));
+  for (const auto& b : m.buffers()) parts.push_back(b.detach().to(torch::kFloat32).reshape({-1}));
   return torch::cat(parts);
 }
 
@@ -31,18 +29,15 @@ TEST(Strategy, ScopeStartsEveryReplicaFromTheChiefsParametersAndBuffers) {
     auto net = strategy.scope([&] {
       auto m = nn::Sequential(nn::Linear(4, 3), nn::BatchNorm1d(3));
       torch::NoGradGuard no_grad;
-      for (auto& p : m->parameters())
-        p.fill_(static_cast<float>(rank + 1));
-      for (auto& b : m->buffers())
-        b.fill_(rank + 1); // running stats and the step counter
+      for (auto& p : m->parameters()) p.fill_(static_cast<float>(rank + 1));
+      for (auto& b : m->buffers()) b.fill_(rank + 1); // running stats and the step counter
       before[rank] = flat_state(*m);
       return m;
     });
     after[rank] = flat_state(*net);
   });
   EXPECT_FALSE(torch::equal(before[0], before[1]));
-  for (int r = 0; r < kWorld; ++r)
-    EXPECT_TRUE(torch::equal(after[r], before[0])) << "rank " << r;
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(torch::equal(after[r], before[0])) << "rank " << r;
 }
 
 TEST(Strategy, ReduceGivesTheGlobalValue) {
@@ -81,10 +76,8 @@ TEST(GradientReducer, AveragesGradientsAndCountsMissingOnesAsZero) {
     for (std::size_t k = 0; k < params.size(); ++k) {
       // Rank 0 never produces a gradient for parameter 1 (an unused layer on this replica);
       // nobody produces one for the last layer's weight (unused everywhere).
-      if (rank == 0 && k == 1)
-        continue;
-      if (k == 4)
-        continue;
+      if (rank == 0 && k == 1) continue;
+      if (k == 4) continue;
       params[k].mutable_grad() =
           torch::full_like(params[k], static_cast<float>((rank + 1) * (k + 1)));
     }
@@ -92,8 +85,7 @@ TEST(GradientReducer, AveragesGradientsAndCountsMissingOnesAsZero) {
     reducer.finish();
     EXPECT_FALSE(params[4].grad().defined()) << "unused everywhere: no gradient, no update";
     for (std::size_t k = 0; k < params.size(); ++k) {
-      if (k == 4)
-        continue;
+      if (k == 4) continue;
       ASSERT_TRUE(params[k].grad().defined()) << k;
       const float expected = k == 1 ? (2.0f * 2) / 2 : (1.0f + 2.0f) * (k + 1) / 2;
       EXPECT_TRUE(torch::equal(params[k].grad(), torch::full_like(params[k], expected))) << k;

@@ -34,19 +34,16 @@ inline void run_ranks(int world_size,
       }
     });
   }
-  for (auto& t : threads)
-    t.join();
+  for (auto& t : threads) t.join();
   for (auto& e : errors) {
-    if (e)
-      std::rethrow_exception(e);
+    if (e) std::rethrow_exception(e);
   }
 }
 
 // The ClusterSpec a thread-rank would have been given by TF_CONFIG.
 inline cluster::ClusterSpec thread_cluster(int rank, int world_size) {
   cluster::ClusterSpec spec;
-  for (int r = 0; r < world_size; ++r)
-    spec.worker.push_back({"127.0.0.1", 10000 + r});
+  for (int r = 0; r < world_size; ++r) spec.worker.push_back({"127.0.0.1", 10000 + r});
   spec.task = {cluster::TaskType::kWorker, rank};
   spec.world_size = world_size;
   spec.rank = rank;

@@ -41,7 +41,7 @@ inline std::string read_file(const std::string& path) {
 
 // A child process with its stdout/stderr in temporary files.
 class Process {
-public:
+ public:
   Process(const std::vector<std::string>& argv,
           const std::map<std::string, std::string>& env = {}) {
     static int counter = 0;
@@ -53,8 +53,7 @@ public:
     for (char** e = environ; *e; ++e) {
       std::string entry = *e;
       const auto eq = entry.find('=');
-      if (eq != std::string::npos)
-        vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
     }
     for (const auto& [k, v] : env) {
       if (v.empty()) {
@@ -64,14 +63,11 @@ public:
       }
     }
     std::vector<std::string> env_strings;
-    for (const auto& [k, v] : vars)
-      env_strings.push_back(k + "=" + v);
+    for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
     std::vector<char*> args, envp;
-    for (const auto& a : argv)
-      args.push_back(const_cast<char*>(a.c_str()));
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
-    for (const auto& e : env_strings)
-      envp.push_back(const_cast<char*>(e.c_str()));
+    for (const auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
@@ -86,8 +82,7 @@ public:
     const int rc = posix_spawnp(&pid_, args[0], &actions, &attr, args.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
-    if (rc != 0)
-      throw std::runtime_error("cannot start " + argv[0]);
+    if (rc != 0) throw std::runtime_error("cannot start " + argv[0]);
   }
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
@@ -127,7 +122,7 @@ public:
     return result;
   }
 
-private:
+ private:
   pid_t pid_ = -1;
   std::string out_path_, err_path_;
 };
@@ -153,14 +148,13 @@ inline std::vector<int> free_ports(int count) {
     ports.push_back(ntohs(addr.sin_port));
     fds.push_back(s);
   }
-  for (int fd : fds)
-    ::close(fd);
+  for (int fd : fds) ::close(fd);
   return ports;
 }
 
 // A fresh empty directory under /tmp, removed with everything in it at scope exit.
 class TempDir {
-public:
+ public:
   TempDir() {
     char tmpl[] = "/tmp/flotilla-test-XXXXXX";
     path_ = ::mkdtemp(tmpl);
@@ -171,7 +165,7 @@ public:
   }
   const std::string& path() const { return path_; }
 
-private:
+ private:
   std::string path_;
 };
 

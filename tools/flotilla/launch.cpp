@@ -43,7 +43,7 @@ struct LaunchArgs {
 
 // A file descriptor that closes itself.
 class Fd {
-public:
+ public:
   Fd() = default;
   explicit Fd(int fd) : fd_(fd) {}
   Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
@@ -55,12 +55,11 @@ public:
   ~Fd() { reset(); }
   int get() const { return fd_; }
   void reset() {
-    if (fd_ >= 0)
-      ::close(fd_);
+    if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
   }
 
-private:
+ private:
   int fd_ = -1;
 };
 
@@ -105,8 +104,7 @@ std::vector<int> free_ports(int count) {
 std::string self_executable() {
   char buf[4096];
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0)
-    throw Error("cannot find this program's path (/proc/self/exe)");
+  if (n <= 0) throw Error("cannot find this program's path (/proc/self/exe)");
   return std::string(buf, static_cast<std::size_t>(n));
 }
 
@@ -124,10 +122,8 @@ void write_all(int fd, const std::string& text) {
   std::size_t left = text.size();
   while (left > 0) {
     const ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return; // our own output is gone; nothing sensible to do
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return; // our own output is gone; nothing sensible to do
     p += n;
     left -= static_cast<std::size_t>(n);
   }
@@ -146,15 +142,13 @@ void emit_lines(int index, std::string& buffer, int fd, bool flush) {
   std::size_t start = 0;
   for (std::size_t end; (end = buffer.find_first_of("\r\n", start)) != std::string::npos;) {
     const std::string segment = buffer.substr(start, end - start);
-    if (buffer[end] == '\r' && end + 1 == buffer.size() && !flush)
-      break;                                              // "\r\n" split?
-    if (buffer[end] == '\r' && buffer[end + 1] == '\n') { // a DOS newline
+    if (buffer[end] == '\r' && end + 1 == buffer.size() && !flush) break; // "\r\n" split?
+    if (buffer[end] == '\r' && buffer[end + 1] == '\n') {                 // a DOS newline
       out += tagged(segment) + "\n";
       start = end + 2;
       continue;
     }
-    if (buffer[end] == '\n' || !segment.empty())
-      out += tagged(segment) + buffer[end];
+    if (buffer[end] == '\n' || !segment.empty()) out += tagged(segment) + buffer[end];
     start = end + 1; // an empty segment before '\r' is the start of a redraw
   }
   buffer.erase(0, start);
@@ -162,8 +156,7 @@ void emit_lines(int index, std::string& buffer, int fd, bool flush) {
     out += tagged(buffer) + "\n";
     buffer.clear();
   }
-  if (!out.empty())
-    write_all(fd, out);
+  if (!out.empty()) write_all(fd, out);
 }
 
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,
@@ -172,12 +165,10 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
     const auto eq = entry.find('=');
-    if (eq != std::string::npos)
-      vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+    if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
   // TF_CONFIG decides the cluster; stale torchrun variables would only confuse a reader.
-  for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
-    vars.erase(stale);
+  for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) vars.erase(stale);
   vars["TF_CONFIG"] = tf_config;
   vars["LOCAL_RANK"] = std::to_string(index);
   vars["LOCAL_WORLD_SIZE"] = std::to_string(workers);
@@ -188,20 +179,17 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   }
   // OpenMP sizes its pool when the library loads, before main(): only the environment can
   // size it. Workers on one machine share its cores instead of each taking all of them.
-  if (!vars.count("OMP_NUM_THREADS"))
-    vars["OMP_NUM_THREADS"] = std::to_string(threads);
-  if (!vars.count("MKL_NUM_THREADS"))
-    vars["MKL_NUM_THREADS"] = vars["OMP_NUM_THREADS"];
+  if (!vars.count("OMP_NUM_THREADS")) vars["OMP_NUM_THREADS"] = std::to_string(threads);
+  if (!vars.count("MKL_NUM_THREADS")) vars["MKL_NUM_THREADS"] = vars["OMP_NUM_THREADS"];
   std::vector<std::string> out;
-  for (const auto& [k, v] : vars)
-    out.push_back(k + "=" + v);
+  for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
   return out;
 }
 
 // Signals reach the poll loop through a pipe. Installs the handlers for its lifetime and puts
 // the previous ones back, whichever way run() leaves.
 class SignalPipe {
-public:
+ public:
   static constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
 
   SignalPipe() {
@@ -214,8 +202,7 @@ public:
     action.sa_handler = on_signal;
     sigemptyset(&action.sa_mask);
     action.sa_flags = SA_RESTART;
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD})
-      ::sigaction(sig, &action, &saved_[sig]);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) ::sigaction(sig, &action, &saved_[sig]);
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
     ::sigaction(SIGPIPE, &ignore, &saved_[SIGPIPE]); // a closed stdout must not kill us
@@ -227,7 +214,7 @@ public:
   }
   int fd() const { return read_.get(); }
 
-private:
+ private:
   Fd read_, write_;
   struct sigaction saved_[NSIG] {};
 };
@@ -240,11 +227,9 @@ private:
 pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, int out_fd,
             int err_fd) {
   std::vector<char*> argv, envp;
-  for (const auto& s : args)
-    argv.push_back(const_cast<char*>(s.c_str()));
+  for (const auto& s : args) argv.push_back(const_cast<char*>(s.c_str()));
   argv.push_back(nullptr);
-  for (const auto& s : env)
-    envp.push_back(const_cast<char*>(s.c_str()));
+  for (const auto& s : env) envp.push_back(const_cast<char*>(s.c_str()));
   envp.push_back(nullptr);
   auto [status_read, status_write] = make_pipe(); // CLOEXEC: closes on a successful exec
   const pid_t parent = ::getpid();
@@ -256,16 +241,13 @@ pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>
   if (child == 0) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent)
-      ::_exit(127); // the launcher died before we got here
-    for (int sig = 1; sig < NSIG; ++sig)
-      ::signal(sig, SIG_DFL);
+    if (::getppid() != parent) ::_exit(127); // the launcher died before we got here
+    for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
     const int null_fd = ::open("/dev/null", O_RDONLY);
-    if (null_fd >= 0)
-      ::dup2(null_fd, STDIN_FILENO);
+    if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
     ::dup2(out_fd, STDOUT_FILENO);
     ::dup2(err_fd, STDERR_FILENO);
     ::execvpe(argv[0], argv.data(), envp.data());
@@ -296,13 +278,12 @@ std::string describe_exit(int status) {
 
 // The running workers; whatever happens to run(), none outlives this object.
 class Launcher {
-public:
+ public:
   explicit Launcher(const LaunchArgs& args) : args_(args), children_(args.workers) {}
   ~Launcher() {
     stop_all(SIGKILL);
     for (auto& c : children_) {
-      if (c.running)
-        ::waitpid(c.pid, nullptr, 0);
+      if (c.running) ::waitpid(c.pid, nullptr, 0);
     }
   }
 
@@ -321,11 +302,10 @@ public:
   // code launch should end with.
   int supervise();
 
-private:
+ private:
   void stop_all(int sig) {
     for (auto& c : children_) {
-      if (c.running)
-        ::kill(-c.pid, sig); // its whole process group
+      if (c.running) ::kill(-c.pid, sig); // its whole process group
     }
   }
   void stop_later() {
@@ -351,22 +331,18 @@ void Launcher::reap() {
   std::optional<int> culprit;
   int culprit_status = 0;
   for (auto& c : children_) {
-    if (!c.running)
-      continue;
+    if (!c.running) continue;
     int status = 0;
-    if (::waitpid(c.pid, &status, WNOHANG) != c.pid)
-      continue;
+    if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (c.exit_code == 0 || failed_ || forwarded_)
-      continue;
+    if (c.exit_code == 0 || failed_ || forwarded_) continue;
     if (!culprit || (children_[*culprit].exit_code == kExitComm && c.exit_code != kExitComm)) {
       culprit = c.index;
       culprit_status = status;
     }
   }
-  if (!culprit)
-    return;
+  if (!culprit) return;
   failed_ = culprit;
   write_all(STDERR_FILENO, "[launch] worker " + std::to_string(*culprit) + " " +
                                describe_exit(culprit_status) + "; stopping the other workers\n");
@@ -378,8 +354,7 @@ void Launcher::on_signals(int fd) {
   unsigned char sigs[64];
   const ssize_t n = ::read(fd, sigs, sizeof sigs);
   for (ssize_t i = 0; i < n; ++i) {
-    if (sigs[i] == SIGCHLD)
-      continue; // reaped at the top of the loop
+    if (sigs[i] == SIGCHLD) continue; // reaped at the top of the loop
     if (!forwarded_) {
       // First Ctrl-C/SIGTERM: pass it on and give the workers the grace period to stop.
       forwarded_ = sigs[i];
@@ -414,15 +389,12 @@ int Launcher::supervise() {
     std::vector<pollfd> fds{{signals_.fd(), POLLIN, 0}};
     std::vector<std::pair<Child*, bool>> owners{{nullptr, false}};
     for (auto& c : children_) {
-      if (c.out.get() >= 0)
-        fds.push_back({c.out.get(), POLLIN, 0}), owners.push_back({&c, true});
-      if (c.err.get() >= 0)
-        fds.push_back({c.err.get(), POLLIN, 0}), owners.push_back({&c, false});
+      if (c.out.get() >= 0) fds.push_back({c.out.get(), POLLIN, 0}), owners.push_back({&c, true});
+      if (c.err.get() >= 0) fds.push_back({c.err.get(), POLLIN, 0}), owners.push_back({&c, false});
     }
     // Done when every worker is gone and its output drained. A grandchild that keeps a pipe
     // open cannot hold us: once the workers are gone, reads get a short deadline.
-    if (!any_running && fds.size() == 1)
-      break;
+    if (!any_running && fds.size() == 1) break;
     std::int64_t wait_ms = any_running ? 1000 : 200;
     if (kill_at_ && any_running) {
       const auto left =
@@ -435,8 +407,7 @@ int Launcher::supervise() {
       }
     }
     const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
-    if (ready < 0 && errno != EINTR)
-      throw Error(std::string("poll: ") + std::strerror(errno));
+    if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
     if (ready == 0 && !any_running) { // workers gone, pipes quiet: stop waiting for them
       for (auto& c : children_) {
         emit_lines(c.index, c.out_buffer, STDOUT_FILENO, true);
@@ -447,8 +418,7 @@ int Launcher::supervise() {
       continue;
     }
     for (std::size_t k = 0; k < fds.size() && ready > 0; ++k) {
-      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR)))
-        continue;
+      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       if (k == 0) {
         on_signals(fds[k].fd);
       } else {
@@ -456,11 +426,9 @@ int Launcher::supervise() {
       }
     }
   }
-  if (failed_)
-    return children_[static_cast<std::size_t>(*failed_)].exit_code;
+  if (failed_) return children_[static_cast<std::size_t>(*failed_)].exit_code;
   for (const auto& c : children_) {
-    if (c.exit_code != 0)
-      return c.exit_code; // how the workers ended after a forwarded signal
+    if (c.exit_code != 0) return c.exit_code; // how the workers ended after a forwarded signal
   }
   // Stopped by a signal, even if every worker then exited cleanly: not a success to a scheduler.
   return forwarded_ ? 128 + *forwarded_ : kExitOk;
@@ -478,21 +446,18 @@ int run(const LaunchArgs& a) {
   }
   std::vector<int> ports;
   if (a.port > 0) {
-    for (int i = 0; i < a.workers; ++i)
-      ports.push_back(a.port + i);
+    for (int i = 0; i < a.workers; ++i) ports.push_back(a.port + i);
   } else {
     ports = free_ports(a.workers);
   }
   cluster::ClusterSpec spec;
-  for (int port : ports)
-    spec.worker.push_back({"127.0.0.1", port});
+  for (int port : ports) spec.worker.push_back({"127.0.0.1", port});
   const int threads = std::max(1, available_cores() / a.workers);
   const bool terminal = ::isatty(STDOUT_FILENO) != 0;
 
   // `flotilla launch -- flotilla train` means this very program, on PATH or not.
   std::vector<std::string> argv = a.command;
-  if (argv[0] == "flotilla")
-    argv[0] = self_executable();
+  if (argv[0] == "flotilla") argv[0] = self_executable();
 
   Launcher launcher(a);
   for (int i = 0; i < a.workers; ++i) {

@@ -11,8 +11,7 @@ namespace flotilla::tools {
 
 int available_cores() {
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0)
-    return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
   return 1;
 }
 
@@ -33,14 +32,12 @@ int main(int argc, char** argv) {
     return app.exit(e); // --help, --version
   } catch (const CLI::ParseError& e) {
     std::string where = "flotilla";
-    for (const auto* sub : app.get_subcommands())
-      where += " " + sub->get_name();
+    for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
     std::cerr << where << ": error: " << e.what() << " (see " << where << " --help)\n";
     return kExitBadInput;
   }
   for (const auto& command : commands) {
-    if (!command.app->parsed())
-      continue;
+    if (!command.app->parsed()) continue;
     try {
       return command.run();
     } catch (const c10::Error& e) { // LibTorch's own: its message, not its backtrace

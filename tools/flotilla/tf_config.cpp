@@ -29,10 +29,8 @@ std::vector<cluster::Address> addresses(const std::vector<std::string>& texts,
 int run(const TfConfigArgs& a) {
   cluster::ClusterSpec spec;
   spec.worker = addresses(a.workers, "--workers");
-  if (!a.chief.empty())
-    spec.chief = {cluster::parse_address(a.chief, "--chief")};
-  if (!a.evaluator.empty())
-    spec.evaluator = {cluster::parse_address(a.evaluator, "--evaluator")};
+  if (!a.chief.empty()) spec.chief = {cluster::parse_address(a.chief, "--chief")};
+  if (!a.evaluator.empty()) spec.evaluator = {cluster::parse_address(a.evaluator, "--evaluator")};
   spec.task.type = a.type == "chief"       ? cluster::TaskType::kChief
                    : a.type == "evaluator" ? cluster::TaskType::kEvaluator
                                            : cluster::TaskType::kWorker;

@@ -107,21 +107,26 @@ int run(const TrainArgs& a) {
     train_source = train_source.cache(a.cache);
   }
   const bool augment = a.augment;
+  // Elements reach preprocess as (positions, images, labels, seed): the positions (from
+  // enumerate) key each image's augmentation, so an image is flipped and cropped the same way
+  // whether its batch is split across 1 worker or 8; the seed (Dataset::random) changes each
+  // epoch. Stateless: reproducible and resumable.
   auto preprocess = [augment](data::Element e) {
-    torch::Tensor images = e[0];
-    if (augment) { // seeded per batch by Dataset::random: reproducible and resumable
-      const auto seed = static_cast<std::uint64_t>(e[2].item<std::int64_t>());
-      images = data::image::random_flip_left_right(images, seed);
-      images = data::image::random_crop_with_padding(images, 2, seed ^ 0x5bd1e995u);
+    torch::Tensor images = e[1];
+    if (augment) {
+      const auto seed = static_cast<std::uint64_t>(e[3].item<std::int64_t>());
+      images = data::image::random_flip_left_right(images, seed, e[0]);
+      images = data::image::random_crop_with_padding(images, 2, seed ^ 0x5bd1e995u, e[0]);
     }
-    return data::Element{data::normalize_images(images), e[1]};
+    return data::Element{data::normalize_images(images), e[2]};
   };
   // The pipeline's threads share this worker's cores with training, not the whole machine.
   data::Options pipeline_options;
   pipeline_options.private_threadpool_size = threads;
   const auto train_set = data::distribute_dataset(
-      data::Dataset::zip({train_source.shuffle(a.shuffle_buffer, a.seed).batch(global_batch, true),
-                          data::Dataset::random(a.seed)})
+      data::Dataset::zip(
+          {train_source.shuffle(a.shuffle_buffer, a.seed).enumerate().batch(global_batch, true),
+           data::Dataset::random(a.seed)})
           .map(preprocess, data::kAutotune)
           .prefetch(data::kAutotune)
           .with_options(pipeline_options),
@@ -136,13 +141,11 @@ int run(const TrainArgs& a) {
                                    .prefetch(data::kAutotune)
                                    .with_options(pipeline_options),
                                strategy.input_context());
-  if (strategy.is_chief())
-    strategy.log().info("input: " + train_set.plan());
+  if (strategy.is_chief()) strategy.log().info("input: " + train_set.plan());
 
   train::FitOptions fit;
   fit.epochs = a.epochs;
-  if (a.steps_per_epoch > 0)
-    fit.steps_per_epoch = a.steps_per_epoch;
+  if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
   fit.model_dir = a.model_dir;
   if (a.verbose == "auto") {
     const bool terminal = ::isatty(STDOUT_FILENO) || env.get("FLOTILLA_TERMINAL");
@@ -151,8 +154,7 @@ int run(const TrainArgs& a) {
     fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
   }
   fit.on_epoch_end = [&](const train::EpochLogs& logs) {
-    if (!write_metrics)
-      return;
+    if (!write_metrics) return;
     append_json_line(a.metrics_json, {{"epoch", logs.epoch},
                                       {"loss", logs.loss},
                                       {"accuracy", logs.accuracy},

@@ -10,7 +10,7 @@
 namespace flotilla::checkpoint {
 
 class AtomicFile {
-public:
+ public:
   explicit AtomicFile(std::filesystem::path target);
   ~AtomicFile(); // removes the temporary file unless committed
   AtomicFile(const AtomicFile&) = delete;
@@ -21,7 +21,7 @@ public:
   // Flushes to disk, renames over the target, and syncs the directory.
   void commit();
 
-private:
+ private:
   std::filesystem::path target_;
   std::filesystem::path temp_;
   int fd_ = -1;

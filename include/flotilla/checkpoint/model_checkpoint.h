@@ -17,7 +17,7 @@ namespace flotilla::checkpoint {
 // Where this worker writes: model_dir on the chief; "<model_dir>.worker<rank>-<random>" on the
 // others, created now and removed with everything in it when this object goes.
 class WriteLocation {
-public:
+ public:
   WriteLocation(const std::filesystem::path& model_dir, bool is_chief, int rank);
   ~WriteLocation();
   WriteLocation(const WriteLocation&) = delete;
@@ -26,7 +26,7 @@ public:
   const std::filesystem::path& dir() const { return dir_; }
   bool is_temporary() const { return temporary_; }
 
-private:
+ private:
   std::filesystem::path dir_;
   bool temporary_;
 };

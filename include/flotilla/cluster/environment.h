@@ -9,7 +9,7 @@
 namespace flotilla::cluster {
 
 class Environment {
-public:
+ public:
   Environment() = default;
   explicit Environment(std::map<std::string, std::string> vars) : vars_(std::move(vars)) {}
 
@@ -22,7 +22,7 @@ public:
   // The value, or nullopt when unset or empty.
   std::optional<std::string> get(const std::string& name) const;
 
-private:
+ private:
   std::map<std::string, std::string> vars_;
 };
 

@@ -48,7 +48,7 @@ bool nccl_available();
 
 // The handle to one asynchronous collective. Copies share the same operation.
 class Work {
-public:
+ public:
   Work() = default; // an already completed, empty operation
 
   // Blocks until the operation completes. Rethrows its failure (CommError/TimeoutError naming
@@ -63,7 +63,7 @@ public:
 
   struct State;
 
-private:
+ private:
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
   void finish_locked();
   std::shared_ptr<State> state_;
@@ -71,7 +71,7 @@ private:
 };
 
 class Communicator {
-public:
+ public:
   // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
   // spec.rendezvous, the others connect to it. Blocks until every rank has joined or
   // options.timeout passes (TimeoutError naming the address and how many joined).
@@ -99,7 +99,7 @@ public:
 
   struct Impl;
 
-private:
+ private:
   explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;
 };

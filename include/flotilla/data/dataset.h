@@ -78,9 +78,12 @@ namespace detail {
 class Node;
 class IteratorImpl;
 struct BatchSizes;
-// Makes a pass, optionally recording batch sizes (distribute.cpp) or resuming at `resume`.
+// Makes a pass over `node`, optionally recording batch sizes (distribute.cpp) or resuming at
+// `resume`. Passes are numbered, and states fingerprinted, by `identity` (the user's dataset,
+// which a distributed pipeline was rewritten from; `node` itself when null).
 Iterator make_iterator(const std::shared_ptr<const Node>& node,
-                       std::shared_ptr<BatchSizes> batch_sizes, const IteratorState* resume);
+                       std::shared_ptr<BatchSizes> batch_sizes, const IteratorState* resume,
+                       const std::shared_ptr<const Node>& identity = nullptr);
 } // namespace detail
 
 class Dataset;
@@ -89,7 +92,7 @@ using PredicateFn = std::function<bool(const Element&)>;
 using InterleaveFn = std::function<Dataset(const Element&)>;
 
 class Iterator {
-public:
+ public:
   Iterator(Iterator&&) noexcept;
   Iterator& operator=(Iterator&&) noexcept;
   ~Iterator(); // stops and joins every thread of the pipeline; never blocks on a full buffer
@@ -105,7 +108,7 @@ public:
   // Range-for support.
   class Sentinel {};
   class Cursor {
-  public:
+   public:
     explicit Cursor(Iterator* it) : it_(it) { ++*this; }
     const Element& operator*() const { return *current_; }
     Element& operator*() { return *current_; }
@@ -115,24 +118,25 @@ public:
     }
     bool operator!=(Sentinel) const { return current_.has_value(); }
 
-  private:
+   private:
     Iterator* it_;
     std::optional<Element> current_;
   };
   Cursor begin() { return Cursor(this); }
   Sentinel end() { return {}; }
 
-private:
+ private:
   friend class Dataset;
   friend Iterator detail::make_iterator(const std::shared_ptr<const detail::Node>& node,
                                         std::shared_ptr<detail::BatchSizes> batch_sizes,
-                                        const IteratorState* resume);
+                                        const IteratorState* resume,
+                                        const std::shared_ptr<const detail::Node>& identity);
   explicit Iterator(std::unique_ptr<detail::IteratorImpl> impl);
   std::unique_ptr<detail::IteratorImpl> impl_;
 };
 
 class Dataset {
-public:
+ public:
   // --- sources ---
   // Element i is (t[i] for t in tensors); every tensor needs the same first dimension.
   static Dataset from_tensor_slices(Element tensors);
@@ -204,7 +208,7 @@ public:
   const std::shared_ptr<const detail::Node>& node() const { return node_; }
   explicit Dataset(std::shared_ptr<const detail::Node> node);
 
-private:
+ private:
   std::shared_ptr<const detail::Node> node_;
 };
 

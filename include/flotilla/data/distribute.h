@@ -29,12 +29,12 @@ struct ReplicaBatch {
 };
 
 class DistributedIterator {
-public:
+ public:
   std::optional<ReplicaBatch> next();
   std::vector<StageStats> stats() const { return iterator_.stats(); }
   IteratorState save() const { return iterator_.save(); }
 
-private:
+ private:
   friend class DistributedDataset;
   DistributedIterator(Iterator iterator, std::shared_ptr<detail::BatchSizes> sizes,
                       std::int64_t replicas)
@@ -45,8 +45,9 @@ private:
 };
 
 class DistributedDataset {
-public:
+ public:
   DistributedIterator make_iterator() const;
+  // Resumes a pass saved by DistributedIterator::save() on this worker or any other.
   DistributedIterator make_iterator(const IteratorState& state) const;
   // Steps per pass on this worker (kUnknownCardinality when the source cannot say).
   std::int64_t cardinality() const { return per_worker_.cardinality(); }
@@ -56,15 +57,19 @@ public:
   // The pipeline this worker runs.
   const Dataset& per_worker() const { return per_worker_; }
 
-private:
+ private:
   friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);
   friend DistributedDataset
   distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
                                     const strategy::InputContext&);
-  DistributedDataset(Dataset per_worker, strategy::InputContext context, bool records_sizes,
-                     std::string plan)
-      : per_worker_(std::move(per_worker)), context_(context), records_sizes_(records_sizes),
-        plan_(std::move(plan)) {}
+  DistributedDataset(Dataset original, Dataset per_worker, strategy::InputContext context,
+                     bool records_sizes, std::string plan)
+      : original_(std::move(original)), per_worker_(std::move(per_worker)), context_(context),
+        records_sizes_(records_sizes), plan_(std::move(plan)) {}
+  // The user's dataset: passes are numbered on it (so redistributing it, as every fit() does,
+  // still reshuffles), and iterator states carry its fingerprint (so any worker can resume
+  // from the chief's saved state).
+  Dataset original_;
   Dataset per_worker_;
   strategy::InputContext context_;
   bool records_sizes_;

@@ -43,14 +43,14 @@ Element parse_example(const std::string& serialized, const FeatureSpec& spec,
 std::string serialize_example(const std::map<std::string, torch::Tensor>& features);
 
 class TFRecordReader {
-public:
+ public:
   explicit TFRecordReader(std::string path);
   // The next record, or nullopt at the end. DataError on a short file or a CRC mismatch.
   std::optional<std::string> next();
   std::int64_t records_read() const { return index_; }
   const std::string& path() const { return path_; }
 
-private:
+ private:
   std::string path_;
   std::ifstream in_;
   std::int64_t index_ = 0;
@@ -58,13 +58,13 @@ private:
 
 // Writes atomically: the file appears, whole, on close().
 class TFRecordWriter {
-public:
+ public:
   explicit TFRecordWriter(const std::string& path);
   ~TFRecordWriter();
   void write(const std::string& record);
   void close();
 
-private:
+ private:
   std::unique_ptr<checkpoint::AtomicFile> file_;
 };
 

@@ -16,7 +16,7 @@
 namespace flotilla::strategy {
 
 class GradientReducer {
-public:
+ public:
   struct Bucket {
     std::vector<std::size_t> params;   // indices into the parameter list
     std::vector<std::int64_t> offsets; // element offset of each parameter in `flat`
@@ -35,7 +35,7 @@ public:
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
 
-private:
+ private:
   collective::Communicator communicator_;
   std::vector<torch::Tensor> parameters_;
   std::vector<Bucket> buckets_;

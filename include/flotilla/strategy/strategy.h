@@ -23,7 +23,7 @@ namespace flotilla::strategy {
 using collective::ReduceOp;
 
 class Strategy {
-public:
+ public:
   Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator);
   virtual ~Strategy() = default;
 
@@ -51,7 +51,7 @@ public:
   // The gradient engine for `module`'s trainable parameters, with this strategy's bytes_per_pack.
   GradientReducer make_gradient_reducer(const torch::nn::Module& module);
 
-private:
+ private:
   static torch::nn::Module& module_of(const std::shared_ptr<torch::nn::Module>& m) { return *m; }
   static torch::nn::Module& module_of(const torch::nn::AnyModule& m) { return *m.ptr(); }
   template <class T> static torch::nn::Module& module_of(const torch::nn::ModuleHolder<T>& m) {
@@ -65,13 +65,13 @@ private:
 
 // One worker, this machine (one CPU replica; several replicas per worker come later).
 class MirroredStrategy : public Strategy {
-public:
+ public:
   explicit MirroredStrategy(const collective::CommunicationOptions& options = {});
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
 class MultiWorkerMirroredStrategy : public Strategy {
-public:
+ public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
                                        const collective::CommunicationOptions& options = {});
 };

@@ -74,7 +74,7 @@ struct FitOptions {
 };
 
 class Model {
-public:
+ public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
 
   // Any module holder whose forward takes and returns one tensor (torch::nn::Sequential, a
@@ -100,7 +100,7 @@ public:
   torch::nn::Module& module() { return *module_; }
   strategy::Strategy& strategy() { return strategy_; }
 
-private:
+ private:
   void require_compiled(const char* what) const;
 
   strategy::Strategy& strategy_;

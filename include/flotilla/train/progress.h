@@ -13,7 +13,7 @@ namespace flotilla::train {
 struct EpochLogs;
 
 class Progress {
-public:
+ public:
   // `enabled` is false on every worker but the chief; `bar` draws the in-place bar.
   Progress(bool enabled, bool bar, std::FILE* out = stdout);
 
@@ -24,7 +24,7 @@ public:
   void end_epoch(const EpochLogs& logs);
   void line(const std::string& text);
 
-private:
+ private:
   bool enabled_;
   bool bar_;
   std::FILE* out_;

@@ -76,8 +76,7 @@ TEST(Safetensors, CorruptFilesAreNamedNotLoaded) {
   const std::string header =
       R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})";
   std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i)
-    bytes[i] = static_cast<char>(header.size() >> (8 * i));
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(header.size() >> (8 * i));
   std::ofstream(path, std::ios::binary) << bytes << header << std::string(16, '\0');
   EXPECT_EQ(error_of(path), path + ": tensor \"w\" has shape [4611686018427387904, 4], larger "
                                    "than the file's 16-byte data section; the file is corrupt");

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "flotilla/data/distribute.h"
+#include "flotilla/data/image.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {
@@ -36,22 +37,25 @@ Dataset ids(std::int64_t n) {
 
 TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat) {
   std::atomic<std::int64_t> mapped{0};
-  auto pipeline = ids(100)
-                      .shuffle(100, 3)
-                      .batch(20, true)
-                      .map(
-                          [&](Element e) {
-                            mapped += e[0].size(0);
-                            return e;
-                          },
-                          kAutotune)
-                      .prefetch(2);
-  const auto single = run(distribute_dataset(pipeline, worker(0, 1)));
+  // Each worker process builds its own pipeline, so each starts at pass 0.
+  auto make = [&] {
+    return ids(100)
+        .shuffle(100, 3)
+        .batch(20, true)
+        .map(
+            [&](Element e) {
+              mapped += e[0].size(0);
+              return e;
+            },
+            kAutotune)
+        .prefetch(2);
+  };
+  const auto single = run(distribute_dataset(make(), worker(0, 1)));
   ASSERT_EQ(single.ids.size(), 5u);
   mapped = 0;
   std::vector<Pass> passes;
   for (int w = 0; w < 2; ++w) {
-    const auto ds = distribute_dataset(pipeline, worker(w, 2));
+    const auto ds = distribute_dataset(make(), worker(w, 2));
     EXPECT_NE(ds.plan().find("batch(20) rewritten"), std::string::npos) << ds.plan();
     EXPECT_EQ(ds.cardinality(), 5);
     passes.push_back(run(ds));
@@ -68,8 +72,7 @@ TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat
 TEST(Distribute, AShortLastBatchIsSplitAsEvenlyAsPossibleAndItsSizeRecorded) {
   auto pipeline = ids(43).batch(20); // 20, 20, 3
   std::vector<Pass> passes;
-  for (int w = 0; w < 4; ++w)
-    passes.push_back(run(distribute_dataset(pipeline, worker(w, 4))));
+  for (int w = 0; w < 4; ++w) passes.push_back(run(distribute_dataset(pipeline, worker(w, 4))));
   std::vector<std::int64_t> last;
   for (int w = 0; w < 4; ++w) {
     ASSERT_EQ(passes[w].ids.size(), 3u) << "every worker runs every step";
@@ -124,8 +127,7 @@ TEST(Distribute, ADistributedPassResumesOnTheNextBatch) {
   auto pipeline = ids(200).shuffle(50, 1).batch(8, true).map([](Element e) { return e; }, 2);
   const auto ds = distribute_dataset(pipeline, worker(1, 2));
   auto it = ds.make_iterator();
-  for (int i = 0; i < 7; ++i)
-    it.next();
+  for (int i = 0; i < 7; ++i) it.next();
   const auto state = it.save();
   std::vector<std::vector<std::int64_t>> rest;
   while (auto b = it.next()) {
@@ -141,6 +143,58 @@ TEST(Distribute, ADistributedPassResumesOnTheNextBatch) {
   }
   EXPECT_EQ(again, rest);
   EXPECT_EQ(rest.size(), 25u - 7u);
+}
+
+TEST(Distribute, AStateSavedOnTheChiefResumesOnAnyWorker) {
+  auto make = [] { return ids(200).shuffle(50, 1).batch(8, true); }; // one per "process"
+  auto chief = distribute_dataset(make(), worker(0, 2)).make_iterator();
+  for (int i = 0; i < 7; ++i) chief.next();
+  const auto state = chief.save();
+  auto uninterrupted = distribute_dataset(make(), worker(1, 2)).make_iterator();
+  for (int i = 0; i < 7; ++i) uninterrupted.next();
+  auto resumed = distribute_dataset(make(), worker(1, 2)).make_iterator(state);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(torch::equal(resumed.next()->element[0], uninterrupted.next()->element[0])) << i;
+  }
+}
+
+TEST(Distribute, EachDistributionOfADatasetIsANewPass) {
+  // fit() distributes its dataset on every call: the shuffle must still move on.
+  auto pipeline = ids(64).shuffle(64, 2).batch(8, true);
+  const auto first = run(distribute_dataset(pipeline, worker(0, 2)));
+  const auto second = run(distribute_dataset(pipeline, worker(0, 2)));
+  EXPECT_NE(first.ids, second.ids);
+}
+
+TEST(Distribute, DataShardingRefusesPipelinesThatDifferAcrossWorkers) {
+  try {
+    distribute_dataset(ids(40).shuffle(10).batch(4), worker(0, 2));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "distribute_dataset: with DATA sharding every worker must build the same global "
+              "batches, but a shuffle without a seed draws a new order in every process; give it "
+              "one (or shard it yourself with distribute_datasets_from_function)");
+  }
+}
+
+TEST(Distribute, SlicesKeyedByPositionAugmentLikeTheWholeBatch) {
+  // enumerate's positions key each image's draws: the same image gets the same flip and crop
+  // whichever worker's slice it lands in.
+  auto images = torch::randint(0, 256, {16, 1, 6, 6}, torch::kUInt8);
+  auto pipeline = Dataset::from_tensor_slices({images}).enumerate().batch(16);
+  auto augment = [](const Element& e) {
+    return image::random_crop_with_padding(image::random_flip_left_right(e[1], 5, e[0]), 2, 6,
+                                           e[0]);
+  };
+  const auto whole =
+      augment(distribute_dataset(pipeline, worker(0, 1)).make_iterator().next()->element);
+  std::vector<torch::Tensor> parts;
+  for (int w = 0; w < 4; ++w) {
+    parts.push_back(
+        augment(distribute_dataset(pipeline, worker(w, 4)).make_iterator().next()->element));
+  }
+  EXPECT_TRUE(torch::equal(torch::cat(parts), whole));
 }
 
 TEST(Distribute, FromAFunctionTheWorkerBuildsItsOwnPipeline) {

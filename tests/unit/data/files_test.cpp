@@ -39,8 +39,7 @@ std::string error_of(const std::function<void()>& f) {
 
 std::vector<Element> all(const Dataset& ds) {
   std::vector<Element> out;
-  for (Element& e : ds.make_iterator())
-    out.push_back(e);
+  for (Element& e : ds.make_iterator()) out.push_back(e);
   return out;
 }
 
@@ -130,8 +129,7 @@ TEST(ListFiles, MatchesSortsShufflesWithASeedAndRefusesAnEmptyGlob) {
   EXPECT_TRUE(std::is_sorted(in_order.begin(), in_order.end()));
   auto shuffled = Dataset::list_files(dir.path() + "/part-*.txt", true, 3);
   std::vector<std::string> a, b;
-  for (const Element& e : shuffled.make_iterator())
-    a.push_back(to_string(e[0]));
+  for (const Element& e : shuffled.make_iterator()) a.push_back(to_string(e[0]));
   for (const Element& e :
        Dataset::list_files(dir.path() + "/part-*.txt", true, 3).make_iterator()) {
     b.push_back(to_string(e[0]));
@@ -220,6 +218,32 @@ TEST(FileSharding, AutoGivesEachWorkerItsOwnFiles) {
       tfrecord_dataset({dir.path() + "/shard-0.tfrecord"}, kLabel).batch(4).with_options(file),
       strategy::InputContext{2, 0, 2});
   EXPECT_EQ(few.plan().rfind("DATA:", 0), 0u) << few.plan();
+  std::set<std::int64_t> covered;
+  for (int w = 0; w < 2; ++w) {
+    auto it = distribute_dataset(tfrecord_dataset({dir.path() + "/shard-0.tfrecord"}, kLabel)
+                                     .batch(4)
+                                     .with_options(file),
+                                 strategy::InputContext{2, w, 2})
+                  .make_iterator();
+    while (auto b = it.next()) {
+      const auto t = b->element[0].contiguous();
+      covered.insert(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    }
+  }
+  EXPECT_EQ(covered.size(), 10u); // each record once, across the two workers
+}
+
+TEST(FileSharding, APipelineMixingFilesAndMemoryIsShardedByData) {
+  TempDir dir;
+  const std::string pattern = write_shards(dir);
+  auto records =
+      Dataset::list_files(pattern, false)
+          .interleave([](const Element& e) { return tfrecord_dataset({to_string(e[0])}, kLabel); },
+                      4);
+  // Zipping worker w's records with every worker's labels would pair them wrongly: DATA instead.
+  const auto ds = distribute_dataset(Dataset::zip({records, Dataset::range(40)}).batch(8),
+                                     strategy::InputContext{2, 0, 2});
+  EXPECT_EQ(ds.plan().rfind("DATA:", 0), 0u) << ds.plan();
 }
 
 TEST(Csv, TypedColumnsHeaderAndLabel) {

@@ -17,8 +17,7 @@ std::string idx_bytes(std::vector<std::uint32_t> dims, const std::vector<std::ui
                       std::uint8_t type = 0x08) {
   std::string out = {0, 0, static_cast<char>(type), static_cast<char>(dims.size())};
   for (auto d : dims) {
-    for (int shift = 24; shift >= 0; shift -= 8)
-      out += static_cast<char>((d >> shift) & 0xff);
+    for (int shift = 24; shift >= 0; shift -= 8) out += static_cast<char>((d >> shift) & 0xff);
   }
   out.append(data.begin(), data.end());
   return out;
@@ -46,8 +45,7 @@ std::string error_of(const std::string& path) {
 TEST(Idx, ReadsRawAndGzipWithTheirShape) {
   TempDir dir;
   std::vector<std::uint8_t> values(2 * 3 * 4);
-  for (std::size_t i = 0; i < values.size(); ++i)
-    values[i] = static_cast<std::uint8_t>(i * 7);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::uint8_t>(i * 7);
   write_raw(dir.path() + "/a.idx", idx_bytes({2, 3, 4}, values));
   write_gz(dir.path() + "/a.idx.gz", idx_bytes({2, 3, 4}, values));
   for (const char* name : {"/a.idx", "/a.idx.gz"}) {
@@ -81,8 +79,7 @@ TEST(Idx, TruncatedRawAndGzipFilesAreCaught) {
   // A gzip stream cut in half.
   const std::string gz = dir.path() + "/t.idx.gz";
   std::vector<std::uint8_t> noise(5000);
-  for (std::size_t i = 0; i < noise.size(); ++i)
-    noise[i] = static_cast<std::uint8_t>(i * 31 % 251);
+  for (std::size_t i = 0; i < noise.size(); ++i) noise[i] = static_cast<std::uint8_t>(i * 31 % 251);
   write_gz(gz, idx_bytes({5000}, noise));
   std::ifstream in(gz, std::ios::binary);
   std::string compressed((std::istreambuf_iterator<char>(in)), {});
@@ -109,6 +106,26 @@ TEST(Idx, AnImpossibleHeaderIsRefusedBeforeAllocating) {
                                  "bytes of data, the file holds 3; download or reinstall it");
 }
 
+TEST(Idx, FilesPairUpAsADataset) {
+  TempDir dir;
+  write_gz(dir.path() + "/x.gz", idx_bytes({3, 2}, {1, 2, 3, 4, 5, 6}));
+  write_raw(dir.path() + "/y", idx_bytes({3}, {7, 8, 9}));
+  write_raw(dir.path() + "/z", idx_bytes({2}, {7, 8}));
+  auto it = idx_dataset({dir.path() + "/x.gz", dir.path() + "/y"}).make_iterator();
+  it.next();
+  const auto second = it.next();
+  ASSERT_TRUE(second);
+  EXPECT_TRUE(torch::equal((*second)[0], torch::tensor({3, 4}, torch::kUInt8)));
+  EXPECT_EQ((*second)[1].item<int>(), 8);
+  try {
+    idx_dataset({dir.path() + "/x.gz", dir.path() + "/z"});
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_EQ(std::string(e.what()), dir.path() + "/z: holds 2 items, " + dir.path() +
+                                         "/x.gz holds 3; idx_dataset pairs files item by item");
+  }
+}
+
 TEST(Idx, MissingFile) {
   EXPECT_EQ(error_of("/nonexistent/x.gz"),
             "/nonexistent/x.gz: cannot open (No such file or directory); give the directory that "
@@ -128,8 +145,7 @@ TEST(FashionMnist, MissingDirectorySaysWhatToInstall) {
 }
 
 TEST(FashionMnist, RealFilesHaveTheKnownShapeAndLabels) {
-  if (!flotilla::testing::fashion_mnist_present())
-    GTEST_SKIP() << "dataset-fashion-mnist absent";
+  if (!flotilla::testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   const auto train = load_fashion_mnist(kFashionMnistDir, Split::kTrain);
   const auto test = load_fashion_mnist(kFashionMnistDir, Split::kTest);
   EXPECT_EQ(train.images.sizes(), (std::vector<std::int64_t>{60000, 1, 28, 28}));

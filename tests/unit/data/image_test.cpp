@@ -39,8 +39,7 @@ TEST(Image, CropWithPaddingShiftsEachImageWithinThePadding) {
     for (int dy = 0; dy <= 4 && !found; ++dy) {
       for (int dx = 0; dx <= 4 && !found; ++dx) {
         found = torch::equal(y[i], padded[i].narrow(-2, dy, 6).narrow(-1, dx, 6));
-        if (found && (dy != 2 || dx != 2))
-          ++moved;
+        if (found && (dy != 2 || dx != 2)) ++moved;
       }
     }
     EXPECT_TRUE(found) << i;
@@ -58,18 +57,15 @@ TEST(Image, NormalizeMapsPixelsToStandardScores) {
 TEST(Image, RandomSeedsAreReproduciblePerPassAndSkippable) {
   auto ds = Dataset::random(9).take(20);
   std::vector<std::int64_t> first, second, again;
-  for (const Element& e : ds.make_iterator())
-    first.push_back(e[0].item<std::int64_t>());
-  for (const Element& e : ds.make_iterator())
-    second.push_back(e[0].item<std::int64_t>());
+  for (const Element& e : ds.make_iterator()) first.push_back(e[0].item<std::int64_t>());
+  for (const Element& e : ds.make_iterator()) second.push_back(e[0].item<std::int64_t>());
   for (const Element& e : Dataset::random(9).take(20).make_iterator()) {
     again.push_back(e[0].item<std::int64_t>());
   }
   EXPECT_EQ(first, again);
   EXPECT_NE(first, second); // a new pass, new seeds
   auto it = ds.make_iterator();
-  for (int i = 0; i < 5; ++i)
-    it.next();
+  for (int i = 0; i < 5; ++i) it.next();
   auto resumed = ds.make_iterator(it.save());
   EXPECT_EQ(resumed.next()->at(0).item<std::int64_t>(), it.next()->at(0).item<std::int64_t>());
 }

@@ -8,8 +8,7 @@ namespace {
 
 std::int64_t parameter_count(torch::nn::Sequential& m) {
   std::int64_t n = 0;
-  for (const auto& p : m->parameters())
-    n += p.numel();
+  for (const auto& p : m->parameters()) n += p.numel();
   return n;
 }
 
