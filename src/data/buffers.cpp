@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "data/read_ahead.h"
 #include "data/stages.h"
 #include "data/tuner.h"
 #include "flotilla/checkpoint/atomic_file.h"
@@ -101,42 +102,22 @@ class PrefetchStage : public UnaryStage {
  public:
   PrefetchStage(std::unique_ptr<Stage> input, std::int64_t buffer_size, const IteratorContext& ctx)
       : UnaryStage("Prefetch", std::move(input)), autotuned_(buffer_size == kAutotune),
-        tuner_(ctx.tuner), knob_(autotuned_ ? 2 : buffer_size, autotuned_ ? 64 : buffer_size, 0) {
+        tuner_(ctx.tuner), knob_(autotuned_ ? 2 : buffer_size, autotuned_ ? 64 : buffer_size, 0),
+        reader_(
+            *input_, [this] { return knob_.value(); }, &knob_.counters(),
+            [this](const Element& e) { knob_.observe_element_bytes(element_bytes(e)); }) {
     if (autotuned_) tuner_->add(&knob_);
   }
   ~PrefetchStage() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      cancelled_ = true;
-    }
-    changed_.notify_all();
-    if (producer_.joinable()) producer_.join();
     if (autotuned_) tuner_->remove(&knob_);
-  }
+  }  // reader_ stops its thread before input_ goes
   std::int64_t skip(std::int64_t n) override {
-    if (producer_.joinable()) return Stage::skip(n);
+    if (reader_.started()) return Stage::skip(n);
     return input_->skip(n);
   }
 
  protected:
-  std::optional<Element> produce() override {
-    if (!producer_.joinable()) producer_ = std::thread([this] { run(); });
-    std::unique_lock<std::mutex> lock(mutex_);
-    const auto start = Clock::now();
-    changed_.wait(lock, [&] { return !buffer_.empty() || done_; });
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    knob_.counters().consumer_wait_ns += waited;
-    knob_.counters().consumer_wait_total_ns += waited;
-    if (buffer_.empty()) return std::nullopt;
-    Result out = std::move(buffer_.front());
-    buffer_.pop_front();
-    changed_.notify_all();
-    lock.unlock();
-    // An input error is passed on in its place; the elements after it still come.
-    if (out.error) std::rethrow_exception(out.error);
-    return std::move(out.element);
-  }
+  std::optional<Element> produce() override { return reader_.next(); }
   void fill(StageStats& s) const override {
     s.buffer_size = knob_.value();
     s.autotuned = autotuned_;
@@ -144,44 +125,10 @@ class PrefetchStage : public UnaryStage {
   }
 
  private:
-  void run() {
-    for (;;) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      const auto start = Clock::now();
-      changed_.wait(lock, [&] {
-        return cancelled_ || static_cast<std::int64_t>(buffer_.size()) < knob_.value();
-      });
-      knob_.counters().producer_full_ns +=
-          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-      if (cancelled_) return;
-      lock.unlock();
-      Result r;
-      try {
-        r.element = input_->next();
-      } catch (...) {
-        r.error = std::current_exception();
-      }
-      lock.lock();
-      if (!r.element && !r.error) {
-        done_ = true;
-        changed_.notify_all();
-        return;
-      }
-      if (r.element) knob_.observe_element_bytes(element_bytes(*r.element));
-      buffer_.push_back(std::move(r));
-      changed_.notify_all();
-    }
-  }
-
   const bool autotuned_;
   std::shared_ptr<Tuner> tuner_;
   Knob knob_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<Result> buffer_;
-  bool done_ = false;
-  bool cancelled_ = false;
-  std::thread producer_;
+  ReadAhead reader_;
 };
 
 class PrefetchNode : public UnaryNode {

@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "data/read_ahead.h"
 #include "data/stages.h"
 #include "flotilla/data/tfrecord.h"
 
@@ -75,80 +76,22 @@ class ListFilesNode : public FileSourceNode {
 
 // --- interleave ---
 
-// One open dataset of the cycle. Read ahead on its own thread when parallel.
+// One open dataset of the cycle, read ahead on its own thread when parallel.
 class Child {
  public:
   Child(std::unique_ptr<Stage> stage, bool parallel, std::int64_t ahead)
-      : stage_(std::move(stage)), ahead_(ahead) {
-    if (parallel) thread_ = std::thread([this] { run(); });
+      : stage_(std::move(stage)) {
+    if (parallel) reader_ = std::make_unique<ReadAhead>(*stage_, [ahead] { return ahead; });
   }
-  ~Child() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      cancelled_ = true;
-    }
-    changed_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-  // The child's next element, nullopt at its end; rethrows its failure.
-  std::optional<Element> next() {
-    if (!thread_.joinable()) return stage_->next();
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return !buffer_.empty() || done_; });
-    if (buffer_.empty()) {
-      if (error_) std::rethrow_exception(error_);
-      return std::nullopt;
-    }
-    Element e = std::move(buffer_.front());
-    buffer_.pop_front();
-    lock.unlock();
-    changed_.notify_all();
-    return e;
-  }
+  ~Child() { reader_.reset(); }  // the thread stops before the stage it reads
+  // The child's next element, nullopt at its end; rethrows an error in its place.
+  std::optional<Element> next() { return reader_ ? reader_->next() : stage_->next(); }
   // Without waiting: whether next() would not block (for deterministic=false).
-  bool ready() {
-    if (!thread_.joinable()) return true;
-    std::lock_guard<std::mutex> lock(mutex_);
-    return !buffer_.empty() || done_;
-  }
+  bool ready() { return !reader_ || reader_->ready(); }
 
  private:
-  void run() {
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        changed_.wait(
-            lock, [&] { return cancelled_ || static_cast<std::int64_t>(buffer_.size()) < ahead_; });
-        if (cancelled_) return;
-      }
-      std::optional<Element> e;
-      std::exception_ptr error;
-      try {
-        e = stage_->next();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!e) {
-        error_ = error;
-        done_ = true;
-        changed_.notify_all();
-        return;
-      }
-      buffer_.push_back(std::move(*e));
-      changed_.notify_all();
-    }
-  }
-
   std::unique_ptr<Stage> stage_;
-  std::int64_t ahead_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<Element> buffer_;
-  bool done_ = false;
-  bool cancelled_ = false;
-  std::exception_ptr error_;
-  std::thread thread_;
+  std::unique_ptr<ReadAhead> reader_;
 };
 
 class InterleaveStage : public UnaryStage {
