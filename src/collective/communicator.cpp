@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <functional>
@@ -40,6 +42,28 @@ std::string_view to_string(ReduceOp op) {
     return "min";
   }
   return "?";
+}
+
+std::string_view to_string(Compression compression) {
+  switch (compression) {
+  case Compression::kNone:
+    return "none";
+  case Compression::kFp16:
+    return "fp16";
+  case Compression::kBf16:
+    return "bf16";
+  }
+  return "?";
+}
+
+Compression parse_compression(std::string_view name) {
+  std::string lower;
+  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "none") return Compression::kNone;
+  if (lower == "fp16") return Compression::kFp16;
+  if (lower == "bf16") return Compression::kBf16;
+  throw ConfigError("gradient compression \"" + std::string(name) +
+                    "\" is unknown; use none, fp16 or bf16");
 }
 
 Implementation parse_implementation(std::string_view name) {
@@ -100,6 +124,70 @@ bool is_timeout(const std::string& message) {
   return false;
 }
 
+std::vector<std::uint8_t> bytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+}
+
+// After `description` (#sequence) timed out on `rank`: says where this rank is through the
+// store, waits up to `grace` for the others to say where they are (ranks stuck in the same
+// operation time out too and answer), and names those that did not arrive.
+std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t sequence,
+                          const std::string& description, std::chrono::milliseconds grace) {
+  const std::string prefix = "flotilla/at/";
+  std::vector<int> silent;
+  std::vector<std::pair<int, std::string>> elsewhere;
+  try {
+    store.set(prefix + std::to_string(rank), bytes(std::to_string(sequence) + " " + description));
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    while (true) {
+      silent.clear();
+      elsewhere.clear();
+      for (int r = 0; r < size; ++r) {
+        if (r == rank) continue;
+        const std::string key = prefix + std::to_string(r);
+        if (!store.check({key})) {
+          silent.push_back(r);
+          continue;
+        }
+        const auto value = store.get(key);
+        const std::string said(value.begin(), value.end());
+        const auto space = said.find(' ');
+        if (said.substr(0, space) != std::to_string(sequence)) {
+          elsewhere.emplace_back(r, space == std::string::npos ? said : said.substr(space + 1));
+        }
+      }
+      if ((silent.empty() && elsewhere.empty()) || std::chrono::steady_clock::now() >= deadline) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception& e) {
+    return "; the other ranks could not be asked where they are (rendezvous store: " +
+           backend_message(e) + "; is the chief down?)";
+  }
+  if (silent.empty() && elsewhere.empty()) {
+    return "; every rank reached this operation, so the network between them is the suspect";
+  }
+  std::string out;
+  if (!silent.empty()) {
+    out += "; " + join_ranks(silent) + " did not arrive (no word from " +
+           (silent.size() == 1 ? "it" : "them") +
+           ": stopped, dead, or busy outside the collectives)";
+  }
+  for (const auto& [r, where] : elsewhere) {
+    out += "; rank " + std::to_string(r) + " did not arrive: it is in " + where + " instead";
+  }
+  return out;
+}
+
 } // namespace
 
 struct Work::State {
@@ -109,6 +197,8 @@ struct Work::State {
   std::string where;                   // "rank 1 of 2"
   std::chrono::milliseconds timeout{0};
   std::vector<std::vector<at::Tensor>> gathered; // all_gather's output lists
+  std::function<std::string()> missing;          // on timeout: who did not arrive
+  std::atomic<std::int64_t> completed_ns{-1};    // steady_clock, set by the backend's future
   std::mutex mutex;
   bool done = false;
   std::exception_ptr error;
@@ -133,10 +223,12 @@ void Work::finish_locked() {
       const std::string message = backend_message(e);
       const std::string head = state_->description + " on " + state_->where;
       if (is_timeout(message)) {
+        const std::string missing = state_->missing ? state_->missing() : "";
         state_->error = std::make_exception_ptr(TimeoutError(
-            head + " did not complete within " + seconds(state_->timeout) + " (" + message +
-            "); a peer is stopped, slow or dead: check the other workers' output, or raise the "
-            "timeout (CommunicationOptions.timeout, --timeout)"));
+            head + " did not complete within " + seconds(state_->timeout) + " (" + message + ")" +
+            missing +
+            "; check the other workers' output, or raise the timeout "
+            "(CommunicationOptions.timeout, --timeout)"));
       } else {
         state_->error = std::make_exception_ptr(CommError(
             head + " failed (" + message + ")" +
@@ -159,6 +251,13 @@ bool Work::is_completed() {
     finish_locked(); // the backend is done: the result is final only after `finish` runs
   }
   return state_->done;
+}
+
+std::optional<std::chrono::steady_clock::time_point> Work::completed_at() const {
+  if (!state_) return std::nullopt;
+  const std::int64_t ns = state_->completed_ns.load();
+  if (ns < 0) return std::nullopt;
+  return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(ns));
 }
 
 const std::vector<at::Tensor>& Work::result() const {
@@ -208,6 +307,13 @@ struct Communicator::Impl {
         op + " #" + std::to_string(++sequence) + (inside.empty() ? "" : " (" + inside + ")");
     state->where = "rank " + std::to_string(rank) + " of " + std::to_string(size);
     state->timeout = options.timeout;
+    if (size > 1) {
+      state->missing = [store = store, rank = rank, size = size, sequence = sequence,
+                        what = state->description, grace = options.timeout] {
+        return missing_ranks(*store, rank, size, sequence, what,
+                             std::min<std::chrono::milliseconds>(grace, std::chrono::seconds(5)));
+      };
+    }
     return state;
   }
 
@@ -216,6 +322,21 @@ struct Communicator::Impl {
              const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
     try {
       state->work = launch();
+      // The backend marks the future done as it finishes; the time tells how much of a
+      // collective ran hidden behind other work. (A weak reference: the future must not keep
+      // the state, which keeps the work, which keeps the future, alive.)
+      std::weak_ptr<Work::State> weak = state;
+      try {
+        state->work->getFuture()->addCallback([weak](c10::ivalue::Future&) {
+          if (auto s = weak.lock()) {
+            s->completed_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now().time_since_epoch())
+                                  .count();
+          }
+        });
+      } catch (const std::exception&) {
+        // A backend without futures: no completion time, nothing else lost.
+      }
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {

@@ -211,7 +211,7 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
   if (replicas == 1) {
     return DistributedDataset(dataset, dataset, context, false,
-                              "one replica: the dataset as it is");
+                              "one replica: the dataset as it is", 0, true);
   }
   // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
   // TF fails on FILE with too few files, fall back to DATA and say why.
@@ -243,7 +243,8 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                                 "FILE: " + where + " reads its " + std::to_string(mine) + " of " +
                                     std::to_string(files) + " files; batch(" +
                                     std::to_string(global_size) + ") becomes " +
-                                    std::to_string(global_size / replicas) + " per replica");
+                                    std::to_string(global_size / replicas) + " per replica",
+                                global_size / replicas, false);
     }
     Logger().warn("auto_shard_policy FILE: the files cannot be sharded through this pipeline (no "
                   "batch to rebatch, or a stage that cannot be copied); using DATA");
@@ -266,7 +267,8 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     return DistributedDataset(dataset, Dataset(rewritten), context, false,
                               "OFF: every worker reads every element; batch(" +
                                   std::to_string(global) + ") becomes " +
-                                  std::to_string(global / replicas) + " per replica");
+                                  std::to_string(global / replicas) + " per replica",
+                              global / replicas, true);
   }
   // DATA: every worker builds every global batch and keeps its slice, which only partitions
   // the data if every worker builds the same batches.
@@ -288,14 +290,16 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                               "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
                                   " stacks only its " + std::to_string(global / workers) +
                                   " of each global batch; " + std::to_string(global / replicas) +
-                                  " per replica");
+                                  " per replica",
+                              global / replicas, true);
   }
   return DistributedDataset(
       dataset,
       Dataset(std::make_shared<detail::SplitNode>(dataset.node(), replicas, first, per_worker)),
       context, true,
       "DATA: no batch found to rewrite (or one behind an order-changing stage), so " + where +
-          " runs the whole pipeline and keeps its slice of each global batch");
+          " runs the whole pipeline and keeps its slice of each global batch",
+      0, true);
 }
 
 DistributedDataset
@@ -304,7 +308,7 @@ distribute_datasets_from_function(const std::function<Dataset(const strategy::In
   const Dataset built = fn(context);
   return DistributedDataset(
       built, built, context, false,
-      "from a function: this worker's pipeline as built, per-replica batches");
+      "from a function: this worker's pipeline as built, per-replica batches", 0, false);
 }
 
 } // namespace flotilla::data

@@ -1,92 +1,298 @@
 #include "flotilla/strategy/gradient_reducer.h"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+
 #include "flotilla/error.h"
 
 namespace flotilla::strategy {
 
+using Clock = std::chrono::steady_clock;
+
+double GradientReducer::Stats::hidden_share() const {
+  if (comm_seconds <= 0) return 0;
+  return std::clamp(1.0 - exposed_seconds / comm_seconds, 0.0, 1.0);
+}
+
+// Runs after autograd has accumulated a parameter's gradient into its .grad().
+struct GradientReducer::Hook : torch::autograd::FunctionPostHook {
+  Hook(GradientReducer* owner, int replica, std::size_t param)
+      : owner(owner), replica(replica), param(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    owner->on_gradient(replica, param);
+    return outputs;
+  }
+  GradientReducer* owner;
+  int replica;
+  std::size_t param;
+};
+
 GradientReducer::GradientReducer(collective::Communicator communicator,
-                                 std::vector<torch::Tensor> parameters, std::int64_t bytes_per_pack)
-    : communicator_(std::move(communicator)), parameters_(std::move(parameters)) {
-  if (bytes_per_pack <= 0) {
-    throw ConfigError("bytes_per_pack must be positive; saw " + std::to_string(bytes_per_pack) +
+                                 std::vector<std::vector<torch::Tensor>> replicas,
+                                 const collective::CommunicationOptions& options)
+    : communicator_(std::move(communicator)), options_(options), replicas_(std::move(replicas)) {
+  if (options_.bytes_per_pack <= 0) {
+    throw ConfigError("bytes_per_pack must be positive; saw " +
+                      std::to_string(options_.bytes_per_pack) +
                       "; the default is 25 MiB (26214400)");
   }
-  // Reverse registration order: the last layers' gradients are ready first in backward.
+  if (replicas_.empty()) throw ConfigError("the gradient engine needs at least one replica");
+  const auto& params = replicas_.front();
+  for (std::size_t r = 1; r < replicas_.size(); ++r) {
+    bool same = replicas_[r].size() == params.size();
+    for (std::size_t k = 0; same && k < params.size(); ++k) {
+      same = replicas_[r][k].sizes() == params[k].sizes() &&
+             replicas_[r][k].dtype() == params[k].dtype();
+    }
+    if (!same) {
+      throw ConfigError("replica " + std::to_string(r) +
+                        " is not a copy of replica 0 (its parameters differ in number, shape or "
+                        "dtype); every replica must be a clone of the same model");
+    }
+  }
+
+  // The plan, from replica 0, in reverse registration order: the last layers' gradients are
+  // ready first in backward. A bucket holds one dtype on one device.
+  bucket_of_.resize(params.size());
+  slot_of_.resize(params.size());
   Bucket current;
   std::int64_t current_bytes = 0;
   auto close = [&] {
     if (current.params.empty()) return;
-    const auto& first = parameters_[current.params.front()];
-    current.numel = current.offsets.back() + parameters_[current.params.back()].numel();
-    // One "has a gradient" flag per parameter rides at the end of the bucket (0/1 and their
-    // sums are exact in every float type).
-    const auto flags = static_cast<std::int64_t>(current.params.size());
-    current.flat = torch::zeros({current.numel + flags}, first.options().requires_grad(false));
+    current.numel = current.offsets.back() + params[current.params.back()].numel();
     buckets_.push_back(std::move(current));
     current = Bucket{};
     current_bytes = 0;
   };
-  for (std::size_t k = parameters_.size(); k-- > 0;) {
-    const auto& p = parameters_[k];
+  for (std::size_t k = params.size(); k-- > 0;) {
+    const auto& p = params[k];
     const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
-    const bool same_kind =
-        current.params.empty() || (parameters_[current.params.front()].dtype() == p.dtype() &&
-                                   parameters_[current.params.front()].device() == p.device());
-    if (!same_kind || (!current.params.empty() && current_bytes + bytes > bytes_per_pack)) close();
+    const bool same_kind = current.params.empty() ||
+                           (current.dtype == p.scalar_type() && current.device == p.device());
+    if (!same_kind || (!current.params.empty() && current_bytes + bytes > options_.bytes_per_pack)) {
+      close();
+    }
+    if (current.params.empty()) {
+      current.dtype = p.scalar_type();
+      current.device = p.device();
+    }
     const std::int64_t offset =
-        current.params.empty()
-            ? 0
-            : current.offsets.back() + parameters_[current.params.back()].numel();
+        current.params.empty() ? 0 : current.offsets.back() + params[current.params.back()].numel();
+    bucket_of_[k] = buckets_.size();
+    slot_of_[k] = current.params.size();
     current.params.push_back(k);
     current.offsets.push_back(offset);
     current_bytes += bytes;
   }
   close();
+
+  // Per replica: the flat buffers (gradients, then one "has a gradient" flag per parameter:
+  // 0/1 and their sums are exact in every float type) and the views the gradients live in.
+  const int world = communicator_.size();
+  flat_.resize(replicas_.size());
+  views_.resize(replicas_.size());
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    for (const auto& bucket : buckets_) {
+      const auto flags = static_cast<std::int64_t>(bucket.params.size());
+      flat_[r].push_back(torch::zeros(
+          {bucket.numel + flags}, torch::TensorOptions().dtype(bucket.dtype).device(bucket.device)));
+    }
+    views_[r].resize(params.size());
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const auto& bucket = buckets_[bucket_of_[k]];
+      views_[r][k] = flat_[r][bucket_of_[k]]
+                         .narrow(0, bucket.offsets[slot_of_[k]], params[k].numel())
+                         .view(params[k].sizes());
+    }
+  }
+  if (world > 1 && options_.compression != collective::Compression::kNone) {
+    const auto wire_type = options_.compression == collective::Compression::kFp16
+                               ? torch::kFloat16
+                               : torch::kBFloat16;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      wire_.push_back(torch::empty_like(flat_[0][b], flat_[0][b].options().dtype(wire_type)));
+    }
+  }
+  used_.assign(replicas_.size(), std::vector<char>(params.size(), 0));
+  fired_ = used_;
+  pending_.assign(buckets_.size(), 0);
+  works_.resize(buckets_.size());
+  started_at_.resize(buckets_.size());
+
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      if (!replicas_[r][k].requires_grad()) {
+        throw ConfigError("parameter " + std::to_string(k) + " of replica " + std::to_string(r) +
+                          " does not require a gradient; pass only trainable parameters");
+      }
+      auto accumulator = torch::autograd::impl::grad_accumulator(replicas_[r][k]);
+      hook_keys_.push_back(
+          accumulator->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(r), k)));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+  zero_grad();
+}
+
+GradientReducer::~GradientReducer() {
+  for (std::size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+void GradientReducer::zero_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& replica : flat_) {
+    for (auto& flat : replica) flat.zero_();
+  }
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    for (std::size_t k = 0; k < views_[r].size(); ++k) {
+      replicas_[r][k].mutable_grad() = views_[r][k];
+    }
+    std::fill(used_[r].begin(), used_[r].end(), 0);
+  }
+  micro_batches_ = 0;
+  armed_ = false;
+}
+
+void GradientReducer::prepare(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++micro_batches_;
+  armed_ = sync;
+  for (auto& replica : fired_) std::fill(replica.begin(), replica.end(), 0);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    pending_[b] = static_cast<std::int64_t>(buckets_[b].params.size() * replicas_.size());
+  }
+  next_bucket_ = 0;
+  std::fill(works_.begin(), works_.end(), collective::Work());
+}
+
+void GradientReducer::on_gradient(int replica, std::size_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  used_[replica][param] = 1;
+  if (!armed_ || fired_[replica][param]) return;
+  fired_[replica][param] = 1;
+  if (--pending_[bucket_of_[param]] == 0 && options_.overlap) start_ready_locked(true);
+}
+
+void GradientReducer::start_ready_locked(bool in_backward) {
+  while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
+    start_locked(next_bucket_++, in_backward);
+  }
+}
+
+void GradientReducer::start_locked(std::size_t b, bool in_backward) {
+  torch::NoGradGuard no_grad;
+  const Bucket& bucket = buckets_[b];
+  const auto n = static_cast<std::int64_t>(bucket.params.size());
+  std::vector<float> flags(static_cast<std::size_t>(n));
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::size_t k = bucket.params[i];
+      // A gradient autograd put elsewhere (the optimizer's zero_grad() set it to none, or a
+      // create_graph backward replaced it) is taken into the bucket.
+      auto& param = replicas_[r][k];
+      if (param.grad().defined() && !param.grad().is_same(views_[r][k])) {
+        views_[r][k].copy_(param.grad());
+        param.mutable_grad() = views_[r][k];
+      }
+      flags[i] = used_[r][k] ? 1.0f : 0.0f;
+    }
+    flat_[r][b].narrow(0, bucket.numel, n).copy_(torch::from_blob(flags.data(), {n}));
+  }
+  // Local reduction first: replica 0's buffer carries the worker's sum.
+  torch::Tensor& sum = flat_[0][b];
+  for (std::size_t r = 1; r < replicas_.size(); ++r) sum.add_(flat_[r][b]);
+  const int world = communicator_.size();
+  const double divisor = static_cast<double>(world) * static_cast<double>(replicas_.size()) *
+                         static_cast<double>(std::max(1, micro_batches_));
+  // Divided before the sum, as DDP does: half-precision wire values stay in range.
+  if (divisor != 1) sum.narrow(0, 0, bucket.numel).div_(divisor);
+  ++stats_.buckets;
+  if (in_backward) ++stats_.buckets_in_backward;
+  if (world == 1) return;
+  started_at_[b] = Clock::now();
+  if (!wire_.empty()) {
+    wire_[b].copy_(sum);
+    stats_.wire_bytes += wire_[b].numel() * static_cast<std::int64_t>(wire_[b].element_size());
+    works_[b] = communicator_.all_reduce(wire_[b], collective::ReduceOp::kSum);
+  } else {
+    stats_.wire_bytes += sum.numel() * static_cast<std::int64_t>(sum.element_size());
+    works_[b] = communicator_.all_reduce(sum, collective::ReduceOp::kSum);
+  }
 }
 
 void GradientReducer::finish() {
   torch::NoGradGuard no_grad;
-  const int replicas = communicator_.size();
-  if (replicas == 1) return;
-  std::vector<collective::Work> works;
-  works.reserve(buckets_.size());
-  for (auto& bucket : buckets_) {
-    const auto n = static_cast<std::int64_t>(bucket.params.size());
-    std::vector<float> has_grad(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto& p = parameters_[bucket.params[i]];
-      auto slot = bucket.flat.narrow(0, bucket.offsets[i], p.numel());
-      has_grad[i] = p.grad().defined() ? 1.0f : 0.0f;
-      if (p.grad().defined()) {
-        slot.copy_(p.grad().reshape({-1}));
-      } else {
-        slot.zero_();
-      }
-    }
-    bucket.flat.narrow(0, bucket.numel, n).copy_(torch::from_blob(has_grad.data(), {n}));
-    works.push_back(communicator_.all_reduce(bucket.flat, collective::ReduceOp::kSum));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (micro_batches_ == 0) {
+    throw ConfigError("GradientReducer::finish() with no micro-batch since zero_grad(); call "
+                      "zero_grad(), then prepare() before each backward");
   }
+  const auto backward_end = Clock::now();
+  // Whatever did not start in backward (overlap off, or a bucket with a parameter some replica
+  // did not use) starts now, still in plan order.
+  while (next_bucket_ < buckets_.size()) start_locked(next_bucket_++, false);
+  armed_ = false;
+
+  std::vector<std::pair<Clock::time_point, Clock::time_point>> in_flight;
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    works[b].wait();
-    auto& bucket = buckets_[b];
+    const Bucket& bucket = buckets_[b];
     const auto n = static_cast<std::int64_t>(bucket.params.size());
+    torch::Tensor& mean = flat_[0][b];
+    if (communicator_.size() > 1) {
+      works_[b].wait();
+      in_flight.emplace_back(started_at_[b], works_[b].completed_at().value_or(Clock::now()));
+      if (!wire_.empty()) mean.copy_(wire_[b]);
+    }
+    for (std::size_t r = 1; r < replicas_.size(); ++r) flat_[r][b].copy_(mean);
     const torch::Tensor used =
-        bucket.flat.narrow(0, bucket.numel, n).to(torch::kCPU, torch::kFloat32).contiguous();
+        mean.narrow(0, bucket.numel, n).to(torch::kCPU, torch::kFloat32).contiguous();
     const float* used_by = used.data_ptr<float>();
-    bucket.flat.narrow(0, 0, bucket.numel).div_(replicas);
     for (std::int64_t i = 0; i < n; ++i) {
-      auto p = parameters_[bucket.params[i]];
-      // Unused on every replica: no gradient, as single-worker training (and DDP) would leave it,
-      // so momentum and weight decay do not move it.
-      if (used_by[i] == 0.0f) continue;
-      auto slot = bucket.flat.narrow(0, bucket.offsets[i], p.numel()).view(p.sizes());
-      if (p.grad().defined()) {
-        p.mutable_grad().copy_(slot);
-      } else {
-        p.mutable_grad() = slot.clone();
-      }
+      if (used_by[i] != 0.0f) continue;
+      // Used by no replica: no gradient, as single-process training (and DDP) would leave it,
+      // so momentum and weight decay do not move it. zero_grad() restores the view.
+      for (auto& replica : replicas_) replica[bucket.params[i]].mutable_grad().reset();
     }
   }
+  works_.assign(buckets_.size(), collective::Work());
+  ++stats_.syncs;
+  if (!in_flight.empty()) {
+    std::sort(in_flight.begin(), in_flight.end());
+    auto [begin, end] = in_flight.front();
+    double busy = 0;
+    for (const auto& [s, e] : in_flight) {
+      if (s > end) {
+        busy += std::chrono::duration<double>(end - begin).count();
+        begin = s;
+      }
+      end = std::max(end, e);
+    }
+    busy += std::chrono::duration<double>(end - begin).count();
+    stats_.comm_seconds += busy;
+    stats_.exposed_seconds += std::chrono::duration<double>(Clock::now() - backward_end).count();
+  }
+}
+
+std::string GradientReducer::plan() const {
+  std::string out = std::to_string(buckets_.size()) + " bucket(s):";
+  for (const auto& bucket : buckets_) {
+    out += " [" + std::string(c10::toString(bucket.dtype)) + " x " +
+           std::to_string(bucket.numel) + ", params";
+    for (auto k : bucket.params) out += " " + std::to_string(k);
+    out += "]";
+  }
+  return out;
+}
+
+GradientReducer::Stats GradientReducer::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
 }
 
 } // namespace flotilla::strategy

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <thread>
+#include <torch/version.h>
 
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/error.h"
@@ -13,10 +16,89 @@
 namespace flotilla::train {
 namespace F = torch::nn::functional;
 
+// Threads for replicas 1..K-1 of a worker (replica 0 runs on the caller's thread); they live as
+// long as the model, so a step costs two wake-ups, not K thread starts.
+struct Model::Threads {
+  explicit Threads(int replicas) : errors(static_cast<std::size_t>(replicas)) {
+    for (int r = 1; r < replicas; ++r) {
+      workers.emplace_back([this, r] { loop(r); });
+    }
+  }
+  ~Threads() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    wake.notify_all();
+    for (auto& t : workers) t.join();
+  }
+  // fn(r) for every replica at once; rethrows the first replica's failure.
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      job = &fn;
+      remaining = static_cast<int>(workers.size());
+      ++generation;
+      std::fill(errors.begin(), errors.end(), nullptr);
+    }
+    wake.notify_all();
+    try {
+      fn(0);
+    } catch (...) {
+      errors[0] = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    done.wait(lock, [this] { return remaining == 0; });
+    job = nullptr;
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+  void loop(int r) {
+    std::uint64_t seen = 0;
+    while (true) {
+      const std::function<void(int)>* fn = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        wake.wait(lock, [&] { return stop || generation != seen; });
+        if (stop) return;
+        seen = generation;
+        fn = job;
+      }
+      try {
+        (*fn)(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (--remaining == 0) done.notify_all();
+      }
+    }
+  }
+
+  std::vector<std::thread> workers;
+  std::mutex mutex;
+  std::condition_variable wake, done;
+  const std::function<void(int)>* job = nullptr;
+  std::uint64_t generation = 0;
+  int remaining = 0;
+  bool stop = false;
+  std::vector<std::exception_ptr> errors;
+};
+
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
-             Forward forward)
-    : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)) {
+             Forward forward, std::function<Replica()> clone)
+    : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)),
+      clone_(std::move(clone)) {
   if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
+}
+
+Model::~Model() = default;
+
+const strategy::GradientReducer& Model::gradient_reducer() const {
+  require_compiled("gradient_reducer");
+  return *reducer_;
 }
 
 void Model::compile(const CompileOptions& options) {
@@ -35,12 +117,38 @@ void Model::compile(const CompileOptions& options) {
   if (sgd.nesterov && sgd.momentum == 0) {
     throw ConfigError("Nesterov momentum needs momentum > 0; saw momentum 0");
   }
-  optimizer_ = std::make_unique<torch::optim::SGD>(module().parameters(),
-                                                   torch::optim::SGDOptions(sgd.learning_rate)
-                                                       .momentum(sgd.momentum)
-                                                       .nesterov(sgd.nesterov)
-                                                       .weight_decay(sgd.weight_decay));
-  reducer_ = std::make_unique<strategy::GradientReducer>(strategy_.make_gradient_reducer(module()));
+  if (options.gradient_accumulation_steps < 1) {
+    throw ConfigError("gradient_accumulation_steps must be at least 1; saw " +
+                      std::to_string(options.gradient_accumulation_steps));
+  }
+  const int replicas = strategy_.replicas_per_worker();
+  if (replicas > 1 && !clone_) {
+    throw ConfigError("replicas_per_worker is " + std::to_string(replicas) +
+                      ", but this Model cannot copy its module: construct it from a module "
+                      "holder (torch::nn::Sequential, a TORCH_MODULE), or pass a clone function");
+  }
+  reducer_.reset(); // its hooks sit on the replicas being replaced
+  threads_.reset();
+  replicas_.clear();
+  replicas_.emplace_back(module_, forward_);
+  for (int r = 1; r < replicas; ++r) {
+    replicas_.push_back(clone_());
+    if (!replicas_.back().first) {
+      throw ConfigError("the clone function returned no module for replica " + std::to_string(r));
+    }
+  }
+  optimizers_.clear();
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& [replica, forward] : replicas_) {
+    modules.push_back(replica);
+    optimizers_.push_back(std::make_unique<torch::optim::SGD>(
+        replica->parameters(), torch::optim::SGDOptions(sgd.learning_rate)
+                                   .momentum(sgd.momentum)
+                                   .nesterov(sgd.nesterov)
+                                   .weight_decay(sgd.weight_decay)));
+  }
+  reducer_ = strategy_.make_gradient_reducer(modules);
+  if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
   compiled_ = options;
 }
 
@@ -72,6 +180,41 @@ void check_element(const data::Element& e) {
 
 } // namespace
 
+void Model::check_consistency(const data::DistributedDataset& train, const FitOptions& options) {
+  const auto& comm = strategy_.communicator().options();
+  std::vector<std::pair<std::string, std::string>> fields = {
+      {"flotilla version", FLOTILLA_VERSION},
+      {"LibTorch version", TORCH_VERSION},
+      {"replicas per worker", std::to_string(strategy_.replicas_per_worker())},
+      {"precision policy", "float32"},
+      {"per-replica batch", train.per_replica_batch() > 0
+                                ? std::to_string(train.per_replica_batch())
+                                : std::string("set by the input pipeline")},
+      {"gradient accumulation steps", std::to_string(compiled_->gradient_accumulation_steps)},
+      {"bytes_per_pack", std::to_string(comm.bytes_per_pack)},
+      {"compression", std::string(collective::to_string(comm.compression))},
+      {"overlap", comm.overlap ? "on" : "off"},
+      {"bucket plan", reducer_->plan()},
+  };
+  if (options.steps_per_epoch) {
+    fields.emplace_back("steps per epoch", std::to_string(*options.steps_per_epoch));
+  } else if (train.same_steps_on_every_worker()) {
+    const std::int64_t steps = train.cardinality();
+    fields.emplace_back("steps per epoch after sharding",
+                        steps >= 0 ? std::to_string(steps) : std::string("unknown"));
+  }
+  std::int64_t index = 0;
+  for (const auto& item : module().named_parameters()) {
+    const auto& p = item.value();
+    std::string shape;
+    for (std::int64_t d = 0; d < p.dim(); ++d) shape += (d ? "x" : "") + std::to_string(p.size(d));
+    fields.emplace_back("parameter " + std::to_string(index++),
+                        item.key() + " [" + shape + "] " + c10::toString(p.scalar_type()));
+  }
+  fields.emplace_back("parameter count", std::to_string(index));
+  strategy_.check_consistency(fields);
+}
+
 History Model::fit(const data::DistributedDataset& train, const FitOptions& options) {
   require_compiled("fit");
   if (options.epochs < 1) {
@@ -84,6 +227,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   // Every step is a collective, so every worker must take the same number. When each knows its
   // pass length and they agree, that is enough; otherwise every step first asks all workers
   // whether they still have a batch (what tf.distribute does for uneven input).
+  check_consistency(train, options);
   const std::int64_t known = train.cardinality();
   const torch::Tensor lengths =
       strategy_.reduce(strategy::ReduceOp::kMin, torch::tensor({known, -known}, torch::kInt64));
@@ -101,15 +245,24 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
 
   History history;
   auto& net = module();
+  const int num_replicas = static_cast<int>(replicas_.size());
+  const int accumulation = compiled_->gradient_accumulation_steps;
   std::optional<data::DistributedIterator> pass;
   bool ran_out = false;
   for (int epoch = 1; epoch <= options.epochs && !ran_out; ++epoch) {
     if (!pass || !options.steps_per_epoch) pass.emplace(train.make_iterator());
-    net.train();
+    for (auto& [replica, forward] : replicas_) replica->train();
     progress.begin_epoch(epoch, options.epochs, steps_hint);
     StepResult totals;
     double input_seconds = 0;
     std::int64_t steps = 0;
+    int micro = 0; // batches accumulated since the last optimizer step
+    const auto comm_before = reducer_->stats();
+    auto apply = [&] {
+      reducer_->finish();
+      for (auto& optimizer : optimizers_) optimizer->step();
+      micro = 0;
+    };
     const auto start = std::chrono::steady_clock::now();
     while (!options.steps_per_epoch || steps < *options.steps_per_epoch) {
       const auto before_input = std::chrono::steady_clock::now();
@@ -127,40 +280,58 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
         break;
       }
       check_element(batch->element);
-      const torch::Tensor& features = batch->element[0];
-      const torch::Tensor& labels = batch->element[1];
-      optimizer_->zero_grad();
-      reducer_->prepare();
-      torch::Tensor logits, per_example;
-      if (labels.size(0) > 0) {
-        logits = forward_(features);
-        per_example =
+      // This worker's batch, split as evenly as possible over its replicas.
+      std::vector<data::Element> parts(static_cast<std::size_t>(num_replicas));
+      for (const auto& component : batch->element) {
+        auto pieces = num_replicas == 1 ? std::vector<torch::Tensor>{component}
+                                        : torch::tensor_split(component, num_replicas);
+        for (int r = 0; r < num_replicas; ++r) parts[r].push_back(pieces[r]);
+      }
+      if (micro == 0) reducer_->zero_grad();
+      const bool sync = micro + 1 == accumulation;
+      reducer_->prepare(sync);
+      std::vector<StepResult> results(static_cast<std::size_t>(num_replicas));
+      const double share = static_cast<double>(batch->global_batch_size) / replicas;
+      auto replica_step = [&](int r) {
+        const data::Element& e = parts[r];
+        const torch::Tensor& labels = e[1];
+        // An empty slice (a short last batch over many replicas) runs no forward — a batch
+        // norm could not — but still joins the reduction, with no gradients of its own.
+        if (labels.size(0) == 0) return;
+        const torch::Tensor logits = replicas_[r].second(e[0]);
+        torch::Tensor per_example =
             F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kNone));
-        if (batch->element.size() > 2) {
-          per_example = per_example * batch->element[2].to(per_example.dtype());
-        }
+        if (e.size() > 2) per_example = per_example * e[2].to(per_example.dtype());
         // Summed over this replica's slice and divided by the global batch's share per
         // replica: averaged over replicas by the reducer, that is the global batch's mean loss
         // exactly, short last batches included.
-        const torch::Tensor loss =
-            per_example.sum() / (static_cast<double>(batch->global_batch_size) / replicas);
-        loss.backward();
+        (per_example.sum() / share).backward();
+        results[r].loss_sum = per_example.detach().sum().item<double>();
+        results[r].correct = logits.detach().argmax(1).eq(labels).sum().item<double>();
+        results[r].count = static_cast<double>(labels.size(0));
+      };
+      if (threads_) {
+        threads_->run(replica_step);
+      } else {
+        replica_step(0);
       }
-      // An empty slice (a short last batch over many replicas) runs no forward — a batch norm
-      // could not — but still joins the reduction, with no gradients of its own.
-      reducer_->finish();
-      optimizer_->step();
+      if (sync) {
+        apply();
+      } else {
+        ++micro;
+      }
 
       ++steps;
-      if (labels.size(0) > 0) {
-        totals.loss_sum += per_example.detach().sum().item<double>();
-        totals.correct += logits.detach().argmax(1).eq(labels).sum().item<double>();
-        totals.count += static_cast<double>(labels.size(0));
+      for (const auto& r : results) {
+        totals.loss_sum += r.loss_sum;
+        totals.correct += r.correct;
+        totals.count += r.count;
       }
       if (totals.count > 0) {
         progress.step(steps, totals.loss_sum / totals.count, totals.correct / totals.count);
       }
     }
+    if (micro > 0) apply(); // the epoch's last, partial accumulation
     if (steps == 0) break; // the data ran out at an epoch's start: nothing to report
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -176,6 +347,13 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     logs.seconds = seconds;
     logs.samples_per_s = global_count / seconds;
     logs.input_seconds = input_seconds;
+    const auto comm_after = reducer_->stats();
+    logs.comm_seconds = comm_after.comm_seconds - comm_before.comm_seconds;
+    logs.comm_exposed_seconds = comm_after.exposed_seconds - comm_before.exposed_seconds;
+    strategy::GradientReducer::Stats epoch_comm;
+    epoch_comm.comm_seconds = logs.comm_seconds;
+    epoch_comm.exposed_seconds = logs.comm_exposed_seconds;
+    logs.comm_hidden_share = epoch_comm.hidden_share();
     progress.end_epoch(logs);
     if (!options.model_dir.empty()) {
       checkpoint::save_model(strategy_, net, options.model_dir,

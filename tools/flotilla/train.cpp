@@ -35,6 +35,10 @@ struct TrainArgs {
   double timeout_s = 300;
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
+  bool no_overlap = false;
+  std::string compression = "none";
+  int replicas_per_worker = 1;
+  int accumulation_steps = 1;
   std::string verbose = "auto";
   std::int64_t shuffle_buffer = 10000;
   std::string cache = "none";
@@ -69,6 +73,8 @@ int run(const TrainArgs& a) {
   comm.implementation = collective::parse_implementation(a.implementation);
   comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
   comm.bytes_per_pack = a.bytes_per_pack;
+  comm.overlap = !a.no_overlap;
+  comm.compression = collective::parse_compression(a.compression);
 
   const bool write_metrics = spec.is_chief() && !a.metrics_json.empty();
   if (write_metrics && !std::ofstream(a.metrics_json, std::ios::app)) {
@@ -80,7 +86,7 @@ int run(const TrainArgs& a) {
   data::Dataset train_source = data::fashion_mnist(a.data_dir, data::Split::kTrain);
   const data::Dataset test_source = data::fashion_mnist(a.data_dir, data::Split::kTest);
 
-  strategy::MultiWorkerMirroredStrategy strategy(spec, comm);
+  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, a.replicas_per_worker);
   const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
   if (strategy.is_chief()) {
     strategy.log().info(
@@ -97,7 +103,13 @@ int run(const TrainArgs& a) {
   train::CompileOptions compile;
   compile.optimizer.learning_rate = a.lr;
   compile.optimizer.momentum = a.momentum;
+  compile.gradient_accumulation_steps = a.accumulation_steps;
   model.compile(compile);
+  if (strategy.is_chief()) {
+    strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
+                        (comm.overlap ? "on" : "off") + ", compression " +
+                        std::string(collective::to_string(comm.compression)));
+  }
 
   // The seeds' recipe: shuffle -> batch(drop_remainder) -> map(AUTOTUNE) -> prefetch(AUTOTUNE),
   // distributed so that each worker preprocesses only its own slice of every global batch.
@@ -162,7 +174,11 @@ int run(const TrainArgs& a) {
                                       {"seconds", logs.seconds},
                                       {"input_bound_share", logs.input_seconds / logs.seconds},
                                       {"steps", logs.steps},
+                                      {"comm_seconds", logs.comm_seconds},
+                                      {"comm_exposed_seconds", logs.comm_exposed_seconds},
+                                      {"comm_hidden_share", logs.comm_hidden_share},
                                       {"workers", strategy.num_workers()},
+                                      {"replicas_in_sync", strategy.num_replicas_in_sync()},
                                       {"global_batch", global_batch}});
   };
   model.fit(train_set, fit);
@@ -231,6 +247,20 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--bytes-per-pack", args->bytes_per_pack, "Gradient bucket size in bytes")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_flag("--no-overlap", args->no_overlap,
+                "Start the gradient all-reduces after backward instead of during it");
+  app->add_option("--compression", args->compression,
+                  "Gradients on the wire: none, fp16 or bf16 (half the bytes)")
+      ->check(CLI::IsMember({"none", "fp16", "bf16"}, CLI::ignore_case))
+      ->capture_default_str();
+  app->add_option("--replicas-per-worker", args->replicas_per_worker,
+                  "Model replicas per worker (threads), reduced locally before the all-reduce")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app->add_option("--accumulation-steps", args->accumulation_steps,
+                  "Batches whose gradients are summed before one all-reduce and optimizer step")
+      ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--shuffle-buffer", args->shuffle_buffer, "Elements in the shuffle buffer")
       ->check(CLI::PositiveNumber)

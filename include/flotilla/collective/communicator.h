@@ -5,7 +5,9 @@
 // TimeoutError once CommunicationOptions::timeout has passed: a collective never hangs forever.
 //
 // As with every collective library, all ranks must issue the same operations in the same order,
-// each from one thread at a time.
+// each from one thread at a time. Every operation carries a sequence number; when one times out,
+// the ranks that reached it compare notes through the rendezvous store, so the error names the
+// ranks that did not arrive and, where they said, the operation they were in instead.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,13 +37,25 @@ std::string_view to_string(ReduceOp op);
 // "auto", "ring" or "nccl", any case; ConfigError otherwise.
 Implementation parse_implementation(std::string_view name);
 
-// TensorFlow's CommunicationOptions, plus the bucket size PyTorch DDP calls bucket_cap_mb.
+// How gradients travel between workers: cast for the wire, reduced, restored to their dtype.
+enum class Compression { kNone, kFp16, kBf16 };
+std::string_view to_string(Compression compression);
+// "none", "fp16" or "bf16", any case; ConfigError otherwise.
+Compression parse_compression(std::string_view name);
+
+// TensorFlow's CommunicationOptions, plus the gradient engine's settings (PyTorch DDP's
+// bucket_cap_mb and overlap, Horovod's compression).
 struct CommunicationOptions {
   Implementation implementation = Implementation::kAuto;
   // Longest wait for the rendezvous and for any one collective before TimeoutError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   // Gradients are packed into flat buffers of at most this many bytes (TF's bytes_per_pack).
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
+  // Start each bucket's all-reduce during backward, as soon as its last gradient is ready;
+  // false: all of them after backward.
+  bool overlap = true;
+  // Gradients cross workers in half precision (half the bytes); the local math stays fp32.
+  Compression compression = Compression::kNone;
 };
 
 // Whether this build has the NCCL backend (LibTorch with CUDA).
@@ -60,6 +75,9 @@ class Work {
   bool is_completed();
   // all_gather's result after wait(): one tensor per rank, in rank order.
   const std::vector<at::Tensor>& result() const;
+  // When the backend finished the operation (for overlap statistics); unset before that, or
+  // for an operation that had nothing to send.
+  std::optional<std::chrono::steady_clock::time_point> completed_at() const;
 
   struct State;
 

@@ -54,6 +54,11 @@ class DistributedDataset {
   const strategy::InputContext& input_context() const { return context_; }
   // What was done, for logs: policy, rewrite or split, per-replica batch.
   const std::string& plan() const { return plan_; }
+  // The per-replica batch the rewrite set (0 when the pipeline did not say).
+  std::int64_t per_replica_batch() const { return per_replica_batch_; }
+  // Whether every worker necessarily takes as many steps per pass as the others (every worker
+  // sees every global batch: DATA, OFF, one replica); FILE shards may legitimately differ.
+  bool same_steps_on_every_worker() const { return same_steps_; }
   // The pipeline this worker runs.
   const Dataset& per_worker() const { return per_worker_; }
 
@@ -63,9 +68,11 @@ class DistributedDataset {
   distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
                                     const strategy::InputContext&);
   DistributedDataset(Dataset original, Dataset per_worker, strategy::InputContext context,
-                     bool records_sizes, std::string plan)
+                     bool records_sizes, std::string plan, std::int64_t per_replica_batch,
+                     bool same_steps)
       : original_(std::move(original)), per_worker_(std::move(per_worker)), context_(context),
-        records_sizes_(records_sizes), plan_(std::move(plan)) {}
+        records_sizes_(records_sizes), plan_(std::move(plan)),
+        per_replica_batch_(per_replica_batch), same_steps_(same_steps) {}
   // The user's dataset: passes are numbered on it (so redistributing it, as every fit() does,
   // still reshuffles), and iterator states carry its fingerprint (so any worker can resume
   // from the chief's saved state).
@@ -74,6 +81,8 @@ class DistributedDataset {
   strategy::InputContext context_;
   bool records_sizes_;
   std::string plan_;
+  std::int64_t per_replica_batch_;
+  bool same_steps_;
 };
 
 // `dataset` yields global batches (its batch size must split evenly across the replicas).

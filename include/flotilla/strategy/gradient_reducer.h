@@ -1,44 +1,117 @@
-// Averages gradients across replicas every step. Gradients are packed, in reverse registration
-// order (roughly the order backward produces them), into flat buckets of at most bytes_per_pack
-// bytes; each bucket is one asynchronous all-reduce, all in flight together. This is the plain
-// engine: pack after backward, reduce, unpack. An overlapped engine (reduction started from
-// autograd hooks while backward runs) keeps this interface: prepare() before backward,
-// finish() before the optimizer.
+// The gradient engine: averages gradients over every replica in sync, each step.
+//
+// Gradients live in flat buckets of at most bytes_per_pack bytes, filled in reverse registration
+// order (roughly the order backward produces them); every parameter's .grad() is a view into its
+// bucket, so autograd accumulates straight into the buffer that is all-reduced and nothing is
+// copied after. A hook on each parameter's gradient accumulator counts the bucket down; when its
+// last gradient is in, the bucket's asynchronous all-reduce starts while backward goes on
+// (overlap), and finish() waits for all of them only before the optimizer. Buckets start in
+// plan order on every rank, so ranks always issue the same collectives in the same order.
+//
+// Several replicas per worker (threads, each its own model copy) share one engine: a bucket is
+// summed locally once every replica has produced it, crosses workers in one all-reduce, and the
+// mean is copied back to every replica.
+//
+// A parameter that got no gradient on a replica contributes zeros, so nobody waits for a
+// gradient that never comes (PyTorch DDP's find_unused_parameters, without the graph walk): a
+// bucket holding one simply starts after backward. One used by no replica keeps no gradient, as
+// it would in single-process training. Accumulation (DDP's no_sync): prepare(false) for all but
+// the last of K micro-batches; the mean then covers every micro-batch.
 #pragma once
 
 #include <torch/types.h>
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "flotilla/collective/communicator.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace flotilla::strategy {
 
 class GradientReducer {
  public:
   struct Bucket {
-    std::vector<std::size_t> params;   // indices into the parameter list
-    std::vector<std::int64_t> offsets; // element offset of each parameter in `flat`
-    std::int64_t numel = 0;            // gradient elements; then one used-flag per parameter
-    torch::Tensor flat;
+    std::vector<std::size_t> params;   // indices into a replica's parameter list
+    std::vector<std::int64_t> offsets; // element offset of each parameter's gradient
+    std::int64_t numel = 0;            // gradient elements; one used-flag per parameter follows
+    torch::ScalarType dtype = torch::kFloat32;
+    torch::Device device = torch::kCPU;
+  };
+  // Totals since construction, for the overlap report.
+  struct Stats {
+    std::int64_t syncs = 0;              // finish() calls that reduced across replicas
+    std::int64_t buckets = 0;            // bucket reductions started
+    std::int64_t buckets_in_backward = 0; // of them, started by a hook while backward ran
+    double comm_seconds = 0;    // time some cross-worker all-reduce was in flight
+    double exposed_seconds = 0; // time finish() waited after backward (the part not hidden)
+    std::int64_t wire_bytes = 0; // bytes this worker handed to all-reduces
+    // Share of communication time hidden behind backward, 0 to 1.
+    double hidden_share() const;
   };
 
-  GradientReducer(collective::Communicator communicator, std::vector<torch::Tensor> parameters,
-                  std::int64_t bytes_per_pack);
+  // `replicas[r]`: replica r's trainable parameters in registration order; every replica is a
+  // copy of the same model. `communicator` joins this worker to the others.
+  GradientReducer(collective::Communicator communicator,
+                  std::vector<std::vector<torch::Tensor>> replicas,
+                  const collective::CommunicationOptions& options);
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
 
-  void prepare() {} // nothing to arm in the plain engine
-  // Replaces every parameter's gradient with its mean over all replicas. A parameter that got
-  // no gradient on this replica contributes zeros (others may have used it), so no replica
-  // waits for a gradient that never comes; one that got none on any replica keeps none.
+  // Zeroes every gradient (the buckets) and makes each .grad() a bucket view again; call it
+  // instead of the optimizer's zero_grad(), which would detach the views.
+  void zero_grad();
+  // Before each micro-batch's backward. sync=false: only accumulate (no communication);
+  // sync=true: this micro-batch ends the accumulation, its buckets reduce as they fill.
+  void prepare(bool sync = true);
+  // After every replica's backward of a sync micro-batch: starts what has not started, waits,
+  // and leaves every replica's gradients equal to the mean over all replicas and micro-batches.
+  // After prepare(false) micro-batches only, it flushes them (a partial accumulation).
   void finish();
 
+  int num_replicas() const { return static_cast<int>(replicas_.size()); }
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // "3 buckets: [float x 1290 (2 params)], ..." — identical on every rank, or the ranks would
+  // reduce different things (part of the start-up consistency check).
+  std::string plan() const;
+  Stats stats() const;
 
  private:
+  struct Hook;
+  void on_gradient(int replica, std::size_t param); // from autograd, any replica's thread
+  void start_ready_locked(bool in_backward);
+  void start_locked(std::size_t bucket, bool in_backward);
+
   collective::Communicator communicator_;
-  std::vector<torch::Tensor> parameters_;
+  collective::CommunicationOptions options_;
+  std::vector<std::vector<torch::Tensor>> replicas_;
   std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;                 // parameter -> bucket
+  std::vector<std::size_t> slot_of_;                   // parameter -> index within its bucket
+  std::vector<std::vector<torch::Tensor>> flat_;       // [replica][bucket]
+  std::vector<std::vector<torch::Tensor>> views_;      // [replica][parameter]
+  std::vector<torch::Tensor> wire_;                    // [bucket]: half-precision copies
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+
+  mutable std::mutex mutex_; // hooks fire on every replica's thread
+  bool armed_ = false;
+  int micro_batches_ = 0; // backward passes since zero_grad()
+  std::vector<std::vector<char>> used_;  // [replica][parameter], since zero_grad()
+  std::vector<std::vector<char>> fired_; // [replica][parameter], this micro-batch
+  std::vector<std::int64_t> pending_;    // [bucket]: gradients still to come this micro-batch
+  std::size_t next_bucket_ = 0;          // buckets start in order
+  std::vector<collective::Work> works_;
+  std::vector<std::chrono::steady_clock::time_point> started_at_;
+  Stats stats_;
 };
 
 } // namespace flotilla::strategy

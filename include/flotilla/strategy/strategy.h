@@ -11,6 +11,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/collective/communicator.h"
@@ -24,10 +26,14 @@ using collective::ReduceOp;
 
 class Strategy {
  public:
-  Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator);
+  // `replicas_per_worker` model copies train on each worker (threads, each on its slice of the
+  // worker's batch; MirroredStrategy's devices on CPU).
+  Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
+           int replicas_per_worker = 1);
   virtual ~Strategy() = default;
 
-  int num_replicas_in_sync() const { return communicator_.size(); }
+  int num_replicas_in_sync() const { return communicator_.size() * replicas_per_worker_; }
+  int replicas_per_worker() const { return replicas_per_worker_; }
   int num_workers() const { return communicator_.size(); }
   int worker_index() const { return communicator_.rank(); }
   bool is_chief() const { return communicator_.rank() == 0; }
@@ -48,8 +54,16 @@ class Strategy {
   // The reduction of `value` over all replicas, as a new tensor; every replica calls it.
   torch::Tensor reduce(ReduceOp op, const torch::Tensor& value);
 
-  // The gradient engine for `module`'s trainable parameters, with this strategy's bytes_per_pack.
-  GradientReducer make_gradient_reducer(const torch::nn::Module& module);
+  // The gradient engine for the trainable parameters of `replicas` (one module per replica on
+  // this worker, copies of one model), with this strategy's CommunicationOptions.
+  std::unique_ptr<GradientReducer>
+  make_gradient_reducer(const std::vector<std::shared_ptr<torch::nn::Module>>& replicas);
+
+  // The start-up consistency check: every worker passes the same named fields (parameter
+  // shapes, bucket plan, batch, versions...); if any worker's value differs from the chief's,
+  // every worker throws the same ConfigError listing each difference with the worker and both
+  // values, instead of hanging in a mismatched collective or silently diverging.
+  void check_consistency(const std::vector<std::pair<std::string, std::string>>& fields);
 
  private:
   static torch::nn::Module& module_of(const std::shared_ptr<torch::nn::Module>& m) { return *m; }
@@ -60,20 +74,23 @@ class Strategy {
 
   cluster::ClusterSpec cluster_;
   collective::Communicator communicator_;
+  int replicas_per_worker_;
   Logger log_;
 };
 
-// One worker, this machine (one CPU replica; several replicas per worker come later).
+// One worker, this machine, `replicas` CPU replicas (threads) reduced locally.
 class MirroredStrategy : public Strategy {
  public:
-  explicit MirroredStrategy(const collective::CommunicationOptions& options = {});
+  explicit MirroredStrategy(const collective::CommunicationOptions& options = {},
+                            int replicas = 1);
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
 class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
-                                       const collective::CommunicationOptions& options = {});
+                                       const collective::CommunicationOptions& options = {},
+                                       int replicas_per_worker = 1);
 };
 
 } // namespace flotilla::strategy

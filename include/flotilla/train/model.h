@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,10 @@ struct CompileOptions {
   SGD optimizer;
   Loss loss = Loss::kSparseCategoricalCrossentropy;
   std::vector<std::string> metrics = {"accuracy"}; // "accuracy" is the one available now
+  // Apply the optimizer once every K batches, on their summed gradients, with one all-reduce
+  // (Keras's gradient_accumulation_steps, DDP's no_sync). An epoch's last partial group is
+  // applied at the epoch's end.
+  int gradient_accumulation_steps = 1;
 };
 
 // One epoch's results, global across workers.
@@ -46,6 +51,11 @@ struct EpochLogs {
   double samples_per_s = 0; // global samples ÷ the chief's wall-clock seconds
   double seconds = 0;
   double input_seconds = 0; // of `seconds`, waiting for the input pipeline (input-bound share)
+  // This worker's gradient all-reduces over the epoch: time in flight, time the steps waited
+  // for them after backward, and the share hidden behind backward.
+  double comm_seconds = 0;
+  double comm_exposed_seconds = 0;
+  double comm_hidden_share = 0;
 };
 
 struct History {
@@ -77,14 +87,24 @@ class Model {
  public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
 
+  // A module and its forward, for a replica (copies of the model on one worker).
+  using Replica = std::pair<std::shared_ptr<torch::nn::Module>, Forward>;
+
   // Any module holder whose forward takes and returns one tensor (torch::nn::Sequential, a
-  // TORCH_MODULE of your own, ...).
+  // TORCH_MODULE of your own, ...). Cloneable modules (all of torch::nn) can also be copied
+  // for several replicas per worker.
   template <class Holder>
   Model(strategy::Strategy& strategy, Holder holder)
-      : Model(strategy, holder.ptr(), [holder](const torch::Tensor& x) mutable -> torch::Tensor {
-          return holder->forward(x);
-        }) {}
-  Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward);
+      : Model(strategy, holder.ptr(), forward_of(holder.ptr()),
+              [holder]() -> Replica {
+                using Impl = typename Holder::ContainedType;
+                auto copy = std::dynamic_pointer_cast<Impl>(holder->clone());
+                return {copy, forward_of(copy)};
+              }) {}
+  // `clone` makes another replica (needed only with replicas_per_worker > 1).
+  Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward,
+        std::function<Replica()> clone = {});
+  ~Model();
 
   void compile(const CompileOptions& options);
   // `train` yields global batches: it is distributed with this model's strategy
@@ -99,16 +119,26 @@ class Model {
 
   torch::nn::Module& module() { return *module_; }
   strategy::Strategy& strategy() { return strategy_; }
+  // The gradient engine (after compile): bucket plan and communication statistics.
+  const strategy::GradientReducer& gradient_reducer() const;
 
  private:
+  template <class Impl> static Forward forward_of(std::shared_ptr<Impl> module) {
+    return [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
+  }
   void require_compiled(const char* what) const;
+  void check_consistency(const data::DistributedDataset& train, const FitOptions& options);
 
   strategy::Strategy& strategy_;
   std::shared_ptr<torch::nn::Module> module_;
   Forward forward_;
+  std::function<Replica()> clone_;
   std::optional<CompileOptions> compiled_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<Replica> replicas_; // replica 0 is module_ itself
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
+  struct Threads;
+  std::unique_ptr<Threads> threads_; // runs replicas 1..K-1
 };
 
 } // namespace flotilla::train
