@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test bench-threads bench-data clean
+.PHONY: all bootstrap build run test bench-threads bench-data bench-allreduce bench-peers bench-link clean
 
 all: build
 
@@ -30,6 +30,18 @@ bench-threads: build
 # The input pipeline against tf.data (installs tensorflow-cpu into bench/.venv-tf once).
 bench-data: build
 	bench/data.sh
+
+# All-reduce bus bandwidth, flotilla's Communicator against raw c10d Gloo, 2 and 3 processes.
+bench-allreduce: build
+	bench/allreduce.sh
+
+# Training samples/s against PyTorch DDP and TF MultiWorkerMirroredStrategy (installs the peers).
+bench-peers: build
+	bench/peers.sh
+
+# Overlap and compression on 1 Gbit/s links between network namespaces (needs root).
+bench-link: build
+	bench/link.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

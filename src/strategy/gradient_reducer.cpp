@@ -104,9 +104,14 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     views_[r].resize(params.size());
     for (std::size_t k = 0; k < params.size(); ++k) {
       const auto& bucket = buckets_[bucket_of_[k]];
-      views_[r][k] = flat_[r][bucket_of_[k]]
-                         .narrow(0, bucket.offsets[slot_of_[k]], params[k].numel())
-                         .view(params[k].sizes());
+      const auto slot =
+          flat_[r][bucket_of_[k]].narrow(0, bucket.offsets[slot_of_[k]], params[k].numel());
+      // The gradient takes its parameter's layout (a channels-last convolution weight gets a
+      // channels-last gradient), so autograd and the optimizer never convert between layouts.
+      const auto& p = replicas_[r][k];
+      views_[r][k] = p.is_non_overlapping_and_dense()
+                         ? slot.as_strided(p.sizes(), p.strides(), slot.storage_offset())
+                         : slot.view(p.sizes());
     }
   }
   if (world > 1 && options_.compression != collective::Compression::kNone) {

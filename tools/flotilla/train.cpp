@@ -132,12 +132,16 @@ int run(const TrainArgs& a) {
     }
     return data::Element{data::normalize_images(images), e[2]};
   };
+  // With --steps-per-epoch, epochs are step counts over an endless, reshuffled stream (Keras's
+  // steps_per_epoch with repeat()); without, an epoch is one pass.
+  data::Dataset shuffled = train_source.shuffle(a.shuffle_buffer, a.seed);
+  if (a.steps_per_epoch > 0) shuffled = shuffled.repeat();
   // The pipeline's threads share this worker's cores with training, not the whole machine.
   data::Options pipeline_options;
   pipeline_options.private_threadpool_size = threads;
   const auto train_set = data::distribute_dataset(
       data::Dataset::zip(
-          {train_source.shuffle(a.shuffle_buffer, a.seed).enumerate().batch(global_batch, true),
+          {shuffled.enumerate().batch(global_batch, true),
            data::Dataset::random(a.seed)})
           .map(preprocess, data::kAutotune)
           .prefetch(data::kAutotune)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `make bench-allreduce`: all-reduce bus bandwidth (nccl-tests' definition: algbw x 2(n-1)/n) for
+# message sizes 4 KiB to 256 MiB, flotilla's Communicator against raw c10d ProcessGroupGloo in
+# the same processes (bench/allreduce.cpp), 2 and 3 processes on loopback. Prints rank 0's JSON
+# lines: one per system and size, and the time ratio flotilla/c10d-gloo (the cost of flotilla's
+# layer; the goal is < 1.05 from 1 MiB up).
+# Usage: bench/allreduce.sh [ROUNDS=5] [MAX_BYTES=268435456]   env: PROCESSES="2 3"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+ROUNDS=${1:-5}
+MAX_BYTES=${2:-268435456}
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for pid in "${pids[@]+"${pids[@]}"}"; do kill "$pid" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+for n in ${PROCESSES:-2 3}; do
+  port=$(free_port)
+  pids=()
+  for rank in $(seq 0 $((n - 1))); do
+    # One intra-op thread each: the reduction's arithmetic runs in Gloo's own threads anyway.
+    RANK=$rank WORLD_SIZE=$n LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      OMP_NUM_THREADS=1 "$BUILD_DIR/bench_allreduce" "$ROUNDS" "$MAX_BYTES" \
+      >"$tmp/out.$rank" 2>"$tmp/err.$rank" &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      echo "bench/allreduce.sh: rank $i of $n failed:" >&2
+      tail -n 20 "$tmp/err.$i" >&2
+      exit 1
+    fi
+  done
+  cat "$tmp/out.0"
+done
