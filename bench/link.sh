@@ -39,6 +39,10 @@ LINK_MB=${LINK_MB:-50}
 RUN_TIMEOUT=${RUN_TIMEOUT:-900}
 FLOTILLA=${FLOTILLA:-$ROOT/${BUILD_DIR:-build}/flotilla}
 MODEL=mlp-wide
+# Gradient bucket size for every configuration. At the default 25 MiB all 23 MB of mlp-wide's
+# gradients form one bucket, which can only start when backward ends: nothing to overlap. At
+# 4 MiB the last layers' buckets start while the first layer's gradients are still computed.
+export PACK=${PACK:-4194304}
 
 # The configurations: name -> extra `flotilla train` flags.
 config_names=(overlap no-overlap overlap+fp16)
@@ -109,7 +113,7 @@ trap 'exit 143' TERM
 
 # The helper: socket probe / link throughput, and the JSON report.
 cat >"$tmp/helper.py" <<'PY'
-import json, socket, statistics, sys, time
+import json, os, socket, statistics, sys, time
 
 def serve(port, count, timeout):
     """Accepts `count` connections one by one, reads each to EOF; prints the largest transfer."""
@@ -180,7 +184,8 @@ def report(tmp, workers, link, model, configs):
     for name in configs:
         runs = [json.loads(l) for l in open(f"{tmp}/result-{name}.jsonl")]
         line = {"bench": "link", "system": "flotilla", "model": model, "workers": workers,
-                "link": link, "config": name, "metric": "step_ms",
+                "link": link, "config": name,
+                "bytes_per_pack": int(os.environ.get("PACK", "0")), "metric": "step_ms",
                 "value": median([r.get("step_ms") for r in runs], 1),
                 "samples_per_s": median([r.get("samples_per_s") for r in runs], 0),
                 "comm_hidden_share": median([r.get("comm_hidden_share") for r in runs], 3),
@@ -327,7 +332,7 @@ run_config() {  # name run -> appends one result line to $tmp/result-<name>.json
       OMP_NUM_THREADS="$threads" \
       timeout --kill-after=10 "$RUN_TIMEOUT" "$bin" train --model "$MODEL" --batch-per-replica 64 \
       --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --metrics-json "$metrics" --timeout 120 \
-      --threads "$threads" "${extra[@]}" >"$tmp/$tag-$i.log" 2>&1 &
+      --threads "$threads" --bytes-per-pack "$PACK" "${extra[@]}" >"$tmp/$tag-$i.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
