@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
 
   for (std::int64_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
     auto tensor = torch::ones({bytes / 4}, torch::kFloat32);
-    const int iterations = static_cast<int>(std::clamp<std::int64_t>((32ll << 20) / bytes, 3, 200));
+    const int iterations = static_cast<int>(std::clamp<std::int64_t>((128ll << 20) / bytes, 5, 200));
     auto time_flotilla = [&] {
       const auto start = Clock::now();
       for (int i = 0; i < iterations; ++i) comm.all_reduce(tensor).wait();

@@ -2,13 +2,14 @@
 # `make bench-allreduce`: all-reduce bus bandwidth (nccl-tests' definition: algbw x 2(n-1)/n) for
 # message sizes 4 KiB to 256 MiB, flotilla's Communicator against raw c10d ProcessGroupGloo in
 # the same processes (bench/allreduce.cpp), 2 and 3 processes on loopback. Prints rank 0's JSON
-# lines: one per system and size, and the time ratio flotilla/c10d-gloo (the cost of flotilla's
-# layer; the goal is < 1.05 from 1 MiB up).
-# Usage: bench/allreduce.sh [ROUNDS=5] [MAX_BYTES=268435456]   env: PROCESSES="2 3"
+# lines: one per system and size, the time ratio flotilla/c10d-gloo (the cost of flotilla's
+# layer; the goal is < 1.05 from 1 MiB up), and per process count the median and worst of those
+# ratios from 1 MiB up.
+# Usage: bench/allreduce.sh [ROUNDS=7] [MAX_BYTES=268435456]   env: PROCESSES="2 3"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-ROUNDS=${1:-5}
+ROUNDS=${1:-7}
 MAX_BYTES=${2:-268435456}
 tmp=$(mktemp -d)
 pids=()
@@ -38,4 +39,14 @@ for n in ${PROCESSES:-2 3}; do
     fi
   done
   cat "$tmp/out.0"
+  # The verdict: flotilla/c10d-gloo time ratios from 1 MiB up, their median and worst.
+  python3 - "$n" "$tmp/out.0" <<'PY'
+import json, statistics, sys
+n, path = int(sys.argv[1]), sys.argv[2]
+ratios = [l["ratio"] for l in map(json.loads, open(path)) if "ratio" in l and l["bytes"] >= 1 << 20]
+if ratios:
+    print(json.dumps({"bench": "allreduce", "processes": n, "metric": "time_ratio_from_1MiB",
+                      "median": round(statistics.median(ratios), 4), "max": round(max(ratios), 4),
+                      "sizes": len(ratios), "of": "flotilla/c10d-gloo"}, separators=(",", ":")))
+PY
 done

@@ -231,9 +231,15 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   const std::int64_t known = train.cardinality();
   const torch::Tensor lengths =
       strategy_.reduce(strategy::ReduceOp::kMin, torch::tensor({known, -known}, torch::kInt64));
-  const bool agreed =
-      known >= 0 && lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
-  const std::int64_t steps_hint = options.steps_per_epoch.value_or(agreed ? known : 0);
+  // Equal on every worker: a known length, or endless (repeat()) everywhere.
+  const bool agreed = (known >= 0 || known == data::kInfiniteCardinality) &&
+                      lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
+  if (agreed && known == data::kInfiniteCardinality && !options.steps_per_epoch) {
+    throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
+                      "would never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
+  }
+  const std::int64_t steps_hint =
+      options.steps_per_epoch.value_or(agreed && known >= 0 ? known : 0);
   const double replicas = strategy_.num_replicas_in_sync();
 
   Verbosity verbose = options.verbose;

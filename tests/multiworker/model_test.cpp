@@ -134,5 +134,35 @@ TEST(Model, UsingItBeforeCompileSaysSo) {
   });
 }
 
+// An endless dataset (repeat()) trains for steps_per_epoch steps per epoch, continuing the stream;
+// without steps_per_epoch an epoch would never end, which is said before training starts.
+TEST(Model, AnEndlessDatasetNeedsStepsPerEpoch) {
+  run_ranks(2, [](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = s.scope([] { return nn::Sequential(nn::Linear(2, 2)); });
+    train::Model model(s, net);
+    model.compile({});
+    const auto endless = data::Dataset::from_tensor_slices(
+                             {torch::randn({6, 2}), torch::zeros({6}, torch::kInt64)})
+                             .repeat()
+                             .batch(4);
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+    try {
+      model.fit(endless, fit);
+      FAIL() << "an endless epoch started";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "the training dataset is endless (repeat() without a count), so an epoch would "
+                "never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
+    }
+    fit.epochs = 2;
+    fit.steps_per_epoch = 5; // more than one pass of 6 elements in batches of 4
+    const auto history = model.fit(endless, fit);
+    ASSERT_EQ(history.epochs.size(), 2u);
+    EXPECT_EQ(history.epochs[1].steps, 5);
+  });
+}
+
 } // namespace
 } // namespace flotilla
