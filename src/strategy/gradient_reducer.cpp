@@ -179,7 +179,19 @@ void GradientReducer::prepare(bool sync) {
 void GradientReducer::on_gradient(int replica, std::size_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   used_[replica][param] = 1;
-  if (!armed_ || fired_[replica][param]) return;
+  if (!armed_) return;
+  if (fired_[replica][param]) {
+    // A second backward through the same parameters in one step: its gradient would land in a
+    // bucket that may already be on the wire. DDP refuses this too.
+    if (bucket_of_[param] < next_bucket_) {
+      throw ConfigError("parameter " + std::to_string(param) + " of replica " +
+                        std::to_string(replica) +
+                        " got a second gradient in one step, after its bucket's all-reduce "
+                        "started; run one backward per step (retain_graph twice is not "
+                        "supported), or accumulate with gradient_accumulation_steps");
+    }
+    return;
+  }
   fired_[replica][param] = 1;
   if (--pending_[bucket_of_[param]] == 0 && options_.overlap) start_ready_locked(true);
 }

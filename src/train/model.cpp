@@ -252,6 +252,19 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   History history;
   auto& net = module();
   const int num_replicas = static_cast<int>(replicas_.size());
+  // Replicas are clones made at compile(); weights loaded into the model since then (a
+  // checkpoint, a user's edit) reach the other replicas here.
+  if (num_replicas > 1) {
+    torch::NoGradGuard no_grad;
+    const auto params = net.parameters();
+    const auto buffers = net.buffers();
+    for (int r = 1; r < num_replicas; ++r) {
+      const auto theirs = replicas_[r].first->parameters();
+      const auto their_buffers = replicas_[r].first->buffers();
+      for (std::size_t k = 0; k < params.size(); ++k) theirs[k].copy_(params[k]);
+      for (std::size_t k = 0; k < buffers.size(); ++k) their_buffers[k].copy_(buffers[k]);
+    }
+  }
   const int accumulation = compiled_->gradient_accumulation_steps;
   std::optional<data::DistributedIterator> pass;
   bool ran_out = false;

@@ -134,6 +134,29 @@ TEST(GradientEngine, UnusedParametersNeitherHangNorGetAGradient) {
   }
 }
 
+// A second backward in one step would add into a bucket already on the wire: refused, as DDP
+// refuses it, instead of a silently wrong mean.
+TEST(GradientEngine, ASecondBackwardInOneStepIsRefused) {
+  run_ranks(2, [](int rank, collective::Communicator& comm) {
+    auto net = nn::Sequential(nn::Linear(4, 3));
+    GradientReducer reducer(comm, {net->parameters()}, with_pack(25 << 20));
+    reducer.zero_grad();
+    reducer.prepare();
+    auto loss = net->forward(torch::ones({2, 4})).sum();
+    loss.backward({}, /*retain_graph=*/true); // the bucket starts in here
+    try {
+      loss.backward();
+      ADD_FAILURE() << "rank " << rank << ": the second backward was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("got a second gradient in one step, after its "
+                                           "bucket's all-reduce started"),
+                std::string::npos)
+          << e.what();
+    }
+    reducer.finish(); // the first backward's all-reduce still completes on both ranks
+  });
+}
+
 TEST(GradientEngine, CompressionHalvesTheBytesAndKeepsTheMean) {
   for (auto compression : {collective::Compression::kFp16, collective::Compression::kBf16}) {
     std::vector<torch::Tensor> exact(2), compressed(2);
@@ -187,6 +210,7 @@ struct Layout {
   bool overlap = true;
   collective::Compression compression = collective::Compression::kNone;
   std::int64_t steps = kSteps;
+  bool edit_after_compile = false; // halve every weight after compile(), as a checkpoint load would
 };
 
 std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& images,
@@ -209,6 +233,10 @@ std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& i
         compile.optimizer.momentum = 0.9;
         compile.gradient_accumulation_steps = setup.accumulation;
         model.compile(compile);
+        if (setup.edit_after_compile) {
+          torch::NoGradGuard no_grad;
+          for (auto& p : net->parameters()) p.mul_(0.5);
+        }
         const auto dataset = data::distribute_dataset(
             images.shuffle(10000, /*seed=*/5)
                 .batch(kGlobalBatch / setup.accumulation, /*drop_remainder=*/true)
@@ -280,6 +308,17 @@ TEST_F(EngineEquivalence, TwoWorkersWithOverlapOnAndOff) {
 TEST_F(EngineEquivalence, SeveralReplicasPerWorker) {
   expect_same({1, 2, 1, true}, "1 worker x 2 replicas");
   expect_same({2, 2, 1, true}, "2 workers x 2 replicas");
+}
+
+TEST_F(EngineEquivalence, WeightsChangedAfterCompileReachEveryReplica) {
+  Layout one;
+  one.edit_after_compile = true;
+  Layout two = one;
+  two.replicas_per_worker = 2;
+  const auto expected = train_mlp(one, *images_);
+  const double difference = max_relative_difference(train_mlp(two, *images_), expected);
+  EXPECT_LT(difference, 1e-5);
+  EXPECT_GT(max_relative_difference(expected, reference_), 1e-2) << "the edit changed nothing";
 }
 
 TEST_F(EngineEquivalence, GradientAccumulation) {
