@@ -139,14 +139,20 @@ int run(const TrainArgs& a) {
   // The pipeline's threads share this worker's cores with training, not the whole machine.
   data::Options pipeline_options;
   pipeline_options.private_threadpool_size = threads;
+  // Without augmentation there is nothing to key: no positions, no per-epoch seed (enumerate
+  // makes a tensor per image, measurable when the pipeline shares the cores with training).
+  const data::Dataset batches =
+      augment ? data::Dataset::zip({shuffled.enumerate().batch(global_batch, true),
+                                    data::Dataset::random(a.seed)})
+                    .map(preprocess, data::kAutotune)
+              : shuffled.batch(global_batch, true)
+                    .map(
+                        [](data::Element e) {
+                          return data::Element{data::normalize_images(e[0]), e[1]};
+                        },
+                        data::kAutotune);
   const auto train_set = data::distribute_dataset(
-      data::Dataset::zip(
-          {shuffled.enumerate().batch(global_batch, true),
-           data::Dataset::random(a.seed)})
-          .map(preprocess, data::kAutotune)
-          .prefetch(data::kAutotune)
-          .with_options(pipeline_options),
-      strategy.input_context());
+      batches.prefetch(data::kAutotune).with_options(pipeline_options), strategy.input_context());
   const auto test_set =
       data::distribute_dataset(test_source.batch(global_batch)
                                    .map(
