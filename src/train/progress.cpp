@@ -64,6 +64,14 @@ void Progress::end_epoch(const EpochLogs& logs) {
                static_cast<long long>(logs.steps), static_cast<long long>(logs.steps),
                bar_ ? " [==============================]" : "", duration(logs.seconds).c_str(),
                ms_per_step, logs.loss, logs.accuracy, logs.samples_per_s);
+  if (logs.comm_seconds > 0 && logs.steps > 0) {
+    // Where multi-worker time goes: what the all-reduces took, and how much backward hid.
+    std::fprintf(out_, "  gradient all-reduce: %.1fms/step in flight, %.1fms/step waited (%.0f%% "
+                       "hidden behind backward); input wait: %.1f%% of the epoch\n",
+                 1000.0 * logs.comm_seconds / logs.steps,
+                 1000.0 * logs.comm_exposed_seconds / logs.steps, 100.0 * logs.comm_hidden_share,
+                 logs.seconds > 0 ? 100.0 * logs.input_seconds / logs.seconds : 0.0);
+  }
   std::fflush(out_);
 }
 
