@@ -145,6 +145,9 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
   std::vector<int> silent;
   std::vector<std::pair<int, std::string>> elsewhere;
   try {
+    // The group has failed anyway: the store may stop waiting after `grace` from here on, so an
+    // unreachable chief cannot delay the error by the full timeout per question.
+    store.setTimeout(grace);
     store.set(prefix + std::to_string(rank), bytes(std::to_string(sequence) + " " + description));
     const auto deadline = std::chrono::steady_clock::now() + grace;
     while (true) {
@@ -152,6 +155,10 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
       elsewhere.clear();
       for (int r = 0; r < size; ++r) {
         if (r == rank) continue;
+        if (std::chrono::steady_clock::now() >= deadline + grace) {
+          silent.push_back(r); // the store answers too slowly to ask: no word from it either
+          continue;
+        }
         const std::string key = prefix + std::to_string(r);
         if (!store.check({key})) {
           silent.push_back(r);
@@ -207,10 +214,10 @@ struct Work::State {
 void Work::wait() {
   if (!state_) return;
   std::lock_guard<std::mutex> lock(state_->mutex);
-  finish_locked();
+  finish_locked(/*diagnose=*/true);
 }
 
-void Work::finish_locked() {
+void Work::finish_locked(bool diagnose) {
   if (!state_->done) {
     try {
       // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that
@@ -223,7 +230,8 @@ void Work::finish_locked() {
       const std::string message = backend_message(e);
       const std::string head = state_->description + " on " + state_->where;
       if (is_timeout(message)) {
-        const std::string missing = state_->missing ? state_->missing() : "";
+        // Asking the other ranks takes up to a few seconds: wait() does, is_completed() not.
+        const std::string missing = diagnose && state_->missing ? state_->missing() : "";
         state_->error = std::make_exception_ptr(TimeoutError(
             head + " did not complete within " + seconds(state_->timeout) + " (" + message + ")" +
             missing +
@@ -248,7 +256,7 @@ bool Work::is_completed() {
   std::unique_lock<std::mutex> lock(state_->mutex, std::try_to_lock);
   if (!lock.owns_lock()) return false;
   if (!state_->done && (!state_->work || state_->work->isCompleted())) {
-    finish_locked(); // the backend is done: the result is final only after `finish` runs
+    finish_locked(/*diagnose=*/false); // the result is final only after `finish` runs
   }
   return state_->done;
 }

@@ -22,8 +22,9 @@ struct GradientReducer::Hook : torch::autograd::FunctionPostHook {
   Hook(GradientReducer* owner, int replica, std::size_t param)
       : owner(owner), replica(replica), param(param) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    owner->on_gradient(replica, param);
+                                            const torch::autograd::variable_list& inputs) override {
+    // An undefined incoming gradient (autograd's "zero") means the parameter was not used.
+    owner->on_gradient(replica, param, !inputs.empty() && inputs[0].defined());
     return outputs;
   }
   GradientReducer* owner;
@@ -40,18 +41,31 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
                       std::to_string(options_.bytes_per_pack) +
                       "; the default is 25 MiB (26214400)");
   }
-  if (replicas_.empty()) throw ConfigError("the gradient engine needs at least one replica");
+  if (replicas_.empty()) {
+    throw ConfigError("the gradient engine needs at least one replica; saw an empty list");
+  }
   const auto& params = replicas_.front();
+  auto describe = [](const torch::Tensor& t) {
+    return c10::str(t.sizes(), " ", t.scalar_type(), " strides ", t.strides(), " on ", t.device());
+  };
   for (std::size_t r = 1; r < replicas_.size(); ++r) {
-    bool same = replicas_[r].size() == params.size();
-    for (std::size_t k = 0; same && k < params.size(); ++k) {
-      same = replicas_[r][k].sizes() == params[k].sizes() &&
-             replicas_[r][k].dtype() == params[k].dtype();
+    if (replicas_[r].size() != params.size()) {
+      throw ConfigError("replica " + std::to_string(r) + " has " +
+                        std::to_string(replicas_[r].size()) + " trainable parameters, replica 0 " +
+                        std::to_string(params.size()) +
+                        "; every replica must be a clone of the same model");
     }
-    if (!same) {
-      throw ConfigError("replica " + std::to_string(r) +
-                        " is not a copy of replica 0 (its parameters differ in number, shape or "
-                        "dtype); every replica must be a clone of the same model");
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const auto& mine = replicas_[r][k];
+      // Buffers are summed element by element, so layouts must match too; and replicas on
+      // different devices would need a cross-device reduction this engine does not do yet.
+      if (mine.sizes() != params[k].sizes() || mine.scalar_type() != params[k].scalar_type() ||
+          mine.strides() != params[k].strides() || mine.device() != params[k].device()) {
+        throw ConfigError("parameter " + std::to_string(k) + " of replica " + std::to_string(r) +
+                          " is " + describe(mine) + ", but replica 0's is " +
+                          describe(params[k]) +
+                          "; every replica must be a clone of the same model on the same device");
+      }
     }
   }
 
@@ -138,6 +152,10 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
       hook_keys_.push_back(
           accumulator->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(r), k)));
       accumulators_.push_back(std::move(accumulator));
+      // Before accumulation: a second gradient in one step must be refused before it is added
+      // into a bucket that may be on the wire (the post-hook would be too late).
+      tensor_hooks_.push_back(replicas_[r][k].register_hook(
+          [this, r, k](const torch::Tensor&) { check_second_gradient(static_cast<int>(r), k); }));
     }
   }
   zero_grad();
@@ -147,10 +165,55 @@ GradientReducer::~GradientReducer() {
   for (std::size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
+  std::size_t i = 0;
+  for (auto& replica : replicas_) {
+    for (auto& p : replica) p.remove_hook(tensor_hooks_[i++]);
+  }
+}
+
+void GradientReducer::check_second_gradient(int replica, std::size_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A second backward through the same parameters in one step: its gradient would land in a
+  // bucket that may already be on the wire. DDP refuses this too.
+  if (armed_ && fired_[replica][param] && bucket_of_[param] < next_bucket_) {
+    throw ConfigError("parameter " + std::to_string(param) + " of replica " +
+                      std::to_string(replica) +
+                      " got a second gradient in one step, after its bucket's all-reduce "
+                      "started; run one backward per step (retain_graph twice is not "
+                      "supported), or accumulate with gradient_accumulation_steps");
+  }
+}
+
+void GradientReducer::require_usable_locked() const {
+  if (broken_) {
+    throw CommError("an earlier step failed in the middle of the gradient reduction, so the "
+                    "workers are no longer issuing the same collectives; restart the workers "
+                    "(saved checkpoints are intact)");
+  }
+}
+
+void GradientReducer::drain_locked() noexcept {
+  // Every started all-reduce must complete (or fail) before its buffer is reused, and the group
+  // is out of step: no later step may reduce.
+  broken_ = true;
+  for (auto& work : works_) {
+    try {
+      work.wait();
+    } catch (...) {
+    }
+  }
+  works_.assign(buckets_.size(), collective::Work());
+  armed_ = false;
+}
+
+void GradientReducer::abort_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (armed_ || next_bucket_ > 0) drain_locked();
 }
 
 void GradientReducer::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
+  require_usable_locked();
   for (auto& replica : flat_) {
     for (auto& flat : replica) flat.zero_();
   }
@@ -166,6 +229,20 @@ void GradientReducer::zero_grad() {
 
 void GradientReducer::prepare(bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
+  require_usable_locked();
+  // set_data() or to() on a parameter replaces its gradient accumulator, and with it the hooks:
+  // its gradients would never be counted or reduced.
+  std::size_t i = 0;
+  for (std::size_t r = 0; r < replicas_.size(); ++r) {
+    for (std::size_t k = 0; k < replicas_[r].size(); ++k, ++i) {
+      if (torch::autograd::impl::try_get_grad_accumulator(replicas_[r][k]) != accumulators_[i]) {
+        throw ConfigError("parameter " + std::to_string(k) + " of replica " + std::to_string(r) +
+                          " was replaced (set_data or to() after compile), so the gradient "
+                          "engine no longer sees its gradients; move or convert the model "
+                          "before compile(), or compile again");
+      }
+    }
+  }
   ++micro_batches_;
   armed_ = sync;
   for (auto& replica : fired_) std::fill(replica.begin(), replica.end(), 0);
@@ -176,29 +253,18 @@ void GradientReducer::prepare(bool sync) {
   std::fill(works_.begin(), works_.end(), collective::Work());
 }
 
-void GradientReducer::on_gradient(int replica, std::size_t param) {
+void GradientReducer::on_gradient(int replica, std::size_t param, bool defined) {
   std::lock_guard<std::mutex> lock(mutex_);
-  used_[replica][param] = 1;
-  if (!armed_) return;
-  if (fired_[replica][param]) {
-    // A second backward through the same parameters in one step: its gradient would land in a
-    // bucket that may already be on the wire. DDP refuses this too.
-    if (bucket_of_[param] < next_bucket_) {
-      throw ConfigError("parameter " + std::to_string(param) + " of replica " +
-                        std::to_string(replica) +
-                        " got a second gradient in one step, after its bucket's all-reduce "
-                        "started; run one backward per step (retain_graph twice is not "
-                        "supported), or accumulate with gradient_accumulation_steps");
-    }
-    return;
-  }
+  if (defined) used_[replica][param] = 1;
+  if (!armed_ || fired_[replica][param]) return;
   fired_[replica][param] = 1;
   if (--pending_[bucket_of_[param]] == 0 && options_.overlap) start_ready_locked(true);
 }
 
 void GradientReducer::start_ready_locked(bool in_backward) {
   while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
-    start_locked(next_bucket_++, in_backward);
+    start_locked(next_bucket_, in_backward);
+    ++next_bucket_;
   }
 }
 
@@ -206,7 +272,6 @@ void GradientReducer::start_locked(std::size_t b, bool in_backward) {
   torch::NoGradGuard no_grad;
   const Bucket& bucket = buckets_[b];
   const auto n = static_cast<std::int64_t>(bucket.params.size());
-  std::vector<float> flags(static_cast<std::size_t>(n));
   for (std::size_t r = 0; r < replicas_.size(); ++r) {
     for (std::int64_t i = 0; i < n; ++i) {
       const std::size_t k = bucket.params[i];
@@ -217,9 +282,9 @@ void GradientReducer::start_locked(std::size_t b, bool in_backward) {
         views_[r][k].copy_(param.grad());
         param.mutable_grad() = views_[r][k];
       }
-      flags[i] = used_[r][k] ? 1.0f : 0.0f;
+      // fill_, not a copy from host memory: on CUDA it queues, it does not synchronise.
+      flat_[r][b].narrow(0, bucket.numel + i, 1).fill_(used_[r][k] ? 1 : 0);
     }
-    flat_[r][b].narrow(0, bucket.numel, n).copy_(torch::from_blob(flags.data(), {n}));
   }
   // Local reduction first: replica 0's buffer carries the worker's sum.
   torch::Tensor& sum = flat_[0][b];
@@ -246,36 +311,49 @@ void GradientReducer::start_locked(std::size_t b, bool in_backward) {
 void GradientReducer::finish() {
   torch::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mutex_);
+  require_usable_locked();
   if (micro_batches_ == 0) {
     throw ConfigError("GradientReducer::finish() with no micro-batch since zero_grad(); call "
                       "zero_grad(), then prepare() before each backward");
   }
   const auto backward_end = Clock::now();
-  // Whatever did not start in backward (overlap off, or a bucket with a parameter some replica
-  // did not use) starts now, still in plan order.
-  while (next_bucket_ < buckets_.size()) start_locked(next_bucket_++, false);
-  armed_ = false;
-
   std::vector<std::pair<Clock::time_point, Clock::time_point>> in_flight;
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    const Bucket& bucket = buckets_[b];
-    const auto n = static_cast<std::int64_t>(bucket.params.size());
-    torch::Tensor& mean = flat_[0][b];
-    if (communicator_.size() > 1) {
-      works_[b].wait();
-      in_flight.emplace_back(started_at_[b], works_[b].completed_at().value_or(Clock::now()));
-      if (!wire_.empty()) mean.copy_(wire_[b]);
+  try {
+    // Whatever did not start in backward (overlap off, or a bucket with a parameter some
+    // replica did not use) starts now, still in plan order.
+    while (next_bucket_ < buckets_.size()) {
+      start_locked(next_bucket_, false);
+      ++next_bucket_;
     }
-    for (std::size_t r = 1; r < replicas_.size(); ++r) flat_[r][b].copy_(mean);
-    const torch::Tensor used =
-        mean.narrow(0, bucket.numel, n).to(torch::kCPU, torch::kFloat32).contiguous();
+    armed_ = false;
+    std::vector<torch::Tensor> flags;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      torch::Tensor& mean = flat_[0][b];
+      if (communicator_.size() > 1) {
+        works_[b].wait();
+        in_flight.emplace_back(started_at_[b], works_[b].completed_at().value_or(Clock::now()));
+        if (!wire_.empty()) mean.copy_(wire_[b]);
+      }
+      for (std::size_t r = 1; r < replicas_.size(); ++r) flat_[r][b].copy_(mean);
+      flags.push_back(mean.narrow(0, buckets_[b].numel,
+                                  static_cast<std::int64_t>(buckets_[b].params.size())));
+    }
+    // One copy to the host for all the used-flags (one synchronisation on CUDA, not one per
+    // bucket).
+    const torch::Tensor used = torch::cat(flags).to(torch::kCPU, torch::kFloat32).contiguous();
     const float* used_by = used.data_ptr<float>();
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (used_by[i] != 0.0f) continue;
-      // Used by no replica: no gradient, as single-process training (and DDP) would leave it,
-      // so momentum and weight decay do not move it. zero_grad() restores the view.
-      for (auto& replica : replicas_) replica[bucket.params[i]].mutable_grad().reset();
+    for (const auto& bucket : buckets_) {
+      for (std::size_t k : bucket.params) {
+        // Used by no replica: no gradient, as single-process training (and DDP) would leave
+        // it, so momentum and weight decay do not move it. zero_grad() restores the view.
+        if (*used_by++ == 0.0f) {
+          for (auto& replica : replicas_) replica[k].mutable_grad().reset();
+        }
+      }
     }
+  } catch (...) {
+    drain_locked();
+    throw;
   }
   works_.assign(buckets_.size(), collective::Work());
   ++stats_.syncs;

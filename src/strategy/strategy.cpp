@@ -120,10 +120,19 @@ void Strategy::check_consistency(const std::vector<std::pair<std::string, std::s
   std::string diff;
   int differences = 0;
   const auto& chief = all.front();
+  const std::map<std::string, std::string> chiefs(chief.begin(), chief.end());
   for (std::size_t r = 1; r < all.size(); ++r) {
     std::map<std::string, std::string> theirs(all[r].begin(), all[r].end());
-    for (const auto& [name, value] : chief) {
+    // Every field either side has, in the chief's order first.
+    std::vector<std::string> names;
+    for (const auto& [name, value] : chief) names.push_back(name);
+    for (const auto& [name, value] : all[r]) {
+      if (!chiefs.count(name)) names.push_back(name);
+    }
+    for (const auto& name : names) {
+      const auto mine = chiefs.find(name);
       const auto it = theirs.find(name);
+      const std::string value = mine == chiefs.end() ? "(nothing)" : mine->second;
       const std::string seen = it == theirs.end() ? "(nothing)" : it->second;
       if (seen == value) continue;
       if (++differences <= 8) {

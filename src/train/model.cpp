@@ -20,11 +20,17 @@ namespace F = torch::nn::functional;
 // long as the model, so a step costs two wake-ups, not K thread starts.
 struct Model::Threads {
   explicit Threads(int replicas) : errors(static_cast<std::size_t>(replicas)) {
-    for (int r = 1; r < replicas; ++r) {
-      workers.emplace_back([this, r] { loop(r); });
+    try {
+      for (int r = 1; r < replicas; ++r) {
+        workers.emplace_back([this, r] { loop(r); });
+      }
+    } catch (...) {
+      stop_and_join(); // the threads already started must not outlive a failed constructor
+      throw;
     }
   }
-  ~Threads() {
+  ~Threads() { stop_and_join(); }
+  void stop_and_join() {
     {
       std::lock_guard<std::mutex> lock(mutex);
       stop = true;
@@ -102,6 +108,7 @@ const strategy::GradientReducer& Model::gradient_reducer() const {
 }
 
 void Model::compile(const CompileOptions& options) {
+  compiled_.reset(); // until this compile succeeds, the model is not compiled
   for (const auto& metric : options.metrics) {
     if (metric != "accuracy") {
       throw ConfigError("metric \"" + metric + "\" is not available; use \"accuracy\"");
@@ -196,6 +203,9 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"overlap", comm.overlap ? "on" : "off"},
       {"bucket plan", reducer_->plan()},
   };
+  // The policy actually used ("DATA", "FILE", ...: the plan's first word), not the rest of the
+  // plan, which names the worker.
+  fields.emplace_back("input sharding", train.plan().substr(0, train.plan().find(':')));
   if (options.steps_per_epoch) {
     fields.emplace_back("steps per epoch", std::to_string(*options.steps_per_epoch));
   } else if (train.same_steps_on_every_worker()) {
@@ -209,7 +219,8 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
     std::string shape;
     for (std::int64_t d = 0; d < p.dim(); ++d) shape += (d ? "x" : "") + std::to_string(p.size(d));
     fields.emplace_back("parameter " + std::to_string(index++),
-                        item.key() + " [" + shape + "] " + c10::toString(p.scalar_type()));
+                        item.key() + " [" + shape + "] " + c10::toString(p.scalar_type()) +
+                            (p.is_contiguous() ? "" : c10::str(" strides ", p.strides())));
   }
   fields.emplace_back("parameter count", std::to_string(index));
   strategy_.check_consistency(fields);
@@ -261,6 +272,13 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     for (int r = 1; r < num_replicas; ++r) {
       const auto theirs = replicas_[r].first->parameters();
       const auto their_buffers = replicas_[r].first->buffers();
+      if (theirs.size() != params.size() || their_buffers.size() != buffers.size()) {
+        throw ConfigError("the model now has " + std::to_string(params.size()) +
+                          " parameters and " + std::to_string(buffers.size()) +
+                          " buffers, its replicas " + std::to_string(theirs.size()) + " and " +
+                          std::to_string(their_buffers.size()) +
+                          " (changed after compile()); call compile() again");
+      }
       for (std::size_t k = 0; k < params.size(); ++k) theirs[k].copy_(params[k]);
       for (std::size_t k = 0; k < buffers.size(); ++k) their_buffers[k].copy_(buffers[k]);
     }
@@ -329,10 +347,15 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
         results[r].correct = logits.detach().argmax(1).eq(labels).sum().item<double>();
         results[r].count = static_cast<double>(labels.size(0));
       };
-      if (threads_) {
-        threads_->run(replica_step);
-      } else {
-        replica_step(0);
+      try {
+        if (threads_) {
+          threads_->run(replica_step);
+        } else {
+          replica_step(0);
+        }
+      } catch (...) {
+        reducer_->abort_step(); // buckets already on the wire complete before anything else
+        throw;
       }
       if (sync) {
         apply();

@@ -154,6 +154,16 @@ TEST(GradientEngine, ASecondBackwardInOneStepIsRefused) {
           << e.what();
     }
     reducer.finish(); // the first backward's all-reduce still completes on both ranks
+    // Refused before it was added: the bucket carried the first backward's gradient only.
+    EXPECT_TRUE(torch::equal(net->parameters()[0].grad(), torch::full({3, 4}, 2.0f)));
+    // A step that fails midway leaves the ranks out of step: the engine says so from then on.
+    reducer.abort_step();
+    try {
+      reducer.zero_grad();
+      ADD_FAILURE() << "a broken engine took another step";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("restart the workers"), std::string::npos) << e.what();
+    }
   });
 }
 

@@ -83,7 +83,7 @@ class Work {
 
  private:
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  void finish_locked();
+  void finish_locked(bool diagnose);
   std::shared_ptr<State> state_;
   friend class Communicator;
 };

@@ -47,7 +47,7 @@ class GradientReducer {
   };
   // Totals since construction, for the overlap report.
   struct Stats {
-    std::int64_t syncs = 0;              // finish() calls that reduced across replicas
+    std::int64_t syncs = 0;              // completed finish() calls
     std::int64_t buckets = 0;            // bucket reductions started
     std::int64_t buckets_in_backward = 0; // of them, started by a hook while backward ran
     double comm_seconds = 0;    // time some cross-worker all-reduce was in flight
@@ -75,7 +75,12 @@ class GradientReducer {
   // After every replica's backward of a sync micro-batch: starts what has not started, waits,
   // and leaves every replica's gradients equal to the mean over all replicas and micro-batches.
   // After prepare(false) micro-batches only, it flushes them (a partial accumulation).
+  // If it fails (a peer died, a timeout), every started all-reduce is waited for and the engine
+  // refuses further steps with a CommError: the ranks are no longer in step.
   void finish();
+  // After a step failed between prepare() and finish() (a replica's forward or backward threw):
+  // waits for the all-reduces already started and refuses further steps, as finish() does.
+  void abort_step();
 
   int num_replicas() const { return static_cast<int>(replicas_.size()); }
   const std::vector<Bucket>& buckets() const { return buckets_; }
@@ -86,7 +91,10 @@ class GradientReducer {
 
  private:
   struct Hook;
-  void on_gradient(int replica, std::size_t param); // from autograd, any replica's thread
+  void on_gradient(int replica, std::size_t param, bool defined); // from autograd's threads
+  void check_second_gradient(int replica, std::size_t param);
+  void require_usable_locked() const;
+  void drain_locked() noexcept;
   void start_ready_locked(bool in_backward);
   void start_locked(std::size_t bucket, bool in_backward);
 
@@ -101,9 +109,11 @@ class GradientReducer {
   std::vector<torch::Tensor> wire_;                    // [bucket]: half-precision copies
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
+  std::vector<unsigned> tensor_hooks_;
 
   mutable std::mutex mutex_; // hooks fire on every replica's thread
   bool armed_ = false;
+  bool broken_ = false; // a step failed mid-reduction: the ranks are out of step
   int micro_batches_ = 0; // backward passes since zero_grad()
   std::vector<std::vector<char>> used_;  // [replica][parameter], since zero_grad()
   std::vector<std::vector<char>> fired_; // [replica][parameter], this micro-batch
