@@ -10,7 +10,6 @@ Started once per rank by bench/peers.sh, with RANK, WORLD_SIZE, MASTER_ADDR and 
 in the environment.
 Usage: python ddp_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR]
 """
-import gzip
 import json
 import os
 import sys
@@ -23,17 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-MEAN, STD = 0.2860, 0.3530
-LR, MOMENTUM, SEED = 0.04, 0.9, 42
-
-
-def read_idx(path):
-    """An IDX file (gzip) as a numpy array of uint8."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+from common import LR, MEAN, MOMENTUM, SEED, STD, parse_args, read_idx  # noqa: E402
 
 
 def make_model(name):
@@ -50,11 +39,7 @@ def make_model(name):
 
 
 def main():
-    model_name = sys.argv[1]
-    global_batch = int(sys.argv[2])
-    steps = int(sys.argv[3])
-    threads = int(sys.argv[4]) if len(sys.argv) > 4 else max(1, (os.cpu_count() or 2) // 2)
-    data_dir = sys.argv[5] if len(sys.argv) > 5 else "/usr/share/datasets/fashion-mnist"
+    model_name, global_batch, steps, threads, data_dir = parse_args(sys.argv)
     torch.set_num_threads(threads)
 
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the env

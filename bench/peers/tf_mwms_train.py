@@ -14,7 +14,6 @@ then all-reduces the scalar logs of each step along axis 0 (keras-team/keras#205
 Started once per worker by bench/peers.sh, with TF_CONFIG in the environment.
 Usage: python tf_mwms_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR]
 """
-import gzip
 import json
 import os
 import sys
@@ -27,18 +26,8 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is Keras 2 (tf_keras), as be
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
-MEAN, STD = 0.2860, 0.3530
-LR, MOMENTUM, SEED = 0.04, 0.9, 42
+from common import LR, MEAN, MOMENTUM, SEED, STD, parse_args, read_idx  # noqa: E402
 SHUFFLE_BUFFER = 10000  # flotilla's default --shuffle-buffer
-
-
-def read_idx(path):
-    """An IDX file (gzip) as a numpy array of uint8."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
 def make_model(name):
@@ -77,11 +66,7 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def main():
-    model_name = sys.argv[1]
-    global_batch = int(sys.argv[2])
-    steps = int(sys.argv[3])
-    threads = int(sys.argv[4]) if len(sys.argv) > 4 else max(1, (os.cpu_count() or 2) // 2)
-    data_dir = sys.argv[5] if len(sys.argv) > 5 else "/usr/share/datasets/fashion-mnist"
+    model_name, global_batch, steps, threads, data_dir = parse_args(sys.argv)
     # Before the strategy: that initialises the runtime, after which these can't change.
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(2)

@@ -56,9 +56,16 @@ std::string_view to_string(Compression compression) {
   return "?";
 }
 
-Compression parse_compression(std::string_view name) {
+namespace {
+std::string lowercase(std::string_view name) {
   std::string lower;
   for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower;
+}
+} // namespace
+
+Compression parse_compression(std::string_view name) {
+  const std::string lower = lowercase(name);
   if (lower == "none") return Compression::kNone;
   if (lower == "fp16") return Compression::kFp16;
   if (lower == "bf16") return Compression::kBf16;
@@ -67,8 +74,7 @@ Compression parse_compression(std::string_view name) {
 }
 
 Implementation parse_implementation(std::string_view name) {
-  std::string lower;
-  for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::string lower = lowercase(name);
   if (lower == "auto") return Implementation::kAuto;
   if (lower == "ring") return Implementation::kRing;
   if (lower == "nccl") return Implementation::kNccl;

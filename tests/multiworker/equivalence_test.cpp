@@ -8,12 +8,14 @@
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/model.h"
 #include "models/zoo.h"
+#include "support/compare.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
 namespace {
 
+using testing::max_relative_difference;
 using testing::run_ranks;
 using testing::thread_cluster;
 
@@ -57,16 +59,6 @@ std::vector<torch::Tensor> train(strategy::Strategy& strategy, const data::Datas
   return out;
 }
 
-// max over tensors of ||a - b||_inf / ||b||_inf
-double max_relative_difference(const std::vector<torch::Tensor>& a,
-                               const std::vector<torch::Tensor>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst =
-        std::max(worst, (a[i] - b[i]).abs().max().item<double>() / b[i].abs().max().item<double>());
-  }
-  return worst;
-}
 
 TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";

@@ -11,12 +11,14 @@
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/model.h"
 #include "models/zoo.h"
+#include "support/compare.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 
 namespace flotilla::strategy {
 namespace {
 
+using flotilla::testing::max_relative_difference;
 using flotilla::testing::run_ranks;
 using flotilla::testing::thread_cluster;
 namespace nn = torch::nn;
@@ -276,16 +278,6 @@ std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& i
   return out;
 }
 
-// max over tensors of ||a - b||_inf / ||b||_inf
-double max_relative_difference(const std::vector<torch::Tensor>& a,
-                               const std::vector<torch::Tensor>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst =
-        std::max(worst, (a[i] - b[i]).abs().max().item<double>() / b[i].abs().max().item<double>());
-  }
-  return worst;
-}
 
 class EngineEquivalence : public ::testing::Test {
  protected:
