@@ -49,12 +49,42 @@ class ShuffleStage : public UnaryStage {
     }
     return out;
   }
+  // The same algorithm over row numbers: the same draws, so the same order as elements.
+  std::optional<std::int64_t> produce_row() override {
+    while (!input_done_ && static_cast<std::int64_t>(row_buffer_.size()) < buffer_size_) {
+      auto r = input_->next_row();
+      if (!r) {
+        input_done_ = true;
+        break;
+      }
+      row_buffer_.push_back(*r);
+    }
+    if (row_buffer_.empty()) return std::nullopt;
+    const std::size_t pick = static_cast<std::size_t>(rng_() % row_buffer_.size());
+    const std::int64_t out = row_buffer_[pick];
+    if (auto r = input_done_ ? std::optional<std::int64_t>() : input_->next_row()) {
+      row_buffer_[pick] = *r;
+    } else {
+      input_done_ = true;
+      row_buffer_[pick] = row_buffer_.back();
+      row_buffer_.pop_back();
+    }
+    return out;
+  }
   void fill(StageStats& s) const override { s.buffer_size = buffer_size_; }
+
+ public:
+  const Element* rows() override {
+    const Element* below = input_->rows();
+    if (below) row_mode_ = true;
+    return below;
+  }
 
  private:
   std::int64_t buffer_size_;
   std::mt19937_64 rng_;
   std::vector<Element> buffer_;
+  std::vector<std::int64_t> row_buffer_;
   bool input_done_ = false;
 };
 

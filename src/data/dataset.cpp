@@ -26,7 +26,7 @@ std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
 
 std::int64_t Stage::skip(std::int64_t n) {
   std::int64_t moved = 0;
-  while (moved < n && next()) ++moved;
+  while (moved < n && (row_mode_ ? next_row().has_value() : next().has_value())) ++moved;
   return moved;
 }
 

@@ -38,7 +38,12 @@ class RebatchShardStage : public UnaryStage {
                     std::int64_t replicas, std::int64_t first, std::int64_t count,
                     std::shared_ptr<BatchSizes> sizes)
       : UnaryStage("RebatchShard", std::move(input)), global_(global), drop_(drop),
-        replicas_(replicas), first_(first), count_(count), sizes_(std::move(sizes)) {}
+        replicas_(replicas), first_(first), count_(count), sizes_(std::move(sizes)) {
+    // Rows of in-memory tensors below (slices, shuffled, repeated): gather this worker's rows
+    // of each global batch with one index_select per component, making no tensor for the
+    // other workers' elements or for its own. Decided before anything is read or skipped.
+    rows_ = input_->rows();
+  }
   std::int64_t skip(std::int64_t n) override {
     const std::int64_t moved = input_->skip(n * global_);
     index_ += moved / global_;
@@ -47,6 +52,7 @@ class RebatchShardStage : public UnaryStage {
 
  protected:
   std::optional<Element> produce() override {
+    if (rows_) return produce_gathered();
     std::vector<Element> parts;
     parts.reserve(static_cast<std::size_t>(global_));
     while (static_cast<std::int64_t>(parts.size()) < global_) {
@@ -68,6 +74,28 @@ class RebatchShardStage : public UnaryStage {
   std::int64_t replicas_, first_, count_;
   std::shared_ptr<BatchSizes> sizes_;
   std::int64_t index_ = 0;
+  const Element* rows_ = nullptr;
+
+  std::optional<Element> produce_gathered() {
+    std::vector<std::int64_t> taken;
+    taken.reserve(static_cast<std::size_t>(global_));
+    while (static_cast<std::int64_t>(taken.size()) < global_) {
+      auto r = input_->next_row();
+      if (!r) break;
+      taken.push_back(*r);
+    }
+    const auto b = static_cast<std::int64_t>(taken.size());
+    if (b == 0 || (drop_ && b < global_)) return std::nullopt;
+    const auto [begin, end] = replica_range(b, replicas_, first_, count_);
+    const torch::Tensor index =
+        torch::from_blob(taken.data() + begin, {end - begin}, torch::kInt64).clone();
+    Element out;
+    out.reserve(rows_->size());
+    for (const auto& t : *rows_) out.push_back(t.index_select(0, index));
+    ++index_;
+    if (sizes_) sizes_->push(b);
+    return out;
+  }
 };
 
 class RebatchShardNode : public UnaryNode {

@@ -23,8 +23,16 @@ class SlicesStage : public Stage {
     position_ += moved;
     return moved;
   }
+  const Element* rows() override {
+    row_mode_ = true;
+    return &tensors_;
+  }
 
  protected:
+  std::optional<std::int64_t> produce_row() override {
+    if (position_ >= size_) return std::nullopt;
+    return position_++;
+  }
   std::optional<Element> produce() override {
     if (position_ >= size_) return std::nullopt;
     Element out;

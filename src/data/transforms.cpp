@@ -143,6 +143,14 @@ class RepeatStage : public Stage {
     }
     return moved;
   }
+  // Every pass is the same node's iteration, so its rows index the same tensors.
+  const Element* rows() override {
+    const Element* below = current_ ? current_->rows() : nullptr;
+    if (!below) return nullptr;
+    rows_ = *below;
+    row_mode_ = true;
+    return &rows_;
+  }
 
  protected:
   std::optional<Element> produce() override {
@@ -151,6 +159,17 @@ class RepeatStage : public Stage {
       if (e) {
         ++produced_in_pass_;
         return e;
+      }
+      if (!next_pass()) break;
+    }
+    return std::nullopt;
+  }
+  std::optional<std::int64_t> produce_row() override {
+    while (current_) {
+      auto r = current_->next_row();
+      if (r) {
+        ++produced_in_pass_;
+        return r;
       }
       if (!next_pass()) break;
     }
@@ -177,6 +196,12 @@ class RepeatStage : public Stage {
         mix_seed(static_cast<std::uint64_t>(ctx_.iteration), static_cast<std::uint64_t>(pass_)) >>
         1);
     auto next = node_->make_iterator(inner);
+    if (row_mode_) {
+      const Element* rows = next->rows();
+      // The same node gives the same kind of stage every pass; the tensors are the same too.
+      if (!rows) throw DataError("repeat: a pass could not continue in row mode (internal)");
+      rows_ = *rows;
+    }
     {
       std::lock_guard<std::mutex> lock(swap_mutex_);
       std::swap(current_, next);
@@ -203,6 +228,7 @@ class RepeatStage : public Stage {
   std::int64_t produced_in_pass_ = 0;
   mutable std::mutex swap_mutex_;
   std::unique_ptr<Stage> current_;
+  Element rows_; // in row mode: the tensors every pass's rows index
 };
 
 class RepeatNode : public UnaryNode {

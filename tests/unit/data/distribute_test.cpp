@@ -69,6 +69,40 @@ TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat
   }
 }
 
+// Slices -> shuffle -> repeat -> batch is gathered by row number on each worker (no tensor per
+// element); the batches must be exactly those the element-by-element path makes, across pass
+// boundaries, with the short last batch, and in a label column of another dtype.
+TEST(Distribute, GatheredRowsEqualTheElementPathAcrossRepeatsAndAShortLastBatch) {
+  auto make = [] {
+    return Dataset::from_tensor_slices(
+               {torch::arange(30, torch::kInt64), torch::arange(30, torch::kFloat32) * 0.5})
+        .shuffle(10, 4)
+        .repeat(3)
+        .batch(8, /*drop_remainder=*/false);
+  };
+  std::vector<Element> single;
+  {
+    auto it = make().make_iterator(); // one process, no rewrite: element by element
+    while (auto e = it.next()) single.push_back(*e);
+  }
+  ASSERT_EQ(single.size(), 12u); // 90 elements: 11 batches of 8 and one of 2
+  std::vector<std::vector<Element>> workers(2);
+  for (int w = 0; w < 2; ++w) {
+    auto it = distribute_dataset(make(), worker(w, 2)).make_iterator();
+    while (auto b = it.next()) workers[w].push_back(b->element);
+  }
+  ASSERT_EQ(workers[0].size(), single.size());
+  ASSERT_EQ(workers[1].size(), single.size());
+  for (std::size_t i = 0; i < single.size(); ++i) {
+    for (std::size_t c = 0; c < 2; ++c) {
+      const auto joined = torch::cat({workers[0][i][c], workers[1][i][c]});
+      EXPECT_TRUE(torch::equal(joined, single[i][c])) << "batch " << i << " component " << c;
+      EXPECT_EQ(workers[0][i][c].scalar_type(), single[i][c].scalar_type());
+    }
+  }
+  EXPECT_EQ(workers[0].back()[0].size(0), 1); // the short last batch of 2, one each
+}
+
 TEST(Distribute, AShortLastBatchIsSplitAsEvenlyAsPossibleAndItsSizeRecorded) {
   auto pipeline = ids(43).batch(20); // 20, 20, 3
   std::vector<Pass> passes;
