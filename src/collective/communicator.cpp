@@ -207,11 +207,18 @@ struct Work::State {
   c10::intrusive_ptr<c10d::Work> work; // null: nothing to wait for
   std::function<void()> finish;        // after success: mean's division, copy-back
   std::string description;             // "all_reduce #7 (sum, 1024 x float)"
-  std::string where;                   // "rank 1 of 2"
   std::chrono::milliseconds timeout{0};
   std::vector<std::vector<at::Tensor>> gathered; // all_gather's output lists
-  std::function<std::string()> missing;          // on timeout: who did not arrive
-  std::atomic<std::int64_t> completed_ns{-1};    // steady_clock, set by the backend's future
+  // For the timeout diagnosis (who did not arrive): the group's store, this rank's place and
+  // the operation's sequence number; no store in a group of one.
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 1;
+  std::uint64_t sequence = 0;
+  std::string where() const {
+    return "rank " + std::to_string(rank) + " of " + std::to_string(size);
+  }
+  std::atomic<std::int64_t> completed_ns{-1}; // steady_clock, set by the backend's future
   std::mutex mutex;
   bool done = false;
   std::exception_ptr error;
@@ -234,15 +241,20 @@ void Work::finish_locked(bool diagnose) {
       state_->error = std::current_exception();
     } catch (const std::exception& e) {
       const std::string message = backend_message(e);
-      const std::string head = state_->description + " on " + state_->where;
+      const std::string head = state_->description + " on " + state_->where();
       if (is_timeout(message)) {
         // Asking the other ranks takes up to a few seconds: wait() does, is_completed() not.
-        const std::string missing = diagnose && state_->missing ? state_->missing() : "";
-        state_->error = std::make_exception_ptr(TimeoutError(
-            head + " did not complete within " + seconds(state_->timeout) + " (" + message + ")" +
-            missing +
-            "; check the other workers' output, or raise the timeout "
-            "(CommunicationOptions.timeout, --timeout)"));
+        const std::string missing =
+            diagnose && state_->store ? missing_ranks(*state_->store, state_->rank, state_->size,
+                                                      state_->sequence, state_->description,
+                                                      std::min<std::chrono::milliseconds>(
+                                                          state_->timeout, std::chrono::seconds(5)))
+                                      : "";
+        state_->error = std::make_exception_ptr(
+            TimeoutError(head + " did not complete within " + seconds(state_->timeout) + " (" +
+                         message + ")" + missing +
+                         "; check the other workers' output, or raise the timeout "
+                         "(CommunicationOptions.timeout, --timeout)"));
       } else {
         state_->error = std::make_exception_ptr(CommError(
             head + " failed (" + message + ")" +
@@ -319,15 +331,11 @@ struct Communicator::Impl {
     if (!shape.empty()) inside += (inside.empty() ? "" : ", ") + shape;
     state->description =
         op + " #" + std::to_string(++sequence) + (inside.empty() ? "" : " (" + inside + ")");
-    state->where = "rank " + std::to_string(rank) + " of " + std::to_string(size);
     state->timeout = options.timeout;
-    if (size > 1) {
-      state->missing = [store = store, rank = rank, size = size, sequence = sequence,
-                        what = state->description, grace = options.timeout] {
-        return missing_ranks(*store, rank, size, sequence, what,
-                             std::min<std::chrono::milliseconds>(grace, std::chrono::seconds(5)));
-      };
-    }
+    state->rank = rank;
+    state->size = size;
+    state->sequence = sequence;
+    if (size > 1) state->store = store;
     return state;
   }
 
@@ -355,7 +363,7 @@ struct Communicator::Impl {
       throw;
     } catch (const std::exception& e) {
       state->error =
-          std::make_exception_ptr(CommError(state->description + " on " + state->where +
+          std::make_exception_ptr(CommError(state->description + " on " + state->where() +
                                             " could not start (" + backend_message(e) + ")"));
       state->done = true;
     }

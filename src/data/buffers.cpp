@@ -28,48 +28,11 @@ class ShuffleStage : public UnaryStage {
 
  protected:
   std::optional<Element> produce() override {
-    while (!input_done_ && static_cast<std::int64_t>(buffer_.size()) < buffer_size_) {
-      auto e = input_->next();
-      if (!e) {
-        input_done_ = true;
-        break;
-      }
-      buffer_.push_back(std::move(*e));
-    }
-    if (buffer_.empty()) return std::nullopt;
-    // As tf.data: a uniformly chosen buffered element leaves; the next input takes its place.
-    const std::size_t pick = static_cast<std::size_t>(rng_() % buffer_.size());
-    Element out = std::move(buffer_[pick]);
-    if (auto e = input_done_ ? std::optional<Element>() : input_->next()) {
-      buffer_[pick] = std::move(*e);
-    } else {
-      input_done_ = true;
-      buffer_[pick] = std::move(buffer_.back());
-      buffer_.pop_back();
-    }
-    return out;
+    return draw(buffer_, [this] { return input_->next(); });
   }
   // The same algorithm over row numbers: the same draws, so the same order as elements.
   std::optional<std::int64_t> produce_row() override {
-    while (!input_done_ && static_cast<std::int64_t>(row_buffer_.size()) < buffer_size_) {
-      auto r = input_->next_row();
-      if (!r) {
-        input_done_ = true;
-        break;
-      }
-      row_buffer_.push_back(*r);
-    }
-    if (row_buffer_.empty()) return std::nullopt;
-    const std::size_t pick = static_cast<std::size_t>(rng_() % row_buffer_.size());
-    const std::int64_t out = row_buffer_[pick];
-    if (auto r = input_done_ ? std::optional<std::int64_t>() : input_->next_row()) {
-      row_buffer_[pick] = *r;
-    } else {
-      input_done_ = true;
-      row_buffer_[pick] = row_buffer_.back();
-      row_buffer_.pop_back();
-    }
-    return out;
+    return draw(row_buffer_, [this] { return input_->next_row(); });
   }
   void fill(StageStats& s) const override { s.buffer_size = buffer_size_; }
 
@@ -81,10 +44,33 @@ class ShuffleStage : public UnaryStage {
   }
 
  private:
+  // As tf.data: a uniformly chosen buffered item leaves; the next input takes its place.
+  template <class T, class Pull> std::optional<T> draw(std::vector<T>& buffer, Pull pull) {
+    while (!input_done_ && static_cast<std::int64_t>(buffer.size()) < buffer_size_) {
+      auto item = pull();
+      if (!item) {
+        input_done_ = true;
+        break;
+      }
+      buffer.push_back(std::move(*item));
+    }
+    if (buffer.empty()) return std::nullopt;
+    const std::size_t pick = static_cast<std::size_t>(rng_() % buffer.size());
+    T out = std::move(buffer[pick]);
+    if (auto item = input_done_ ? std::optional<T>() : pull()) {
+      buffer[pick] = std::move(*item);
+    } else {
+      input_done_ = true;
+      buffer[pick] = std::move(buffer.back());
+      buffer.pop_back();
+    }
+    return out;
+  }
+
   std::int64_t buffer_size_;
   std::mt19937_64 rng_;
-  std::vector<Element> buffer_;
-  std::vector<std::int64_t> row_buffer_;
+  std::vector<Element> buffer_;          // element path
+  std::vector<std::int64_t> row_buffer_; // row mode
   bool input_done_ = false;
 };
 
@@ -140,7 +126,7 @@ class PrefetchStage : public UnaryStage {
   }
   ~PrefetchStage() override {
     if (autotuned_) tuner_->remove(&knob_);
-  }  // reader_ stops its thread before input_ goes
+  } // reader_ stops its thread before input_ goes
   std::int64_t skip(std::int64_t n) override {
     if (reader_.started()) return Stage::skip(n);
     return input_->skip(n);

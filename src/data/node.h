@@ -62,6 +62,33 @@ class Stage {
   // Once a stage has ended it stays ended: a consumer that asks again (a batch that returned
   // its short last batch, a cache completing) gets nullopt without the stage running again.
   std::optional<Element> next() {
+    return timed([this] { return produce(); });
+  }
+  // Row mode, for a batch that gathers. A stage all of whose elements are rows of the same
+  // in-memory tensors (their slices, shuffled or repeated) can hand out row numbers instead of
+  // elements, and the batch takes its rows with one index_select per component: no tensor per
+  // element. rows() switches this stage and those below it to row mode, before their first
+  // element, and returns the tensors the rows index (valid while the stage lives); nullptr where
+  // a stage cannot, and then nothing changed. In row mode, next_row() replaces next() (the same
+  // order: the same elements, as rows) and skip() moves past rows.
+  virtual const Element* rows() { return nullptr; }
+  std::optional<std::int64_t> next_row() {
+    return timed([this] { return produce_row(); });
+  }
+  const std::string& name() const { return name_; }
+  // Moves past up to n elements as cheaply as the stage allows (a map need not run its function:
+  // map functions are pure); returns how many it moved past.
+  virtual std::int64_t skip(std::int64_t n);
+  // This stage's figures after its inputs' (source first).
+  virtual void stats(std::vector<StageStats>& out) const;
+
+ protected:
+  virtual std::optional<Element> produce() = 0;
+  virtual std::optional<std::int64_t> produce_row() { return std::nullopt; }
+  virtual void fill(StageStats& s) const {} // parallelism, buffer, waits
+  // Runs `produce` for next() or next_row(): timed for stats, counted, and ended for good at the
+  // first nullopt.
+  template <class Produce> auto timed(Produce produce) -> decltype(produce()) {
     if (ended_) return std::nullopt;
     const std::int64_t start = now_ns();
     if (first_ns_ == 0) first_ns_ = start;
@@ -76,40 +103,6 @@ class Stage {
     }
     return out;
   }
-  // Row mode, for a batch that gathers. A stage all of whose elements are rows of the same
-  // in-memory tensors (their slices, shuffled or repeated) can hand out row numbers instead of
-  // elements, and the batch takes its rows with one index_select per component: no tensor per
-  // element. rows() switches this stage and those below it to row mode, before their first
-  // element, and returns the tensors the rows index (valid while the stage lives); nullptr where
-  // a stage cannot, and then nothing changed. In row mode, next_row() replaces next() (the same
-  // order: the same elements, as rows) and skip() moves past rows.
-  virtual const Element* rows() { return nullptr; }
-  std::optional<std::int64_t> next_row() {
-    if (ended_) return std::nullopt;
-    const std::int64_t start = now_ns();
-    if (first_ns_ == 0) first_ns_ = start;
-    auto out = produce_row();
-    const std::int64_t end = now_ns();
-    latency_ns_ += end - start;
-    last_ns_ = end;
-    if (out) {
-      ++elements_;
-    } else {
-      ended_ = true;
-    }
-    return out;
-  }
-  const std::string& name() const { return name_; }
-  // Moves past up to n elements as cheaply as the stage allows (a map need not run its function:
-  // map functions are pure); returns how many it moved past.
-  virtual std::int64_t skip(std::int64_t n);
-  // This stage's figures after its inputs' (source first).
-  virtual void stats(std::vector<StageStats>& out) const;
-
- protected:
-  virtual std::optional<Element> produce() = 0;
-  virtual std::optional<std::int64_t> produce_row() { return std::nullopt; }
-  virtual void fill(StageStats& s) const {} // parallelism, buffer, waits
   // The inputs whose stats come before this stage's.
   virtual std::vector<const Stage*> stat_inputs() const { return {}; }
 

@@ -154,26 +154,10 @@ class RepeatStage : public Stage {
 
  protected:
   std::optional<Element> produce() override {
-    while (current_) {
-      auto e = current_->next();
-      if (e) {
-        ++produced_in_pass_;
-        return e;
-      }
-      if (!next_pass()) break;
-    }
-    return std::nullopt;
+    return from_passes([this] { return current_->next(); });
   }
   std::optional<std::int64_t> produce_row() override {
-    while (current_) {
-      auto r = current_->next_row();
-      if (r) {
-        ++produced_in_pass_;
-        return r;
-      }
-      if (!next_pass()) break;
-    }
-    return std::nullopt;
+    return from_passes([this] { return current_->next_row(); });
   }
   // The current pass is replaced at pass boundaries, maybe on a prefetch thread, while the
   // consumer asks for stats: both hold the lock for that.
@@ -189,6 +173,17 @@ class RepeatStage : public Stage {
   }
 
  private:
+  // The current pass's next item, moving on to new passes as they end.
+  template <class Pull> auto from_passes(Pull pull) -> decltype(pull()) {
+    while (current_) {
+      if (auto item = pull()) {
+        ++produced_in_pass_;
+        return item;
+      }
+      if (!next_pass()) break;
+    }
+    return std::nullopt;
+  }
   void start_pass() {
     IteratorContext inner = ctx_;
     // Each repetition is its own pass: a shuffle inside reshuffles, as in tf.data.

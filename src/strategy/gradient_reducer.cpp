@@ -62,8 +62,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
       if (mine.sizes() != params[k].sizes() || mine.scalar_type() != params[k].scalar_type() ||
           mine.strides() != params[k].strides() || mine.device() != params[k].device()) {
         throw ConfigError("parameter " + std::to_string(k) + " of replica " + std::to_string(r) +
-                          " is " + describe(mine) + ", but replica 0's is " +
-                          describe(params[k]) +
+                          " is " + describe(mine) + ", but replica 0's is " + describe(params[k]) +
                           "; every replica must be a clone of the same model on the same device");
       }
     }
@@ -72,7 +71,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
   // The plan, from replica 0, in reverse registration order: the last layers' gradients are
   // ready first in backward. A bucket holds one dtype on one device.
   bucket_of_.resize(params.size());
-  slot_of_.resize(params.size());
+  std::vector<std::size_t> slot_of(params.size()); // parameter -> index within its bucket
   Bucket current;
   std::int64_t current_bytes = 0;
   auto close = [&] {
@@ -87,7 +86,8 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
     const bool same_kind = current.params.empty() ||
                            (current.dtype == p.scalar_type() && current.device == p.device());
-    if (!same_kind || (!current.params.empty() && current_bytes + bytes > options_.bytes_per_pack)) {
+    if (!same_kind ||
+        (!current.params.empty() && current_bytes + bytes > options_.bytes_per_pack)) {
       close();
     }
     if (current.params.empty()) {
@@ -97,7 +97,7 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     const std::int64_t offset =
         current.params.empty() ? 0 : current.offsets.back() + params[current.params.back()].numel();
     bucket_of_[k] = buckets_.size();
-    slot_of_[k] = current.params.size();
+    slot_of[k] = current.params.size();
     current.params.push_back(k);
     current.offsets.push_back(offset);
     current_bytes += bytes;
@@ -112,14 +112,15 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
   for (std::size_t r = 0; r < replicas_.size(); ++r) {
     for (const auto& bucket : buckets_) {
       const auto flags = static_cast<std::int64_t>(bucket.params.size());
-      flat_[r].push_back(torch::zeros(
-          {bucket.numel + flags}, torch::TensorOptions().dtype(bucket.dtype).device(bucket.device)));
+      flat_[r].push_back(
+          torch::zeros({bucket.numel + flags},
+                       torch::TensorOptions().dtype(bucket.dtype).device(bucket.device)));
     }
     views_[r].resize(params.size());
     for (std::size_t k = 0; k < params.size(); ++k) {
       const auto& bucket = buckets_[bucket_of_[k]];
       const auto slot =
-          flat_[r][bucket_of_[k]].narrow(0, bucket.offsets[slot_of_[k]], params[k].numel());
+          flat_[r][bucket_of_[k]].narrow(0, bucket.offsets[slot_of[k]], params[k].numel());
       // The gradient takes its parameter's layout (a channels-last convolution weight gets a
       // channels-last gradient), so autograd and the optimizer never convert between layouts.
       const auto& p = replicas_[r][k];
@@ -129,9 +130,8 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     }
   }
   if (world > 1 && options_.compression != collective::Compression::kNone) {
-    const auto wire_type = options_.compression == collective::Compression::kFp16
-                               ? torch::kFloat16
-                               : torch::kBFloat16;
+    const auto wire_type =
+        options_.compression == collective::Compression::kFp16 ? torch::kFloat16 : torch::kBFloat16;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       wire_.push_back(torch::empty_like(flat_[0][b], flat_[0][b].options().dtype(wire_type)));
     }
@@ -335,8 +335,8 @@ void GradientReducer::finish() {
         if (!wire_.empty()) mean.copy_(wire_[b]);
       }
       for (std::size_t r = 1; r < replicas_.size(); ++r) flat_[r][b].copy_(mean);
-      flags.push_back(mean.narrow(0, buckets_[b].numel,
-                                  static_cast<std::int64_t>(buckets_[b].params.size())));
+      flags.push_back(
+          mean.narrow(0, buckets_[b].numel, static_cast<std::int64_t>(buckets_[b].params.size())));
     }
     // One copy to the host for all the used-flags (one synchronisation on CUDA, not one per
     // bucket).
@@ -377,8 +377,8 @@ void GradientReducer::finish() {
 std::string GradientReducer::plan() const {
   std::string out = std::to_string(buckets_.size()) + " bucket(s):";
   for (const auto& bucket : buckets_) {
-    out += " [" + std::string(c10::toString(bucket.dtype)) + " x " +
-           std::to_string(bucket.numel) + ", params";
+    out += " [" + std::string(c10::toString(bucket.dtype)) + " x " + std::to_string(bucket.numel) +
+           ", params";
     for (auto k : bucket.params) out += " " + std::to_string(k);
     out += "]";
   }

@@ -103,7 +103,6 @@ class GradientReducer {
   std::vector<std::vector<torch::Tensor>> replicas_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;                 // parameter -> bucket
-  std::vector<std::size_t> slot_of_;                   // parameter -> index within its bucket
   std::vector<std::vector<torch::Tensor>> flat_;       // [replica][bucket]
   std::vector<std::vector<torch::Tensor>> views_;      // [replica][parameter]
   std::vector<torch::Tensor> wire_;                    // [bucket]: half-precision copies
