@@ -131,6 +131,14 @@ run_flotilla() {  # model, global batch, steps, run -> samples/s on stdout
   json_number samples_per_s <<<"$epoch2"
 }
 
+peer_result() {  # system, short name, rank 0's log, command -> samples/s; version in $tmp
+  local line
+  line=$(grep "\"system\": \"$1\"" "$3" || true)
+  [ -n "$line" ] || fail "$4: no result from rank 0" "$3"
+  sed -n 's/.*"version": "\([^"]*\)".*/\1/p' <<<"$line" >"$tmp/version-$2"
+  json_number samples_per_s <<<"$line"
+}
+
 run_ddp() {  # model, global batch, steps, run -> samples/s on stdout; torch version in $tmp
   local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$4" port rank pids=()
   port=$(free_ports 1)
@@ -141,11 +149,7 @@ run_ddp() {  # model, global batch, steps, run -> samples/s on stdout; torch ver
     pids+=("$started")
   done
   wait_all "${cmd[*]}" "${pids[@]}"
-  local line
-  line=$(grep '"system": "pytorch-ddp"' "$log.0.log" || true)
-  [ -n "$line" ] || fail "${cmd[*]}: no result from rank 0" "$log.0.log"
-  sed -n 's/.*"version": "\([^"]*\)".*/\1/p' <<<"$line" >"$tmp/version-ddp"
-  json_number samples_per_s <<<"$line"
+  peer_result pytorch-ddp ddp "$log.0.log" "${cmd[*]}"
 }
 
 run_tf() {  # model, global batch, steps, run -> samples/s on stdout; TF version in $tmp
@@ -160,11 +164,7 @@ run_tf() {  # model, global batch, steps, run -> samples/s on stdout; TF version
     pids+=("$started")
   done
   wait_all "${cmd[*]}" "${pids[@]}"
-  local line
-  line=$(grep '"system": "tf-mwms"' "$log.0.log" || true)
-  [ -n "$line" ] || fail "${cmd[*]}: no result from worker 0" "$log.0.log"
-  sed -n 's/.*"version": "\([^"]*\)".*/\1/p' <<<"$line" >"$tmp/version-tf"
-  json_number samples_per_s <<<"$line"
+  peer_result tf-mwms tf "$log.0.log" "${cmd[*]}"
 }
 
 # Preconditions: the binary, the project venv (torch), the TF venv (installed once).

@@ -41,8 +41,10 @@ class RebatchShardStage : public UnaryStage {
         replicas_(replicas), first_(first), count_(count), sizes_(std::move(sizes)) {
     // Rows of in-memory tensors below (slices, shuffled, repeated): gather this worker's rows
     // of each global batch with one index_select per component, making no tensor for the
-    // other workers' elements or for its own. Decided before anything is read or skipped.
+    // other workers' elements or for its own. Decided before anything is read or skipped, and
+    // shown in the stage's name (iterator stats).
     rows_ = input_->rows();
+    if (rows_) name_ = "RebatchShard(gathered)";
   }
   std::int64_t skip(std::int64_t n) override {
     const std::int64_t moved = input_->skip(n * global_);

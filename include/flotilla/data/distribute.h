@@ -52,8 +52,11 @@ class DistributedDataset {
   // Steps per pass on this worker (kUnknownCardinality when the source cannot say).
   std::int64_t cardinality() const { return per_worker_.cardinality(); }
   const strategy::InputContext& input_context() const { return context_; }
-  // What was done, for logs: policy, rewrite or split, per-replica batch.
+  // What was done, for logs: "<sharding>: rewrite or split, per-replica batch".
   const std::string& plan() const { return plan_; }
+  // The sharding used: "DATA", "FILE", "OFF", "one replica" or "from a function" (the plan's
+  // head; the same on every worker, unlike the rest of the plan).
+  std::string sharding() const { return plan_.substr(0, plan_.find(':')); }
   // The per-replica batch the rewrite set (0 when the pipeline did not say).
   std::int64_t per_replica_batch() const { return per_replica_batch_; }
   // Whether every worker necessarily takes as many steps per pass as the others (every worker

@@ -90,6 +90,9 @@ TEST(Distribute, GatheredRowsEqualTheElementPathAcrossRepeatsAndAShortLastBatch)
   for (int w = 0; w < 2; ++w) {
     auto it = distribute_dataset(make(), worker(w, 2)).make_iterator();
     while (auto b = it.next()) workers[w].push_back(b->element);
+    bool gathered = false;
+    for (const auto& stage : it.stats()) gathered |= stage.name == "RebatchShard(gathered)";
+    EXPECT_TRUE(gathered) << "the rows path was not taken, so nothing was compared";
   }
   ASSERT_EQ(workers[0].size(), single.size());
   ASSERT_EQ(workers[1].size(), single.size());
