@@ -3,16 +3,24 @@
 namespace flotilla::data::detail {
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { work(); });
+  try {
+    for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { work(); });
+  } catch (...) {
+    stop(); // the threads already started must not outlive a failed constructor
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop(); }
+
+void ThreadPool::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   ready_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
 }
 
 void ThreadPool::submit(std::function<void()> task) {

@@ -1,5 +1,6 @@
-// Private: the threads that run map functions and batch assembly for one iteration. Tasks run
-// to completion; the destructor finishes what was queued and joins.
+// Private: the threads that run map functions and batch assembly for one iteration (and a
+// model's extra replicas, train/). Tasks run to completion; the destructor finishes what was
+// queued and joins.
 #pragma once
 
 #include <condition_variable>
@@ -24,6 +25,7 @@ class ThreadPool {
 
  private:
   void work();
+  void stop();
 
   std::mutex mutex_;
   std::condition_variable ready_;

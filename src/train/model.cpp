@@ -2,13 +2,14 @@
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
-#include <thread>
-#include <torch/version.h>
+#include <mutex>
 
+#include "data/thread_pool.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/error.h"
 #include "flotilla/train/progress.h"
@@ -16,80 +17,40 @@
 namespace flotilla::train {
 namespace F = torch::nn::functional;
 
-// Threads for replicas 1..K-1 of a worker (replica 0 runs on the caller's thread); they live as
-// long as the model, so a step costs two wake-ups, not K thread starts.
+// Runs replicas 1..K-1 of a worker on pool threads that live as long as the model (replica 0
+// runs on the caller's thread), so a step costs K-1 hand-offs, not K-1 thread starts.
 struct Model::Threads {
-  explicit Threads(int replicas) : errors(static_cast<std::size_t>(replicas)) {
-    try {
-      for (int r = 1; r < replicas; ++r) {
-        workers.emplace_back([this, r] { loop(r); });
-      }
-    } catch (...) {
-      stop_and_join(); // the threads already started must not outlive a failed constructor
-      throw;
-    }
-  }
-  ~Threads() { stop_and_join(); }
-  void stop_and_join() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      stop = true;
-    }
-    wake.notify_all();
-    for (auto& t : workers) t.join();
-  }
+  explicit Threads(int replicas) : pool(replicas - 1), errors(static_cast<std::size_t>(replicas)) {}
   // fn(r) for every replica at once; rethrows the first replica's failure.
   void run(const std::function<void(int)>& fn) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      job = &fn;
-      remaining = static_cast<int>(workers.size());
-      ++generation;
-      std::fill(errors.begin(), errors.end(), nullptr);
+    std::fill(errors.begin(), errors.end(), nullptr);
+    std::mutex mutex;
+    std::condition_variable done;
+    int remaining = pool.size();
+    for (int r = 1; r <= pool.size(); ++r) {
+      pool.submit([&, r] {
+        try {
+          fn(r);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        if (--remaining == 0) done.notify_one();
+      });
     }
-    wake.notify_all();
     try {
       fn(0);
     } catch (...) {
       errors[0] = std::current_exception();
     }
     std::unique_lock<std::mutex> lock(mutex);
-    done.wait(lock, [this] { return remaining == 0; });
-    job = nullptr;
+    done.wait(lock, [&] { return remaining == 0; });
     for (auto& e : errors) {
       if (e) std::rethrow_exception(e);
     }
   }
-  void loop(int r) {
-    std::uint64_t seen = 0;
-    while (true) {
-      const std::function<void(int)>* fn = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mutex);
-        wake.wait(lock, [&] { return stop || generation != seen; });
-        if (stop) return;
-        seen = generation;
-        fn = job;
-      }
-      try {
-        (*fn)(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (--remaining == 0) done.notify_all();
-      }
-    }
-  }
 
-  std::vector<std::thread> workers;
-  std::mutex mutex;
-  std::condition_variable wake, done;
-  const std::function<void(int)>* job = nullptr;
-  std::uint64_t generation = 0;
-  int remaining = 0;
-  bool stop = false;
+  data::detail::ThreadPool pool;
   std::vector<std::exception_ptr> errors;
 };
 
@@ -203,9 +164,7 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"overlap", comm.overlap ? "on" : "off"},
       {"bucket plan", reducer_->plan()},
   };
-  // The policy actually used ("DATA", "FILE", ...: the plan's first word), not the rest of the
-  // plan, which names the worker.
-  fields.emplace_back("input sharding", train.plan().substr(0, train.plan().find(':')));
+  fields.emplace_back("input sharding", train.sharding());
   if (options.steps_per_epoch) {
     fields.emplace_back("steps per epoch", std::to_string(*options.steps_per_epoch));
   } else if (train.same_steps_on_every_worker()) {
