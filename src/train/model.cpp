@@ -333,7 +333,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       }
     }
     if (micro > 0) apply(); // the epoch's last, partial accumulation
-    if (steps == 0) break; // the data ran out at an epoch's start: nothing to report
+    if (steps == 0) break;  // the data ran out at an epoch's start: nothing to report
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const torch::Tensor global = strategy_.reduce(

@@ -89,10 +89,16 @@ TEST(GradientEngine, GradientsAreViewsIntoTheBucketAcrossSteps) {
       reducer.zero_grad();
       reducer.prepare();
       net->forward(torch::full({2, 6}, static_cast<float>(rank + step))).sum().backward();
+      // Already in the bucket when backward returns: autograd wrote there, finish() copies nothing.
+      for (auto& p : params)
+        EXPECT_TRUE(p.grad().storage().is_alias_of(params[0].grad().storage()));
       reducer.finish();
       for (std::size_t k = 0; k < params.size(); ++k) {
         // Same memory every step: autograd accumulated into the bucket, nothing was copied out.
         EXPECT_EQ(params[k].grad().data_ptr(), where[k]) << "param " << k << " step " << step;
+        // And that memory is the one bucket's: every gradient shares one storage.
+        EXPECT_TRUE(params[k].grad().storage().is_alias_of(params[0].grad().storage()))
+            << "param " << k << " has a gradient of its own, not a bucket view";
       }
     }
   });
@@ -204,7 +210,8 @@ TEST(GradientEngine, CompressionHalvesTheBytesAndKeepsTheMean) {
     }
     EXPECT_EQ(bytes[1] * 2, bytes[0]) << "half the bytes on the wire";
     const double tolerance = compression == collective::Compression::kFp16 ? 2e-3 : 1e-2;
-    const double error = ((compressed[0] - exact[0]).abs().max() / exact[0].abs().max()).item<double>();
+    const double error =
+        ((compressed[0] - exact[0]).abs().max() / exact[0].abs().max()).item<double>();
     EXPECT_LT(error, tolerance) << collective::to_string(compression);
     EXPECT_GT(error, 0) << "compression that changes nothing did not compress";
   }
@@ -277,7 +284,6 @@ std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& i
       options);
   return out;
 }
-
 
 class EngineEquivalence : public ::testing::Test {
  protected:
@@ -401,8 +407,8 @@ TEST(GradientEngine, TimeoutNamesTheRankThatDidNotArrive) {
       },
       options);
   for (int rank : {0, 1}) {
-    EXPECT_NE(messages[rank].find("all_reduce #2 (sum, 4 x float) on rank " +
-                                  std::to_string(rank) + " of 3 did not complete within 1s"),
+    EXPECT_NE(messages[rank].find("all_reduce #2 (sum, 4 x float) on rank " + std::to_string(rank) +
+                                  " of 3 did not complete within 1s"),
               std::string::npos)
         << messages[rank];
     EXPECT_NE(messages[rank].find("rank 2 did not arrive (no word from it"), std::string::npos)
