@@ -1,6 +1,9 @@
-// The seeds' program in C++: every worker runs this same code with its own TF_CONFIG.
+// The seeds' first program, "MultiWorker setup — TF_CONFIG", in C++. Every worker runs this same
+// code; only TF_CONFIG differs. On one machine:
 //   build/flotilla launch --workers 3 -- build/examples/multi_worker
-// (or set TF_CONFIG by hand on each host: flotilla tf-config ... --index i).
+// On several, set TF_CONFIG on each host (flotilla tf-config ... --index i prints it).
+// Arguments (optional, for short runs): EPOCHS STEPS_PER_EPOCH.
+#include <cstdlib>
 #include <iostream>
 
 #include "flotilla/cluster/resolvers.h"
@@ -10,28 +13,43 @@
 #include "flotilla/train/model.h"
 #include "models/zoo.h"
 
-int main() try {
-  using namespace flotilla;
-  // TF_CONFIG names every worker and says which one this is.
-  const auto cluster = cluster::resolve_cluster(cluster::Environment::from_process());
-  collective::CommunicationOptions communication; // AUTO: NCCL for CUDA tensors, else ring
-  strategy::MultiWorkerMirroredStrategy strategy(cluster, communication);
+using namespace flotilla;
 
-  // Variables created in the scope are mirrored: every replica starts from the chief's.
+// build_and_compile_model(): the model is built in the strategy's scope, so every replica
+// starts from the chief's variables, then compiled.
+std::unique_ptr<train::Model> build_and_compile_model(strategy::Strategy& strategy) {
   auto net = strategy.scope([] { return models::make_model("cnn"); });
-  train::Model model(strategy, net);
+  auto model = std::make_unique<train::Model>(strategy, net);
   train::CompileOptions compile;
-  compile.optimizer.learning_rate = 0.02;
-  compile.optimizer.momentum = 0.9;
-  model.compile(compile);
+  compile.optimizer = train::OptimizerOptions::sgd(0.02, /*momentum=*/0.9);
+  compile.loss.kind = train::LossKind::kSparseCategoricalCrossentropy;
+  compile.metrics = {"accuracy"};
+  model->compile(compile);
+  return model;
+}
 
-  // Scale the batch with the replicas: each one sees BATCH_PER_REPLICA examples a step.
-  const std::int64_t batch_per_replica = 32;
-  const std::int64_t global_batch = batch_per_replica * strategy.num_replicas_in_sync();
-  // The recipe's pipeline, batched by the GLOBAL batch; fit() gives each replica its slice.
+int main(int argc, char** argv) try {
+  // TF_CONFIG, set on each worker before starting (by `flotilla launch`, a TFJob, or by hand):
+  // {"cluster": {"worker": ["host1:port", "host2:port", "host3:port"]},
+  //  "task": {"type": "worker", "index": 0}}   <- different on each worker
+  const auto cluster = cluster::resolve_cluster(cluster::Environment::from_process());
+
+  // Strategy setup — same code on every worker. The seed asks for NCCL: that is what AUTO picks
+  // for CUDA tensors; on CPUs the collectives run over Gloo's TCP ring.
+  collective::CommunicationOptions communication_options;
+  communication_options.implementation = collective::Implementation::kAuto;
+  strategy::MultiWorkerMirroredStrategy strategy(cluster, communication_options);
+
+  auto model = build_and_compile_model(strategy);
+
+  const int NUM_WORKERS = strategy.num_workers();
+  const int GPUS_PER_WORKER = strategy.replicas_per_worker(); // replicas per worker here
+  const std::int64_t BATCH_PER_REPLICA = 64;
+  const std::int64_t GLOBAL_BATCH = BATCH_PER_REPLICA * NUM_WORKERS * GPUS_PER_WORKER;
+
   const auto dataset = data::fashion_mnist(data::kFashionMnistDir, data::Split::kTrain)
                            .shuffle(10000, /*seed=*/42)
-                           .batch(global_batch, /*drop_remainder=*/true)
+                           .batch(GLOBAL_BATCH, /*drop_remainder=*/true)
                            .map(
                                [](data::Element e) {
                                  return data::Element{data::normalize_images(e[0]), e[1]};
@@ -40,11 +58,11 @@ int main() try {
                            .prefetch(data::kAutotune);
 
   train::FitOptions fit;
-  fit.epochs = 1;
-  fit.model_dir = "/tmp/flotilla-example"; // chief keeps it; others save to temporary dirs
-  const auto history = model.fit(dataset, fit);
+  fit.epochs = argc > 1 ? std::atoi(argv[1]) : 50;
+  if (argc > 2) fit.steps_per_epoch = std::atoll(argv[2]);
+  const auto history = model->fit(dataset, fit); // model.fit(dataset, epochs=50)
   if (strategy.is_chief()) {
-    std::cout << "final training accuracy " << history.epochs.back().accuracy << "\n";
+    std::cout << "final training accuracy " << history["accuracy"].back() << "\n";
   }
 } catch (const std::exception& e) {
   std::cerr << "error: " << e.what() << "\n"; // flotilla's errors say what to do

@@ -1,6 +1,9 @@
 #include "flotilla/checkpoint/model_checkpoint.h"
 
 #include <random>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/error.h"
@@ -35,12 +38,46 @@ WriteLocation::~WriteLocation() {
   }
 }
 
+NamedTensors model_state(const torch::nn::Module& module) {
+  NamedTensors tensors;
+  for (const auto& item : module.named_parameters()) {
+    tensors.emplace_back(item.key(), item.value().detach());
+  }
+  for (const auto& item : module.named_buffers()) {
+    tensors.emplace_back(item.key(), item.value().detach());
+  }
+  return tensors;
+}
+
+void load_model_state(torch::nn::Module& module, const NamedTensors& state,
+                      const std::string& source) {
+  const std::string where = source.empty() ? "checkpoint: " : source + ": ";
+  std::unordered_map<std::string, const torch::Tensor*> saved;
+  for (const auto& [name, tensor] : state) saved.emplace(name, &tensor);
+  std::vector<std::pair<torch::Tensor, const torch::Tensor*>> copies;
+  auto check = [&](const std::string& name, const torch::Tensor& target) {
+    auto it = saved.find(name);
+    if (it == saved.end()) {
+      throw CheckpointError(where + "has no tensor \"" + name +
+                            "\"; it was saved from a different model");
+    }
+    if (it->second->sizes() != target.sizes()) {
+      throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
+                            c10::str(it->second->sizes()) + ", the model expects " +
+                            c10::str(target.sizes()) + "; it was saved from a different model");
+    }
+    copies.emplace_back(target, it->second);
+  };
+  for (const auto& item : module.named_parameters()) check(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) check(item.key(), item.value());
+  torch::NoGradGuard no_grad;
+  for (auto& [target, source_tensor] : copies) target.copy_(*source_tensor);
+}
+
 fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& module,
                     const fs::path& model_dir, const std::string& file_name,
                     const std::map<std::string, std::string>& metadata) {
-  NamedTensors tensors;
-  for (const auto& item : module.named_parameters()) tensors.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) tensors.emplace_back(item.key(), item.value());
+  const NamedTensors tensors = model_state(module);
 
   std::exception_ptr failure;
   try {
@@ -66,22 +103,8 @@ fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& modul
 
 std::map<std::string, std::string> load_model(torch::nn::Module& module, const fs::path& file) {
   SafetensorsFile saved = load_safetensors(file);
-  torch::NoGradGuard no_grad;
-  auto assign = [&](const std::string& name, torch::Tensor& target) {
-    auto it = saved.tensors.find(name);
-    if (it == saved.tensors.end()) {
-      throw CheckpointError(file.string() + ": has no tensor \"" + name +
-                            "\"; it was saved from a different model");
-    }
-    if (it->second.sizes() != target.sizes()) {
-      throw CheckpointError(file.string() + ": tensor \"" + name + "\" has shape " +
-                            c10::str(it->second.sizes()) + ", the model expects " +
-                            c10::str(target.sizes()) + "; it was saved from a different model");
-    }
-    target.copy_(it->second);
-  };
-  for (auto& item : module.named_parameters()) assign(item.key(), item.value());
-  for (auto& item : module.named_buffers()) assign(item.key(), item.value());
+  NamedTensors state(saved.tensors.begin(), saved.tensors.end());
+  load_model_state(module, state, file.string());
   return saved.metadata;
 }
 

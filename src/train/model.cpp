@@ -1,21 +1,21 @@
 #include "flotilla/train/model.h"
 
-#include <torch/nn/functional/loss.h>
-#include <torch/optim/sgd.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <condition_variable>
 #include <mutex>
 
 #include "data/thread_pool.h"
-#include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/error.h"
-#include "flotilla/train/progress.h"
+#include "flotilla/train/callbacks.h"
 
 namespace flotilla::train {
-namespace F = torch::nn::functional;
 
 // Runs replicas 1..K-1 of a worker on pool threads that live as long as the model (replica 0
 // runs on the caller's thread), so a step costs K-1 hand-offs, not K-1 thread starts.
@@ -54,6 +54,40 @@ struct Model::Threads {
   std::vector<std::exception_ptr> errors;
 };
 
+void Logs::set(const std::string& key, double value) {
+  for (auto& [k, v] : items_) {
+    if (k == key) {
+      v = value;
+      return;
+    }
+  }
+  items_.emplace_back(key, value);
+}
+
+std::optional<double> Logs::get(const std::string& key) const {
+  for (const auto& [k, v] : items_) {
+    if (k == key) return v;
+  }
+  return std::nullopt;
+}
+
+double Logs::at(const std::string& key) const {
+  if (auto v = get(key)) return *v;
+  std::string keys;
+  for (const auto& [k, v] : items_) keys += (keys.empty() ? "" : ", ") + k;
+  throw ConfigError("no \"" + key + "\" in the logs; they have: " +
+                    (keys.empty() ? std::string("nothing yet") : keys) +
+                    (key.rfind("val_", 0) == 0 ? " (val_ keys need validation_data)" : ""));
+}
+
+std::vector<double> History::operator[](const std::string& key) const {
+  std::vector<double> values;
+  for (const auto& e : epochs) {
+    values.push_back(e.values.get(key).value_or(std::numeric_limits<double>::quiet_NaN()));
+  }
+  return values;
+}
+
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward, std::function<Replica()> clone)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)),
@@ -68,26 +102,69 @@ const strategy::GradientReducer& Model::gradient_reducer() const {
   return *reducer_;
 }
 
+const CompileOptions& Model::compile_options() const {
+  require_compiled("compile_options");
+  return *compiled_;
+}
+
+torch::optim::Optimizer& Model::optimizer() {
+  require_compiled("optimizer");
+  return *optimizers_.front();
+}
+
+double Model::learning_rate() const {
+  require_compiled("learning_rate");
+  return compiled_->optimizer.learning_rate_at(iterations_);
+}
+
+void Model::set_learning_rate(double learning_rate) {
+  require_compiled("set_learning_rate");
+  if (compiled_->optimizer.schedule) {
+    throw ConfigError("the learning rate follows a schedule (" +
+                      compiled_->optimizer.schedule->describe() +
+                      "); a LearningRateScheduler cannot also set it. Use one or the other");
+  }
+  if (!(learning_rate > 0)) {
+    throw ConfigError("learning rate must be positive; saw " + std::to_string(learning_rate));
+  }
+  compiled_->optimizer.learning_rate = learning_rate;
+}
+
 void Model::compile(const CompileOptions& options) {
   compiled_.reset(); // until this compile succeeds, the model is not compiled
-  for (const auto& metric : options.metrics) {
-    if (metric != "accuracy") {
-      throw ConfigError("metric \"" + metric + "\" is not available; use \"accuracy\"");
+  validate(options.loss);
+  validate(options.optimizer);
+  std::vector<Metric> metrics;
+  for (const auto& name : options.metrics) metrics.push_back(make_metric(name, options.loss));
+  for (const auto& metric : options.custom_metrics) {
+    if (metric.name.empty() || !metric.per_example) {
+      throw ConfigError("a custom metric needs a name and a per_example function; saw \"" +
+                        metric.name + "\"");
     }
+    metrics.push_back(metric);
   }
-  const auto& sgd = options.optimizer;
-  if (!(sgd.learning_rate > 0)) {
-    throw ConfigError("learning rate must be positive; saw " + std::to_string(sgd.learning_rate));
-  }
-  if (sgd.momentum < 0 || sgd.momentum >= 1) {
-    throw ConfigError("momentum must be in [0, 1); saw " + std::to_string(sgd.momentum));
-  }
-  if (sgd.nesterov && sgd.momentum == 0) {
-    throw ConfigError("Nesterov momentum needs momentum > 0; saw momentum 0");
+  for (std::size_t i = 0; i < metrics.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (metrics[i].name == metrics[j].name || metrics[i].name == "loss") {
+        throw ConfigError("metric name \"" + metrics[i].name + "\" is used twice; names are "
+                          "the keys of the logs and must be unique");
+      }
+    }
   }
   if (options.gradient_accumulation_steps < 1) {
     throw ConfigError("gradient_accumulation_steps must be at least 1; saw " +
                       std::to_string(options.gradient_accumulation_steps));
+  }
+  if (options.steps_per_execution < 1) {
+    throw ConfigError("steps_per_execution must be at least 1; saw " +
+                      std::to_string(options.steps_per_execution));
+  }
+  const Policy policy = global_policy();
+  std::optional<LossScale> loss_scale;
+  if (options.loss_scale) {
+    loss_scale.emplace(*options.loss_scale);
+  } else if (policy == Policy::kMixedFloat16) {
+    loss_scale.emplace(LossScaleOptions{});
   }
   const int replicas = strategy_.replicas_per_worker();
   if (replicas > 1 && !clone_) {
@@ -109,15 +186,31 @@ void Model::compile(const CompileOptions& options) {
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   for (const auto& [replica, forward] : replicas_) {
     modules.push_back(replica);
-    optimizers_.push_back(std::make_unique<torch::optim::SGD>(
-        replica->parameters(), torch::optim::SGDOptions(sgd.learning_rate)
-                                   .momentum(sgd.momentum)
-                                   .nesterov(sgd.nesterov)
-                                   .weight_decay(sgd.weight_decay)));
+    optimizers_.push_back(make_optimizer(options.optimizer, replica->parameters()));
   }
   reducer_ = strategy_.make_gradient_reducer(modules);
   if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
+  metrics_ = std::move(metrics);
+  policy_ = policy;
+  loss_scale_ = loss_scale;
+  iterations_ = 0;
+  resume_.reset();
   compiled_ = options;
+  if (strategy_.is_chief()) {
+    const auto& log = strategy_.log();
+    if (options.optimizer.schedule) {
+      for (const auto& warning : options.optimizer.schedule->warnings()) log.warn(warning);
+    }
+    if (options.jit_compile) {
+      log.info("jit_compile: no effect. The step is compiled C++ already; capturing it whole in "
+               "a CUDA graph is not built yet");
+    }
+    if (policy == Policy::kMixedFloat16 && module_->parameters().size() > 0 &&
+        !module_->parameters().front().is_cuda()) {
+      log.warn("mixed_float16 on the CPU: LibTorch's CPU autocast computes in float16 slowly on "
+               "most CPUs; mixed_bfloat16 is the CPU's mixed precision");
+    }
+  }
 }
 
 void Model::require_compiled(const char* what) const {
@@ -126,17 +219,41 @@ void Model::require_compiled(const char* what) const {
   }
 }
 
+TrainingState Model::training_state() const {
+  TrainingState state;
+  state.iterations = iterations_;
+  state.epoch = epoch_index_;
+  state.step_in_epoch = step_in_epoch_;
+  if (pass_) {
+    data::IteratorState position = pass_->save();
+    // At an epoch's end without steps_per_epoch, the next epoch is the next pass, from its start.
+    if (step_in_epoch_ == 0 && !pass_continues_) {
+      position.iteration += 1;
+      position.produced = 0;
+    }
+    state.iterator = position;
+  }
+  if (loss_scale_) {
+    state.loss_scale = loss_scale_->scale();
+    state.loss_scale_good_steps = loss_scale_->good_steps();
+  }
+  return state;
+}
+
+void Model::restore_training_state(const TrainingState& state) {
+  require_compiled("restore_training_state");
+  iterations_ = state.iterations;
+  if (loss_scale_ && state.loss_scale > 0) {
+    loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
+  }
+  resume_ = state;
+}
+
 History Model::fit(const data::Dataset& train, const FitOptions& options) {
   return fit(data::distribute_dataset(train, strategy_.input_context()), options);
 }
 
 namespace {
-
-struct StepResult {
-  double loss_sum = 0; // per-example losses, summed
-  double correct = 0;
-  double count = 0;
-};
 
 // (features, labels[, weights]) of a replica batch, checked.
 void check_element(const data::Element& e) {
@@ -146,7 +263,16 @@ void check_element(const data::Element& e) {
   }
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 } // namespace
+
+// Per-example sums of a batch: loss, then each metric, then the example count.
+struct Model::StepSums {
+  std::vector<double> sums;
+};
 
 void Model::check_consistency(const data::DistributedDataset& train, const FitOptions& options) {
   const auto& comm = strategy_.communicator().options();
@@ -154,7 +280,11 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"flotilla version", FLOTILLA_VERSION},
       {"LibTorch version", TORCH_VERSION},
       {"replicas per worker", std::to_string(strategy_.replicas_per_worker())},
-      {"precision policy", "float32"},
+      {"precision policy", to_string(policy_)},
+      {"loss scaling", loss_scale_ ? (loss_scale_->options().dynamic ? "dynamic" : "fixed")
+                                   : std::string("off")},
+      {"optimizer", compiled_->optimizer.describe()},
+      {"loss", to_string(compiled_->loss.kind)},
       {"per-replica batch", train.per_replica_batch() > 0
                                 ? std::to_string(train.per_replica_batch())
                                 : std::string("set by the input pipeline")},
@@ -163,6 +293,7 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"compression", std::string(collective::to_string(comm.compression))},
       {"overlap", comm.overlap ? "on" : "off"},
       {"bucket plan", reducer_->plan()},
+      {"epochs", std::to_string(options.epochs)},
   };
   fields.emplace_back("input sharding", train.sharding());
   if (options.steps_per_epoch) {
@@ -185,14 +316,121 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
   strategy_.check_consistency(fields);
 }
 
+void Model::apply_gradients() {
+  reducer_->finish();
+  bool apply = true;
+  if (loss_scale_ || check_finite_) {
+    // The all-reduced gradients are the same on every worker, so is this decision.
+    const double inverse = loss_scale_ ? 1.0 / loss_scale_->scale() : 1.0;
+    const torch::Tensor first = module_->parameters().front();
+    torch::Tensor found_inf = torch::zeros({1}, first.options().dtype(torch::kFloat32));
+    const torch::Tensor inv_scale = torch::full({1}, inverse, found_inf.options());
+    for (const auto& [replica, forward] : replicas_) {
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : replica->parameters()) {
+        if (p.grad().defined()) grads.push_back(p.grad());
+      }
+      if (!grads.empty()) at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+    }
+    last_step_finite_ = found_inf.item<float>() == 0;
+    if (loss_scale_) apply = loss_scale_->update(last_step_finite_);
+  }
+  if (!apply) return; // skipped: no update, and the schedules' step does not advance
+  const double lr = compiled_->optimizer.learning_rate_at(iterations_);
+  for (auto& optimizer : optimizers_) {
+    train::set_learning_rate(*optimizer, lr);
+    optimizer->step();
+  }
+  ++iterations_;
+}
+
+Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
+  const int num_replicas = static_cast<int>(replicas_.size());
+  check_element(batch.element);
+  // This worker's batch, split as evenly as possible over its replicas.
+  std::vector<data::Element> parts(static_cast<std::size_t>(num_replicas));
+  for (const auto& component : batch.element) {
+    auto pieces = num_replicas == 1 ? std::vector<torch::Tensor>{component}
+                                    : torch::tensor_split(component, num_replicas);
+    for (int r = 0; r < num_replicas; ++r) parts[r].push_back(pieces[r]);
+  }
+  const int accumulation = compiled_->gradient_accumulation_steps;
+  if (micro == 0) reducer_->zero_grad();
+  const bool sync = micro + 1 == accumulation;
+  reducer_->prepare(sync);
+  const std::size_t width = metrics_.size() + 2;
+  std::vector<StepSums> results(static_cast<std::size_t>(num_replicas));
+  const double share =
+      static_cast<double>(batch.global_batch_size) / strategy_.num_replicas_in_sync();
+  const double scale = loss_scale_ ? loss_scale_->scale() : 1.0;
+  auto replica_step = [&](int r) {
+    results[r].sums.assign(width, 0.0);
+    const data::Element& e = parts[r];
+    const torch::Tensor& labels = e[1];
+    // An empty slice (a short last batch over many replicas) runs no forward — a batch
+    // norm could not — but still joins the reduction, with no gradients of its own.
+    if (labels.size(0) == 0) return;
+    torch::Tensor outputs;
+    {
+      AutocastGuard autocast(policy_, e[0].device().type());
+      outputs = replicas_[r].second(e[0]);
+    }
+    torch::Tensor per_example = per_example_loss(compiled_->loss, outputs, labels);
+    if (e.size() > 2) per_example = per_example * e[2].to(per_example.dtype());
+    // Summed over this replica's slice and divided by the global batch's share per
+    // replica: averaged over replicas by the reducer, that is the global batch's mean loss
+    // exactly, short last batches included.
+    (per_example.sum() * (scale / share)).backward();
+    torch::NoGradGuard no_grad;
+    // One copy to the host for the loss and every metric.
+    std::vector<torch::Tensor> sums = {per_example.detach().sum()};
+    const torch::Tensor detached = outputs.detach();
+    for (const auto& metric : metrics_) sums.push_back(metric.per_example(detached, labels).sum());
+    const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
+    const double* values = host.data_ptr<double>();
+    for (std::size_t k = 0; k + 1 < width; ++k) results[r].sums[k] = values[k];
+    results[r].sums[width - 1] = static_cast<double>(labels.size(0));
+  };
+  try {
+    if (threads_) {
+      threads_->run(replica_step);
+    } else {
+      replica_step(0);
+    }
+  } catch (...) {
+    reducer_->abort_step(); // buckets already on the wire complete before anything else
+    throw;
+  }
+  if (sync) {
+    apply_gradients();
+    micro = 0;
+  } else {
+    ++micro;
+  }
+  StepSums total{std::vector<double>(width, 0.0)};
+  for (const auto& r : results) {
+    for (std::size_t k = 0; k < width; ++k) total.sums[k] += r.sums[k];
+  }
+  return total;
+}
+
 History Model::fit(const data::DistributedDataset& train, const FitOptions& options) {
   require_compiled("fit");
   if (options.epochs < 1) {
     throw ConfigError("epochs must be at least 1; saw " + std::to_string(options.epochs));
   }
+  if (options.initial_epoch < 0 || options.initial_epoch >= options.epochs) {
+    throw ConfigError("initial_epoch must be in [0, epochs); saw " +
+                      std::to_string(options.initial_epoch) + " with epochs " +
+                      std::to_string(options.epochs));
+  }
   if (options.steps_per_epoch && *options.steps_per_epoch < 1) {
     throw ConfigError("steps_per_epoch must be at least 1; saw " +
                       std::to_string(*options.steps_per_epoch));
+  }
+  if (options.validation_freq < 1) {
+    throw ConfigError("validation_freq must be at least 1; saw " +
+                      std::to_string(options.validation_freq));
   }
   // Every step is a collective, so every worker must take the same number. When each knows its
   // pass length and they agree, that is enough; otherwise every step first asks all workers
@@ -208,63 +446,108 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
   }
-  const std::int64_t steps_hint =
-      options.steps_per_epoch.value_or(agreed && known >= 0 ? known : 0);
-  const double replicas = strategy_.num_replicas_in_sync();
+  std::optional<data::DistributedDataset> validation;
+  if (options.validation_data) {
+    validation.emplace(data::distribute_dataset(*options.validation_data,
+                                                strategy_.input_context()));
+  }
 
+  // Callbacks: the user's, plus a progress bar unless silent or given (Keras's ProgbarLogger).
+  std::vector<std::shared_ptr<Callback>> callbacks = options.callbacks;
   Verbosity verbose = options.verbose;
   if (verbose == Verbosity::kAuto) {
     verbose = ::isatty(STDOUT_FILENO) ? Verbosity::kProgressBar : Verbosity::kOneLinePerEpoch;
   }
-  Progress progress(strategy_.is_chief() && verbose != Verbosity::kSilent,
-                    verbose == Verbosity::kProgressBar);
+  const bool has_bar = std::any_of(callbacks.begin(), callbacks.end(), [](const auto& c) {
+    return dynamic_cast<const ProgressBar*>(c.get()) != nullptr;
+  });
+  if (verbose != Verbosity::kSilent && !has_bar) {
+    callbacks.insert(callbacks.begin(), std::make_shared<ProgressBar>(verbose));
+  }
+  check_finite_ = std::any_of(callbacks.begin(), callbacks.end(), [](const auto& c) {
+    return dynamic_cast<const TerminateOnNaN*>(c.get()) != nullptr;
+  });
+  TrainParams params;
+  params.epochs = options.epochs;
+  params.steps = options.steps_per_epoch.value_or(agreed && known >= 0 ? known : 0);
+  params.verbose = verbose;
+  for (auto& c : callbacks) {
+    if (!c) throw ConfigError("a null callback was passed to fit()");
+    c->set_model(this);
+    c->set_params(params);
+  }
+  auto each = [&](const auto& hook) {
+    for (auto& c : callbacks) hook(*c);
+  };
 
   History history;
   auto& net = module();
   const int num_replicas = static_cast<int>(replicas_.size());
+  stop_training = false;
+  pass_continues_ = options.steps_per_epoch.has_value();
+  epoch_index_ = options.initial_epoch;
+  step_in_epoch_ = 0;
+  std::optional<data::DistributedIterator> pass;
+  // However fit() ends, the model no longer points at this fit's iterator.
+  struct ClearPass {
+    const data::DistributedIterator** pass;
+    ~ClearPass() { *pass = nullptr; }
+  } clear_pass{&pass_};
+
+  each([](Callback& c) { c.on_train_begin(); }); // BackupAndRestore may set resume_ here
   // Replicas are clones made at compile(); weights loaded into the model since then (a
-  // checkpoint, a user's edit) reach the other replicas here.
+  // checkpoint, a backup, a user's edit) reach the other replicas here.
   if (num_replicas > 1) {
     torch::NoGradGuard no_grad;
-    const auto params = net.parameters();
+    const auto params_0 = net.parameters();
     const auto buffers = net.buffers();
     for (int r = 1; r < num_replicas; ++r) {
       const auto theirs = replicas_[r].first->parameters();
       const auto their_buffers = replicas_[r].first->buffers();
-      if (theirs.size() != params.size() || their_buffers.size() != buffers.size()) {
-        throw ConfigError("the model now has " + std::to_string(params.size()) +
+      if (theirs.size() != params_0.size() || their_buffers.size() != buffers.size()) {
+        throw ConfigError("the model now has " + std::to_string(params_0.size()) +
                           " parameters and " + std::to_string(buffers.size()) +
                           " buffers, its replicas " + std::to_string(theirs.size()) + " and " +
                           std::to_string(their_buffers.size()) +
                           " (changed after compile()); call compile() again");
       }
-      for (std::size_t k = 0; k < params.size(); ++k) theirs[k].copy_(params[k]);
+      for (std::size_t k = 0; k < params_0.size(); ++k) theirs[k].copy_(params_0[k]);
       for (std::size_t k = 0; k < buffers.size(); ++k) their_buffers[k].copy_(buffers[k]);
     }
   }
+  int first_epoch = options.initial_epoch; // 0-based
+  std::int64_t resume_step = 0;
+  if (resume_) {
+    first_epoch = std::max(first_epoch, resume_->epoch);
+    resume_step = resume_->step_in_epoch;
+    if (resume_->iterator) pass.emplace(train.make_iterator(*resume_->iterator));
+    resume_.reset();
+  }
+
   const int accumulation = compiled_->gradient_accumulation_steps;
-  std::optional<data::DistributedIterator> pass;
+  const std::int64_t every = compiled_->steps_per_execution;
   bool ran_out = false;
-  for (int epoch = 1; epoch <= options.epochs && !ran_out; ++epoch) {
-    if (!pass || !options.steps_per_epoch) pass.emplace(train.make_iterator());
+  for (int epoch = first_epoch; epoch < options.epochs && !ran_out && !stop_training; ++epoch) {
+    // A new pass per epoch, unless one pass runs across epochs or a resume made this one.
+    if (!pass || (!options.steps_per_epoch && epoch != first_epoch)) {
+      pass.emplace(train.make_iterator());
+    }
+    pass_ = &*pass;
+    epoch_index_ = epoch;
+    step_in_epoch_ = epoch == first_epoch ? resume_step : 0;
     for (auto& [replica, forward] : replicas_) replica->train();
-    progress.begin_epoch(epoch, options.epochs, steps_hint);
-    StepResult totals;
+    each([&](Callback& c) { c.on_epoch_begin(epoch); });
+    std::vector<double> totals(metrics_.size() + 2, 0.0);
     double input_seconds = 0;
     std::int64_t steps = 0;
+    std::int64_t skipped = 0;
     int micro = 0; // batches accumulated since the last optimizer step
     const auto comm_before = reducer_->stats();
-    auto apply = [&] {
-      reducer_->finish();
-      for (auto& optimizer : optimizers_) optimizer->step();
-      micro = 0;
-    };
     const auto start = std::chrono::steady_clock::now();
-    while (!options.steps_per_epoch || steps < *options.steps_per_epoch) {
+    while (!options.steps_per_epoch || step_in_epoch_ < *options.steps_per_epoch) {
       const auto before_input = std::chrono::steady_clock::now();
       std::optional<data::ReplicaBatch> batch = pass->next();
-      input_seconds +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - before_input).count();
+      input_seconds += seconds_since(before_input);
       bool have = batch.has_value();
       if (!agreed) {
         have =
@@ -275,79 +558,44 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
         ran_out = options.steps_per_epoch.has_value();
         break;
       }
-      check_element(batch->element);
-      // This worker's batch, split as evenly as possible over its replicas.
-      std::vector<data::Element> parts(static_cast<std::size_t>(num_replicas));
-      for (const auto& component : batch->element) {
-        auto pieces = num_replicas == 1 ? std::vector<torch::Tensor>{component}
-                                        : torch::tensor_split(component, num_replicas);
-        for (int r = 0; r < num_replicas; ++r) parts[r].push_back(pieces[r]);
-      }
-      if (micro == 0) reducer_->zero_grad();
-      const bool sync = micro + 1 == accumulation;
-      reducer_->prepare(sync);
-      std::vector<StepResult> results(static_cast<std::size_t>(num_replicas));
-      const double share = static_cast<double>(batch->global_batch_size) / replicas;
-      auto replica_step = [&](int r) {
-        const data::Element& e = parts[r];
-        const torch::Tensor& labels = e[1];
-        // An empty slice (a short last batch over many replicas) runs no forward — a batch
-        // norm could not — but still joins the reduction, with no gradients of its own.
-        if (labels.size(0) == 0) return;
-        const torch::Tensor logits = replicas_[r].second(e[0]);
-        torch::Tensor per_example =
-            F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kNone));
-        if (e.size() > 2) per_example = per_example * e[2].to(per_example.dtype());
-        // Summed over this replica's slice and divided by the global batch's share per
-        // replica: averaged over replicas by the reducer, that is the global batch's mean loss
-        // exactly, short last batches included.
-        (per_example.sum() / share).backward();
-        results[r].loss_sum = per_example.detach().sum().item<double>();
-        results[r].correct = logits.detach().argmax(1).eq(labels).sum().item<double>();
-        results[r].count = static_cast<double>(labels.size(0));
-      };
-      try {
-        if (threads_) {
-          threads_->run(replica_step);
-        } else {
-          replica_step(0);
-        }
-      } catch (...) {
-        reducer_->abort_step(); // buckets already on the wire complete before anything else
-        throw;
-      }
-      if (sync) {
-        apply();
-      } else {
-        ++micro;
-      }
-
+      const bool hooks = step_in_epoch_ % every == 0;
+      if (hooks) each([&](Callback& c) { c.on_train_batch_begin(step_in_epoch_); });
+      const std::int64_t iterations_before = iterations_;
+      const StepSums sums = train_step(*batch, micro);
+      if (micro == 0 && iterations_ == iterations_before) ++skipped;
+      for (std::size_t k = 0; k < totals.size(); ++k) totals[k] += sums.sums[k];
       ++steps;
-      for (const auto& r : results) {
-        totals.loss_sum += r.loss_sum;
-        totals.correct += r.correct;
-        totals.count += r.count;
-      }
-      if (totals.count > 0) {
-        progress.step(steps, totals.loss_sum / totals.count, totals.correct / totals.count);
+      ++step_in_epoch_;
+      const bool last = options.steps_per_epoch && step_in_epoch_ == *options.steps_per_epoch;
+      if ((step_in_epoch_ % every == 0 || last) && totals.back() > 0) {
+        Logs running;
+        running.set("loss", totals[0] / totals.back());
+        for (std::size_t m = 0; m < metrics_.size(); ++m) {
+          running.set(metrics_[m].name, totals[m + 1] / totals.back());
+        }
+        each([&](Callback& c) { c.on_train_batch_end(step_in_epoch_ - 1, running); });
+        if (stop_training) break;
       }
     }
-    if (micro > 0) apply(); // the epoch's last, partial accumulation
-    if (steps == 0) break;  // the data ran out at an epoch's start: nothing to report
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const torch::Tensor global = strategy_.reduce(
-        strategy::ReduceOp::kSum,
-        torch::tensor({totals.loss_sum, totals.correct, totals.count}, torch::kFloat64));
-    const double global_count = global[2].item<double>();
+    if (micro > 0) apply_gradients(); // the epoch's last, partial accumulation
+    if (steps == 0) break;            // the data ran out at an epoch's start: nothing to report
+    const double seconds = seconds_since(start);
+    const torch::Tensor global =
+        strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));
+    const auto g = global.accessor<double, 1>();
+    const double count = g[static_cast<std::int64_t>(totals.size()) - 1];
     EpochLogs logs;
-    logs.epoch = epoch;
+    logs.epoch = epoch + 1;
     logs.steps = steps;
-    logs.loss = global[0].item<double>() / global_count;
-    logs.accuracy = global[1].item<double>() / global_count;
+    logs.values.set("loss", g[0] / count);
+    for (std::size_t m = 0; m < metrics_.size(); ++m) {
+      logs.values.set(metrics_[m].name, g[static_cast<std::int64_t>(m) + 1] / count);
+    }
+    logs.values.set("learning_rate", compiled_->optimizer.learning_rate_at(iterations_));
     logs.seconds = seconds;
-    logs.samples_per_s = global_count / seconds;
+    logs.samples_per_s = count / seconds;
     logs.input_seconds = input_seconds;
+    logs.skipped_steps = skipped;
     const auto comm_after = reducer_->stats();
     logs.comm_seconds = comm_after.comm_seconds - comm_before.comm_seconds;
     logs.comm_exposed_seconds = comm_after.exposed_seconds - comm_before.exposed_seconds;
@@ -355,19 +603,25 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     epoch_comm.comm_seconds = logs.comm_seconds;
     epoch_comm.exposed_seconds = logs.comm_exposed_seconds;
     logs.comm_hidden_share = epoch_comm.hidden_share();
-    progress.end_epoch(logs);
-    if (!options.model_dir.empty()) {
-      checkpoint::save_model(strategy_, net, options.model_dir,
-                             "ckpt-" + std::to_string(epoch) + ".safetensors",
-                             {{"epoch", std::to_string(epoch)}, {"format", "flotilla"}});
+    step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
+    epoch_index_ = epoch + 1;
+    if (validation && (epoch + 1) % options.validation_freq == 0) {
+      const EvalResult val = evaluate_impl(*validation);
+      for (const auto& [key, value] : val.values.items()) logs.values.set("val_" + key, value);
+      for (auto& [replica, forward] : replicas_) replica->train();
     }
-    if (options.on_epoch_end) options.on_epoch_end(logs);
+    each([&](Callback& c) { c.on_epoch_end(epoch, logs); });
+    // A stop decided by one worker alone (a user's callback) must stop them all.
+    stop_training = strategy_.reduce(strategy::ReduceOp::kMax,
+                                     torch::tensor({stop_training ? 1 : 0}, torch::kInt32))
+                        .item<int>() == 1;
     history.epochs.push_back(logs);
   }
   if (ran_out && strategy_.is_chief()) {
     strategy_.log().warn("your input ran out of data; interrupting training. Make sure the dataset "
                          "can give at least steps_per_epoch x epochs batches (use repeat())");
   }
+  each([](Callback& c) { c.on_train_end(); });
   return history;
 }
 
@@ -377,30 +631,44 @@ EvalResult Model::evaluate(const data::Dataset& data) {
 
 EvalResult Model::evaluate(const data::DistributedDataset& data) {
   require_compiled("evaluate");
+  return evaluate_impl(data);
+}
+
+EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
   torch::NoGradGuard no_grad;
   auto& net = module();
   net.eval();
-  StepResult totals;
+  std::vector<double> totals(metrics_.size() + 2, 0.0);
   auto pass = data.make_iterator();
   while (auto batch = pass.next()) {
     check_element(batch->element);
     const torch::Tensor& labels = batch->element[1];
     if (labels.size(0) == 0) continue; // this worker's share of a short last batch
-    const torch::Tensor logits = forward_(batch->element[0]);
-    totals.loss_sum +=
-        F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().reduction(torch::kSum))
-            .item<double>();
-    totals.correct += logits.argmax(1).eq(labels).sum().item<double>();
-    totals.count += static_cast<double>(labels.size(0));
+    torch::Tensor outputs;
+    {
+      AutocastGuard autocast(policy_, batch->element[0].device().type());
+      outputs = forward_(batch->element[0]);
+    }
+    torch::Tensor per_example = per_example_loss(compiled_->loss, outputs, labels);
+    if (batch->element.size() > 2) {
+      per_example = per_example * batch->element[2].to(per_example.dtype());
+    }
+    std::vector<torch::Tensor> sums = {per_example.sum()};
+    for (const auto& metric : metrics_) sums.push_back(metric.per_example(outputs, labels).sum());
+    const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
+    for (std::size_t k = 0; k + 1 < totals.size(); ++k) totals[k] += host[k].item<double>();
+    totals.back() += static_cast<double>(labels.size(0));
   }
-  const torch::Tensor global = strategy_.reduce(
-      strategy::ReduceOp::kSum,
-      torch::tensor({totals.loss_sum, totals.correct, totals.count}, torch::kFloat64));
+  const torch::Tensor global =
+      strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));
+  const auto g = global.accessor<double, 1>();
   EvalResult result;
-  result.samples = static_cast<std::int64_t>(global[2].item<double>());
-  if (result.samples > 0) {
-    result.loss = global[0].item<double>() / static_cast<double>(result.samples);
-    result.accuracy = global[1].item<double>() / static_cast<double>(result.samples);
+  const double count = g[static_cast<std::int64_t>(totals.size()) - 1];
+  result.samples = static_cast<std::int64_t>(count);
+  const double denominator = count > 0 ? count : 1;
+  result.values.set("loss", g[0] / denominator);
+  for (std::size_t m = 0; m < metrics_.size(); ++m) {
+    result.values.set(metrics_[m].name, g[static_cast<std::int64_t>(m) + 1] / denominator);
   }
   return result;
 }
@@ -408,7 +676,9 @@ EvalResult Model::evaluate(const data::DistributedDataset& data) {
 torch::Tensor Model::predict(const torch::Tensor& features) {
   torch::NoGradGuard no_grad;
   module().eval();
-  return forward_(features);
+  AutocastGuard autocast(policy_, features.device().type());
+  const torch::Tensor outputs = forward_(features);
+  return policy_ == Policy::kFloat32 ? outputs : outputs.to(torch::kFloat32);
 }
 
 } // namespace flotilla::train

@@ -18,6 +18,21 @@ std::string duration(double seconds) {
   return buf;
 }
 
+// " - loss: 0.4620 - accuracy: 0.8331" (learning rates and tiny values in %g).
+std::string format_logs(const Logs& logs) {
+  std::string text;
+  char buf[96];
+  for (const auto& [key, value] : logs.items()) {
+    const bool tiny = value != 0 && std::fabs(value) < 1e-3;
+    std::snprintf(buf, sizeof buf, tiny || key.find("learning_rate") != std::string::npos
+                                       ? " - %s: %.4g"
+                                       : " - %s: %.4f",
+                  key.c_str(), value);
+    text += buf;
+  }
+  return text;
+}
+
 } // namespace
 
 Progress::Progress(bool enabled, bool bar, std::FILE* out)
@@ -31,14 +46,14 @@ void Progress::begin_epoch(int epoch, int epochs, std::int64_t steps) {
   std::fflush(out_);
 }
 
-void Progress::step(std::int64_t done, double loss, double accuracy) {
+void Progress::step(std::int64_t done, const Logs& logs) {
   if (!enabled_ || !bar_) return;
   const auto now = std::chrono::steady_clock::now();
   if (done != steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
   last_draw_ = now;
   if (steps_ <= 0) { // the pass's length is unknown: count, as Keras does
-    std::fprintf(out_, "\r%lld/Unknown - loss: %.4f - accuracy: %.4f   ",
-                 static_cast<long long>(done), loss, accuracy);
+    std::fprintf(out_, "\r%lld/Unknown%s   ", static_cast<long long>(done),
+                 format_logs(logs).c_str());
     std::fflush(out_);
     return;
   }
@@ -49,9 +64,9 @@ void Progress::step(std::int64_t done, double loss, double accuracy) {
   bar.resize(kWidth, '.');
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * (steps_ - done) : 0;
-  std::fprintf(out_, "\r%lld/%lld [%s] - ETA: %s - loss: %.4f - accuracy: %.4f   ",
-               static_cast<long long>(done), static_cast<long long>(steps_), bar.c_str(),
-               duration(eta).c_str(), loss, accuracy);
+  std::fprintf(out_, "\r%lld/%lld [%s] - ETA: %s%s   ", static_cast<long long>(done),
+               static_cast<long long>(steps_), bar.c_str(), duration(eta).c_str(),
+               format_logs(logs).c_str());
   std::fflush(out_);
 }
 
@@ -59,11 +74,14 @@ void Progress::end_epoch(const EpochLogs& logs) {
   if (!enabled_) return;
   const double ms_per_step = logs.steps > 0 ? 1000.0 * logs.seconds / logs.steps : 0;
   if (bar_) std::fprintf(out_, "\r");
-  std::fprintf(out_,
-               "%lld/%lld%s - %s - %.0fms/step - loss: %.4f - accuracy: %.4f - %.0f samples/s\n",
+  std::fprintf(out_, "%lld/%lld%s - %s - %.0fms/step%s - %.0f samples/s\n",
                static_cast<long long>(logs.steps), static_cast<long long>(logs.steps),
                bar_ ? " [==============================]" : "", duration(logs.seconds).c_str(),
-               ms_per_step, logs.loss, logs.accuracy, logs.samples_per_s);
+               ms_per_step, format_logs(logs.values).c_str(), logs.samples_per_s);
+  if (logs.skipped_steps > 0) {
+    std::fprintf(out_, "  loss scaling: %lld step(s) skipped (non-finite gradients)\n",
+                 static_cast<long long>(logs.skipped_steps));
+  }
   if (logs.comm_seconds > 0 && logs.steps > 0) {
     // Where multi-worker time goes: what the all-reduces took, and how much backward hid.
     std::fprintf(out_, "  gradient all-reduce: %.1fms/step in flight, %.1fms/step waited (%.0f%% "

@@ -71,12 +71,14 @@ TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
                    "training is not supported; use chief/worker\n");
 }
 
-TEST(TrainCommand, EvaluatorTaskSaysItDoesNotTrain) {
+TEST(TrainCommand, TheEvaluatorTaskNeedsTheChiefsCheckpointDir) {
   const auto r = run_process(
       {kCli, "train"}, {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
                                                "task": {"type": "evaluator"}})"}});
   EXPECT_EQ(r.exit_code, kExitBadInput);
-  EXPECT_NE(r.err.find("side-car evaluation is not supported yet"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("it evaluates the chief's checkpoints, so give it --checkpoint-dir"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {

@@ -135,10 +135,11 @@ TEST(Launch, TwoWorkersTrainOnLoopback) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
   const std::string metrics = dir.path() + "/metrics.jsonl";
-  const std::string model_dir = dir.path() + "/model";
+  const std::string checkpoint_dir = dir.path() + "/ckpt";
   const auto r = run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train",
                               "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "60", "--lr",
-                              "0.05", "--metrics-json", metrics, "--model-dir", model_dir});
+                              "0.05", "--metrics-json", metrics, "--checkpoint-dir",
+                              checkpoint_dir});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[worker 0] Epoch 1/2\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("[worker 0] 60/60 - "), std::string::npos) << r.out;
@@ -160,8 +161,52 @@ TEST(Launch, TwoWorkersTrainOnLoopback) {
   std::vector<std::string> beside;
   for (const auto& e : fs::directory_iterator(dir.path())) beside.push_back(e.path().filename());
   std::sort(beside.begin(), beside.end());
-  EXPECT_EQ(beside, (std::vector<std::string>{"metrics.jsonl", "model"}));
-  EXPECT_TRUE(fs::exists(fs::path(model_dir) / "ckpt-2.safetensors"));
+  EXPECT_EQ(beside, (std::vector<std::string>{"ckpt", "metrics.jsonl"}));
+  EXPECT_TRUE(fs::exists(fs::path(checkpoint_dir) / "ckpt-2" / "model.safetensors"));
+  EXPECT_EQ(testing::read_file(fs::path(checkpoint_dir) / "checkpoint").substr(0, 32),
+            "model_checkpoint_path: \"ckpt-2\"\n");
+}
+
+TEST(Launch, TheEvaluatorEvaluatesTheChiefsFinalCheckpoint) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
+                              "train", "--model", "mlp", "--epochs", "2", "--steps-per-epoch",
+                              "20", "--checkpoint-dir", dir.path() + "/ckpt", "--tensorboard-dir",
+                              dir.path() + "/tb", "--metrics-json", metrics});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[evaluator] Evaluator: ckpt-2 (epoch 2, step 40): loss: "),
+            std::string::npos)
+      << r.out;
+  // The evaluator and the chief measure the same weights on the same test split.
+  double chief = -1, evaluator = -2;
+  for (const auto& line : lines_of(testing::read_file(metrics))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("test_accuracy")) chief = j["test_accuracy"];
+    if (j.contains("eval_accuracy") && j["epoch"] == 2) evaluator = j["eval_accuracy"];
+  }
+  EXPECT_EQ(evaluator, chief);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/tb/evaluation"));
+}
+
+// The seed's two programs, briefly: 2 workers, a few steps each.
+TEST(Examples, TheSeedProgramsRunOnTwoWorkers) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  const std::string examples = testing::test_bin_dir() + "/../examples/";
+  const auto first = run_process(
+      {kCli, "launch", "--workers", "2", "--", examples + "multi_worker", "1", "5"});
+  ASSERT_EQ(first.exit_code, 0) << first.out << first.err;
+  EXPECT_NE(first.out.find("[worker 0] final training accuracy "), std::string::npos) << first.out;
+  const auto recipe =
+      run_process({kCli, "launch", "--workers", "2", "--", examples + "recipe", "1", "3"});
+  ASSERT_EQ(recipe.exit_code, 0) << recipe.out << recipe.err;
+  // The seed passes warmup_steps without warmup_target: flotilla says that does no warmup.
+  const std::string said = recipe.out + recipe.err;
+  EXPECT_NE(said.find("warmup_target"), std::string::npos) << said;
+  EXPECT_NE(said.find("jit_compile: no effect"), std::string::npos) << said;
+  EXPECT_NE(recipe.out.find("[worker 0] final training accuracy "), std::string::npos)
+      << recipe.out;
 }
 
 } // namespace

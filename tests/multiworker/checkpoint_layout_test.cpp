@@ -6,6 +6,7 @@
 
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/error.h"
+#include "flotilla/train/callbacks.h"
 #include "flotilla/train/model.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
@@ -41,7 +42,10 @@ TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
     train::FitOptions fit;
     fit.epochs = 2;
     fit.verbose = train::Verbosity::kSilent;
-    fit.model_dir = model_dir.string();
+    train::ModelCheckpointOptions checkpoints;
+    checkpoints.filepath = (model_dir / "ckpt-{epoch}.safetensors").string();
+    checkpoints.save_weights_only = true;
+    fit.callbacks.push_back(std::make_shared<train::ModelCheckpoint>(checkpoints));
     model.fit(ds, fit);
     trained[rank] = net[1]->as<nn::Linear>()->weight.detach().clone();
   });

@@ -274,7 +274,7 @@ std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& i
                                 .map([](data::Element e) {
                                   return data::Element{data::normalize_images(e[0]), e[1]};
                                 });
-          const double acc = model.evaluate(test).accuracy;
+          const double acc = model.evaluate(test).at("accuracy");
           if (rank == 0) *accuracy = acc;
         }
         if (rank == 0) {

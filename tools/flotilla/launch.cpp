@@ -38,6 +38,7 @@ struct LaunchArgs {
   int workers = 2;
   int port = 0; // 0: free ports chosen by the kernel
   double grace_s = 10;
+  bool evaluator = false; // also start TF_CONFIG's evaluator task (a sidecar, not in training)
   std::vector<std::string> command;
 };
 
@@ -110,6 +111,7 @@ std::string self_executable() {
 
 struct Child {
   int index = 0;
+  std::string name; // "worker 2", "evaluator"
   pid_t pid = -1;
   bool running = false;
   int exit_code = 0;
@@ -132,11 +134,12 @@ void write_all(int fd, const std::string& text) {
 // Emits the complete lines in `buffer` with the worker's prefix; `flush` emits the rest too.
 // A carriage return ends a segment as a newline does, so a worker's progress bar, redrawn in
 // place with '\r', stays in place here too.
-void emit_lines(int index, std::string& buffer, int fd, bool flush) {
-  const std::string prefix = "[worker " + std::to_string(index) + "] ";
+void emit_lines(const std::string& name, std::string& buffer, int fd, bool flush) {
+  const std::string prefix = "[" + name + "] ";
   // flotilla's own log lines already say "[worker i/N]"; don't say it twice.
   auto tagged = [&](const std::string& text) {
-    return text.rfind("[worker ", 0) == 0 ? text : prefix + text;
+    return text.rfind("[worker ", 0) == 0 || text.rfind("[evaluator", 0) == 0 ? text
+                                                                              : prefix + text;
   };
   std::string out;
   std::size_t start = 0;
@@ -279,7 +282,7 @@ std::string describe_exit(int status) {
 // The running workers; whatever happens to run(), none outlives this object.
 class Launcher {
  public:
-  explicit Launcher(const LaunchArgs& args) : args_(args), children_(args.workers) {}
+  explicit Launcher(const LaunchArgs& args) : args_(args), children_(args.workers + (args.evaluator ? 1 : 0)) {}
   ~Launcher() {
     stop_all(SIGKILL);
     for (auto& c : children_) {
@@ -290,6 +293,7 @@ class Launcher {
   void start(int index, const std::vector<std::string>& argv, const std::vector<std::string>& env) {
     Child& child = children_[static_cast<std::size_t>(index)];
     child.index = index;
+    child.name = index < args_.workers ? "worker " + std::to_string(index) : "evaluator";
     auto [out_read, out_write] = make_pipe();
     auto [err_read, err_write] = make_pipe();
     child.pid = spawn(argv, env, out_write.get(), err_write.get());
@@ -344,7 +348,7 @@ void Launcher::reap() {
   }
   if (!culprit) return;
   failed_ = culprit;
-  write_all(STDERR_FILENO, "[launch] worker " + std::to_string(*culprit) + " " +
+  write_all(STDERR_FILENO, "[launch] " + children_[static_cast<std::size_t>(*culprit)].name + " " +
                                describe_exit(culprit_status) + "; stopping the other workers\n");
   stop_all(SIGTERM);
   stop_later();
@@ -374,9 +378,9 @@ void Launcher::relay(Child& child, bool is_out, int fd) {
   const int target = is_out ? STDOUT_FILENO : STDERR_FILENO;
   if (n > 0) {
     buffer.append(buf, static_cast<std::size_t>(n));
-    emit_lines(child.index, buffer, target, false);
+    emit_lines(child.name, buffer, target, false);
   } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-    emit_lines(child.index, buffer, target, true);
+    emit_lines(child.name, buffer, target, true);
     (is_out ? child.out : child.err).reset();
   }
 }
@@ -410,8 +414,8 @@ int Launcher::supervise() {
     if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
     if (ready == 0 && !any_running) { // workers gone, pipes quiet: stop waiting for them
       for (auto& c : children_) {
-        emit_lines(c.index, c.out_buffer, STDOUT_FILENO, true);
-        emit_lines(c.index, c.err_buffer, STDERR_FILENO, true);
+        emit_lines(c.name, c.out_buffer, STDOUT_FILENO, true);
+        emit_lines(c.name, c.err_buffer, STDERR_FILENO, true);
         c.out.reset();
         c.err.reset();
       }
@@ -444,14 +448,16 @@ int run(const LaunchArgs& a) {
                       std::to_string(a.workers) + " consecutive ports; use a port up to " +
                       std::to_string(65536 - a.workers));
   }
+  const int tasks = a.workers + (a.evaluator ? 1 : 0);
   std::vector<int> ports;
   if (a.port > 0) {
-    for (int i = 0; i < a.workers; ++i) ports.push_back(a.port + i);
+    for (int i = 0; i < tasks; ++i) ports.push_back(a.port + i);
   } else {
-    ports = free_ports(a.workers);
+    ports = free_ports(tasks);
   }
   cluster::ClusterSpec spec;
-  for (int port : ports) spec.worker.push_back({"127.0.0.1", port});
+  for (int i = 0; i < a.workers; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+  if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
   const int threads = std::max(1, available_cores() / a.workers);
   const bool terminal = ::isatty(STDOUT_FILENO) != 0;
 
@@ -464,6 +470,13 @@ int run(const LaunchArgs& a) {
     spec.task = {cluster::TaskType::kWorker, i};
     launcher.start(i, argv,
                    child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal));
+  }
+  if (a.evaluator) {
+    // TF's sidecar: it trains nothing, so it shares the machine with the workers' threads.
+    spec.task = {cluster::TaskType::kEvaluator, 0};
+    launcher.start(a.workers, argv,
+                   child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1,
+                                     false));
   }
   return launcher.supervise();
 }
@@ -485,6 +498,9 @@ Command add_launch(CLI::App& parent) {
                   "Seconds stopped workers get between SIGTERM and SIGKILL")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
+  app->add_flag("--evaluator", args->evaluator,
+                "Also start an evaluator task (TF_CONFIG type \"evaluator\"): it evaluates each "
+                "new checkpoint the chief writes (flotilla train --checkpoint-dir)");
   app->add_option("command", args->command, "The command each worker runs, after --")->required();
   app->footer("Example: flotilla launch --workers 2 -- flotilla train --model cnn --epochs 1");
   return {app, [args] { return run(*args); }};

@@ -3,7 +3,10 @@
 // `flotilla launch` start them on this machine.
 #include <unistd.h>
 
+#include <ATen/cpu/Utils.h>
+
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/cluster/resolvers.h"
@@ -12,12 +15,17 @@
 #include "flotilla/data/image.h"
 #include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/train/callbacks.h"
+#include "flotilla/train/event_file.h"
 #include "flotilla/train/model.h"
+#include "flotilla/train/schedules.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 
 namespace flotilla::tools {
 namespace {
+namespace fs = std::filesystem;
 
 struct TrainArgs {
   std::string model = "cnn";
@@ -26,10 +34,27 @@ struct TrainArgs {
   int epochs = 1;
   std::int64_t steps_per_epoch = 0; // 0: the whole dataset
   std::int64_t batch_per_replica = 32;
-  double lr = 0.04; // linear scaling: 0.02 per 32 examples, at the default global batch 64
+  // The recipe: learning rate = base_lr x global batch / base_batch, warmed up, cosine-decayed.
+  std::string optimizer = "sgd";
+  double lr = 0;          // > 0: this rate as given, no scaling
+  double base_lr = 0.02;  // per base_batch examples (SGD with momentum 0.9)
+  std::int64_t base_batch = 32;
+  std::string lr_scaling = "linear";
+  std::string schedule = "cosine";
+  double warmup_epochs = -1; // -1: one epoch when training for more than one
   double momentum = 0.9;
+  double label_smoothing = 0;
+  std::string precision = "auto";
+  bool jit_compile = false;
+  int steps_per_execution = 1;
   std::uint64_t seed = 42;
-  std::string model_dir;
+  std::string checkpoint_dir;
+  int max_to_keep = 3;
+  std::string backup_dir;
+  std::int64_t backup_freq = 0;
+  std::string tensorboard_dir;
+  std::string csv_log;
+  bool validation = false;
   int threads = 0; // 0: cores ÷ workers on this machine
   std::string metrics_json;
   double timeout_s = 300;
@@ -53,15 +78,175 @@ void append_json_line(const std::string& path, const nlohmann::ordered_json& obj
   }
 }
 
+struct Recipe {
+  train::Policy policy = train::Policy::kFloat32;
+  train::OptimizerOptions optimizer;
+  std::vector<std::string> lines; // what is on and off, for the log
+};
+
+// Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then does
+// mixed_bfloat16 make a CPU step faster rather than slower.
+bool cpu_has_bf16() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  for (const char* key : {"avx512_bf16", "amx_bf16"}) {
+    auto it = caps.find(key);
+    if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
+  }
+  return false;
+}
+
+Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t steps_per_epoch) {
+  Recipe r;
+  char buf[256];
+  // Mixed precision, matched to the hardware (the seeds: mixed_float16 on GPU, bf16 elsewhere).
+  if (a.precision == "auto") {
+    const bool bf16 = cpu_has_bf16();
+    r.policy = bf16 ? train::Policy::kMixedBFloat16 : train::Policy::kFloat32;
+    r.lines.push_back(bf16 ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
+                           : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
+                             "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
+  } else {
+    r.policy = train::parse_policy(a.precision);
+    r.lines.push_back("mixed precision: " + train::to_string(r.policy) + " (--precision)");
+  }
+  // Linear learning-rate scaling with the global batch.
+  double peak = a.lr;
+  if (a.lr > 0) {
+    std::snprintf(buf, sizeof buf, "learning rate: %g as given (--lr; no scaling)", a.lr);
+  } else if (a.lr_scaling == "linear") {
+    peak = train::linear_scaling(a.base_lr, global_batch, a.base_batch);
+    std::snprintf(buf, sizeof buf,
+                  "linear LR scaling: %g x %lld / %lld = %g", a.base_lr,
+                  static_cast<long long>(global_batch), static_cast<long long>(a.base_batch), peak);
+  } else {
+    peak = a.base_lr;
+    std::snprintf(buf, sizeof buf, "learning rate: %g, not scaled (--lr-scaling none)", a.base_lr);
+  }
+  r.lines.push_back(buf);
+  r.optimizer.kind = train::parse_optimizer(a.optimizer);
+  r.optimizer.learning_rate = peak;
+  if (r.optimizer.kind == train::OptimizerKind::kSGD) {
+    r.optimizer.momentum = a.momentum;
+  } else if (r.optimizer.kind == train::OptimizerKind::kAdamW) {
+    r.optimizer.weight_decay = 0.004;
+  }
+  // Warmup + cosine decay over the whole run, per optimizer update.
+  const std::int64_t total = steps_per_epoch * a.epochs / a.accumulation_steps;
+  const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
+  const auto warmup = static_cast<std::int64_t>(warmup_epochs * static_cast<double>(total) /
+                                                a.epochs);
+  if (a.schedule == "cosine") {
+    if (total - warmup < 1) {
+      throw ConfigError("--warmup-epochs " + std::to_string(warmup_epochs) +
+                        " leaves no steps to decay over in " + std::to_string(a.epochs) +
+                        " epoch(s); lower it or train longer");
+    }
+    train::CosineDecayOptions cosine;
+    if (warmup > 0) {
+      // TF warms up only with a warmup_target: from initial_learning_rate (0) to it.
+      cosine.initial_learning_rate = 0;
+      cosine.warmup_target = peak;
+      cosine.warmup_steps = warmup;
+    } else {
+      cosine.initial_learning_rate = peak;
+    }
+    cosine.decay_steps = total - warmup;
+    r.optimizer.schedule = std::make_shared<train::CosineDecay>(cosine);
+    std::snprintf(buf, sizeof buf, "schedule: %lld warmup step(s) (%g epoch(s)) to %g, then cosine "
+                  "decay over %lld step(s)", static_cast<long long>(warmup), warmup_epochs, peak,
+                  static_cast<long long>(total - warmup));
+  } else if (a.schedule == "constant") {
+    std::snprintf(buf, sizeof buf, "schedule: constant %g", peak);
+  } else {
+    throw ConfigError("--schedule \"" + a.schedule + "\" is not available; use cosine or constant");
+  }
+  r.lines.push_back(buf);
+  r.lines.push_back(std::string("compiled step: ") +
+                    (a.jit_compile ? "jit_compile requested; on the CPU it has no effect"
+                                   : "off (jit_compile: CUDA-graph capture is not built yet)"));
+  r.lines.push_back("input pipeline: shuffle, batch, parallel map (AUTOTUNE), prefetch (AUTOTUNE)" +
+                    std::string(a.cache != "none" ? ", cache" : "") +
+                    "; each worker prepares only its own slice");
+  r.lines.push_back("batch: " + std::to_string(a.batch_per_replica) +
+                    " per replica, global " + std::to_string(global_batch) +
+                    " (the largest batch that fits is not searched for: set --batch-per-replica)");
+  return r;
+}
+
+data::Dataset test_source_of(const TrainArgs& a) {
+  return data::fashion_mnist(a.data_dir, data::Split::kTest);
+}
+
+// TF's SidecarEvaluator: the evaluator task trains nothing and joins no collective. It watches
+// the chief's checkpoint directory, evaluates each new checkpoint on the test split, writes its
+// own TensorBoard scalars (<tensorboard-dir>/evaluation) and metrics lines, and exits after the
+// checkpoint of the last epoch.
+int run_evaluator(const TrainArgs& a, const data::Dataset& test_source) {
+  if (a.checkpoint_dir.empty()) {
+    throw ConfigError("this task is the evaluator (TF_CONFIG task.type \"evaluator\"): it "
+                      "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
+                      "as the chief's");
+  }
+  strategy::MirroredStrategy strategy; // this process alone
+  auto net = models::make_model(a.model);
+  train::Model model(strategy, net);
+  model.compile({});
+  const auto test = test_source.batch(a.batch_per_replica * 4).map([](data::Element e) {
+    return data::Element{data::normalize_images(e[0]), e[1]};
+  });
+  std::optional<train::EventFileWriter> events;
+  if (!a.tensorboard_dir.empty()) events.emplace(fs::path(a.tensorboard_dir) / "evaluation");
+  const checkpoint::CheckpointManager manager(a.checkpoint_dir);
+  const auto patience = std::chrono::duration<double>(a.timeout_s);
+  auto last_new = std::chrono::steady_clock::now();
+  std::optional<fs::path> done;
+  std::printf("Evaluator: watching %s for checkpoints\n", a.checkpoint_dir.c_str());
+  std::fflush(stdout);
+  while (true) {
+    std::optional<fs::path> latest;
+    try {
+      latest = manager.latest();
+    } catch (const CheckpointError&) {
+      // The chief is replacing the pointer file: look again shortly.
+    }
+    if (!latest || latest == done) {
+      if (std::chrono::steady_clock::now() - last_new > patience) {
+        throw TimeoutError("evaluator: no new checkpoint in " + a.checkpoint_dir + " for " +
+                           std::to_string(a.timeout_s) + " s (--timeout); is the chief running "
+                           "with the same --checkpoint-dir?");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      continue;
+    }
+    const checkpoint::CheckpointData saved = checkpoint::read_checkpoint(*latest);
+    checkpoint::load_model_state(*net, saved.model, latest->string());
+    const train::EvalResult result = model.evaluate(test);
+    std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
+                latest->filename().c_str(), static_cast<long long>(saved.epoch),
+                static_cast<long long>(saved.step), result.loss(), result.at("accuracy"));
+    std::fflush(stdout);
+    if (events) {
+      for (const auto& [key, value] : result.values.items()) {
+        events->scalar("epoch_" + key, value, saved.epoch);
+      }
+      events->flush();
+    }
+    if (!a.metrics_json.empty()) {
+      append_json_line(a.metrics_json, {{"evaluator_checkpoint", latest->filename().string()},
+                                        {"epoch", saved.epoch},
+                                        {"step", saved.step},
+                                        {"eval_loss", result.loss()},
+                                        {"eval_accuracy", result.at("accuracy")}});
+    }
+    done = latest;
+    last_new = std::chrono::steady_clock::now();
+    if (saved.epoch >= a.epochs) return kExitOk; // the final checkpoint
+  }
+}
+
 int run(const TrainArgs& a) {
   const auto env = cluster::Environment::from_process();
   const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
-  if (spec.is_evaluator()) {
-    throw ConfigError(
-        "this task is the evaluator (TF_CONFIG task.type \"evaluator\"): side-car evaluation is "
-        "not supported yet, and the evaluator never joins training; start only the chief and "
-        "worker tasks");
-  }
   if (a.dataset != "fashion-mnist") {
     throw ConfigError("--dataset \"" + a.dataset + "\" is not available; use fashion-mnist");
   }
@@ -76,6 +261,7 @@ int run(const TrainArgs& a) {
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
 
+  if (spec.is_evaluator()) return run_evaluator(a, test_source_of(a));
   const bool write_metrics = spec.is_chief() && !a.metrics_json.empty();
   if (write_metrics && !std::ofstream(a.metrics_json, std::ios::app)) {
     // Found before joining, not after an epoch of training.
@@ -84,7 +270,7 @@ int run(const TrainArgs& a) {
   }
   // Load (and validate) the data before joining, so a bad path fails fast on every worker.
   data::Dataset train_source = data::fashion_mnist(a.data_dir, data::Split::kTrain);
-  const data::Dataset test_source = data::fashion_mnist(a.data_dir, data::Split::kTest);
+  const data::Dataset test_source = test_source_of(a);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, a.replicas_per_worker);
   const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
@@ -95,20 +281,6 @@ int run(const TrainArgs& a) {
         std::to_string(global_batch) + " (" + std::to_string(a.batch_per_replica) +
         " per replica), " + std::to_string(threads) + " thread(s) per worker; cluster from " +
         spec.source + (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
-  }
-
-  torch::manual_seed(a.seed);
-  auto net = strategy.scope([&] { return models::make_model(a.model); });
-  train::Model model(strategy, net);
-  train::CompileOptions compile;
-  compile.optimizer.learning_rate = a.lr;
-  compile.optimizer.momentum = a.momentum;
-  compile.gradient_accumulation_steps = a.accumulation_steps;
-  model.compile(compile);
-  if (strategy.is_chief()) {
-    strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
-                        (comm.overlap ? "on" : "off") + ", compression " +
-                        std::string(collective::to_string(comm.compression)));
   }
 
   // The seeds' recipe: shuffle -> batch(drop_remainder) -> map(AUTOTUNE) -> prefetch(AUTOTUNE),
@@ -153,54 +325,101 @@ int run(const TrainArgs& a) {
                         data::kAutotune);
   const auto train_set = data::distribute_dataset(
       batches.prefetch(data::kAutotune).with_options(pipeline_options), strategy.input_context());
-  const auto test_set =
-      data::distribute_dataset(test_source.batch(global_batch)
-                                   .map(
-                                       [](data::Element e) {
-                                         return data::Element{data::normalize_images(e[0]), e[1]};
-                                       },
-                                       data::kAutotune)
-                                   .prefetch(data::kAutotune)
-                                   .with_options(pipeline_options),
-                               strategy.input_context());
-  if (strategy.is_chief()) strategy.log().info("input: " + train_set.plan());
+  // Evaluation (and --validation) batches: every element counted once, the last batch short.
+  const data::Dataset test_batches = test_source.batch(global_batch)
+                                         .map(
+                                             [](data::Element e) {
+                                               return data::Element{
+                                                   data::normalize_images(e[0]), e[1]};
+                                             },
+                                             data::kAutotune)
+                                         .prefetch(data::kAutotune)
+                                         .with_options(pipeline_options);
+
+  const std::int64_t steps_per_epoch =
+      a.steps_per_epoch > 0 ? a.steps_per_epoch : train_set.cardinality();
+  if (steps_per_epoch < 1) {
+    throw ConfigError("the global batch " + std::to_string(global_batch) +
+                      " is larger than the training set; lower --batch-per-replica");
+  }
+
+  // The recipe, item by item (the seeds' list): each is on by default where it helps here.
+  const Recipe recipe = make_recipe(a, global_batch, steps_per_epoch);
+  train::set_global_policy(recipe.policy);
+  torch::manual_seed(a.seed);
+  auto net = strategy.scope([&] { return models::make_model(a.model); });
+  train::Model model(strategy, net);
+  train::CompileOptions compile;
+  compile.optimizer = recipe.optimizer;
+  compile.loss.label_smoothing = a.label_smoothing;
+  compile.jit_compile = a.jit_compile;
+  compile.steps_per_execution = a.steps_per_execution;
+  compile.gradient_accumulation_steps = a.accumulation_steps;
+  model.compile(compile);
+  if (strategy.is_chief()) {
+    for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
+    strategy.log().info("input: " + train_set.plan());
+    strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
+                        (comm.overlap ? "on" : "off") + ", compression " +
+                        std::string(collective::to_string(comm.compression)));
+  }
 
   train::FitOptions fit;
   fit.epochs = a.epochs;
   if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
-  fit.model_dir = a.model_dir;
+  if (a.validation) fit.validation_data = test_batches;
   if (a.verbose == "auto") {
     const bool terminal = ::isatty(STDOUT_FILENO) || env.get("FLOTILLA_TERMINAL");
     fit.verbose = terminal ? train::Verbosity::kProgressBar : train::Verbosity::kOneLinePerEpoch;
   } else {
     fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
   }
-  fit.on_epoch_end = [&](const train::EpochLogs& logs) {
+  if (!a.backup_dir.empty()) {
+    fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(
+        train::BackupOptions{a.backup_dir, a.backup_freq, true}));
+  }
+  if (!a.checkpoint_dir.empty()) {
+    train::ModelCheckpointOptions checkpoints;
+    checkpoints.filepath = a.checkpoint_dir;
+    checkpoints.max_to_keep = a.max_to_keep;
+    fit.callbacks.push_back(std::make_shared<train::ModelCheckpoint>(checkpoints));
+  }
+  if (!a.tensorboard_dir.empty()) {
+    fit.callbacks.push_back(
+        std::make_shared<train::TensorBoard>(train::TensorBoardOptions{a.tensorboard_dir, 0}));
+  }
+  if (!a.csv_log.empty()) fit.callbacks.push_back(std::make_shared<train::CSVLogger>(a.csv_log));
+  fit.callbacks.push_back(std::make_shared<train::TerminateOnNaN>());
+  auto metrics = std::make_shared<train::LambdaCallback>();
+  metrics->epoch_end = [&](int, train::EpochLogs& logs) {
     if (!write_metrics) return;
-    append_json_line(a.metrics_json, {{"epoch", logs.epoch},
-                                      {"loss", logs.loss},
-                                      {"accuracy", logs.accuracy},
-                                      {"samples_per_s", logs.samples_per_s},
-                                      {"seconds", logs.seconds},
-                                      {"input_bound_share", logs.input_seconds / logs.seconds},
-                                      {"steps", logs.steps},
-                                      {"comm_seconds", logs.comm_seconds},
-                                      {"comm_exposed_seconds", logs.comm_exposed_seconds},
-                                      {"comm_hidden_share", logs.comm_hidden_share},
-                                      {"workers", strategy.num_workers()},
-                                      {"replicas_in_sync", strategy.num_replicas_in_sync()},
-                                      {"global_batch", global_batch}});
+    nlohmann::ordered_json line = {{"epoch", logs.epoch}};
+    for (const auto& [key, value] : logs.values.items()) line[key] = value;
+    line.update({{"samples_per_s", logs.samples_per_s},
+                 {"seconds", logs.seconds},
+                 {"input_bound_share", logs.input_seconds / logs.seconds},
+                 {"steps", logs.steps},
+                 {"skipped_steps", logs.skipped_steps},
+                 {"comm_seconds", logs.comm_seconds},
+                 {"comm_exposed_seconds", logs.comm_exposed_seconds},
+                 {"comm_hidden_share", logs.comm_hidden_share},
+                 {"workers", strategy.num_workers()},
+                 {"replicas_in_sync", strategy.num_replicas_in_sync()},
+                 {"global_batch", global_batch},
+                 {"precision", train::to_string(recipe.policy)}});
+    append_json_line(a.metrics_json, line);
   };
+  fit.callbacks.push_back(metrics);
   model.fit(train_set, fit);
 
-  const train::EvalResult test = model.evaluate(test_set);
+  const train::EvalResult test = model.evaluate(test_batches);
   if (strategy.is_chief()) {
-    std::printf("Test: loss: %.4f - accuracy: %.4f (%lld samples)\n", test.loss, test.accuracy,
-                static_cast<long long>(test.samples));
+    std::printf("Test: loss: %.4f - accuracy: %.4f (%lld samples)\n", test.loss(),
+                test.at("accuracy"), static_cast<long long>(test.samples));
     std::fflush(stdout);
     if (write_metrics) {
-      append_json_line(a.metrics_json, {{"test_loss", test.loss},
-                                        {"test_accuracy", test.accuracy},
+      append_json_line(a.metrics_json, {{"test_loss", test.loss()},
+                                        {"test_accuracy", test.at("accuracy")},
                                         {"test_samples", test.samples}});
     }
   }
@@ -232,16 +451,62 @@ Command add_train(CLI::App& parent) {
                   "Batch per replica; global batch = this x replicas in sync")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lr", args->lr, "SGD learning rate")
+  app->add_option("--optimizer", args->optimizer, "sgd (momentum), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  app->add_option("--base-lr", args->base_lr, "Learning rate per --base-batch examples")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--base-batch", args->base_batch, "The batch --base-lr is meant for")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--lr-scaling", args->lr_scaling,
+                  "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
+      ->check(CLI::IsMember({"linear", "none"}))
+      ->capture_default_str();
+  app->add_option("--lr", args->lr, "Peak learning rate as given (overrides --base-lr scaling)")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--schedule", args->schedule, "cosine (warmup, then cosine decay) or constant")
+      ->check(CLI::IsMember({"cosine", "constant"}))
+      ->capture_default_str();
+  app->add_option("--warmup-epochs", args->warmup_epochs,
+                  "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
+      ->check(CLI::NonNegativeNumber);
   app->add_option("--momentum", args->momentum, "SGD momentum")
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
+  app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app->add_option("--precision", args->precision,
+                  "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
+                  "mixed_float16 or mixed_bfloat16")
+      ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
+      ->capture_default_str();
+  app->add_flag("--jit-compile", args->jit_compile, "Keras's jit_compile (no effect on the CPU)");
+  app->add_option("--steps-per-execution", args->steps_per_execution,
+                  "Steps between batch-level callbacks and progress updates")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app->add_option("--seed", args->seed, "Seed for initialisation and shuffling")
       ->capture_default_str();
-  app->add_option("--model-dir", args->model_dir,
-                  "Save a checkpoint here after each epoch (chief; others use temporary dirs)");
+  app->add_option("--checkpoint-dir", args->checkpoint_dir,
+                  "Full checkpoints after each epoch: <dir>/ckpt-<epoch> (safetensors, optimizer "
+                  "state, manifest) and TF's 'checkpoint' pointer (chief; others use temp dirs)");
+  app->add_option("--max-to-keep", args->max_to_keep, "Checkpoints kept in --checkpoint-dir")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--backup-dir", args->backup_dir,
+                  "BackupAndRestore: resume an interrupted run from here; removed when done");
+  app->add_option("--backup-freq", args->backup_freq,
+                  "Also back up every N optimizer updates (0: at epoch ends only)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--tensorboard-dir", args->tensorboard_dir,
+                  "TensorBoard event files: <dir>/train and <dir>/validation (chief)");
+  app->add_option("--csv-log", args->csv_log, "CSVLogger: one row per epoch (chief)");
+  app->add_flag("--validation", args->validation,
+                "Evaluate on the test split after each epoch (val_loss, val_accuracy)");
   app->add_option("--threads", args->threads,
                   "Intra-op threads per worker (0: cores / workers on this machine)")
       ->check(CLI::NonNegativeNumber)

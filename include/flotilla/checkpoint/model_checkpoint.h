@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/strategy/strategy.h"
 
 namespace flotilla::checkpoint {
@@ -30,6 +31,18 @@ class WriteLocation {
   std::filesystem::path dir_;
   bool temporary_;
 };
+
+// A module's parameters and buffers by module path ("0.weight", "encoder.bn.running_mean"), the
+// names PyTorch's state_dict() gives the same module. The tensors are detached views of the
+// module's own (no copy): clone them to keep a snapshot while training goes on.
+NamedTensors model_state(const torch::nn::Module& module);
+
+// Copies `state` into the module's parameters and buffers (each keeps its device and dtype).
+// Everything is checked before anything is copied: a name the module has and `state` lacks, or
+// a shape that differs, is a CheckpointError naming the tensor (prefixed by `source`, e.g. the
+// file, when given) and the module is left as it was. Extra names in `state` are ignored.
+void load_model_state(torch::nn::Module& module, const NamedTensors& state,
+                      const std::string& source = "");
 
 // Every worker calls it at the same step. Writes `file_name` (parameters and buffers by their
 // module path, plus `metadata`) and returns the chief's path. A failure on any worker is

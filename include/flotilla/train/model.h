@@ -17,37 +17,55 @@
 
 #include "flotilla/data/distribute.h"
 #include "flotilla/strategy/strategy.h"
+#include "flotilla/train/losses.h"
+#include "flotilla/train/mixed_precision.h"
+#include "flotilla/train/optimizers.h"
 
 namespace flotilla::train {
 
-// torch::optim::SGD's settings.
-struct SGD {
-  double learning_rate = 0.01;
-  double momentum = 0.0;
-  bool nesterov = false;
-  double weight_decay = 0.0;
-};
+class Callback;
 
-enum class Loss {
-  kSparseCategoricalCrossentropy, // integer labels, logits in (Keras: from_logits=True)
-};
-
+// Keras's compile() arguments.
 struct CompileOptions {
-  SGD optimizer;
-  Loss loss = Loss::kSparseCategoricalCrossentropy;
-  std::vector<std::string> metrics = {"accuracy"}; // "accuracy" is the one available now
+  OptimizerOptions optimizer; // SGD(0.01) unless set; a schedule drives its learning rate
+  LossOptions loss;           // sparse categorical cross-entropy from logits
+  std::vector<std::string> metrics = {"accuracy"}; // Keras names (see make_metric)
+  std::vector<Metric> custom_metrics;              // your own per-example means
+  // Keras runs this many steps per call of its compiled function; here the steps are C++
+  // already, so it sets how often batch-level callbacks (and the progress bar) run.
+  int steps_per_execution = 1;
+  // Keras's XLA switch. The step is compiled C++ already; a CUDA-graph capture of the whole step
+  // is not built yet (issue 8). Accepted, and compile() says in one line that it has no effect.
+  bool jit_compile = false;
   // Apply the optimizer once every K batches, on their summed gradients, with one all-reduce
   // (Keras's gradient_accumulation_steps, DDP's no_sync). An epoch's last partial group is
   // applied at the epoch's end.
   int gradient_accumulation_steps = 1;
+  // Dynamic loss scaling (Keras's LossScaleOptimizer). Default: on under mixed_float16, off
+  // otherwise; set it to force either.
+  std::optional<LossScaleOptions> loss_scale;
+};
+
+// Keras's logs: metric name -> value, in the order Keras shows them (loss, metrics, val_...).
+class Logs {
+ public:
+  void set(const std::string& key, double value);
+  std::optional<double> get(const std::string& key) const;
+  // ConfigError naming the keys there are.
+  double at(const std::string& key) const;
+  bool empty() const { return items_.empty(); }
+  const std::vector<std::pair<std::string, double>>& items() const { return items_; }
+
+ private:
+  std::vector<std::pair<std::string, double>> items_;
 };
 
 // One epoch's results, global across workers.
 struct EpochLogs {
-  int epoch = 0; // 1-based, as Keras prints it
+  int epoch = 0; // 1-based, as Keras prints it (callbacks' 0-based index is epoch - 1)
   std::int64_t steps = 0;
-  double loss = 0;
-  double accuracy = 0;
+  // loss, metrics, learning_rate, then val_loss and val_<metric> after a validation.
+  Logs values;
   double samples_per_s = 0; // global samples ÷ the chief's wall-clock seconds
   double seconds = 0;
   double input_seconds = 0; // of `seconds`, waiting for the input pipeline (input-bound share)
@@ -56,31 +74,45 @@ struct EpochLogs {
   double comm_seconds = 0;
   double comm_exposed_seconds = 0;
   double comm_hidden_share = 0;
+  std::int64_t skipped_steps = 0; // non-finite gradients (loss scaling), the same on every worker
 };
 
 struct History {
   std::vector<EpochLogs> epochs;
+  // Keras's history.history[key]: the value of `key` after each epoch (NaN where absent).
+  std::vector<double> operator[](const std::string& key) const;
 };
 
 struct EvalResult {
-  double loss = 0;
-  double accuracy = 0;
+  Logs values; // "loss" and each metric
   std::int64_t samples = 0;
+  double loss() const { return values.at("loss"); }
+  double at(const std::string& key) const { return values.at(key); }
 };
 
 enum class Verbosity { kAuto = -1, kSilent = 0, kProgressBar = 1, kOneLinePerEpoch = 2 };
 
 struct FitOptions {
   int epochs = 1;
+  int initial_epoch = 0; // epochs already done (Keras): training runs epochs initial+1..epochs
   // Default: one pass over the dataset. Given: that many steps, continuing the same pass
   // across epochs; training stops early (with a warning) if the data runs out.
   std::optional<std::int64_t> steps_per_epoch;
-  Verbosity verbose = Verbosity::kAuto; // auto: a bar on a terminal, else one line
-  // Where checkpoints go ("" = none): the chief writes ckpt-<epoch>.safetensors after each
-  // epoch; the other workers save into temporary directories beside it (checkpoint/).
-  std::string model_dir;
-  // Called on every worker after each epoch with the global logs.
-  std::function<void(const EpochLogs&)> on_epoch_end;
+  // Evaluated after every validation_freq-th epoch; adds val_loss and val_<metric> to the logs.
+  std::optional<data::Dataset> validation_data;
+  int validation_freq = 1;
+  std::vector<std::shared_ptr<Callback>> callbacks;
+  Verbosity verbose = Verbosity::kAuto; // auto: a bar on a terminal, else one line per epoch
+};
+
+// Where a fit stands, for checkpoints and BackupAndRestore.
+struct TrainingState {
+  std::int64_t iterations = 0;    // optimizer updates applied (the schedules' step)
+  int epoch = 0;                  // epochs completed
+  std::int64_t step_in_epoch = 0; // steps of the current epoch done (0 at an epoch boundary)
+  std::optional<data::IteratorState> iterator; // the training input's position
+  double loss_scale = 0;          // 0: no loss scaling
+  std::int64_t loss_scale_good_steps = 0;
 };
 
 class Model {
@@ -106,21 +138,42 @@ class Model {
         std::function<Replica()> clone = {});
   ~Model();
 
+  // Reads the global mixed-precision policy (set_global_policy) as Keras does.
   void compile(const CompileOptions& options);
   // `train` yields global batches: it is distributed with this model's strategy
   // (data::distribute_dataset). Every pass is a new iteration of it (a new shuffle), except with
   // steps_per_epoch, where one pass continues across epochs as in Keras.
   History fit(const data::Dataset& train, const FitOptions& options = {});
   History fit(const data::DistributedDataset& train, const FitOptions& options = {});
-  // Loss and accuracy over every element, each counted once (a short last batch included).
+  // Loss and metrics over every element, each counted once (a short last batch included),
+  // global across workers.
   EvalResult evaluate(const data::Dataset& data);
   EvalResult evaluate(const data::DistributedDataset& data);
   torch::Tensor predict(const torch::Tensor& features);
 
   torch::nn::Module& module() { return *module_; }
   strategy::Strategy& strategy() { return strategy_; }
+  const CompileOptions& compile_options() const;
+  Policy policy() const { return policy_; }
   // The gradient engine (after compile): bucket plan and communication statistics.
   const strategy::GradientReducer& gradient_reducer() const;
+  // Replica 0's optimizer (every replica's holds the same state).
+  torch::optim::Optimizer& optimizer();
+  // The learning rate of the next update.
+  double learning_rate() const;
+  // Replaces a constant learning rate (LearningRateScheduler); ConfigError under a schedule.
+  void set_learning_rate(double learning_rate);
+  // Keras's model.stop_training: a callback sets it to end fit() after the current step (batch
+  // callbacks) or epoch. Batch-level stops must come from values that are the same on every
+  // worker (as TerminateOnNaN's do); fit() agrees on epoch-level stops itself.
+  bool stop_training = false;
+  // Whether the last step's all-reduced gradients were finite (the same on every worker).
+  bool last_step_finite() const { return last_step_finite_; }
+  // Where training stands; inside fit() it includes the input's position.
+  TrainingState training_state() const;
+  // Makes the next (or the starting) fit() continue from `state`: optimizer step count, loss
+  // scale, epoch, step and input position. Weights and optimizer state are restored separately.
+  void restore_training_state(const TrainingState& state);
 
  private:
   template <class Impl> static Forward forward_of(std::shared_ptr<Impl> module) {
@@ -128,6 +181,11 @@ class Model {
   }
   void require_compiled(const char* what) const;
   void check_consistency(const data::DistributedDataset& train, const FitOptions& options);
+  // Runs one batch on every replica and applies the update when due; returns the batch's sums.
+  struct StepSums;
+  StepSums train_step(const data::ReplicaBatch& batch, int& micro);
+  void apply_gradients();
+  EvalResult evaluate_impl(const data::DistributedDataset& data);
 
   strategy::Strategy& strategy_;
   std::shared_ptr<torch::nn::Module> module_;
@@ -137,6 +195,19 @@ class Model {
   std::vector<Replica> replicas_; // replica 0 is module_ itself
   std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
+  std::vector<Metric> metrics_;
+  Policy policy_ = Policy::kFloat32;
+  std::optional<LossScale> loss_scale_;
+  bool check_finite_ = false; // a callback needs last_step_finite()
+  bool last_step_finite_ = true;
+  std::int64_t iterations_ = 0;
+  // Set by restore_training_state for the next fit to pick up.
+  std::optional<TrainingState> resume_;
+  // During fit: the epoch in progress (0-based) and the input's iterator.
+  int epoch_index_ = 0;
+  std::int64_t step_in_epoch_ = 0;
+  bool pass_continues_ = false; // steps_per_epoch: one pass runs across epochs
+  const data::DistributedIterator* pass_ = nullptr;
   struct Threads;
   std::unique_ptr<Threads> threads_; // runs replicas 1..K-1
 };

@@ -1,6 +1,7 @@
 // Keras-style progress on the chief: "Epoch 1/3", then a bar redrawn in place on a terminal
 // (verbose 1), or a single line per epoch otherwise (verbose 2), e.g.
-//   937/937 - 21s - 22ms/step - loss: 0.4620 - accuracy: 0.8331 - 2843 samples/s
+//   937/937 - 21s - 22ms/step - loss: 0.4620 - accuracy: 0.8331 - learning_rate: 0.0400 -
+//   2843 samples/s
 #pragma once
 
 #include <chrono>
@@ -11,6 +12,7 @@
 namespace flotilla::train {
 
 struct EpochLogs;
+class Logs;
 
 class Progress {
  public:
@@ -18,9 +20,9 @@ class Progress {
   Progress(bool enabled, bool bar, std::FILE* out = stdout);
 
   void begin_epoch(int epoch, int epochs, std::int64_t steps);
-  // After a step, with the chief's running averages (the bar's values are this worker's; the
+  // After a step, with the chief's running means (the bar's values are this worker's; the
   // epoch line's are global).
-  void step(std::int64_t done, double loss, double accuracy);
+  void step(std::int64_t done, const Logs& logs);
   void end_epoch(const EpochLogs& logs);
   void line(const std::string& text);
 

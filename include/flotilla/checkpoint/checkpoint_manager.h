@@ -1,0 +1,125 @@
+// Training checkpoints as directories that ordinary tools read, kept the way
+// tf.train.CheckpointManager keeps them:
+//
+//   <dir>/checkpoint              TensorFlow's CheckpointState text ("model_checkpoint_path:
+//                                 \"ckpt-7\"", then "all_model_checkpoint_paths:" lines, oldest
+//                                 first), so tf.train.latest_checkpoint(<dir>) names the newest
+//   <dir>/ckpt-7/model.safetensors      parameters and buffers by module path
+//   <dir>/ckpt-7/optimizer.safetensors  optimizer state as named tensors (optimizer_state)
+//   <dir>/ckpt-7/manifest.json          format, version, epoch, step, policy, cluster size,
+//                                       versions, time, each file's SHA-256 and size, and the
+//                                       caller's own JSON state (loss scale, iterator, RNG...)
+//
+// A checkpoint directory is written whole under a hidden temporary name, flushed, and renamed
+// into place; only then does the pointer file move to it, and only then are checkpoints beyond
+// max_to_keep deleted. A crash at any moment leaves the pointer at a complete checkpoint.
+// Saving is collective (TF's multi-worker rule): every worker writes the same files, the chief
+// into <dir>, the others into a temporary directory beside it that is removed afterwards.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/checkpoint/safetensors.h"
+#include "flotilla/strategy/strategy.h"
+
+namespace flotilla::checkpoint {
+
+inline constexpr const char* kCheckpointFormat = "flotilla-checkpoint";
+inline constexpr int kCheckpointFormatVersion = 1;
+inline constexpr const char* kModelFile = "model.safetensors";
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kPointerFile = "checkpoint"; // TensorFlow's name
+
+struct CheckpointData {
+  NamedTensors model;     // parameters and buffers (model_state)
+  NamedTensors optimizer; // optimizer_state
+  std::int64_t epoch = 0; // epochs completed
+  std::int64_t step = 0;  // optimizer updates applied (the global step)
+  std::string policy = "float32";
+  nlohmann::json state = nlohmann::json::object(); // anything else to resume exactly
+};
+
+class CheckpointManager {
+ public:
+  // Keeps the newest `max_to_keep` (at least 1) checkpoints named "<prefix>-<number>" in
+  // `directory`. ConfigError for an empty directory, max_to_keep < 1, or a prefix that is not a
+  // plain file name ([A-Za-z0-9._-], not starting with '.').
+  explicit CheckpointManager(std::filesystem::path directory, int max_to_keep = 5,
+                             std::string prefix = "ckpt");
+
+  // Collective: every worker calls it at the same step with the same data and number (workers
+  // that pass different numbers all get a CheckpointError). Returns the chief's checkpoint
+  // directory, "<directory>/<prefix>-<number>". Saving a number that exists replaces it. When
+  // it fails on any worker it throws CheckpointError on every worker, and the previous
+  // checkpoints and pointer are as they were.
+  std::filesystem::path save(strategy::Strategy& strategy, const CheckpointData& data,
+                             std::int64_t number);
+
+  // The newest checkpoint the pointer file names; nullopt when there is no pointer file.
+  // CheckpointError when it exists but cannot be read or parsed.
+  std::optional<std::filesystem::path> latest() const;
+  // Every checkpoint the pointer file lists, oldest first (empty without a pointer file).
+  std::vector<std::filesystem::path> checkpoints() const;
+
+  const std::filesystem::path& directory() const { return directory_; }
+  int max_to_keep() const { return max_to_keep_; }
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  std::filesystem::path directory_;
+  int max_to_keep_;
+  std::string prefix_;
+};
+
+// Reads and verifies one checkpoint directory: the manifest parses and has this format and a
+// version this build reads; every file it lists exists with the recorded size and SHA-256; then
+// the tensors load. Any mismatch is a CheckpointError naming the file, what was expected and
+// found, and what to do.
+CheckpointData read_checkpoint(const std::filesystem::path& checkpoint_dir);
+
+// The newest checkpoint in `directory` that verifies (read_checkpoint): those the pointer file
+// names, newest first, then, as a last resort, any other checkpoint directory there by number.
+// Each one passed over goes into `skipped` as "<path>: <reason>" (for a warning); the one
+// restored goes into `restored_from`. nullopt when none exists or none verifies.
+std::optional<CheckpointData> restore_latest(const std::filesystem::path& directory,
+                                             std::vector<std::string>* skipped = nullptr,
+                                             std::filesystem::path* restored_from = nullptr);
+
+// The pointer file's contents. TensorFlow's CheckpointState in protobuf text format; paths are
+// as written (relative to the directory unless absolute).
+struct CheckpointPointer {
+  std::string model_checkpoint_path;
+  std::vector<std::string> all_model_checkpoint_paths; // oldest first
+};
+// nullopt when `directory` has no pointer file; CheckpointError when it cannot be parsed.
+std::optional<CheckpointPointer> read_pointer(const std::filesystem::path& directory);
+std::string format_pointer(const CheckpointPointer& pointer);
+
+// Optimizer state as named tensors, for torch::optim::SGD (momentum_buffer), Adam and AdamW
+// (step, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad):
+//   "state.<i>.<field>"     parameter i, counted across the parameter groups in order (the
+//                           numbering of PyTorch's optimizer.state_dict()); a parameter that
+//                           has no state yet (no update taken) has no names at all
+//   "param_groups.<g>.lr"   group g's current learning rate (0-dim float64)
+// "step" is a 0-dim int64. Tensors are detached views of the optimizer's own (no copy).
+// CheckpointError for another optimizer type.
+NamedTensors optimizer_state(const torch::optim::Optimizer& optimizer);
+
+// Restores optimizer_state() into an optimizer of the same type over the same parameters,
+// creating state objects for parameters that have none yet and dropping state for those that
+// had none when saved. Every name and shape is checked before anything changes: an unexpected
+// or missing name, a parameter index or group beyond the optimizer's, or a shape that differs
+// from the parameter's is a CheckpointError naming it.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const NamedTensors& state);
+
+} // namespace flotilla::checkpoint

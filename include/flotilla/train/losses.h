@@ -1,0 +1,55 @@
+// Keras's losses and metrics as per-example tensors. fit() sums them over a replica's slice and
+// the strategy sums the sums over every replica, so a reported loss or metric is the mean over
+// the global batch (or the whole evaluation set), never one worker's value. Every metric here is
+// such a global mean of a per-example value; a custom Metric is any function giving one.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace flotilla::train {
+
+enum class LossKind {
+  kSparseCategoricalCrossentropy, // integer class labels [N]; outputs [N, classes]
+  kCategoricalCrossentropy,       // one-hot (or soft) labels [N, classes]
+  kBinaryCrossentropy,            // labels in [0, 1], the outputs' shape ([N] or [N, k])
+  kMeanSquaredError,              // any shape; the mean over all but the first axis
+};
+
+struct LossOptions {
+  LossKind kind = LossKind::kSparseCategoricalCrossentropy;
+  // Outputs are logits (Keras's from_logits=True): numerically safer than probabilities.
+  bool from_logits = true;
+  // Keras's label_smoothing for the cross-entropies: targets become (1 - s) * y + s / classes
+  // (binary: + s / 2). Also accepted by the sparse loss, as if its labels were one-hot.
+  double label_smoothing = 0;
+};
+
+// "sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy", "mse"
+// (or "mean_squared_error"); ConfigError for anything else.
+LossKind parse_loss(const std::string& name);
+std::string to_string(LossKind kind);
+// ConfigError on a label_smoothing outside [0, 1].
+void validate(const LossOptions& options);
+
+// One loss value per example: float32 (or float64 when the outputs are), shape [N].
+torch::Tensor per_example_loss(const LossOptions& options, const torch::Tensor& outputs,
+                               const torch::Tensor& labels);
+
+struct Metric {
+  std::string name; // the key in logs ("accuracy"; "val_accuracy" after validation)
+  // One value per example, shape [N]; the metric is their global mean.
+  std::function<torch::Tensor(const torch::Tensor& outputs, const torch::Tensor& labels)>
+      per_example;
+};
+
+// A built-in metric by its Keras name: "accuracy"/"acc" (which accuracy follows the loss, as in
+// Keras), "sparse_categorical_accuracy", "categorical_accuracy", "binary_accuracy",
+// "sparse_top_k_categorical_accuracy" (k = 5; or "sparse_top_k_categorical_accuracy@3"),
+// "mean_squared_error"/"mse", "mean_absolute_error"/"mae". ConfigError lists them otherwise.
+Metric make_metric(const std::string& name, const LossOptions& loss);
+
+} // namespace flotilla::train

@@ -1,0 +1,54 @@
+// The optimizers Keras users pick by name (SGD with momentum/Nesterov, Adam, AdamW), built on
+// LibTorch's own, with a learning rate that is a constant or a schedule evaluated at every
+// update. Keras's defaults are kept (Adam's epsilon is 1e-7, AdamW's weight decay 0.004).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flotilla/train/schedules.h"
+
+namespace flotilla::train {
+
+enum class OptimizerKind { kSGD, kAdam, kAdamW };
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSGD;
+  double learning_rate = 0.01; // used when `schedule` is empty
+  // Evaluated at every update with the count of updates applied so far (Keras's iterations).
+  std::shared_ptr<const LearningRateSchedule> schedule;
+  double momentum = 0.0; // SGD
+  bool nesterov = false; // SGD
+  // SGD and Adam: L2 added to the gradient (LibTorch's weight_decay); AdamW: decoupled decay.
+  double weight_decay = 0.0;
+  double beta_1 = 0.9;   // Adam, AdamW
+  double beta_2 = 0.999; // Adam, AdamW
+  double epsilon = 1e-7; // Adam, AdamW (Keras's default; LibTorch's is 1e-8)
+  bool amsgrad = false;  // Adam, AdamW
+
+  static OptimizerOptions sgd(double learning_rate, double momentum = 0, bool nesterov = false);
+  static OptimizerOptions adam(double learning_rate = 0.001);
+  static OptimizerOptions adamw(double learning_rate = 0.001, double weight_decay = 0.004);
+
+  // The rate for update `step`.
+  double learning_rate_at(std::int64_t step) const;
+  // "SGD(learning_rate=0.04, momentum=0.9)"-style, for logs.
+  std::string describe() const;
+};
+
+// "sgd", "adam", "adamw"; ConfigError otherwise.
+OptimizerKind parse_optimizer(const std::string& name);
+
+// ConfigError naming the first bad field and its value.
+void validate(const OptimizerOptions& options);
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
+                                                        std::vector<torch::Tensor> parameters);
+
+// Sets every parameter group's learning rate.
+void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate);
+
+} // namespace flotilla::train

@@ -1,0 +1,987 @@
+#include "flotilla/checkpoint/checkpoint_manager.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <type_traits>
+
+#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/checkpoint/sha256.h"
+#include "flotilla/error.h"
+
+namespace flotilla::checkpoint {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using nlohmann::ordered_json;
+
+namespace {
+
+// ---- names and small helpers ------------------------------------------------------------------
+
+bool plain_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+void validate_prefix(const std::string& prefix) {
+  const bool ok = !prefix.empty() && prefix.front() != '.' &&
+                  std::all_of(prefix.begin(), prefix.end(), [](unsigned char c) {
+                    return std::isalnum(c) || c == '.' || c == '_' || c == '-';
+                  });
+  if (!ok) {
+    throw ConfigError("checkpoint prefix \"" + prefix +
+                      "\" is not a plain file name; use letters, digits, '.', '_' and '-', not "
+                      "starting with '.' (e.g. \"ckpt\")");
+  }
+}
+
+std::string random_suffix() {
+  static thread_local std::mt19937_64 generator{std::random_device{}()};
+  std::ostringstream out;
+  out << std::hex << generator();
+  return out.str();
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  ::gmtime_r(&now, &utc);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return text;
+}
+
+// Makes a directory's entries (a rename into it, a new file) durable.
+void sync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    throw CheckpointError("cannot open " + dir.string() + " to flush it to disk (" +
+                          std::strerror(errno) + ")");
+  }
+  const int rc = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  // Some file systems cannot sync a directory (EINVAL); their renames are as durable as it gets.
+  if (rc != 0 && error != EINVAL) {
+    throw CheckpointError("cannot flush " + dir.string() + " to disk (" + std::strerror(error) +
+                          ")");
+  }
+}
+
+void rename_or_throw(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    throw CheckpointError("cannot rename " + from.string() + " to " + to.string() + " (" +
+                          std::strerror(errno) + ")");
+  }
+}
+
+// Renames a directory to a hidden name first, so no reader ever sees it half deleted.
+void remove_directory(const fs::path& dir) {
+  const fs::path hidden =
+      dir.parent_path() / ("." + dir.filename().string() + ".deleting-" + random_suffix());
+  std::error_code ec;
+  fs::rename(dir, hidden, ec);
+  fs::remove_all(ec ? dir : hidden, ec);
+  if (ec) throw CheckpointError("cannot delete " + dir.string() + " (" + ec.message() + ")");
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(path.string() + ": cannot open it (" + std::strerror(errno) + ")");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw CheckpointError(path.string() + ": cannot read it");
+  return text.str();
+}
+
+// ---- the pointer file (protobuf text format of tensorflow.CheckpointState) ----------------------
+
+std::string escape(const std::string& value) {
+  std::string out;
+  for (unsigned char c : value) {
+    switch (c) {
+    case '\\':
+      out += "\\\\";
+      break;
+    case '"':
+      out += "\\\"";
+      break;
+    case '\'':
+      out += "\\'";
+      break;
+    case '\n':
+      out += "\\n";
+      break;
+    case '\r':
+      out += "\\r";
+      break;
+    case '\t':
+      out += "\\t";
+      break;
+    default:
+      if (c < 0x20 || c >= 0x7f) { // as protobuf's CEscape writes them
+        char octal[5];
+        std::snprintf(octal, sizeof octal, "\\%03o", c);
+        out += octal;
+      } else {
+        out += static_cast<char>(c);
+      }
+    }
+  }
+  return out;
+}
+
+// One quoted string starting at text[i] (which is ' or "); advances i past it.
+std::string unquote(const std::string& text, std::size_t& i, const std::string& where) {
+  const char quote = text[i++];
+  std::string out;
+  while (i < text.size() && text[i] != quote) {
+    char c = text[i++];
+    if (c == '\n') break;
+    if (c != '\\') {
+      out += c;
+      continue;
+    }
+    if (i >= text.size()) break;
+    c = text[i++];
+    switch (c) {
+    case 'n':
+      out += '\n';
+      break;
+    case 'r':
+      out += '\r';
+      break;
+    case 't':
+      out += '\t';
+      break;
+    case 'a':
+      out += '\a';
+      break;
+    case 'b':
+      out += '\b';
+      break;
+    case 'f':
+      out += '\f';
+      break;
+    case 'v':
+      out += '\v';
+      break;
+    case 'x': {
+      int value = 0, digits = 0;
+      while (digits < 2 && i < text.size() && std::isxdigit(static_cast<unsigned char>(text[i]))) {
+        value = value * 16 + std::stoi(std::string(1, text[i++]), nullptr, 16);
+        ++digits;
+      }
+      if (digits == 0) throw CheckpointError(where + "bad \\x escape");
+      out += static_cast<char>(value);
+      break;
+    }
+    default:
+      if (c >= '0' && c <= '7') {
+        int value = c - '0', digits = 1;
+        while (digits < 3 && i < text.size() && text[i] >= '0' && text[i] <= '7') {
+          value = value * 8 + (text[i++] - '0');
+          ++digits;
+        }
+        out += static_cast<char>(value);
+      } else {
+        out += c; // \\ \" \' \?
+      }
+    }
+  }
+  if (i >= text.size() || text[i] != quote) throw CheckpointError(where + "unterminated string");
+  ++i;
+  return out;
+}
+
+CheckpointPointer parse_pointer(const std::string& text, const fs::path& file) {
+  CheckpointPointer pointer;
+  std::istringstream lines(text);
+  std::string line;
+  int number = 0;
+  while (std::getline(lines, line)) {
+    ++number;
+    const std::string where = file.string() + ":" + std::to_string(number) + ": ";
+    std::size_t i = line.find_first_not_of(" \t\r");
+    if (i == std::string::npos || line[i] == '#') continue;
+    const std::size_t colon = line.find(':', i);
+    if (colon == std::string::npos) {
+      throw CheckpointError(where + "expected \"field: value\", found \"" + line + "\"");
+    }
+    std::string field = line.substr(i, colon - i);
+    field.erase(field.find_last_not_of(" \t") + 1);
+    i = line.find_first_not_of(" \t", colon + 1);
+    const bool quoted = i != std::string::npos && (line[i] == '"' || line[i] == '\'');
+    if (field == "model_checkpoint_path" || field == "all_model_checkpoint_paths") {
+      if (!quoted) throw CheckpointError(where + field + " is not a quoted string");
+      std::string value = unquote(line, i, where);
+      if (field == "model_checkpoint_path") {
+        pointer.model_checkpoint_path = std::move(value);
+      } else {
+        pointer.all_model_checkpoint_paths.push_back(std::move(value));
+      }
+    }
+    // all_model_checkpoint_timestamps, last_preserved_timestamp: TensorFlow's, not needed here.
+  }
+  if (pointer.model_checkpoint_path.empty()) {
+    throw CheckpointError(file.string() +
+                          ": has no model_checkpoint_path; the file is not a checkpoint pointer "
+                          "or is damaged. Delete it: restore_latest then looks at the checkpoint "
+                          "directories themselves");
+  }
+  return pointer;
+}
+
+fs::path resolve(const fs::path& directory, const std::string& entry) {
+  const fs::path path(entry);
+  return path.is_absolute() ? path : directory / path;
+}
+
+// ---- writing one checkpoint directory ---------------------------------------------------------
+
+// A checkpoint written whole under a hidden name beside its final one; removed unless renamed.
+class StagedCheckpoint {
+ public:
+  StagedCheckpoint(const fs::path& parent, const std::string& name)
+      : path_(parent / ("." + name + ".tmp-" + random_suffix())) {
+    std::error_code ec;
+    if (!fs::create_directory(path_, ec) || ec) {
+      throw CheckpointError("cannot create " + path_.string() + " (" +
+                            (ec ? ec.message() : std::string("it exists")) + "); check that " +
+                            parent.string() + " is writable");
+    }
+  }
+  ~StagedCheckpoint() {
+    if (!path_.empty()) {
+      std::error_code ignored;
+      fs::remove_all(path_, ignored);
+    }
+  }
+  StagedCheckpoint(const StagedCheckpoint&) = delete;
+  StagedCheckpoint& operator=(const StagedCheckpoint&) = delete;
+
+  const fs::path& path() const { return path_; }
+  void renamed() { path_.clear(); }
+
+ private:
+  fs::path path_;
+};
+
+ordered_json file_entry(const fs::path& path) {
+  return ordered_json{{"sha256", sha256_file(path)},
+                      {"bytes", static_cast<std::uint64_t>(fs::file_size(path))}};
+}
+
+void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t number,
+                 int cluster_size) {
+  // Hugging Face tools look for this metadata key in PyTorch weights.
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  save_safetensors(dir / kModelFile, data.model, metadata);
+  save_safetensors(dir / kOptimizerFile, data.optimizer, metadata);
+  ordered_json files = ordered_json::object();
+  files[kModelFile] = file_entry(dir / kModelFile);
+  files[kOptimizerFile] = file_entry(dir / kOptimizerFile);
+  ordered_json manifest = {
+      {"format", kCheckpointFormat},
+      {"format_version", kCheckpointFormatVersion},
+      {"number", number},
+      {"epoch", data.epoch},
+      {"step", data.step},
+      {"policy", data.policy},
+      {"cluster_size", cluster_size},
+      {"flotilla_version", FLOTILLA_VERSION},
+      {"libtorch_version", TORCH_VERSION},
+      {"created", utc_now()},
+      {"files", files},
+      {"state", ordered_json::parse(data.state.dump())},
+  };
+  write_file_atomic(dir / kManifestFile, manifest.dump(2) + "\n");
+  sync_directory(dir);
+}
+
+// The pointer's list as it stands in `dir`: entries whose directories still exist, oldest
+// first. A pointer that cannot be parsed is replaced (its checkpoints are then no longer
+// managed, never deleted); `warning` says so.
+std::vector<std::string> kept_checkpoints(const fs::path& dir, std::string& warning) {
+  std::vector<std::string> kept;
+  try {
+    const auto pointer = read_pointer(dir);
+    if (!pointer) return kept;
+    for (const auto& entry : pointer->all_model_checkpoint_paths) {
+      if (std::find(kept.begin(), kept.end(), entry) == kept.end() &&
+          fs::is_directory(resolve(dir, entry))) {
+        kept.push_back(entry);
+      }
+    }
+  } catch (const CheckpointError& e) {
+    warning = std::string(e.what()) + "; it is replaced, and the checkpoints it listed are no "
+                                      "longer deleted by max_to_keep";
+  }
+  return kept;
+}
+
+struct Commit {
+  std::vector<std::string> to_delete;
+  std::string warning;
+};
+
+// Moves a staged checkpoint to `dir`/`name`, then points the pointer file at it. On failure,
+// everything is as it was before. Returns the checkpoints now beyond max_to_keep.
+Commit commit(StagedCheckpoint& staged, const fs::path& dir, const std::string& name,
+              int max_to_keep) {
+  Commit result;
+  std::vector<std::string> kept = kept_checkpoints(dir, result.warning);
+  const fs::path final_path = dir / name;
+  fs::path aside;
+  if (fs::exists(fs::symlink_status(final_path))) { // a re-save of this number
+    aside = dir / ("." + name + ".old-" + random_suffix());
+    rename_or_throw(final_path, aside);
+  }
+  auto restore = [&] {
+    if (!aside.empty()) {
+      std::error_code ignored;
+      fs::rename(aside, final_path, ignored);
+    }
+  };
+  try {
+    rename_or_throw(staged.path(), final_path);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  staged.renamed();
+  try {
+    sync_directory(dir);
+    kept.erase(std::remove(kept.begin(), kept.end(), name), kept.end());
+    kept.push_back(name);
+    const std::size_t keep = static_cast<std::size_t>(max_to_keep);
+    if (kept.size() > keep) {
+      result.to_delete.assign(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(keep));
+      kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(keep));
+    }
+    write_file_atomic(dir / kPointerFile, format_pointer({name, kept}));
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(final_path, ignored);
+    restore();
+    throw;
+  }
+  if (!aside.empty()) result.to_delete.insert(result.to_delete.begin(), aside.filename().string());
+  return result;
+}
+
+// Deletes what the pointer no longer names; a failure only warns (the save itself succeeded).
+void delete_old(const fs::path& dir, const std::vector<std::string>& names, const Logger& log) {
+  for (const auto& name : names) {
+    if (!plain_name(name)) continue; // only what this manager wrote, inside its directory
+    try {
+      const fs::path path = dir / name;
+      if (fs::is_directory(fs::symlink_status(path))) remove_directory(path);
+    } catch (const std::exception& e) {
+      log.warn(std::string(e.what()) + "; delete it by hand");
+    }
+  }
+}
+
+// Hidden directories that a save or deletion interrupted between its steps (a crash, a kill)
+// left behind: ".<prefix>-<n>.tmp-*", ".<prefix>-<n>.old-*" and their ".deleting-*" forms.
+void sweep_debris(const fs::path& dir, const std::string& prefix, const Logger& log) {
+  std::vector<fs::path> debris;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool ours =
+        (name.rfind("." + prefix + "-", 0) == 0 || name.rfind(".." + prefix + "-", 0) == 0) &&
+        (name.find(".tmp-") != std::string::npos || name.find(".old-") != std::string::npos ||
+         name.find(".deleting-") != std::string::npos);
+    std::error_code type_error;
+    if (ours && entry.is_directory(type_error)) debris.push_back(entry.path());
+  }
+  for (const auto& path : debris) {
+    std::error_code removed;
+    fs::remove_all(path, removed);
+    if (removed) {
+      log.warn("cannot delete " + path.string() + ", left by an interrupted save (" +
+               removed.message() + "); delete it by hand");
+    }
+  }
+}
+
+// ---- reading -----------------------------------------------------------------------------------
+
+std::string restore_advice(const fs::path& checkpoint_dir) {
+  return "Restore from an older checkpoint (restore_latest falls back to one) or delete " +
+         checkpoint_dir.string();
+}
+
+template <class T> T field(const json& manifest, const char* name, const fs::path& file) {
+  const auto it = manifest.find(name);
+  bool ok = it != manifest.end();
+  if (ok) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      ok = it->is_string();
+    } else {
+      ok = it->is_number_integer();
+    }
+  }
+  if (!ok) {
+    throw CheckpointError(file.string() + ": field \"" + name + "\" is missing or not " +
+                          (std::is_same_v<T, std::string> ? "a string" : "an integer") +
+                          "; the manifest is damaged. " + restore_advice(file.parent_path()));
+  }
+  return it->get<T>();
+}
+
+NamedTensors load_tensors(const fs::path& path) {
+  SafetensorsFile file = load_safetensors(path);
+  return NamedTensors(std::make_move_iterator(file.tensors.begin()),
+                      std::make_move_iterator(file.tensors.end()));
+}
+
+// ---- optimizer state ----------------------------------------------------------------------------
+
+enum class OptimizerKind { kSGD, kAdam, kAdamW };
+
+OptimizerKind kind_of(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return OptimizerKind::kSGD;
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return OptimizerKind::kAdam;
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return OptimizerKind::kAdamW;
+  throw CheckpointError(std::string("optimizer state: only torch::optim::SGD, Adam and AdamW can "
+                                    "be saved and restored; this optimizer is ") +
+                        c10::demangle(typeid(optimizer).name()));
+}
+
+const char* kind_name(OptimizerKind kind) {
+  switch (kind) {
+  case OptimizerKind::kSGD:
+    return "SGD";
+  case OptimizerKind::kAdam:
+    return "Adam";
+  case OptimizerKind::kAdamW:
+    return "AdamW";
+  }
+  return "?";
+}
+
+bool amsgrad(OptimizerKind kind, const torch::optim::OptimizerOptions& options) {
+  if (kind == OptimizerKind::kAdam) {
+    return static_cast<const torch::optim::AdamOptions&>(options).amsgrad();
+  }
+  if (kind == OptimizerKind::kAdamW) {
+    return static_cast<const torch::optim::AdamWOptions&>(options).amsgrad();
+  }
+  return false;
+}
+
+std::vector<std::string> expected_fields(OptimizerKind kind, bool with_amsgrad) {
+  if (kind == OptimizerKind::kSGD) return {"momentum_buffer"};
+  std::vector<std::string> fields = {"step", "exp_avg", "exp_avg_sq"};
+  if (with_amsgrad) fields.push_back("max_exp_avg_sq");
+  return fields;
+}
+
+template <class AdamState>
+void add_adam_state(NamedTensors& out, const std::string& prefix, const AdamState& state) {
+  out.emplace_back(prefix + "step", torch::scalar_tensor(state.step(), torch::kInt64));
+  if (state.exp_avg().defined()) out.emplace_back(prefix + "exp_avg", state.exp_avg().detach());
+  if (state.exp_avg_sq().defined()) {
+    out.emplace_back(prefix + "exp_avg_sq", state.exp_avg_sq().detach());
+  }
+  if (state.max_exp_avg_sq().defined()) {
+    out.emplace_back(prefix + "max_exp_avg_sq", state.max_exp_avg_sq().detach());
+  }
+}
+
+// "<digits>.<rest>" -> (number, rest); nullopt when it is not that.
+std::optional<std::pair<std::int64_t, std::string>> split_index(const std::string& text) {
+  const std::size_t dot = text.find('.');
+  if (dot == 0 || dot == std::string::npos || dot > 12) return std::nullopt;
+  for (std::size_t i = 0; i < dot; ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i]))) return std::nullopt;
+  }
+  return std::make_pair(std::stoll(text.substr(0, dot)), text.substr(dot + 1));
+}
+
+template <class AdamState>
+std::unique_ptr<torch::optim::OptimizerParamState>
+make_adam_state(const std::map<std::string, torch::Tensor>& fields,
+                const std::function<torch::Tensor(const torch::Tensor&)>& like_param) {
+  auto state = std::make_unique<AdamState>();
+  state->step(fields.at("step").item<std::int64_t>());
+  state->exp_avg(like_param(fields.at("exp_avg")));
+  state->exp_avg_sq(like_param(fields.at("exp_avg_sq")));
+  const auto max = fields.find("max_exp_avg_sq");
+  if (max != fields.end()) state->max_exp_avg_sq(like_param(max->second));
+  return state;
+}
+
+} // namespace
+
+// ---- the pointer, public ------------------------------------------------------------------------
+
+std::string format_pointer(const CheckpointPointer& pointer) {
+  std::string text = "model_checkpoint_path: \"" + escape(pointer.model_checkpoint_path) + "\"\n";
+  for (const auto& path : pointer.all_model_checkpoint_paths) {
+    text += "all_model_checkpoint_paths: \"" + escape(path) + "\"\n";
+  }
+  return text;
+}
+
+std::optional<CheckpointPointer> read_pointer(const fs::path& directory) {
+  const fs::path file = directory / kPointerFile;
+  std::error_code ec;
+  const auto status = fs::status(file, ec);
+  if (!fs::exists(status)) return std::nullopt;
+  if (!fs::is_regular_file(status)) {
+    throw CheckpointError(file.string() + ": is not a file; the checkpoint pointer must be one. "
+                                          "Move it away");
+  }
+  return parse_pointer(read_text(file), file);
+}
+
+// ---- CheckpointManager --------------------------------------------------------------------------
+
+CheckpointManager::CheckpointManager(fs::path directory, int max_to_keep, std::string prefix)
+    : directory_(std::move(directory)), max_to_keep_(max_to_keep), prefix_(std::move(prefix)) {
+  if (directory_.empty()) {
+    throw ConfigError("checkpoint directory is empty; give a directory to save into");
+  }
+  if (!directory_.has_filename()) directory_ = directory_.parent_path(); // "dir/" -> "dir"
+  if (max_to_keep_ < 1) {
+    throw ConfigError("max_to_keep is " + std::to_string(max_to_keep_) +
+                      "; keep at least 1 checkpoint");
+  }
+  validate_prefix(prefix_);
+}
+
+fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointData& data,
+                                 std::int64_t number) {
+  const std::string name = prefix_ + "-" + std::to_string(number);
+  const std::string intact =
+      "The previous checkpoints in " + directory_.string() + " and its pointer file are intact";
+  const bool chief = strategy.is_chief();
+
+  // Phase 1, every worker: write the whole checkpoint under a hidden name. The chief stops
+  // there; the others, in their own temporary directory, finish as the chief will.
+  std::optional<WriteLocation> location;
+  std::optional<StagedCheckpoint> staged;
+  std::exception_ptr failure;
+  try {
+    try {
+      if (number < 0) {
+        throw CheckpointError("checkpoint number " + std::to_string(number) +
+                              " is negative; number checkpoints from 0 (epochs, steps)");
+      }
+      location.emplace(directory_, chief, strategy.worker_index());
+      const fs::path final_path = location->dir() / name;
+      const auto final_status = fs::symlink_status(final_path);
+      if (fs::exists(final_status) && !fs::is_directory(final_status)) {
+        throw CheckpointError(final_path.string() +
+                              " exists and is not a checkpoint directory; move it away or "
+                              "choose another prefix");
+      }
+      const auto pointer_status = fs::symlink_status(location->dir() / kPointerFile);
+      if (fs::exists(pointer_status) && !fs::is_regular_file(pointer_status)) {
+        throw CheckpointError((location->dir() / kPointerFile).string() +
+                              " is in the way: the checkpoint pointer file must be a file; "
+                              "move it away");
+      }
+      staged.emplace(location->dir(), name);
+      write_files(staged->path(), data, number, strategy.num_workers());
+      if (!chief) {
+        const Commit done = commit(*staged, location->dir(), name, max_to_keep_);
+        delete_old(location->dir(), done.to_delete, strategy.log());
+      }
+    } catch (const std::exception& e) {
+      throw CheckpointError("cannot save checkpoint " + name + " in " +
+                            (location ? location->dir() : directory_).string() + ": " + e.what() +
+                            ". " + intact);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+
+  // Everyone learns whether everyone succeeded, and whether all saved the same number.
+  const auto agreed = strategy.reduce(
+      strategy::ReduceOp::kMin,
+      torch::tensor({failure ? std::int64_t{0} : std::int64_t{1}, number, -number}, torch::kInt64));
+  const auto* values = agreed.data_ptr<std::int64_t>();
+  if (failure) std::rethrow_exception(failure); // destructors remove what this worker wrote
+  if (values[0] == 0) {
+    throw CheckpointError("saving checkpoint " + name +
+                          " failed on another worker; see its output. " + intact);
+  }
+  if (values[1] != -values[2]) {
+    throw CheckpointError("workers saved different checkpoint numbers (" +
+                          std::to_string(values[1]) + " to " + std::to_string(-values[2]) +
+                          "); every worker must call save() at the same step with the same "
+                          "number. " +
+                          intact);
+  }
+
+  // Phase 2, the chief: move it into place, then the pointer, then delete beyond max_to_keep.
+  if (chief) {
+    try {
+      const Commit done = commit(*staged, directory_, name, max_to_keep_);
+      if (!done.warning.empty()) strategy.log().warn(done.warning);
+      delete_old(directory_, done.to_delete, strategy.log());
+      sweep_debris(directory_, prefix_, strategy.log());
+    } catch (const std::exception& e) {
+      failure = std::make_exception_ptr(CheckpointError("cannot save checkpoint " + name + " in " +
+                                                        directory_.string() + ": " + e.what() +
+                                                        ". " + intact));
+    }
+  }
+  const auto committed =
+      strategy.reduce(strategy::ReduceOp::kMin, torch::tensor({failure ? 0 : 1}, torch::kInt32));
+  if (failure) std::rethrow_exception(failure);
+  if (committed.item<int>() == 0) {
+    throw CheckpointError("saving checkpoint " + name + " failed on the chief; see its output. " +
+                          intact);
+  }
+  return directory_ / name;
+}
+
+std::optional<fs::path> CheckpointManager::latest() const {
+  const auto pointer = read_pointer(directory_);
+  if (!pointer) return std::nullopt;
+  return resolve(directory_, pointer->model_checkpoint_path);
+}
+
+std::vector<fs::path> CheckpointManager::checkpoints() const {
+  std::vector<fs::path> out;
+  const auto pointer = read_pointer(directory_);
+  if (!pointer) return out;
+  for (const auto& entry : pointer->all_model_checkpoint_paths) {
+    out.push_back(resolve(directory_, entry));
+  }
+  return out;
+}
+
+// ---- reading ------------------------------------------------------------------------------------
+
+CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
+  const fs::path manifest_path = checkpoint_dir / kManifestFile;
+  if (!fs::is_directory(checkpoint_dir)) {
+    throw CheckpointError(checkpoint_dir.string() +
+                          ": no such checkpoint directory; check the path");
+  }
+  if (!fs::exists(manifest_path)) {
+    throw CheckpointError(manifest_path.string() +
+                          ": missing, so this is not a complete flotilla checkpoint (a save "
+                          "that does not finish never gets a checkpoint's name). " +
+                          restore_advice(checkpoint_dir));
+  }
+  json manifest;
+  try {
+    manifest = json::parse(read_text(manifest_path));
+  } catch (const json::parse_error& e) {
+    throw CheckpointError(manifest_path.string() + ": not valid JSON (" + e.what() +
+                          "); the file is truncated or damaged. " + restore_advice(checkpoint_dir));
+  }
+  if (!manifest.is_object()) {
+    throw CheckpointError(manifest_path.string() +
+                          ": not a JSON object; the manifest is damaged. " +
+                          restore_advice(checkpoint_dir));
+  }
+  const auto format = manifest.find("format");
+  if (format == manifest.end() || !format->is_string() || *format != kCheckpointFormat) {
+    throw CheckpointError(manifest_path.string() + ": format is " +
+                          (format == manifest.end() ? std::string("missing") : format->dump()) +
+                          ", expected \"" + kCheckpointFormat +
+                          "\"; this is not a flotilla checkpoint");
+  }
+  const auto version = field<std::int64_t>(manifest, "format_version", manifest_path);
+  if (version < 1 || version > kCheckpointFormatVersion) {
+    throw CheckpointError(manifest_path.string() + ": format_version " + std::to_string(version) +
+                          ", but this build of flotilla reads version " +
+                          std::to_string(kCheckpointFormatVersion) +
+                          (version > kCheckpointFormatVersion
+                               ? "; it was written by a newer flotilla: upgrade to read it"
+                               : "; the manifest is damaged"));
+  }
+  CheckpointData data;
+  field<std::int64_t>(manifest, "number", manifest_path);
+  data.epoch = field<std::int64_t>(manifest, "epoch", manifest_path);
+  data.step = field<std::int64_t>(manifest, "step", manifest_path);
+  data.policy = field<std::string>(manifest, "policy", manifest_path);
+  if (manifest.contains("state")) data.state = manifest["state"];
+
+  const auto files = manifest.find("files");
+  if (files == manifest.end() || !files->is_object()) {
+    throw CheckpointError(manifest_path.string() +
+                          ": \"files\" is missing or not an object; the manifest is damaged. " +
+                          restore_advice(checkpoint_dir));
+  }
+  for (const char* required : {kModelFile, kOptimizerFile}) {
+    if (!files->contains(required)) {
+      throw CheckpointError(manifest_path.string() + ": does not list " + required +
+                            "; the manifest is damaged. " + restore_advice(checkpoint_dir));
+    }
+  }
+  for (const auto& [name, entry] : files->items()) {
+    const fs::path path = checkpoint_dir / name;
+    const bool entry_ok = plain_name(name) && entry.is_object() && entry.contains("sha256") &&
+                          entry["sha256"].is_string() && entry.contains("bytes") &&
+                          entry["bytes"].is_number_unsigned();
+    if (!entry_ok) {
+      throw CheckpointError(manifest_path.string() + ": the entry for \"" + name +
+                            "\" is not {\"sha256\": ..., \"bytes\": ...}; the manifest is "
+                            "damaged. " +
+                            restore_advice(checkpoint_dir));
+    }
+    const std::string expected_hash = entry["sha256"].get<std::string>();
+    const auto expected_bytes = entry["bytes"].get<std::uint64_t>();
+    std::error_code ec;
+    const auto bytes = fs::file_size(path, ec);
+    if (ec) {
+      throw CheckpointError(path.string() + ": missing (" + ec.message() +
+                            "), though the manifest lists it; the checkpoint is incomplete. " +
+                            restore_advice(checkpoint_dir));
+    }
+    if (bytes != expected_bytes) {
+      throw CheckpointError(path.string() + ": " + std::to_string(bytes) +
+                            " bytes, the manifest says " + std::to_string(expected_bytes) +
+                            "; the file is truncated or damaged. " +
+                            restore_advice(checkpoint_dir));
+    }
+    const std::string actual_hash = sha256_file(path);
+    if (actual_hash != expected_hash) {
+      throw CheckpointError(path.string() + ": SHA-256 is " + actual_hash + ", the manifest says " +
+                            expected_hash + "; the file changed after it was written (damaged). " +
+                            restore_advice(checkpoint_dir));
+    }
+  }
+  data.model = load_tensors(checkpoint_dir / kModelFile);
+  data.optimizer = load_tensors(checkpoint_dir / kOptimizerFile);
+  return data;
+}
+
+std::optional<CheckpointData> restore_latest(const fs::path& directory,
+                                             std::vector<std::string>* skipped,
+                                             fs::path* restored_from) {
+  if (!fs::is_directory(directory)) return std::nullopt;
+  std::vector<fs::path> candidates;
+  auto add = [&](const fs::path& path) {
+    if (std::find(candidates.begin(), candidates.end(), path) == candidates.end()) {
+      candidates.push_back(path);
+    }
+  };
+  try {
+    if (const auto pointer = read_pointer(directory)) {
+      add(resolve(directory, pointer->model_checkpoint_path));
+      const auto& all = pointer->all_model_checkpoint_paths;
+      for (auto it = all.rbegin(); it != all.rend(); ++it) add(resolve(directory, *it));
+    }
+  } catch (const CheckpointError& e) {
+    if (skipped) skipped->push_back(e.what());
+  }
+  // Last resort: checkpoint directories the pointer does not name, highest number first.
+  std::vector<std::pair<std::int64_t, fs::path>> others;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(directory, ec)) {
+    const std::string name = entry.path().filename().string();
+    const std::size_t dash = name.rfind('-');
+    if (name.empty() || name.front() == '.' || dash == std::string::npos ||
+        dash + 1 == name.size() || name.size() - dash > 19 ||
+        !std::all_of(name.begin() + static_cast<std::ptrdiff_t>(dash) + 1, name.end(),
+                     [](unsigned char c) { return std::isdigit(c); }) ||
+        !fs::exists(entry.path() / kManifestFile)) {
+      continue;
+    }
+    others.emplace_back(std::stoll(name.substr(dash + 1)), entry.path());
+  }
+  std::sort(others.begin(), others.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& other : others) add(other.second);
+
+  for (const auto& candidate : candidates) {
+    try {
+      CheckpointData data = read_checkpoint(candidate);
+      if (restored_from) *restored_from = candidate;
+      return data;
+    } catch (const std::exception& e) {
+      if (skipped) skipped->push_back(candidate.string() + ": " + e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+// ---- optimizer state ----------------------------------------------------------------------------
+
+NamedTensors optimizer_state(const torch::optim::Optimizer& optimizer) {
+  const OptimizerKind kind = kind_of(optimizer);
+  const auto& states = optimizer.state();
+  NamedTensors out;
+  std::int64_t index = 0;
+  const auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& param : groups[g].params()) {
+      const std::string prefix = "state." + std::to_string(index++) + ".";
+      const auto it = states.find(param.unsafeGetTensorImpl());
+      if (it == states.end() || !it->second) continue;
+      const auto* state = it->second.get();
+      bool known = false;
+      if (kind == OptimizerKind::kSGD) {
+        if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+          known = true;
+          if (s->momentum_buffer().defined()) {
+            out.emplace_back(prefix + "momentum_buffer", s->momentum_buffer().detach());
+          }
+        }
+      } else if (kind == OptimizerKind::kAdam) {
+        if (const auto* s = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+          known = true;
+          add_adam_state(out, prefix, *s);
+        }
+      } else if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+        known = true;
+        add_adam_state(out, prefix, *s);
+      }
+      if (!known) {
+        throw CheckpointError(std::string("optimizer state: parameter ") +
+                              std::to_string(index - 1) + " of this " + kind_name(kind) +
+                              " optimizer holds state of another type (" +
+                              c10::demangle(typeid(*state).name()) + ")");
+      }
+    }
+    out.emplace_back("param_groups." + std::to_string(g) + ".lr",
+                     torch::scalar_tensor(groups[g].options().get_lr(), torch::kFloat64));
+  }
+  return out;
+}
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const NamedTensors& state) {
+  const OptimizerKind kind = kind_of(optimizer);
+  const std::string kind_text = kind_name(kind);
+  const std::string where = "optimizer state: ";
+  auto& groups = optimizer.param_groups();
+  struct Param {
+    torch::Tensor tensor;
+    std::size_t group;
+  };
+  std::vector<Param> params;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& p : groups[g].params()) params.push_back({p, g});
+  }
+
+  // Check everything first.
+  std::map<std::int64_t, std::map<std::string, torch::Tensor>> per_param;
+  std::map<std::int64_t, double> rates;
+  for (const auto& [name, tensor] : state) {
+    const auto unexpected = [&](const std::string& why) {
+      return CheckpointError(where + "unexpected tensor \"" + name + "\": " + why +
+                             "; it was saved from a different optimizer or model");
+    };
+    if (!tensor.defined()) throw CheckpointError(where + "tensor \"" + name + "\" is undefined");
+    if (name.rfind("state.", 0) == 0) {
+      const auto split = split_index(name.substr(6));
+      if (!split) throw unexpected("expected \"state.<parameter>.<field>\"");
+      const auto [index, field_name] = *split;
+      if (index >= static_cast<std::int64_t>(params.size())) {
+        throw unexpected("this optimizer has " + std::to_string(params.size()) + " parameters");
+      }
+      const auto& param = params[static_cast<std::size_t>(index)];
+      const auto fields = expected_fields(kind, amsgrad(kind, groups[param.group].options()));
+      if (std::find(fields.begin(), fields.end(), field_name) == fields.end()) {
+        throw unexpected("this " + kind_text + " optimizer has no state \"" + field_name + "\"" +
+                         (field_name == "max_exp_avg_sq" ? " (amsgrad is off)" : ""));
+      }
+      if (field_name == "step") {
+        if (tensor.numel() != 1) {
+          throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
+                                c10::str(tensor.sizes()) + ", expected a single number");
+        }
+      } else if (tensor.sizes() != param.tensor.sizes()) {
+        throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
+                              c10::str(tensor.sizes()) + ", parameter " + std::to_string(index) +
+                              " has shape " + c10::str(param.tensor.sizes()) +
+                              "; it was saved from a different model");
+      }
+      if (!per_param[index].emplace(field_name, tensor).second) {
+        throw CheckpointError(where + "tensor \"" + name + "\" appears twice");
+      }
+    } else if (name.rfind("param_groups.", 0) == 0) {
+      const auto split = split_index(name.substr(13));
+      if (!split || split->second != "lr") throw unexpected("expected \"param_groups.<g>.lr\"");
+      if (split->first >= static_cast<std::int64_t>(groups.size())) {
+        throw unexpected("this optimizer has " + std::to_string(groups.size()) +
+                         " parameter groups");
+      }
+      if (tensor.numel() != 1) {
+        throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
+                              c10::str(tensor.sizes()) + ", expected a single number");
+      }
+      if (!rates.emplace(split->first, tensor.item<double>()).second) {
+        throw CheckpointError(where + "tensor \"" + name + "\" appears twice");
+      }
+    } else {
+      throw unexpected("names start with \"state.\" or \"param_groups.\"");
+    }
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (!rates.count(static_cast<std::int64_t>(g))) {
+      throw CheckpointError(where + "has no \"param_groups." + std::to_string(g) +
+                            ".lr\"; it was saved from a different optimizer");
+    }
+  }
+  for (const auto& [index, fields] : per_param) {
+    const auto& param = params[static_cast<std::size_t>(index)];
+    for (const auto& expected :
+         expected_fields(kind, amsgrad(kind, groups[param.group].options()))) {
+      if (!fields.count(expected)) {
+        throw CheckpointError(
+            where + "parameter " + std::to_string(index) + " has state but no \"state." +
+            std::to_string(index) + "." + expected + "\"; it was saved from " +
+            "a different optimizer or with other options (amsgrad) than this " + kind_text);
+      }
+    }
+  }
+
+  // Then replace the state, each tensor on its parameter's device, in its dtype and layout.
+  torch::NoGradGuard no_grad;
+  auto& states = optimizer.state();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& param = params[i].tensor;
+    void* key = param.unsafeGetTensorImpl();
+    const auto found = per_param.find(static_cast<std::int64_t>(i));
+    if (found == per_param.end()) {
+      states.erase(key);
+      continue;
+    }
+    const auto like_param = [&](const torch::Tensor& saved) {
+      return torch::empty_like(param, torch::MemoryFormat::Preserve).copy_(saved);
+    };
+    std::unique_ptr<torch::optim::OptimizerParamState> restored;
+    if (kind == OptimizerKind::kSGD) {
+      auto sgd = std::make_unique<torch::optim::SGDParamState>();
+      sgd->momentum_buffer(like_param(found->second.at("momentum_buffer")));
+      restored = std::move(sgd);
+    } else if (kind == OptimizerKind::kAdam) {
+      restored = make_adam_state<torch::optim::AdamParamState>(found->second, like_param);
+    } else {
+      restored = make_adam_state<torch::optim::AdamWParamState>(found->second, like_param);
+    }
+    states[key] = std::move(restored);
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    groups[g].options().set_lr(rates.at(static_cast<std::int64_t>(g)));
+  }
+}
+
+} // namespace flotilla::checkpoint

@@ -1,0 +1,82 @@
+#include "flotilla/checkpoint/sha256.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "flotilla/error.h"
+
+namespace flotilla::checkpoint {
+namespace {
+
+struct ContextDeleter {
+  void operator()(EVP_MD_CTX* context) const { EVP_MD_CTX_free(context); }
+};
+using Context = std::unique_ptr<EVP_MD_CTX, ContextDeleter>;
+
+// OpenSSL reports failures only as a return code; they mean no memory or a broken library.
+void check(int ok, const char* what) {
+  if (ok != 1) throw CheckpointError(std::string("SHA-256: OpenSSL's ") + what + " failed");
+}
+
+Context start() {
+  Context context(EVP_MD_CTX_new());
+  if (!context) throw CheckpointError("SHA-256: OpenSSL could not allocate a digest context");
+  check(EVP_DigestInit_ex(context.get(), EVP_sha256(), nullptr), "EVP_DigestInit_ex");
+  return context;
+}
+
+std::string finish(EVP_MD_CTX* context) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  check(EVP_DigestFinal_ex(context, digest, &length), "EVP_DigestFinal_ex");
+  static const char kHex[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(2 * length);
+  for (unsigned int i = 0; i < length; ++i) {
+    hex += kHex[digest[i] >> 4];
+    hex += kHex[digest[i] & 0xf];
+  }
+  return hex;
+}
+
+} // namespace
+
+std::string sha256_hex(const void* data, std::size_t size) {
+  Context context = start();
+  check(EVP_DigestUpdate(context.get(), data, size), "EVP_DigestUpdate");
+  return finish(context.get());
+}
+
+std::string sha256_file(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw CheckpointError("cannot open " + path.string() + " to hash it (" + std::strerror(errno) +
+                          ")");
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  Context context = start();
+  std::vector<unsigned char> buffer(1 << 20);
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      throw CheckpointError("cannot read " + path.string() + " to hash it (" +
+                            std::strerror(errno) + ")");
+    }
+    if (n == 0) break;
+    check(EVP_DigestUpdate(context.get(), buffer.data(), static_cast<std::size_t>(n)),
+          "EVP_DigestUpdate");
+  }
+  return finish(context.get());
+}
+
+} // namespace flotilla::checkpoint

@@ -1,0 +1,546 @@
+#include "flotilla/train/callbacks.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/error.h"
+#include "flotilla/train/event_file.h"
+#include "flotilla/train/progress.h"
+
+namespace flotilla::train {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+Model& Callback::model() const {
+  if (!model_) throw ConfigError("a callback was used outside Model::fit()");
+  return *model_;
+}
+
+bool Callback::is_chief() const { return model().strategy().is_chief(); }
+
+// ---------------------------------------------------------------------------------------------
+// ProgressBar
+
+struct ProgressBar::Impl {
+  Progress progress;
+};
+
+ProgressBar::ProgressBar(Verbosity verbose, std::FILE* out) : verbose_(verbose), out_(out) {}
+ProgressBar::~ProgressBar() = default;
+
+void ProgressBar::on_train_begin() {
+  Verbosity verbose = verbose_;
+  if (verbose == Verbosity::kAuto) verbose = params().verbose;
+  if (verbose == Verbosity::kAuto) {
+    verbose = ::isatty(fileno(out_)) ? Verbosity::kProgressBar : Verbosity::kOneLinePerEpoch;
+  }
+  impl_ = std::make_unique<Impl>(Impl{Progress(is_chief() && verbose != Verbosity::kSilent,
+                                               verbose == Verbosity::kProgressBar, out_)});
+}
+
+void ProgressBar::on_epoch_begin(int epoch) {
+  impl_->progress.begin_epoch(epoch + 1, params().epochs, params().steps);
+}
+
+void ProgressBar::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  impl_->progress.step(batch + 1, logs);
+}
+
+void ProgressBar::on_epoch_end(int epoch, EpochLogs& logs) { impl_->progress.end_epoch(logs); }
+
+// ---------------------------------------------------------------------------------------------
+// Monitoring a logs key (ModelCheckpoint, EarlyStopping)
+
+namespace {
+
+bool maximizes(MonitorMode mode, const std::string& monitor) {
+  if (mode != MonitorMode::kAuto) return mode == MonitorMode::kMax;
+  // Keras's rule: accuracies and AUC improve upward, everything else downward.
+  return monitor.find("acc") != std::string::npos || monitor.find("auc") != std::string::npos;
+}
+
+bool improved(double value, std::optional<double> best, bool maximize, double min_delta = 0) {
+  if (!best) return true;
+  return maximize ? value - min_delta > *best : value + min_delta < *best;
+}
+
+// The state a fit needs to continue, as the manifest's "state" object.
+json state_to_json(const TrainingState& s) {
+  json j = {{"iterations", s.iterations},
+            {"epoch", s.epoch},
+            {"step_in_epoch", s.step_in_epoch},
+            {"loss_scale", s.loss_scale},
+            {"loss_scale_good_steps", s.loss_scale_good_steps}};
+  if (s.iterator) {
+    j["iterator"] = {{"iteration", s.iterator->iteration},
+                     {"produced", s.iterator->produced},
+                     {"fingerprint", s.iterator->fingerprint}};
+  }
+  return j;
+}
+
+TrainingState state_from_json(const json& j, const fs::path& where) {
+  try {
+    TrainingState s;
+    s.iterations = j.at("iterations").get<std::int64_t>();
+    s.epoch = j.at("epoch").get<int>();
+    s.step_in_epoch = j.at("step_in_epoch").get<std::int64_t>();
+    s.loss_scale = j.at("loss_scale").get<double>();
+    s.loss_scale_good_steps = j.at("loss_scale_good_steps").get<std::int64_t>();
+    if (j.contains("iterator")) {
+      const json& it = j.at("iterator");
+      s.iterator = data::IteratorState{it.at("iteration").get<std::int64_t>(),
+                                       it.at("produced").get<std::int64_t>(),
+                                       it.at("fingerprint").get<std::string>()};
+    }
+    return s;
+  } catch (const json::exception& e) {
+    throw CheckpointError(where.string() + ": the training state in its manifest is incomplete (" +
+                          e.what() + "); it was not written by this version of flotilla's fit");
+  }
+}
+
+std::string to_hex(const torch::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  const torch::Tensor b = bytes.contiguous().to(torch::kUInt8);
+  const auto* p = b.data_ptr<std::uint8_t>();
+  std::string out;
+  out.reserve(static_cast<std::size_t>(b.numel()) * 2);
+  for (std::int64_t i = 0; i < b.numel(); ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+torch::Tensor from_hex(const std::string& hex) {
+  torch::Tensor out = torch::empty({static_cast<std::int64_t>(hex.size() / 2)}, torch::kUInt8);
+  auto* p = out.data_ptr<std::uint8_t>();
+  auto nibble = [](char c) {
+    return static_cast<std::uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+  };
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+    p[i / 2] = static_cast<std::uint8_t>(nibble(hex[i]) << 4 | nibble(hex[i + 1]));
+  }
+  return out;
+}
+
+// Everything a checkpoint directory holds for `model`.
+checkpoint::CheckpointData capture(Model& model) {
+  checkpoint::CheckpointData data;
+  data.model = checkpoint::model_state(model.module());
+  data.optimizer = checkpoint::optimizer_state(model.optimizer());
+  const TrainingState state = model.training_state();
+  data.epoch = state.epoch;
+  data.step = state.iterations;
+  data.policy = to_string(model.policy());
+  data.state = state_to_json(state);
+  // The CPU generator: dropout masks and other draws continue as if never interrupted.
+  data.state["rng_cpu"] = to_hex(at::detail::getDefaultCPUGenerator().get_state());
+  return data;
+}
+
+// Weights, optimizer state and RNG into `model`; returns the training state to resume.
+TrainingState apply(Model& model, const checkpoint::CheckpointData& data, const fs::path& where) {
+  checkpoint::load_model_state(model.module(), data.model);
+  checkpoint::load_optimizer_state(model.optimizer(), data.optimizer);
+  if (data.state.contains("rng_cpu")) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(
+        from_hex(data.state.at("rng_cpu").get<std::string>()));
+  }
+  return state_from_json(data.state, where);
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ModelCheckpoint
+
+std::string format_filepath(const std::string& pattern, int epoch, const Logs& logs) {
+  std::string out;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '{') {
+      out += pattern[i];
+      continue;
+    }
+    const std::size_t close = pattern.find('}', i);
+    if (close == std::string::npos) {
+      throw ConfigError("filepath \"" + pattern + "\" has a '{' without its '}'");
+    }
+    const std::string field = pattern.substr(i + 1, close - i - 1);
+    const std::size_t colon = field.find(':');
+    const std::string key = field.substr(0, colon);
+    const std::string spec = colon == std::string::npos ? "" : field.substr(colon + 1);
+    const bool is_epoch = key == "epoch";
+    double value = 0;
+    if (is_epoch) {
+      value = epoch;
+    } else if (auto v = logs.get(key)) {
+      value = *v;
+    } else {
+      throw ConfigError("filepath \"" + pattern + "\" names {" + key +
+                        "}, which is not in the logs; use {epoch} or a logged key (" +
+                        (logs.empty() ? std::string("none yet") : logs.items().front().first) +
+                        ", ...)");
+    }
+    // A Python format spec's common forms: [0][width](d|f|e|g) with an optional .precision.
+    const bool ok = spec.empty() || (spec.find_first_not_of("0123456789.dfeg") ==
+                                         std::string::npos &&
+                                     std::string("dfeg").find(spec.back()) != std::string::npos);
+    if (!ok) {
+      throw ConfigError("filepath \"" + pattern + "\": format \"" + spec +
+                        "\" is not supported; use forms like 02d, .4f, e or g");
+    }
+    char buf[64];
+    if (spec.empty()) {
+      if (is_epoch) {
+        std::snprintf(buf, sizeof buf, "%d", epoch);
+      } else {
+        std::snprintf(buf, sizeof buf, "%g", value);
+      }
+    } else if (spec.back() == 'd') {
+      std::snprintf(buf, sizeof buf, ("%" + spec.substr(0, spec.size() - 1) + "lld").c_str(),
+                    static_cast<long long>(std::llround(value)));
+    } else {
+      std::snprintf(buf, sizeof buf, ("%" + spec).c_str(), value);
+    }
+    out += buf;
+    i = close;
+  }
+  return out;
+}
+
+ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+  if (options_.filepath.empty()) throw ConfigError("ModelCheckpoint needs a filepath");
+  if (options_.save_freq < 0) {
+    throw ConfigError("ModelCheckpoint save_freq must be 0 (every epoch) or a number of "
+                      "updates; saw " + std::to_string(options_.save_freq));
+  }
+  if (options_.save_weights_only && fs::path(options_.filepath).extension() != ".safetensors") {
+    throw ConfigError("ModelCheckpoint with save_weights_only writes safetensors: end filepath "
+                      "with .safetensors; saw \"" + options_.filepath + "\"");
+  }
+}
+
+void ModelCheckpoint::on_train_begin() {
+  last_saved_iteration_ = model().training_state().iterations;
+}
+
+void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
+  if (options_.save_best_only) {
+    const auto value = logs.get(options_.monitor);
+    if (!value) {
+      if (is_chief()) {
+        model().strategy().log().warn("ModelCheckpoint: can save best model only with " +
+                                      options_.monitor + " available; skipping");
+      }
+      return;
+    }
+    if (!improved(*value, best_, maximizes(options_.mode, options_.monitor))) return;
+    best_ = *value;
+  }
+  const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
+  auto& strategy = model().strategy();
+  if (options_.save_weights_only) {
+    checkpoint::save_model(strategy, model().module(), path.parent_path().empty() ? "." :
+                                                           path.parent_path(),
+                           path.filename().string(),
+                           {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}});
+  } else {
+    checkpoint::CheckpointManager manager(path, options_.max_to_keep);
+    const std::int64_t number =
+        options_.save_freq == 0 ? epoch_1based : model().training_state().iterations;
+    saved_.push_back(manager.save(strategy, capture(model()), number));
+    return;
+  }
+  saved_.push_back(path);
+}
+
+void ModelCheckpoint::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  if (options_.save_freq == 0) return;
+  const std::int64_t iterations = model().training_state().iterations;
+  if (iterations - last_saved_iteration_ < options_.save_freq) return;
+  last_saved_iteration_ = iterations;
+  save(model().training_state().epoch + 1, logs);
+}
+
+void ModelCheckpoint::on_epoch_end(int epoch, EpochLogs& logs) {
+  if (options_.save_freq == 0) save(epoch + 1, logs.values);
+}
+
+// ---------------------------------------------------------------------------------------------
+// BackupAndRestore
+
+BackupAndRestore::BackupAndRestore(BackupOptions options) : options_(std::move(options)) {
+  if (options_.backup_dir.empty()) throw ConfigError("BackupAndRestore needs a backup_dir");
+  if (options_.save_freq < 0) {
+    throw ConfigError("BackupAndRestore save_freq must be 0 (every epoch) or a number of "
+                      "updates; saw " + std::to_string(options_.save_freq));
+  }
+}
+
+void BackupAndRestore::on_train_begin() {
+  restored_.reset();
+  std::vector<std::string> skipped;
+  fs::path from;
+  const auto data = checkpoint::restore_latest(options_.backup_dir, &skipped, &from);
+  auto& strategy = model().strategy();
+  if (strategy.is_chief()) {
+    for (const auto& reason : skipped) strategy.log().warn("BackupAndRestore: " + reason);
+  }
+  // Every worker must resume from the same backup, or none: agree before touching the model.
+  const std::int64_t mine = data ? data->step : -1;
+  const torch::Tensor range = strategy.reduce(strategy::ReduceOp::kMin,
+                                              torch::tensor({mine, -mine}, torch::kInt64));
+  if (range[0].item<std::int64_t>() != -range[1].item<std::int64_t>()) {
+    throw CheckpointError("BackupAndRestore: the workers see different backups in " +
+                          options_.backup_dir.string() +
+                          " (or some see none); backup_dir must be storage every worker shares");
+  }
+  number_ = 0;
+  last_backup_iteration_ = model().training_state().iterations;
+  if (!data) return;
+  const TrainingState state = apply(model(), *data, from);
+  model().restore_training_state(state);
+  restored_ = state;
+  last_backup_iteration_ = state.iterations;
+  number_ = data->state.value("backup_number", std::int64_t{0});
+  if (strategy.is_chief()) {
+    strategy.log().info("BackupAndRestore: resuming from " + from.string() + " at epoch " +
+                        std::to_string(state.epoch + 1) + ", step " +
+                        std::to_string(state.step_in_epoch) + " (" +
+                        std::to_string(state.iterations) + " updates done)");
+  }
+}
+
+void BackupAndRestore::backup() {
+  checkpoint::CheckpointData data = capture(model());
+  data.state["backup_number"] = ++number_;
+  checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
+  manager.save(model().strategy(), data, number_);
+  last_backup_iteration_ = data.step;
+}
+
+void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  if (options_.save_freq == 0) return;
+  if (model().training_state().iterations - last_backup_iteration_ >= options_.save_freq) {
+    backup();
+  }
+}
+
+void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) { backup(); }
+
+void BackupAndRestore::on_train_end() {
+  // Only a fit that ran to its end removes the backup (one that stopped early was asked to).
+  if (!options_.delete_checkpoint) return;
+  auto& strategy = model().strategy();
+  strategy.reduce(strategy::ReduceOp::kSum, torch::zeros({1})); // nobody still reads it
+  if (strategy.is_chief()) {
+    std::error_code ec;
+    fs::remove_all(options_.backup_dir, ec);
+    if (ec) {
+      strategy.log().warn("BackupAndRestore: could not remove " + options_.backup_dir.string() +
+                          " (" + ec.message() + "); remove it before the next run");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// TensorBoard
+
+struct TensorBoard::Writers {
+  explicit Writers(const fs::path& log_dir)
+      : train(log_dir / "train"), validation(log_dir / "validation") {}
+  EventFileWriter train;
+  EventFileWriter validation;
+};
+
+TensorBoard::TensorBoard(TensorBoardOptions options) : options_(std::move(options)) {
+  if (options_.log_dir.empty()) throw ConfigError("TensorBoard needs a log_dir");
+  if (options_.update_freq < 0) {
+    throw ConfigError("TensorBoard update_freq must be 0 (per epoch) or a number of updates; "
+                      "saw " + std::to_string(options_.update_freq));
+  }
+}
+
+TensorBoard::~TensorBoard() = default;
+
+void TensorBoard::on_train_begin() {
+  if (!is_chief()) return;
+  writers_ = std::make_unique<Writers>(options_.log_dir);
+}
+
+void TensorBoard::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  if (!writers_ || options_.update_freq == 0) return;
+  const std::int64_t step = model().training_state().iterations;
+  if (step % options_.update_freq != 0) return;
+  for (const auto& [key, value] : logs.items()) writers_->train.scalar("batch_" + key, value, step);
+  writers_->train.flush();
+}
+
+void TensorBoard::on_epoch_end(int epoch, EpochLogs& logs) {
+  if (!writers_) return;
+  for (const auto& [key, value] : logs.values.items()) {
+    if (key.rfind("val_", 0) == 0) {
+      writers_->validation.scalar("epoch_" + key.substr(4), value, epoch);
+    } else {
+      writers_->train.scalar("epoch_" + key, value, epoch);
+    }
+  }
+  writers_->train.scalar("epoch_samples_per_s", logs.samples_per_s, epoch);
+  writers_->train.flush();
+  writers_->validation.flush();
+}
+
+void TensorBoard::on_train_end() { writers_.reset(); }
+
+// ---------------------------------------------------------------------------------------------
+// EarlyStopping
+
+EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
+  if (options_.patience < 0) {
+    throw ConfigError("EarlyStopping patience must be at least 0; saw " +
+                      std::to_string(options_.patience));
+  }
+  options_.min_delta = std::fabs(options_.min_delta);
+}
+
+void EarlyStopping::on_train_begin() {
+  best_ = options_.baseline;
+  wait_ = 0;
+  stopped_epoch_.reset();
+  best_epoch_ = 0;
+  best_weights_.clear();
+}
+
+void EarlyStopping::on_epoch_end(int epoch, EpochLogs& logs) {
+  const auto value = logs.values.get(options_.monitor);
+  if (!value || epoch < options_.start_from_epoch) {
+    if (!value && is_chief()) {
+      model().strategy().log().warn("EarlyStopping: monitor \"" + options_.monitor +
+                                    "\" is not in the logs; it cannot stop training");
+    }
+    return;
+  }
+  const bool maximize = maximizes(options_.mode, options_.monitor);
+  ++wait_;
+  if (improved(*value, best_, maximize, options_.min_delta)) {
+    best_ = *value;
+    best_epoch_ = epoch;
+    wait_ = 0;
+    if (options_.restore_best_weights) {
+      torch::NoGradGuard no_grad;
+      best_weights_.clear();
+      for (const auto& p : model().module().parameters()) best_weights_.push_back(p.clone());
+      for (const auto& b : model().module().buffers()) best_weights_.push_back(b.clone());
+    }
+    return;
+  }
+  if (wait_ >= options_.patience && epoch > 0) {
+    stopped_epoch_ = epoch;
+    model().stop_training = true;
+  }
+}
+
+void EarlyStopping::on_train_end() {
+  if (!stopped_epoch_) return;
+  if (is_chief()) {
+    model().strategy().log().info("Epoch " + std::to_string(*stopped_epoch_ + 1) +
+                                  ": early stopping (best " + options_.monitor + " at epoch " +
+                                  std::to_string(best_epoch_ + 1) + ")");
+  }
+  if (options_.restore_best_weights && !best_weights_.empty()) {
+    torch::NoGradGuard no_grad;
+    std::size_t k = 0;
+    for (auto& p : model().module().parameters()) p.copy_(best_weights_[k++]);
+    for (auto& b : model().module().buffers()) b.copy_(best_weights_[k++]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CSVLogger
+
+CSVLogger::CSVLogger(fs::path filename, char separator, bool append)
+    : filename_(std::move(filename)), separator_(separator), append_(append) {}
+
+void CSVLogger::on_train_begin() {
+  keys_.clear();
+  if (!is_chief()) return;
+  // Found before training, not after an epoch of it.
+  std::ofstream probe(filename_, append_ ? std::ios::app : std::ios::trunc);
+  if (!probe) {
+    throw ConfigError("CSVLogger cannot write " + filename_.string() +
+                      "; check that its directory exists and is writable");
+  }
+}
+
+void CSVLogger::on_epoch_end(int epoch, EpochLogs& logs) {
+  if (!is_chief()) return;
+  std::ofstream out(filename_, std::ios::app);
+  if (keys_.empty()) {
+    std::set<std::string> sorted;
+    for (const auto& [key, value] : logs.values.items()) sorted.insert(key);
+    keys_.assign(sorted.begin(), sorted.end());
+    // A file being appended to has its header already.
+    if (!append_ || fs::file_size(filename_) == 0) {
+      out << "epoch";
+      for (const auto& key : keys_) out << separator_ << key;
+      out << "\n";
+    }
+  }
+  out << epoch;
+  char buf[64];
+  for (const auto& key : keys_) {
+    const auto value = logs.values.get(key);
+    if (value) {
+      std::snprintf(buf, sizeof buf, "%.17g", *value);
+      out << separator_ << buf;
+    } else {
+      out << separator_ << "NA";
+    }
+  }
+  out << "\n";
+  if (!out.flush()) {
+    throw ConfigError("CSVLogger could not write to " + filename_.string() + "; is the disk full?");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// TerminateOnNaN and LearningRateScheduler
+
+void TerminateOnNaN::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  if (model().last_step_finite()) return;
+  if (is_chief()) {
+    model().strategy().log().warn("Batch " + std::to_string(batch) +
+                                  ": non-finite gradients (invalid loss), terminating training");
+  }
+  model().stop_training = true;
+}
+
+void TerminateOnNaN::on_epoch_end(int epoch, EpochLogs& logs) {
+  if (std::isfinite(logs.values.at("loss"))) return;
+  if (is_chief()) {
+    model().strategy().log().warn("Epoch " + std::to_string(epoch + 1) +
+                                  ": invalid loss, terminating training");
+  }
+  model().stop_training = true;
+}
+
+LearningRateScheduler::LearningRateScheduler(std::function<double(int, double)> schedule)
+    : schedule_(std::move(schedule)) {
+  if (!schedule_) throw ConfigError("LearningRateScheduler needs a schedule function");
+}
+
+void LearningRateScheduler::on_epoch_begin(int epoch) {
+  model().set_learning_rate(schedule_(epoch, model().learning_rate()));
+}
+
+} // namespace flotilla::train

@@ -1,0 +1,93 @@
+#include "flotilla/train/mixed_precision.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <atomic>
+
+#include "flotilla/error.h"
+
+namespace flotilla::train {
+namespace {
+// Keras's global policy: the one process-wide setting (design.md allows it for this object).
+std::atomic<Policy> g_policy{Policy::kFloat32};
+} // namespace
+
+Policy parse_policy(const std::string& name) {
+  if (name == "float32") return Policy::kFloat32;
+  if (name == "mixed_float16") return Policy::kMixedFloat16;
+  if (name == "mixed_bfloat16") return Policy::kMixedBFloat16;
+  throw ConfigError("precision policy \"" + name +
+                    "\" is not available; use float32, mixed_float16 or mixed_bfloat16");
+}
+
+std::string to_string(Policy policy) {
+  switch (policy) {
+  case Policy::kFloat32: return "float32";
+  case Policy::kMixedFloat16: return "mixed_float16";
+  case Policy::kMixedBFloat16: return "mixed_bfloat16";
+  }
+  return "unknown";
+}
+
+void set_global_policy(Policy policy) { g_policy = policy; }
+void set_global_policy(const std::string& name) { g_policy = parse_policy(name); }
+Policy global_policy() { return g_policy; }
+
+torch::ScalarType compute_dtype(Policy policy) {
+  switch (policy) {
+  case Policy::kMixedFloat16: return torch::kFloat16;
+  case Policy::kMixedBFloat16: return torch::kBFloat16;
+  default: return torch::kFloat32;
+  }
+}
+
+AutocastGuard::AutocastGuard(Policy policy, torch::DeviceType device) : device_(device) {
+  if (policy == Policy::kFloat32) return;
+  active_ = true;
+  was_enabled_ = at::autocast::is_autocast_enabled(device);
+  previous_dtype_ = at::autocast::get_autocast_dtype(device);
+  at::autocast::set_autocast_enabled(device, true);
+  at::autocast::set_autocast_dtype(device, compute_dtype(policy));
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (!active_) return;
+  // Leaving the outermost region frees the casts of the weights it cached.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_, was_enabled_);
+  at::autocast::set_autocast_dtype(device_, previous_dtype_);
+}
+
+LossScale::LossScale(const LossScaleOptions& options)
+    : options_(options), scale_(options.initial_scale) {
+  if (!(options.initial_scale > 0)) {
+    throw ConfigError("the initial loss scale must be positive; saw " +
+                      std::to_string(options.initial_scale));
+  }
+  if (options.growth_interval < 1) {
+    throw ConfigError("the loss scale's growth_interval must be at least 1; saw " +
+                      std::to_string(options.growth_interval));
+  }
+}
+
+bool LossScale::update(bool finite) {
+  if (!finite) {
+    // A fixed scale still skips the step: its gradients are unusable either way.
+    if (options_.dynamic) scale_ = std::max(1.0, scale_ / 2);
+    good_steps_ = 0;
+    return false;
+  }
+  if (options_.dynamic && ++good_steps_ >= options_.growth_interval) {
+    scale_ *= 2;
+    good_steps_ = 0;
+  }
+  return true;
+}
+
+void LossScale::restore(double scale, std::int64_t good_steps) {
+  scale_ = scale;
+  good_steps_ = good_steps;
+}
+
+} // namespace flotilla::train

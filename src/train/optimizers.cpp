@@ -1,0 +1,118 @@
+#include "flotilla/train/optimizers.h"
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <sstream>
+
+#include "flotilla/error.h"
+
+namespace flotilla::train {
+
+OptimizerOptions OptimizerOptions::sgd(double learning_rate, double momentum, bool nesterov) {
+  OptimizerOptions o;
+  o.learning_rate = learning_rate;
+  o.momentum = momentum;
+  o.nesterov = nesterov;
+  return o;
+}
+
+OptimizerOptions OptimizerOptions::adam(double learning_rate) {
+  OptimizerOptions o;
+  o.kind = OptimizerKind::kAdam;
+  o.learning_rate = learning_rate;
+  return o;
+}
+
+OptimizerOptions OptimizerOptions::adamw(double learning_rate, double weight_decay) {
+  OptimizerOptions o = adam(learning_rate);
+  o.kind = OptimizerKind::kAdamW;
+  o.weight_decay = weight_decay;
+  return o;
+}
+
+double OptimizerOptions::learning_rate_at(std::int64_t step) const {
+  return schedule ? (*schedule)(step) : learning_rate;
+}
+
+std::string OptimizerOptions::describe() const {
+  std::ostringstream out;
+  const char* names[] = {"SGD", "Adam", "AdamW"};
+  out << names[static_cast<int>(kind)] << "(learning_rate=";
+  if (schedule) {
+    out << schedule->describe();
+  } else {
+    out << learning_rate;
+  }
+  if (kind == OptimizerKind::kSGD) {
+    if (momentum != 0) out << ", momentum=" << momentum;
+    if (nesterov) out << ", nesterov=true";
+  } else {
+    out << ", beta_1=" << beta_1 << ", beta_2=" << beta_2 << ", epsilon=" << epsilon;
+    if (amsgrad) out << ", amsgrad=true";
+  }
+  if (weight_decay != 0) out << ", weight_decay=" << weight_decay;
+  out << ")";
+  return out.str();
+}
+
+OptimizerKind parse_optimizer(const std::string& name) {
+  if (name == "sgd") return OptimizerKind::kSGD;
+  if (name == "adam") return OptimizerKind::kAdam;
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  throw ConfigError("optimizer \"" + name + "\" is not available; use sgd, adam or adamw");
+}
+
+void validate(const OptimizerOptions& o) {
+  auto bad = [](const std::string& what, double value, const std::string& rule) {
+    throw ConfigError(what + " must be " + rule + "; saw " + std::to_string(value));
+  };
+  if (!o.schedule && !(o.learning_rate > 0)) bad("learning rate", o.learning_rate, "positive");
+  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "at least 0");
+  if (o.kind == OptimizerKind::kSGD) {
+    if (!(o.momentum >= 0 && o.momentum < 1)) bad("momentum", o.momentum, "in [0, 1)");
+    if (o.nesterov && o.momentum == 0) {
+      throw ConfigError("Nesterov momentum needs momentum > 0; saw momentum 0");
+    }
+    return;
+  }
+  if (!(o.beta_1 >= 0 && o.beta_1 < 1)) bad("beta_1", o.beta_1, "in [0, 1)");
+  if (!(o.beta_2 >= 0 && o.beta_2 < 1)) bad("beta_2", o.beta_2, "in [0, 1)");
+  if (!(o.epsilon > 0)) bad("epsilon", o.epsilon, "positive");
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
+                                                        std::vector<torch::Tensor> parameters) {
+  validate(o);
+  const double lr = o.learning_rate_at(0);
+  switch (o.kind) {
+  case OptimizerKind::kSGD:
+    return std::make_unique<torch::optim::SGD>(std::move(parameters),
+                                               torch::optim::SGDOptions(lr)
+                                                   .momentum(o.momentum)
+                                                   .nesterov(o.nesterov)
+                                                   .weight_decay(o.weight_decay));
+  case OptimizerKind::kAdam:
+    return std::make_unique<torch::optim::Adam>(std::move(parameters),
+                                                torch::optim::AdamOptions(lr)
+                                                    .betas({o.beta_1, o.beta_2})
+                                                    .eps(o.epsilon)
+                                                    .weight_decay(o.weight_decay)
+                                                    .amsgrad(o.amsgrad));
+  case OptimizerKind::kAdamW:
+    return std::make_unique<torch::optim::AdamW>(std::move(parameters),
+                                                 torch::optim::AdamWOptions(lr)
+                                                     .betas({o.beta_1, o.beta_2})
+                                                     .eps(o.epsilon)
+                                                     .weight_decay(o.weight_decay)
+                                                     .amsgrad(o.amsgrad));
+  }
+  throw ConfigError("unknown optimizer");
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(learning_rate);
+}
+
+} // namespace flotilla::train

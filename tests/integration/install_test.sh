@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs flotilla into a temporary prefix and builds examples/consumer against it with
+# find_package(flotilla), as a downstream project would; then runs both the consumer (which must
+# train to a high accuracy) and the installed CLI outside the build tree.
+#   install_test.sh BUILD_DIR CONSUMER_SOURCE_DIR BUILT_LIBRARY BUILT_CLI CXX_COMPILER
+set -euo pipefail
+
+build_dir=$1 consumer_src=$2 built_lib=$3 built_cli=$4 cxx=$5
+
+fail() {
+  echo "install_test: FAIL: $*" >&2
+  exit 1
+}
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/flotilla-install-test.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+prefix=$tmp/prefix
+
+cmake --install "$build_dir" --prefix "$prefix" >"$tmp/install.log" ||
+  { cat "$tmp/install.log"; fail "cmake --install $build_dir failed"; }
+
+config=$(find "$prefix" -name flotillaConfig.cmake)
+[ -n "$config" ] || fail "no flotillaConfig.cmake under $prefix"
+for f in flotillaConfigVersion.cmake flotillaTargets.cmake; do
+  [ -f "$(dirname "$config")/$f" ] || fail "$f is not next to $config"
+done
+lib=$(find "$prefix" -name libflotilla.a)
+[ -n "$lib" ] || fail "no libflotilla.a under $prefix"
+cmp -s "$lib" "$built_lib" || fail "$lib differs from the built $built_lib"
+
+# Every header a consumer can reach must be installed: a quoted include names a file under
+# include/ (not models/ or src/, which stay in the source tree).
+headers=$(cd "$prefix/include" && find . -name '*.h' | sort)
+[ "$(echo "$headers" | wc -l)" -ge 20 ] || fail "only these headers were installed: $headers"
+for h in $headers; do
+  for inc in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' \
+                 "$prefix/include/$h"); do
+    [ -f "$prefix/include/$inc" ] || fail "installed $h includes \"$inc\", which is not installed"
+  done
+done
+
+# The installed CLI finds LibTorch by itself (its RPATH), not through the build tree.
+want_version=$("$built_cli" --version)
+got_version=$(env -u LD_LIBRARY_PATH "$prefix/bin/flotilla" --version) ||
+  fail "the installed $prefix/bin/flotilla does not run"
+[ "$got_version" = "$want_version" ] ||
+  fail "installed CLI says '$got_version', the built one '$want_version'"
+
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # Paths under the temporary dir are rewritten relative, so reruns hit the cache.
+  export CCACHE_BASEDIR=$tmp
+fi
+# LibTorch's package otherwise compiles and runs a GPU probe (the consumer has no CUDA code).
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+cmake -S "$consumer_src" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" "${launcher[@]}" \
+  >"$tmp/configure.log" 2>&1 || { cat "$tmp/configure.log"; fail "configuring the consumer failed"; }
+cmake --build "$tmp/build" -j 2 >"$tmp/build.log" 2>&1 ||
+  { cat "$tmp/build.log"; fail "building the consumer failed"; }
+
+status=0
+out=$("$tmp/build/consumer" 2>&1) || status=$?
+echo "$out"
+[ "$status" -eq 0 ] || fail "the consumer exited with $status"
+# Its last line: flotilla <version> accuracy <value>.
+last=$(echo "$out" | tail -n 1)
+[ "$last" != "${last#"$want_version accuracy "}" ] ||
+  fail "the consumer's last line '$last' is not '$want_version accuracy <value>'"
+accuracy=${last#"$want_version accuracy "}
+awk -v a="$accuracy" 'BEGIN { exit !(a + 0 > 0.9 && a + 0 <= 1) }' ||
+  fail "accuracy $accuracy is not in (0.9, 1]"
+echo "install_test: OK ($want_version, consumer accuracy $accuracy)"

@@ -1,0 +1,350 @@
+// Callbacks on two thread-ranks: a backup resumes exactly (the weights equal an uninterrupted
+// run's, and no update is lost or done twice), schedules drive the optimizer, decisions agree
+// across workers, and only the chief writes files.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <mutex>
+
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/error.h"
+#include "flotilla/train/callbacks.h"
+#include "flotilla/train/schedules.h"
+#include "support/ranks.h"
+#include "support/subprocess.h"
+#include "support/tensorboard.h"
+
+namespace flotilla {
+namespace {
+
+using testing::run_ranks;
+using testing::thread_cluster;
+namespace nn = torch::nn;
+namespace fs = std::filesystem;
+
+std::mutex build_mutex; // ranks are threads sharing torch's generator
+
+struct Data {
+  Data() {
+    torch::manual_seed(11);
+    x = torch::randn({96, 8});
+    y = (x.narrow(1, 0, 3).argmax(1)); // learnable: the largest of the first 3 features
+  }
+  torch::Tensor x, y;
+  data::Dataset batches() const {
+    return data::Dataset::from_tensor_slices({x, y}).shuffle(96, 5).batch(16, true);
+  }
+};
+
+nn::Sequential make_net() {
+  std::lock_guard<std::mutex> lock(build_mutex);
+  torch::manual_seed(3);
+  return nn::Sequential(nn::Linear(8, 16), nn::ReLU(), nn::Linear(16, 3));
+}
+
+train::CompileOptions sgd_with_schedule() {
+  train::CompileOptions compile;
+  compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+  train::CosineDecayOptions cosine;
+  cosine.initial_learning_rate = 0.0;
+  cosine.warmup_target = 0.2;
+  cosine.warmup_steps = 4;
+  cosine.decay_steps = 20;
+  compile.optimizer.schedule = std::make_shared<train::CosineDecay>(cosine);
+  return compile;
+}
+
+std::vector<float> flat_weights(nn::Module& m) {
+  std::vector<float> out;
+  for (const auto& p : m.parameters()) {
+    const auto t = p.detach().contiguous().view(-1);
+    out.insert(out.end(), t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+  }
+  return out;
+}
+
+struct Crash : std::runtime_error {
+  Crash() : std::runtime_error("simulated crash") {}
+};
+
+// Counts updates and throws after `crash_after` of them (the same step on every worker).
+struct CountingCallback : train::Callback {
+  std::int64_t batches = 0;
+  std::int64_t crash_after = -1;
+  void on_train_batch_end(std::int64_t, const train::Logs&) override {
+    ++batches;
+    if (batches == crash_after) throw Crash();
+  }
+};
+
+struct Interruption {
+  std::int64_t backup_every;  // BackupOptions::save_freq (0: epoch ends only)
+  std::int64_t crash_after;   // updates before the simulated crash
+  std::int64_t resumed_at;    // the backup's update count
+  int epoch;                  // the backup's epoch (0-based) and step in it
+  std::int64_t step_in_epoch;
+};
+
+// 6 global batches of 16 per epoch, 3 epochs: 18 updates in all.
+void expect_exact_resume(const Interruption& case_) {
+  const Data data;
+  testing::TempDir dir;
+  const fs::path backup = fs::path(dir.path()) / "backup";
+  constexpr int kEpochs = 3;
+  std::vector<std::vector<float>> uninterrupted(2), resumed(2);
+  std::vector<std::int64_t> first_run(2), second_run(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    {
+      auto net = make_net();
+      train::Model model(s, net);
+      model.compile(sgd_with_schedule());
+      train::FitOptions fit;
+      fit.epochs = kEpochs;
+      fit.verbose = train::Verbosity::kSilent;
+      model.fit(data.batches(), fit);
+      uninterrupted[rank] = flat_weights(*net);
+    }
+    auto counter = std::make_shared<CountingCallback>();
+    counter->crash_after = case_.crash_after;
+    {
+      auto net = make_net();
+      train::Model model(s, net);
+      model.compile(sgd_with_schedule());
+      train::FitOptions fit;
+      fit.epochs = kEpochs;
+      fit.verbose = train::Verbosity::kSilent;
+      fit.callbacks = {std::make_shared<train::BackupAndRestore>(
+                           train::BackupOptions{backup, case_.backup_every}),
+                       counter};
+      EXPECT_THROW(model.fit(data.batches(), fit), Crash);
+      first_run[rank] = counter->batches;
+    }
+    // A new process would start from scratch: new model, new optimizer, a new dataset object.
+    auto net = make_net();
+    train::Model model(s, net);
+    model.compile(sgd_with_schedule());
+    auto restore = std::make_shared<train::BackupAndRestore>(
+        train::BackupOptions{backup, case_.backup_every});
+    auto counter2 = std::make_shared<CountingCallback>();
+    train::FitOptions fit;
+    fit.epochs = kEpochs;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {restore, counter2};
+    const auto history = model.fit(data.batches(), fit);
+    second_run[rank] = counter2->batches;
+    ASSERT_TRUE(restore->restored().has_value());
+    EXPECT_EQ(restore->restored()->iterations, case_.resumed_at);
+    EXPECT_EQ(restore->restored()->epoch, case_.epoch);
+    EXPECT_EQ(restore->restored()->step_in_epoch, case_.step_in_epoch);
+    EXPECT_EQ(model.training_state().iterations, 18);
+    EXPECT_EQ(history.epochs.front().epoch, case_.epoch + 1);
+    resumed[rank] = flat_weights(*net);
+  });
+  EXPECT_EQ(first_run[0], case_.crash_after);
+  // Every update after the backup is done again, none is lost: 18 in all.
+  EXPECT_EQ(second_run[0], 18 - case_.resumed_at);
+  EXPECT_EQ(uninterrupted[0], uninterrupted[1]);
+  EXPECT_EQ(resumed[0], uninterrupted[0]); // bit for bit
+  EXPECT_EQ(resumed[1], uninterrupted[1]);
+  EXPECT_FALSE(fs::exists(backup)) << "a fit that completes deletes its backup";
+}
+
+TEST(Callbacks, BackupAndRestoreResumesMidEpochExactly) {
+  // Backups at updates 4 and 6 (an epoch's end resets the count), then 10; the crash is at 11.
+  expect_exact_resume({/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/10, 1, 4});
+}
+
+TEST(Callbacks, BackupAndRestoreResumesAtAnEpochBoundaryExactly) {
+  expect_exact_resume({/*backup_every=*/0, /*crash_after=*/9, /*resumed_at=*/6, 1, 0});
+}
+
+TEST(Callbacks, ScheduleDrivesTheLearningRateAndValidationAddsValKeys) {
+  const Data data;
+  std::vector<train::History> histories(2);
+  std::vector<train::EvalResult> evals(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    auto compile = sgd_with_schedule();
+    compile.metrics = {"accuracy", "sparse_top_k_categorical_accuracy@2"};
+    model.compile(compile);
+    train::FitOptions fit;
+    fit.epochs = 2;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.validation_data = data::Dataset::from_tensor_slices({data.x, data.y}).batch(10);
+    histories[rank] = model.fit(data.batches(), fit);
+    evals[rank] = model.evaluate(*fit.validation_data);
+  });
+  const auto& last = histories[0].epochs.back().values;
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : last.items()) keys.push_back(k);
+  EXPECT_EQ(keys, (std::vector<std::string>{"loss", "accuracy",
+                                            "sparse_top_k_categorical_accuracy@2",
+                                            "learning_rate", "val_loss", "val_accuracy",
+                                            "val_sparse_top_k_categorical_accuracy@2"}));
+  // 12 updates done: the next rate is the cosine's at step 12 (8 steps into its decay).
+  const double expected = 0.2 * 0.5 * (1 + std::cos(M_PI * 8 / 20));
+  EXPECT_NEAR(last.at("learning_rate"), expected, 1e-12);
+  EXPECT_DOUBLE_EQ(last.at("val_loss"), evals[0].loss());
+  EXPECT_DOUBLE_EQ(last.at("val_accuracy"), evals[0].at("accuracy"));
+  EXPECT_EQ(histories[0]["val_loss"], histories[1]["val_loss"]);
+}
+
+TEST(Callbacks, EarlyStoppingStopsEveryWorkerAtThePatienceAndRestoresTheBest) {
+  const Data data;
+  std::vector<std::optional<int>> stopped(2);
+  std::vector<std::size_t> epochs_run(2);
+  std::vector<bool> restored_best(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    model.compile(sgd_with_schedule());
+    // Scripted val_loss: best at epoch index 1, then worse twice.
+    auto script = std::make_shared<train::LambdaCallback>();
+    const std::vector<double> val = {1.0, 0.5, 0.7, 0.8, 0.4, 0.3};
+    std::vector<float> best_weights;
+    script->epoch_end = [&](int epoch, train::EpochLogs& logs) {
+      logs.values.set("val_loss", val[epoch]);
+      if (epoch == 1) best_weights = flat_weights(*net);
+    };
+    train::EarlyStoppingOptions options;
+    options.patience = 2;
+    options.restore_best_weights = true;
+    auto early = std::make_shared<train::EarlyStopping>(options);
+    train::FitOptions fit;
+    fit.epochs = 6;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {script, early};
+    epochs_run[rank] = model.fit(data.batches(), fit).epochs.size();
+    stopped[rank] = early->stopped_epoch();
+    restored_best[rank] = flat_weights(*net) == best_weights;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(stopped[r], 3); // epochs 2 and 3 did not improve on epoch 1
+    EXPECT_EQ(epochs_run[r], 4u);
+    EXPECT_TRUE(restored_best[r]);
+  }
+}
+
+TEST(Callbacks, CheckpointsCsvAndTensorBoardComeOnlyFromTheChief) {
+  const Data data;
+  testing::TempDir dir;
+  const fs::path root = dir.path();
+  std::vector<train::History> histories(2);
+  std::vector<std::vector<fs::path>> saved(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    model.compile(sgd_with_schedule());
+    train::ModelCheckpointOptions best;
+    best.filepath = (root / "best-{epoch:02d}-{loss:.3f}.safetensors").string();
+    best.monitor = "loss";
+    best.save_best_only = true;
+    best.save_weights_only = true;
+    auto checkpoint = std::make_shared<train::ModelCheckpoint>(best);
+    train::ModelCheckpointOptions full;
+    full.filepath = (root / "ckpts").string();
+    full.max_to_keep = 2;
+    train::FitOptions fit;
+    fit.epochs = 3;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {checkpoint, std::make_shared<train::ModelCheckpoint>(full),
+                     std::make_shared<train::CSVLogger>(root / "log.csv"),
+                     std::make_shared<train::TensorBoard>(train::TensorBoardOptions{root / "tb"})};
+    histories[rank] = model.fit(data.batches(), fit);
+    saved[rank] = checkpoint->saved();
+  });
+  const auto loss = histories[0]["loss"];
+  // The loss falls every epoch here, so every epoch is a new best.
+  ASSERT_EQ(saved[0].size(), 3u);
+  char name[64];
+  std::snprintf(name, sizeof name, "best-03-%.3f.safetensors", loss[2]);
+  EXPECT_EQ(saved[0][2].filename(), name);
+  EXPECT_TRUE(fs::exists(saved[0][2]));
+  // Full checkpoints: the newest 2, TF's pointer naming ckpt-3, verified on read.
+  checkpoint::CheckpointManager manager(root / "ckpts", 2);
+  ASSERT_TRUE(manager.latest().has_value());
+  EXPECT_EQ(manager.latest()->filename(), "ckpt-3");
+  EXPECT_EQ(manager.checkpoints().size(), 2u);
+  const auto data3 = checkpoint::read_checkpoint(*manager.latest());
+  EXPECT_EQ(data3.epoch, 3);
+  EXPECT_EQ(data3.step, 18);
+  EXPECT_EQ(data3.state.at("iterations"), 18);
+  // CSV: Keras's layout, epochs 0-based, keys sorted.
+  std::ifstream csv(root / "log.csv");
+  std::string header, row;
+  std::getline(csv, header);
+  EXPECT_EQ(header, "epoch,accuracy,learning_rate,loss");
+  std::getline(csv, row);
+  EXPECT_EQ(row.substr(0, 2), "0,");
+  // Nothing but the chief's files (no worker's temporary directory left behind).
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(root)) entries.push_back(e.path().filename());
+  std::sort(entries.begin(), entries.end());
+  std::vector<std::string> expected = {"ckpts", "log.csv", "tb"};
+  for (const auto& p : saved[0]) expected.push_back(p.filename());
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(entries, expected);
+  // TensorBoard's own reader sees the epoch scalars, with the values fit() returned.
+  if (!testing::tensorboard_installed()) {
+    GTEST_SKIP() << "the test venv's Python cannot import tensorboard; run scripts/bootstrap";
+  }
+  const auto train = testing::tensorboard_view((root / "tb" / "train").string());
+  const auto& epoch_loss = train["scalars"]["epoch_loss"];
+  ASSERT_EQ(epoch_loss.size(), 3u) << train.dump();
+  for (int e = 0; e < 3; ++e) {
+    EXPECT_EQ(epoch_loss[e]["step"], e);
+    EXPECT_EQ(epoch_loss[e]["value"].get<double>(), static_cast<double>(static_cast<float>(loss[e])));
+  }
+  EXPECT_TRUE(train["scalars"].contains("epoch_learning_rate"));
+  EXPECT_TRUE(train["scalars"].contains("epoch_samples_per_s"));
+}
+
+TEST(Callbacks, TerminateOnNaNStopsEveryWorkerAtTheSameStep) {
+  Data data;
+  // One poisoned example, in the batch that only worker 1 sees at its second step.
+  auto x = data.x.clone();
+  std::vector<std::int64_t> steps(2);
+  std::vector<bool> finite(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    model.compile(sgd_with_schedule());
+    // Unshuffled batches of 16: worker 1 takes rows 8..15 of each; step 2's are rows 24..31.
+    if (rank == 0) x[27][0] = std::numeric_limits<float>::quiet_NaN();
+    const auto ds = data::Dataset::from_tensor_slices({x, data.y}).batch(16, true);
+    train::FitOptions fit;
+    fit.epochs = 2;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {std::make_shared<train::TerminateOnNaN>()};
+    const auto history = model.fit(ds, fit);
+    steps[rank] = history.epochs.back().steps + 100 * static_cast<std::int64_t>(
+                                                          history.epochs.size());
+    finite[rank] = model.last_step_finite();
+  });
+  EXPECT_EQ(steps[0], 102); // one epoch, stopped after its second step
+  EXPECT_EQ(steps[1], 102);
+  EXPECT_FALSE(finite[0]);
+}
+
+TEST(Callbacks, FilepathTemplatesFormatLikePython) {
+  train::Logs logs;
+  logs.set("val_loss", 0.123456);
+  EXPECT_EQ(train::format_filepath("m-{epoch:02d}-{val_loss:.4f}", 7, logs), "m-07-0.1235");
+  EXPECT_EQ(train::format_filepath("m-{epoch}", 12, logs), "m-12");
+  try {
+    train::format_filepath("m-{val_acc}", 1, logs);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("names {val_acc}, which is not in the logs"),
+              std::string::npos);
+  }
+}
+
+} // namespace
+} // namespace flotilla
