@@ -150,7 +150,10 @@ checkpoint::CheckpointData capture(Model& model) {
 // Weights, optimizer state and RNG into `model`; returns the training state to resume.
 TrainingState apply(Model& model, const checkpoint::CheckpointData& data, const fs::path& where) {
   checkpoint::load_model_state(model.module(), data.model);
-  checkpoint::load_optimizer_state(model.optimizer(), data.optimizer);
+  // Every replica's optimizer: fit() re-syncs the replicas' weights, not their optimizer state.
+  for (auto* optimizer : model.optimizers()) {
+    checkpoint::load_optimizer_state(*optimizer, data.optimizer);
+  }
   if (data.state.contains("rng_cpu")) {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(
@@ -223,6 +226,13 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
   if (options_.save_freq < 0) {
     throw ConfigError("ModelCheckpoint save_freq must be 0 (every epoch) or a number of "
                       "updates; saw " + std::to_string(options_.save_freq));
+  }
+  if (options_.save_best_only && options_.save_freq > 0) {
+    // Batch logs are each worker's own running means: workers could disagree on "best" and so
+    // on whether to take part in the (collective) save.
+    throw ConfigError("ModelCheckpoint: save_best_only compares epoch logs, which are global; "
+                      "with save_freq " + std::to_string(options_.save_freq) +
+                      " it would compare each worker's own batch logs. Use save_freq 0");
   }
   if (options_.save_weights_only && fs::path(options_.filepath).extension() != ".safetensors") {
     throw ConfigError("ModelCheckpoint with save_weights_only writes safetensors: end filepath "

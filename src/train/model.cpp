@@ -112,6 +112,13 @@ torch::optim::Optimizer& Model::optimizer() {
   return *optimizers_.front();
 }
 
+std::vector<torch::optim::Optimizer*> Model::optimizers() {
+  require_compiled("optimizers");
+  std::vector<torch::optim::Optimizer*> all;
+  for (auto& optimizer : optimizers_) all.push_back(optimizer.get());
+  return all;
+}
+
 double Model::learning_rate() const {
   require_compiled("learning_rate");
   return compiled_->optimizer.learning_rate_at(iterations_);

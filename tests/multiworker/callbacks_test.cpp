@@ -83,6 +83,7 @@ struct Interruption {
   std::int64_t resumed_at;    // the backup's update count
   int epoch;                  // the backup's epoch (0-based) and step in it
   std::int64_t step_in_epoch;
+  int replicas = 1; // per worker
 };
 
 // 6 global batches of 16 per epoch, 3 epochs: 18 updates in all.
@@ -94,7 +95,7 @@ void expect_exact_resume(const Interruption& case_) {
   std::vector<std::vector<float>> uninterrupted(2), resumed(2);
   std::vector<std::int64_t> first_run(2), second_run(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
-    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    strategy::Strategy s(thread_cluster(rank, 2), comm, case_.replicas);
     {
       auto net = make_net();
       train::Model model(s, net);
@@ -157,6 +158,11 @@ TEST(Callbacks, BackupAndRestoreResumesMidEpochExactly) {
 
 TEST(Callbacks, BackupAndRestoreResumesAtAnEpochBoundaryExactly) {
   expect_exact_resume({/*backup_every=*/0, /*crash_after=*/9, /*resumed_at=*/6, 1, 0});
+}
+
+// Every replica's optimizer state comes back, not only replica 0's.
+TEST(Callbacks, BackupAndRestoreResumesTwoReplicasPerWorkerExactly) {
+  expect_exact_resume({/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/10, 1, 4, 2});
 }
 
 TEST(Callbacks, ScheduleDrivesTheLearningRateAndValidationAddsValKeys) {

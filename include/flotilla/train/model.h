@@ -159,6 +159,8 @@ class Model {
   const strategy::GradientReducer& gradient_reducer() const;
   // Replica 0's optimizer (every replica's holds the same state).
   torch::optim::Optimizer& optimizer();
+  // Every replica's, replica 0's first (restoring a checkpoint loads them all).
+  std::vector<torch::optim::Optimizer*> optimizers();
   // The learning rate of the next update.
   double learning_rate() const;
   // Replaces a constant learning rate (LearningRateScheduler); ConfigError under a schedule.
