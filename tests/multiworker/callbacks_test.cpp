@@ -10,6 +10,7 @@
 #include "flotilla/error.h"
 #include "flotilla/train/callbacks.h"
 #include "flotilla/train/schedules.h"
+#include "support/compare.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/tensorboard.h"
@@ -54,14 +55,6 @@ train::CompileOptions sgd_with_schedule() {
   return compile;
 }
 
-std::vector<float> flat_weights(nn::Module& m) {
-  std::vector<float> out;
-  for (const auto& p : m.parameters()) {
-    const auto t = p.detach().contiguous().view(-1);
-    out.insert(out.end(), t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-  }
-  return out;
-}
 
 struct Crash : std::runtime_error {
   Crash() : std::runtime_error("simulated crash") {}
@@ -104,7 +97,7 @@ void expect_exact_resume(const Interruption& case_) {
       fit.epochs = kEpochs;
       fit.verbose = train::Verbosity::kSilent;
       model.fit(data.batches(), fit);
-      uninterrupted[rank] = flat_weights(*net);
+      uninterrupted[rank] = testing::flat_parameters(*net);
     }
     auto counter = std::make_shared<CountingCallback>();
     counter->crash_after = case_.crash_after;
@@ -140,7 +133,7 @@ void expect_exact_resume(const Interruption& case_) {
     EXPECT_EQ(restore->restored()->step_in_epoch, case_.step_in_epoch);
     EXPECT_EQ(model.training_state().iterations, 18);
     EXPECT_EQ(history.epochs.front().epoch, case_.epoch + 1);
-    resumed[rank] = flat_weights(*net);
+    resumed[rank] = testing::flat_parameters(*net);
   });
   EXPECT_EQ(first_run[0], case_.crash_after);
   // Every update after the backup is done again, none is lost: 18 in all.
@@ -214,7 +207,7 @@ TEST(Callbacks, EarlyStoppingStopsEveryWorkerAtThePatienceAndRestoresTheBest) {
     std::vector<float> best_weights;
     script->epoch_end = [&](int epoch, train::EpochLogs& logs) {
       logs.values.set("val_loss", val[epoch]);
-      if (epoch == 1) best_weights = flat_weights(*net);
+      if (epoch == 1) best_weights = testing::flat_parameters(*net);
     };
     train::EarlyStoppingOptions options;
     options.patience = 2;
@@ -226,7 +219,7 @@ TEST(Callbacks, EarlyStoppingStopsEveryWorkerAtThePatienceAndRestoresTheBest) {
     fit.callbacks = {script, early};
     epochs_run[rank] = model.fit(data.batches(), fit).epochs.size();
     stopped[rank] = early->stopped_epoch();
-    restored_best[rank] = flat_weights(*net) == best_weights;
+    restored_best[rank] = testing::flat_parameters(*net) == best_weights;
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(stopped[r], 3); // epochs 2 and 3 did not improve on epoch 1
@@ -288,13 +281,10 @@ TEST(Callbacks, CheckpointsCsvAndTensorBoardComeOnlyFromTheChief) {
   std::getline(csv, row);
   EXPECT_EQ(row.substr(0, 2), "0,");
   // Nothing but the chief's files (no worker's temporary directory left behind).
-  std::vector<std::string> entries;
-  for (const auto& e : fs::directory_iterator(root)) entries.push_back(e.path().filename());
-  std::sort(entries.begin(), entries.end());
   std::vector<std::string> expected = {"ckpts", "log.csv", "tb"};
   for (const auto& p : saved[0]) expected.push_back(p.filename());
   std::sort(expected.begin(), expected.end());
-  EXPECT_EQ(entries, expected);
+  EXPECT_EQ(testing::entries(root), expected);
   // TensorBoard's own reader sees the epoch scalars, with the values fit() returned.
   if (!testing::tensorboard_installed()) {
     GTEST_SKIP() << "the test venv's Python cannot import tensorboard; run scripts/bootstrap";

@@ -19,12 +19,7 @@ using testing::thread_cluster;
 namespace fs = std::filesystem;
 namespace nn = torch::nn;
 
-std::vector<std::string> entries(const fs::path& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
+using testing::entries;
 
 TEST(CheckpointLayout, OnlyTheChiefsCheckpointRemainsAfterFit) {
   testing::TempDir root;

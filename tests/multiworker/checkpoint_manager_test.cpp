@@ -35,13 +35,7 @@ using testing::thread_cluster;
 namespace fs = std::filesystem;
 namespace nn = torch::nn;
 
-// Every entry, hidden ones included, sorted.
-std::vector<std::string> entries(const fs::path& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
+using testing::entries;
 
 // Small, deterministic data: every rank builds the same from `epoch` without touching the RNG.
 CheckpointData sample(std::int64_t epoch) {

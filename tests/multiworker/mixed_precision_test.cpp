@@ -9,6 +9,7 @@
 #include "flotilla/train/callbacks.h"
 #include "flotilla/train/mixed_precision.h"
 #include "models/zoo.h"
+#include "support/compare.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 
@@ -21,14 +22,6 @@ namespace nn = torch::nn;
 
 std::mutex build_mutex; // ranks are threads sharing torch's generator
 
-std::vector<float> flat_weights(nn::Module& m) {
-  std::vector<float> out;
-  for (const auto& p : m.parameters()) {
-    const auto t = p.detach().contiguous().view(-1);
-    out.insert(out.end(), t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-  }
-  return out;
-}
 
 TEST(MixedPrecision, AnOverflowOnOneWorkerSkipsExactlyThatStepOnAll) {
   torch::manual_seed(1);
@@ -54,7 +47,7 @@ TEST(MixedPrecision, AnOverflowOnOneWorkerSkipsExactlyThatStepOnAll) {
     train::FitOptions fit;
     fit.verbose = train::Verbosity::kSilent;
     histories[rank] = model.fit(data::Dataset::from_tensor_slices({x, y}).batch(16, true), fit);
-    weights[rank] = flat_weights(*net);
+    weights[rank] = testing::flat_parameters(*net);
     const auto state = model.training_state();
     scales[rank] = state.loss_scale;
     updates[rank] = state.iterations;

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -153,6 +154,16 @@ inline std::vector<int> free_ports(int count) {
 }
 
 // A fresh empty directory under /tmp, removed with everything in it at scope exit.
+// Every entry of `dir`, hidden ones included, sorted.
+inline std::vector<std::string> entries(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    out.push_back(e.path().filename().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 class TempDir {
  public:
   TempDir() {
