@@ -80,6 +80,14 @@ struct Interruption {
 };
 
 // 6 global batches of 16 per epoch, 3 epochs: 18 updates in all.
+// With replicas per worker, compile() clones the model, and cloning initialises (then
+// overwrites) fresh layers from torch's global generator: serialise it with the other rank's
+// seeded construction, or the initial weights would depend on thread timing.
+void compile_locked(train::Model& model) {
+  std::lock_guard<std::mutex> lock(build_mutex);
+  model.compile(sgd_with_schedule());
+}
+
 void expect_exact_resume(const Interruption& case_) {
   const Data data;
   testing::TempDir dir;
@@ -92,7 +100,7 @@ void expect_exact_resume(const Interruption& case_) {
     {
       auto net = make_net();
       train::Model model(s, net);
-      model.compile(sgd_with_schedule());
+      compile_locked(model);
       train::FitOptions fit;
       fit.epochs = kEpochs;
       fit.verbose = train::Verbosity::kSilent;
@@ -104,7 +112,7 @@ void expect_exact_resume(const Interruption& case_) {
     {
       auto net = make_net();
       train::Model model(s, net);
-      model.compile(sgd_with_schedule());
+      compile_locked(model);
       train::FitOptions fit;
       fit.epochs = kEpochs;
       fit.verbose = train::Verbosity::kSilent;
@@ -117,7 +125,7 @@ void expect_exact_resume(const Interruption& case_) {
     // A new process would start from scratch: new model, new optimizer, a new dataset object.
     auto net = make_net();
     train::Model model(s, net);
-    model.compile(sgd_with_schedule());
+    compile_locked(model);
     auto restore = std::make_shared<train::BackupAndRestore>(
         train::BackupOptions{backup, case_.backup_every});
     auto counter2 = std::make_shared<CountingCallback>();
