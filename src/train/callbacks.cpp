@@ -241,7 +241,7 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
 }
 
 void ModelCheckpoint::on_train_begin() {
-  last_saved_iteration_ = model().training_state().iterations;
+  last_saved_iteration_ = model().iterations();
 }
 
 void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
@@ -267,7 +267,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   } else {
     checkpoint::CheckpointManager manager(path, options_.max_to_keep);
     const std::int64_t number =
-        options_.save_freq == 0 ? epoch_1based : model().training_state().iterations;
+        options_.save_freq == 0 ? epoch_1based : model().iterations();
     saved_.push_back(manager.save(strategy, capture(model()), number));
     return;
   }
@@ -276,10 +276,10 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
 
 void ModelCheckpoint::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (options_.save_freq == 0) return;
-  const std::int64_t iterations = model().training_state().iterations;
+  const std::int64_t iterations = model().iterations();
   if (iterations - last_saved_iteration_ < options_.save_freq) return;
   last_saved_iteration_ = iterations;
-  save(model().training_state().epoch + 1, logs);
+  save(model().current_epoch() + 1, logs);
 }
 
 void ModelCheckpoint::on_epoch_end(int epoch, EpochLogs& logs) {
@@ -316,7 +316,7 @@ void BackupAndRestore::on_train_begin() {
                           " (or some see none); backup_dir must be storage every worker shares");
   }
   number_ = 0;
-  last_backup_iteration_ = model().training_state().iterations;
+  last_backup_iteration_ = model().iterations();
   if (!data) return;
   const TrainingState state = apply(model(), *data, from);
   model().restore_training_state(state);
@@ -341,7 +341,7 @@ void BackupAndRestore::backup() {
 
 void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (options_.save_freq == 0) return;
-  if (model().training_state().iterations - last_backup_iteration_ >= options_.save_freq) {
+  if (model().iterations() - last_backup_iteration_ >= options_.save_freq) {
     backup();
   }
 }
@@ -390,7 +390,7 @@ void TensorBoard::on_train_begin() {
 
 void TensorBoard::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (!writers_ || options_.update_freq == 0) return;
-  const std::int64_t step = model().training_state().iterations;
+  const std::int64_t step = model().iterations();
   if (step % options_.update_freq != 0) return;
   for (const auto& [key, value] : logs.items()) writers_->train.scalar("batch_" + key, value, step);
   writers_->train.flush();

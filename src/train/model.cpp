@@ -351,6 +351,19 @@ void Model::apply_gradients() {
   ++iterations_;
 }
 
+std::vector<double> Model::batch_sums(const torch::Tensor& per_example_loss,
+                                      const torch::Tensor& outputs,
+                                      const torch::Tensor& labels) const {
+  // One copy to the host for the loss and every metric.
+  std::vector<torch::Tensor> sums = {per_example_loss.sum()};
+  for (const auto& metric : metrics_) sums.push_back(metric.per_example(outputs, labels).sum());
+  const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
+  const double* values = host.data_ptr<double>();
+  std::vector<double> out(values, values + host.numel());
+  out.push_back(static_cast<double>(labels.size(0)));
+  return out;
+}
+
 Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   const int num_replicas = static_cast<int>(replicas_.size());
   check_element(batch.element);
@@ -389,14 +402,7 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
     // exactly, short last batches included.
     (per_example.sum() * (scale / share)).backward();
     torch::NoGradGuard no_grad;
-    // One copy to the host for the loss and every metric.
-    std::vector<torch::Tensor> sums = {per_example.detach().sum()};
-    const torch::Tensor detached = outputs.detach();
-    for (const auto& metric : metrics_) sums.push_back(metric.per_example(detached, labels).sum());
-    const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
-    const double* values = host.data_ptr<double>();
-    for (std::size_t k = 0; k + 1 < width; ++k) results[r].sums[k] = values[k];
-    results[r].sums[width - 1] = static_cast<double>(labels.size(0));
+    results[r].sums = batch_sums(per_example.detach(), outputs.detach(), labels);
   };
   try {
     if (threads_) {
@@ -660,11 +666,8 @@ EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
     if (batch->element.size() > 2) {
       per_example = per_example * batch->element[2].to(per_example.dtype());
     }
-    std::vector<torch::Tensor> sums = {per_example.sum()};
-    for (const auto& metric : metrics_) sums.push_back(metric.per_example(outputs, labels).sum());
-    const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
-    for (std::size_t k = 0; k + 1 < totals.size(); ++k) totals[k] += host[k].item<double>();
-    totals.back() += static_cast<double>(labels.size(0));
+    const std::vector<double> sums = batch_sums(per_example, outputs, labels);
+    for (std::size_t k = 0; k < totals.size(); ++k) totals[k] += sums[k];
   }
   const torch::Tensor global =
       strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));

@@ -171,7 +171,12 @@ class Model {
   bool stop_training = false;
   // Whether the last step's all-reduced gradients were finite (the same on every worker).
   bool last_step_finite() const { return last_step_finite_; }
-  // Where training stands; inside fit() it includes the input's position.
+  // Optimizer updates applied so far (Keras's iterations), and the epoch in progress (0-based):
+  // cheap, for per-batch callbacks.
+  std::int64_t iterations() const { return iterations_; }
+  int current_epoch() const { return epoch_index_; }
+  // Where training stands; inside fit() it includes the input's position (serialising the
+  // iterator: not for every step).
   TrainingState training_state() const;
   // Makes the next (or the starting) fit() continue from `state`: optimizer step count, loss
   // scale, epoch, step and input position. Weights and optimizer state are restored separately.
@@ -186,6 +191,9 @@ class Model {
   // Runs one batch on every replica and applies the update when due; returns the batch's sums.
   struct StepSums;
   StepSums train_step(const data::ReplicaBatch& batch, int& micro);
+  // Summed per-example loss, each metric's sum, and the example count, in one host copy.
+  std::vector<double> batch_sums(const torch::Tensor& per_example_loss,
+                                 const torch::Tensor& outputs, const torch::Tensor& labels) const;
   void apply_gradients();
   EvalResult evaluate_impl(const data::DistributedDataset& data);
 
