@@ -1,5 +1,6 @@
 #include "flotilla/cluster/resolvers.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "flotilla/error.h"
@@ -21,7 +22,279 @@ long parse_int(const Environment& env, const std::string& name, long min, const 
   return out;
 }
 
+const char* const kHostlistForm =
+    "Slurm writes node lists like \"node[01-03,07],gpu-a[1-2]\"";
+const char* const kSlurmFix = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURMD_NODENAME and "
+                              "SLURM_STEP_NODELIST for every task: start flotilla with srun "
+                              "(docs/deploy.md), or unset SLURM_PROCID to train alone";
+
+std::string shown(std::string_view text) {
+  // Bounded so that a corrupt value cannot make a megabyte-long message.
+  constexpr std::size_t kShown = 200;
+  if (text.size() <= kShown) return "\"" + std::string(text) + "\"";
+  return "\"" + std::string(text.substr(0, kShown)) + "...\" (" + std::to_string(text.size()) +
+         " characters)";
+}
+
+bool host_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
+}
+
+// Host names in Slurm are short; more digits than this is not a node number but damage.
+constexpr std::size_t kMaxDigits = 9;
+
+struct Range {
+  unsigned long low = 0;
+  unsigned long high = 0;
+  std::size_t width = 0; // zero padding, from the lower bound's digits
+};
+
+// The inside of one bracket group: "01-03,07".
+std::vector<Range> parse_ranges(std::string_view inside, std::string_view text,
+                                const std::string& variable, std::size_t& count) {
+  auto fail = [&](const std::string& problem) {
+    return ConfigError(variable + " is " + shown(text) + ": " + problem + "; " + kHostlistForm);
+  };
+  auto number = [&](std::string_view digits) {
+    if (digits.empty() || digits.size() > kMaxDigits ||
+        !std::all_of(digits.begin(), digits.end(),
+                     [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+      throw fail("\"[" + std::string(inside) + "]\" holds \"" + std::string(digits) +
+                 "\", which is not a node number of 1 to " + std::to_string(kMaxDigits) +
+                 " digits");
+    }
+    return std::stoul(std::string(digits));
+  };
+  std::vector<Range> out;
+  count = 0;
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t comma = inside.find(',', start);
+    const std::string_view item =
+        inside.substr(start, comma == std::string_view::npos ? std::string_view::npos
+                                                             : comma - start);
+    const std::size_t dash = item.find('-');
+    Range r;
+    const std::string_view low = item.substr(0, dash);
+    r.low = number(low);
+    r.high = dash == std::string_view::npos ? r.low : number(item.substr(dash + 1));
+    r.width = low.size();
+    if (r.high < r.low) {
+      throw fail("the range \"" + std::string(item) + "\" runs backwards; write it low-high");
+    }
+    const unsigned long size = r.high - r.low + 1;
+    if (size > kMaxSlurmHosts || count + size > kMaxSlurmHosts) {
+      throw fail("it names more than " + std::to_string(kMaxSlurmHosts) +
+                 " hosts (\"[" + std::string(inside) + "]\"), more than any job has; the value "
+                 "is damaged");
+    }
+    count += size;
+    out.push_back(r);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// One host name pattern, e.g. "rack[1-2]-n[01-04]": literal parts and bracket groups.
+void expand_entry(std::string_view entry, std::string_view text, const std::string& variable,
+                  std::vector<std::string>& out) {
+  auto fail = [&](const std::string& problem) {
+    return ConfigError(variable + " is " + shown(text) + ": " + problem + "; " + kHostlistForm);
+  };
+  if (entry.empty()) throw fail("it has an empty host name (two commas, or one at an end)");
+  // First the pieces and the total count, so nothing is allocated for a list that is refused.
+  struct Piece {
+    std::string literal;
+    std::vector<Range> ranges; // empty for a literal
+  };
+  std::vector<Piece> pieces;
+  std::size_t total = 1;
+  for (std::size_t i = 0; i < entry.size();) {
+    if (entry[i] == '[') {
+      const std::size_t close = entry.find(']', i);
+      if (close == std::string_view::npos) throw fail("a '[' is never closed");
+      const std::string_view inside = entry.substr(i + 1, close - i - 1);
+      if (inside.find('[') != std::string_view::npos) throw fail("brackets cannot nest");
+      std::size_t count = 0;
+      Piece piece;
+      piece.ranges = parse_ranges(inside, text, variable, count);
+      if (total > kMaxSlurmHosts / count) {
+        throw fail("it names more than " + std::to_string(kMaxSlurmHosts) +
+                   " hosts, more than any job has; the value is damaged");
+      }
+      total *= count;
+      pieces.push_back(std::move(piece));
+      i = close + 1;
+    } else if (entry[i] == ']') {
+      throw fail("a ']' has no '[' before it");
+    } else if (!host_char(entry[i])) {
+      throw fail(std::string("the character '") + entry[i] +
+                 "' cannot be part of a host name (letters, digits, '-', '.' and '_')");
+    } else {
+      if (pieces.empty() || !pieces.back().ranges.empty()) pieces.emplace_back();
+      pieces.back().literal += entry[i++];
+    }
+  }
+  if (out.size() + total > kMaxSlurmHosts) {
+    throw fail("it names more than " + std::to_string(kMaxSlurmHosts) +
+               " hosts, more than any job has; the value is damaged");
+  }
+  std::vector<std::string> names = {""};
+  for (const auto& piece : pieces) {
+    if (piece.ranges.empty()) {
+      for (auto& name : names) name += piece.literal;
+      continue;
+    }
+    std::vector<std::string> next;
+    for (const auto& name : names) {
+      for (const auto& r : piece.ranges) {
+        for (unsigned long n = r.low; n <= r.high; ++n) {
+          std::string digits = std::to_string(n);
+          if (digits.size() < r.width) digits.insert(0, r.width - digits.size(), '0');
+          next.push_back(name + digits);
+        }
+      }
+    }
+    names = std::move(next);
+  }
+  out.insert(out.end(), names.begin(), names.end());
+}
+
+// SLURM_JOB_ID only matters modulo 1000: read its last three digits, whatever its length.
+int job_port(const Environment& env) {
+  const auto id = env.get("SLURM_JOB_ID");
+  if (!id) return kSlurmBasePort;
+  if (!std::all_of(id->begin(), id->end(),
+                   [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+    throw ConfigError("SLURM_JOB_ID must be a job number; saw " + shown(*id) +
+                      "; Slurm sets it, or set MASTER_PORT to choose the rendezvous port");
+  }
+  const std::string last = id->substr(id->size() > 3 ? id->size() - 3 : 0);
+  return kSlurmBasePort + std::stoi(last);
+}
+
+// The node list of this step, its variable's name, and its hosts.
+std::pair<std::string, std::vector<std::string>> slurm_hosts(const Environment& env) {
+  for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}) {
+    if (const auto list = env.get(name)) return {name, expand_slurm_hostlist(*list, name)};
+  }
+  throw ConfigError("neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set, so the chief's "
+                    "host is unknown; " +
+                    std::string(kSlurmFix));
+}
+
+bool slurm_applies(const Environment& env) {
+  return !env.get("TF_CONFIG") && !env.get("RANK") && !env.get("WORLD_SIZE") &&
+         env.get("SLURM_PROCID") && env.get("SLURM_NTASKS");
+}
+
 } // namespace
+
+std::vector<std::string> expand_slurm_hostlist(std::string_view text,
+                                               const std::string& variable) {
+  std::vector<std::string> out;
+  if (text.empty()) {
+    throw ConfigError(variable + " is empty; " + kHostlistForm);
+  }
+  std::size_t start = 0;
+  std::size_t depth = 0;
+  for (std::size_t i = 0; i <= text.size(); ++i) {
+    if (i == text.size() || (text[i] == ',' && depth == 0)) {
+      expand_entry(text.substr(start, i - start), text, variable, out);
+      start = i + 1;
+    } else if (text[i] == '[') {
+      ++depth;
+    } else if (text[i] == ']' && depth > 0) {
+      --depth;
+    }
+  }
+  return out;
+}
+
+std::vector<int> expand_slurm_tasks_per_node(std::string_view text, const std::string& variable) {
+  const std::string form = "; Slurm writes tasks per node like \"2(x3),1\" (2 tasks on each "
+                           "of 3 nodes, then 1)";
+  auto fail = [&](const std::string& problem) {
+    return ConfigError(variable + " is " + shown(text) + ": " + problem + form);
+  };
+  auto number = [&](std::string_view digits, const char* what) {
+    if (digits.empty() || digits.size() > kMaxDigits ||
+        !std::all_of(digits.begin(), digits.end(),
+                     [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+      throw fail(std::string(what) + " \"" + std::string(digits) + "\" is not a number");
+    }
+    const unsigned long n = std::stoul(std::string(digits));
+    if (n < 1) throw fail(std::string(what) + " is 0; it counts from 1");
+    return n;
+  };
+  std::vector<int> out;
+  if (text.empty()) throw fail("it is empty");
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t comma = text.find(',', start);
+    const std::string_view item =
+        text.substr(start, comma == std::string_view::npos ? std::string_view::npos
+                                                           : comma - start);
+    const std::size_t open = item.find("(x");
+    unsigned long repeat = 1;
+    if (open != std::string_view::npos) {
+      if (item.back() != ')') throw fail("\"" + std::string(item) + "\" lacks its closing ')'");
+      repeat = number(item.substr(open + 2, item.size() - open - 3), "the repeat count");
+    }
+    const unsigned long tasks = number(item.substr(0, open), "the task count");
+    if (tasks > kMaxSlurmHosts) {
+      throw fail("a node with " + std::to_string(tasks) + " tasks is more than flotilla allows (" +
+                 std::to_string(kMaxSlurmHosts) + ")");
+    }
+    if (repeat > kMaxSlurmHosts - out.size()) {
+      throw fail("it describes more than " + std::to_string(kMaxSlurmHosts) +
+                 " nodes, more than any job has; the value is damaged");
+    }
+    out.insert(out.end(), repeat, static_cast<int>(tasks));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+ClusterSpec from_slurm_env(const Environment& env) {
+  ClusterSpec spec;
+  spec.source = "Slurm environment";
+  spec.world_size = static_cast<int>(parse_int(env, "SLURM_NTASKS", 1, kSlurmFix));
+  spec.rank = static_cast<int>(parse_int(env, "SLURM_PROCID", 0, kSlurmFix));
+  if (spec.rank >= spec.world_size) {
+    throw ConfigError("SLURM_PROCID " + std::to_string(spec.rank) +
+                      " is out of range for SLURM_NTASKS " + std::to_string(spec.world_size) +
+                      "; use 0 to " + std::to_string(spec.world_size - 1) + " (" + kSlurmFix +
+                      ")");
+  }
+  const auto node = env.get("SLURMD_NODENAME");
+  if (!node) throw ConfigError("SLURMD_NODENAME is not set; " + std::string(kSlurmFix));
+  const auto [list_name, hosts] = slurm_hosts(env);
+  if (std::find(hosts.begin(), hosts.end(), *node) == hosts.end()) {
+    throw ConfigError("SLURMD_NODENAME " + shown(*node) + " is not among the " +
+                      std::to_string(hosts.size()) + " hosts of " + list_name + " " +
+                      shown(*env.get(list_name)) +
+                      "; the variables come from different jobs or steps. " + kSlurmFix);
+  }
+  const auto master = env.get("MASTER_ADDR");
+  if (!master && spec.rank == 0 && *node != hosts.front()) {
+    throw ConfigError("SLURM_PROCID 0 (the chief) runs on " + shown(*node) +
+                      ", not on the first host of " + list_name + " (" + shown(hosts.front()) +
+                      "), where the others look for it; use srun's block or cyclic "
+                      "distribution, or set MASTER_ADDR to the chief's host");
+  }
+  const std::string host = master ? *master : hosts.front();
+  const auto port = env.get("MASTER_PORT");
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  spec.rendezvous = parse_address((v6 ? "[" + host + "]" : host) + ":" +
+                                      (port ? *port : std::to_string(job_port(env))),
+                                  port ? "MASTER_ADDR/MASTER_PORT" : "the Slurm rendezvous");
+  spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
+  spec.local_host = *node;
+  return spec;
+}
 
 ClusterSpec from_torchrun_env(const Environment& env) {
   const std::string fix =
@@ -64,13 +337,40 @@ ClusterSpec single_worker() {
 ClusterSpec resolve_cluster(const Environment& env) {
   if (const auto tf_config = env.get("TF_CONFIG")) return parse_tf_config(*tf_config);
   if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);
+  if (env.get("SLURM_PROCID") && env.get("SLURM_NTASKS")) return from_slurm_env(env);
   return single_worker();
 }
 
 int local_world_size(const Environment& env) {
-  if (!env.get("LOCAL_WORLD_SIZE")) return 1;
-  return static_cast<int>(
-      parse_int(env, "LOCAL_WORLD_SIZE", 1, "it is the number of workers on this machine"));
+  if (env.get("LOCAL_WORLD_SIZE")) {
+    return static_cast<int>(
+        parse_int(env, "LOCAL_WORLD_SIZE", 1, "it is the number of workers on this machine"));
+  }
+  if (!slurm_applies(env)) return 1;
+  const auto [list_name, hosts] = slurm_hosts(env);
+  const auto node = env.get("SLURMD_NODENAME");
+  const auto at = node ? std::find(hosts.begin(), hosts.end(), *node) : hosts.end();
+  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+    const auto text = env.get(name);
+    if (!text) continue;
+    const auto counts = expand_slurm_tasks_per_node(*text, name);
+    if (counts.size() != hosts.size()) {
+      throw ConfigError(std::string(name) + " " + shown(*text) + " gives " +
+                        std::to_string(counts.size()) + " nodes, " + list_name + " lists " +
+                        std::to_string(hosts.size()) +
+                        "; the variables come from different jobs or steps. " + kSlurmFix);
+    }
+    if (at != hosts.end()) return counts[static_cast<std::size_t>(at - hosts.begin())];
+  }
+  if (env.get("SLURM_NTASKS_PER_NODE")) {
+    return static_cast<int>(parse_int(env, "SLURM_NTASKS_PER_NODE", 1,
+                                      "it is the number of tasks on each node (sbatch "
+                                      "--ntasks-per-node)"));
+  }
+  // No per-node counts: assume the tasks are spread evenly.
+  const long tasks = parse_int(env, "SLURM_NTASKS", 1, kSlurmFix);
+  const long nodes = static_cast<long>(hosts.size());
+  return static_cast<int>((tasks + nodes - 1) / nodes);
 }
 
 } // namespace flotilla::cluster

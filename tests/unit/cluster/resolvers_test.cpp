@@ -95,5 +95,222 @@ TEST(Resolvers, LocalWorldSize) {
   EXPECT_THROW(local_world_size(env({{"LOCAL_WORLD_SIZE", "-1"}})), ConfigError);
 }
 
+// ---- Slurm -------------------------------------------------------------------------------------
+
+std::vector<std::string> hosts(const std::string& text) {
+  return expand_slurm_hostlist(text, "SLURM_STEP_NODELIST");
+}
+
+std::string hostlist_error(const std::string& text) {
+  try {
+    expand_slurm_hostlist(text, "SLURM_STEP_NODELIST");
+  } catch (const ConfigError& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+using Hosts = std::vector<std::string>;
+
+TEST(SlurmHostlist, Expands) {
+  EXPECT_EQ(hosts("node1"), (Hosts{"node1"}));
+  EXPECT_EQ(hosts("a,b,c"), (Hosts{"a", "b", "c"}));
+  EXPECT_EQ(hosts("node[1-3]"), (Hosts{"node1", "node2", "node3"}));
+  EXPECT_EQ(hosts("node[01-03,07]"), (Hosts{"node01", "node02", "node03", "node07"}));
+  EXPECT_EQ(hosts("node[01-03,07],gpu-a[1-2]"),
+            (Hosts{"node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2"}));
+  EXPECT_EQ(hosts("n[8-11]"), (Hosts{"n8", "n9", "n10", "n11"}));   // no padding asked
+  EXPECT_EQ(hosts("n[098-101]"), (Hosts{"n098", "n099", "n100", "n101"}));
+  EXPECT_EQ(hosts("n[7]"), (Hosts{"n7"}));
+  EXPECT_EQ(hosts("n[0009-0010]"), (Hosts{"n0009", "n0010"}));
+  EXPECT_EQ(hosts("rack[1-2]-n[1-2]"), (Hosts{"rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"}));
+  EXPECT_EQ(hosts("[1-2]x"), (Hosts{"1x", "2x"}));
+  EXPECT_EQ(hosts("cn.example.org,n_2[3-4].ib"),
+            (Hosts{"cn.example.org", "n_23.ib", "n_24.ib"}));
+  EXPECT_EQ(hosts("a[1,1]"), (Hosts{"a1", "a1"})); // kept as written: Slurm never repeats one
+  EXPECT_EQ(hosts("n[0-65535]").size(), 65536u);   // exactly the cap
+}
+
+TEST(SlurmHostlist, Errors) {
+  const std::string form = "; Slurm writes node lists like \"node[01-03,07],gpu-a[1-2]\"";
+  EXPECT_EQ(hostlist_error(""), "SLURM_STEP_NODELIST is empty" + form);
+  EXPECT_EQ(hostlist_error("node[1-3"),
+            "SLURM_STEP_NODELIST is \"node[1-3\": a '[' is never closed" + form);
+  EXPECT_EQ(hostlist_error("node1-3]"),
+            "SLURM_STEP_NODELIST is \"node1-3]\": a ']' has no '[' before it" + form);
+  EXPECT_EQ(hostlist_error("n[3-1]"),
+            "SLURM_STEP_NODELIST is \"n[3-1]\": the range \"3-1\" runs backwards; write it "
+            "low-high" +
+                form);
+  EXPECT_EQ(hostlist_error("n[a-b]"),
+            "SLURM_STEP_NODELIST is \"n[a-b]\": \"[a-b]\" holds \"a\", which is not a node "
+            "number of 1 to 9 digits" +
+                form);
+  EXPECT_EQ(hostlist_error("n[]"), "SLURM_STEP_NODELIST is \"n[]\": \"[]\" holds \"\", which is "
+                                   "not a node number of 1 to 9 digits" +
+                                       form);
+  EXPECT_EQ(hostlist_error("a,,b"), "SLURM_STEP_NODELIST is \"a,,b\": it has an empty host name "
+                                    "(two commas, or one at an end)" +
+                                        form);
+  EXPECT_EQ(hostlist_error("a[1[2]]"),
+            "SLURM_STEP_NODELIST is \"a[1[2]]\": brackets cannot nest" + form);
+  EXPECT_EQ(hostlist_error("a b"), "SLURM_STEP_NODELIST is \"a b\": the character ' ' cannot be "
+                                   "part of a host name (letters, digits, '-', '.' and '_')" +
+                                       form);
+  EXPECT_EQ(hostlist_error("n[0-99999999]"),
+            "SLURM_STEP_NODELIST is \"n[0-99999999]\": it names more than 65536 hosts "
+            "(\"[0-99999999]\"), more than any job has; the value is damaged" +
+                form);
+  // Each group is small; their product and the list's sum are what the cap bounds.
+  EXPECT_NE(hostlist_error("a[0-999]b[0-999]").find("more than 65536 hosts"), std::string::npos);
+  EXPECT_NE(hostlist_error("a[0-40000],b[0-40000]").find("more than 65536 hosts"),
+            std::string::npos);
+  EXPECT_NE(hostlist_error("n[1-1234567890]").find("not a node number"), std::string::npos);
+}
+
+TEST(SlurmTasksPerNode, ExpandsAndRefuses) {
+  const auto tasks = [](const std::string& text) {
+    return expand_slurm_tasks_per_node(text, "SLURM_STEP_TASKS_PER_NODE");
+  };
+  EXPECT_EQ(tasks("4"), (std::vector<int>{4}));
+  EXPECT_EQ(tasks("2(x3),1"), (std::vector<int>{2, 2, 2, 1}));
+  EXPECT_EQ(tasks("1,3(x2)"), (std::vector<int>{1, 3, 3}));
+  EXPECT_THROW(tasks(""), ConfigError);
+  EXPECT_THROW(tasks("2(x3"), ConfigError);
+  EXPECT_THROW(tasks("(x3)"), ConfigError);
+  EXPECT_THROW(tasks("0"), ConfigError);
+  EXPECT_THROW(tasks("2,,1"), ConfigError);
+  try {
+    tasks("1(x99999999)");
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "SLURM_STEP_TASKS_PER_NODE is \"1(x99999999)\": it describes more than 65536 nodes, "
+              "more than any job has; the value is damaged; Slurm writes tasks per node like "
+              "\"2(x3),1\" (2 tasks on each of 3 nodes, then 1)");
+  }
+}
+
+std::map<std::string, std::string> slurm_task(int rank, const std::string& node) {
+  return {{"SLURM_PROCID", std::to_string(rank)},
+          {"SLURM_NTASKS", "6"},
+          {"SLURMD_NODENAME", node},
+          {"SLURM_STEP_NODELIST", "node[07-09]"},
+          {"SLURM_STEP_TASKS_PER_NODE", "2(x3)"},
+          {"SLURM_JOB_ID", "1234567"}};
+}
+
+TEST(Resolvers, SlurmEnvironment) {
+  const auto chief = resolve_cluster(env(slurm_task(0, "node07")));
+  EXPECT_EQ(chief.source, "Slurm environment");
+  EXPECT_EQ(chief.world_size, 6);
+  EXPECT_EQ(chief.rank, 0);
+  EXPECT_TRUE(chief.is_chief());
+  EXPECT_EQ(chief.task.type, TaskType::kChief);
+  // 29500 + 1234567 % 1000
+  EXPECT_EQ(chief.rendezvous.to_string(), "node07:30067");
+  EXPECT_EQ(chief.local_host, "node07");
+
+  const auto worker = resolve_cluster(env(slurm_task(5, "node09")));
+  EXPECT_EQ(worker.rank, 5);
+  EXPECT_EQ(worker.task.type, TaskType::kWorker);
+  EXPECT_EQ(worker.task.index, 5);
+  EXPECT_EQ(worker.rendezvous.to_string(), "node07:30067");
+  EXPECT_EQ(worker.local_host, "node09");
+}
+
+TEST(Resolvers, SlurmPortAndListFallbacks) {
+  auto vars = slurm_task(1, "node08");
+  vars["MASTER_PORT"] = "40000";
+  EXPECT_EQ(from_slurm_env(env(vars)).rendezvous.to_string(), "node07:40000");
+  vars["MASTER_ADDR"] = "10.0.0.7";
+  EXPECT_EQ(from_slurm_env(env(vars)).rendezvous.to_string(), "10.0.0.7:40000");
+
+  vars = slurm_task(1, "node08");
+  vars.erase("SLURM_JOB_ID");
+  vars.erase("SLURM_STEP_NODELIST");
+  vars["SLURM_JOB_NODELIST"] = "node[07-08],node09";
+  const auto spec = from_slurm_env(env(vars));
+  EXPECT_EQ(spec.rendezvous.to_string(), "node07:29500");
+  vars["SLURM_JOB_ID"] = "42";
+  EXPECT_EQ(from_slurm_env(env(vars)).rendezvous.port, 29542);
+}
+
+TEST(Resolvers, SlurmComesAfterTorchrun) {
+  auto vars = slurm_task(1, "node08");
+  vars.insert({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}});
+  EXPECT_EQ(resolve_cluster(env(vars)).source, "torchrun environment");
+  vars = slurm_task(1, "node08");
+  vars.erase("SLURM_NTASKS"); // SLURM_PROCID alone is not a Slurm step
+  EXPECT_EQ(resolve_cluster(env(vars)).source, "single worker");
+}
+
+TEST(Resolvers, SlurmErrors) {
+  const std::string fix = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURMD_NODENAME and "
+                          "SLURM_STEP_NODELIST for every task: start flotilla with srun "
+                          "(docs/deploy.md), or unset SLURM_PROCID to train alone";
+  auto with = [](int rank, const std::string& node, const std::string& name,
+                 const std::string& value) {
+    auto vars = slurm_task(rank, node);
+    if (value.empty()) {
+      vars.erase(name);
+    } else {
+      vars[name] = value;
+    }
+    return env(vars);
+  };
+  EXPECT_EQ(error_of(with(6, "node07", "SLURM_PROCID", "6")),
+            "SLURM_PROCID 6 is out of range for SLURM_NTASKS 6; use 0 to 5 (" + fix + ")");
+  EXPECT_EQ(error_of(with(0, "node07", "SLURM_NTASKS", "six")),
+            "SLURM_NTASKS must be an integer >= 1; saw \"six\"; " + fix);
+  EXPECT_EQ(error_of(with(0, "node07", "SLURMD_NODENAME", "")),
+            "SLURMD_NODENAME is not set; " + fix);
+  EXPECT_EQ(error_of(with(1, "node07", "SLURMD_NODENAME", "node10")),
+            "SLURMD_NODENAME \"node10\" is not among the 3 hosts of SLURM_STEP_NODELIST "
+            "\"node[07-09]\"; the variables come from different jobs or steps. " +
+                fix);
+  EXPECT_EQ(error_of(with(0, "node08", "SLURMD_NODENAME", "node08")),
+            "SLURM_PROCID 0 (the chief) runs on \"node08\", not on the first host of "
+            "SLURM_STEP_NODELIST (\"node07\"), where the others look for it; use srun's block or "
+            "cyclic distribution, or set MASTER_ADDR to the chief's host");
+  EXPECT_EQ(error_of(with(1, "node08", "SLURM_STEP_NODELIST", "")),
+            "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set, so the chief's host is "
+            "unknown; " +
+                fix);
+  EXPECT_EQ(error_of(with(1, "node08", "SLURM_JOB_ID", "12x")),
+            "SLURM_JOB_ID must be a job number; saw \"12x\"; Slurm sets it, or set MASTER_PORT "
+            "to choose the rendezvous port");
+  EXPECT_EQ(error_of(with(1, "node08", "SLURM_STEP_NODELIST", "node[07-09")),
+            "SLURM_STEP_NODELIST is \"node[07-09\": a '[' is never closed; Slurm writes node "
+            "lists like \"node[01-03,07],gpu-a[1-2]\"");
+  EXPECT_EQ(error_of(with(1, "node08", "MASTER_PORT", "0")),
+            "MASTER_ADDR/MASTER_PORT: port \"0\" in \"node07:0\" is not a valid port; use a number "
+            "from 1 to 65535");
+}
+
+TEST(Resolvers, SlurmLocalWorldSize) {
+  auto vars = slurm_task(3, "node08");
+  vars["SLURM_STEP_TASKS_PER_NODE"] = "3,2,1";
+  EXPECT_EQ(local_world_size(env(vars)), 2);
+  vars["SLURMD_NODENAME"] = "node09";
+  vars["SLURM_PROCID"] = "5";
+  EXPECT_EQ(local_world_size(env(vars)), 1);
+  vars["LOCAL_WORLD_SIZE"] = "4"; // an explicit count wins
+  EXPECT_EQ(local_world_size(env(vars)), 4);
+  vars.erase("LOCAL_WORLD_SIZE");
+  vars.erase("SLURM_STEP_TASKS_PER_NODE");
+  vars["SLURM_TASKS_PER_NODE"] = "1(x2),4";
+  EXPECT_EQ(local_world_size(env(vars)), 4);
+  vars.erase("SLURM_TASKS_PER_NODE");
+  vars["SLURM_NTASKS_PER_NODE"] = "2";
+  EXPECT_EQ(local_world_size(env(vars)), 2);
+  vars.erase("SLURM_NTASKS_PER_NODE");
+  EXPECT_EQ(local_world_size(env(vars)), 2); // 6 tasks over 3 nodes
+  vars["SLURM_STEP_TASKS_PER_NODE"] = "2(x2)";
+  EXPECT_THROW(local_world_size(env(vars)), ConfigError); // 2 counts for 3 nodes
+  vars["TF_CONFIG"] = R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}})";
+  EXPECT_EQ(local_world_size(env(vars)), 1); // not a Slurm cluster then
+}
+
 } // namespace
 } // namespace flotilla::cluster
