@@ -8,6 +8,7 @@ int exit_code(const std::exception& e) {
   }
   if (dynamic_cast<const CommError*>(&e)) return kExitComm;
   if (dynamic_cast<const CheckpointError*>(&e)) return kExitCheckpoint;
+  if (dynamic_cast<const Preempted*>(&e)) return kExitPreempted;
   return kExitFailure;
 }
 

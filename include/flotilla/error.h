@@ -2,6 +2,7 @@
 // the CLI maps each kind to an exit code (see exit_code) and prints it as one line.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -42,12 +43,30 @@ class CheckpointError : public Error {
   using Error::Error;
 };
 
+// Training stopped because a worker was asked to stop (SIGTERM, or train::request_preemption()):
+// every worker saved a backup at the same step, and starting the same job again resumes there.
+// Thrown out of Model::fit by BackupAndRestore on every worker; not a failure of the job.
+class Preempted : public Error {
+ public:
+  Preempted(const std::string& what, std::int64_t iterations)
+      : Error(what), iterations_(iterations) {}
+  // The optimizer updates done when the backup was saved (where a restart resumes).
+  std::int64_t iterations() const { return iterations_; }
+
+ private:
+  std::int64_t iterations_;
+};
+
 // Process exit codes the CLI and launcher use.
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;    // anything unexpected
 inline constexpr int kExitBadInput = 2;   // ConfigError, DataError, bad flags
 inline constexpr int kExitComm = 3;       // CommError, TimeoutError
 inline constexpr int kExitCheckpoint = 4; // CheckpointError
+// Preempted. sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry"): a
+// scheduler or `flotilla launch` that sees it starts the job again, which resumes from the
+// backup; and 75 is not 128 + a signal, so it cannot be mistaken for a worker killed outright.
+inline constexpr int kExitPreempted = 75;
 
 // The exit code for an exception thrown out of a command.
 int exit_code(const std::exception& e);

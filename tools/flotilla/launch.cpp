@@ -6,6 +6,15 @@
 // (SIGTERM, then SIGKILL after a grace period) and launch exits with the failed worker's code
 // (128 + signal for a worker killed by a signal; 128 + signal too when launch itself was
 // signalled and the workers then exited cleanly).
+//
+// Recovery. With --max-restarts N, a failure (a nonzero exit or a signal) stops the others as
+// above and then starts the whole cluster again (every worker, and the evaluator), on fresh free
+// ports since the old ones may linger in TIME_WAIT, up to N times; a command with
+// `flotilla train --backup-dir` resumes from its last backup. Preemption: a worker that exits
+// with 75 (kExitPreempted: SIGTERM reached one worker, and every worker saved a backup at the
+// same step) restarts the cluster without using up --max-restarts (at most 100 times in a row).
+// A signal to launch itself never restarts anything: it is forwarded, and when the workers then
+// exit with 75 (they saved), launch exits with 75 too, so that an outer scheduler restarts it.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -34,11 +43,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Preemption restarts are free, but a job preempted this many times in a row is not making
+// progress through restarts alone (or something keeps sending SIGTERM): stop and say so.
+constexpr int kMaxPreemptionRestarts = 100;
+
 struct LaunchArgs {
   int workers = 2;
   int port = 0; // 0: free ports chosen by the kernel
   double grace_s = 10;
   bool evaluator = false; // also start TF_CONFIG's evaluator task (a sidecar, not in training)
+  int max_restarts = 0;   // cluster restarts after failures (preemptions do not count)
   std::vector<std::string> command;
 };
 
@@ -216,6 +230,20 @@ class SignalPipe {
     g_signal_pipe = -1;
   }
   int fd() const { return read_.get(); }
+  // A signal (not SIGCHLD) that arrived while nothing was supervising, or 0; never blocks.
+  int pending() {
+    int first = 0;
+    unsigned char sigs[64];
+    for (;;) {
+      pollfd p{read_.get(), POLLIN, 0};
+      if (::poll(&p, 1, 0) <= 0) return first;
+      const ssize_t n = ::read(read_.get(), sigs, sizeof sigs);
+      if (n <= 0) return first;
+      for (ssize_t i = 0; i < n; ++i) {
+        if (sigs[i] != SIGCHLD && first == 0) first = sigs[i];
+      }
+    }
+  }
 
  private:
   Fd read_, write_;
@@ -279,10 +307,26 @@ std::string describe_exit(int status) {
                            : std::string("was killed by signal ") + ::strsignal(WTERMSIG(status));
 }
 
-// The running workers; whatever happens to run(), none outlives this object.
+// How one run of the cluster ended, and whether to start it again.
+struct Outcome {
+  int exit_code = kExitOk;
+  bool restart = false;
+  bool preempted = false; // the restart is a preemption's (free)
+};
+
+// Restarts so far, across the runs of one launch.
+struct RestartCount {
+  int failures = 0;
+  int preemptions = 0;
+};
+
+// The running workers of one run of the cluster; whatever happens to run(), none outlives
+// this object.
 class Launcher {
  public:
-  explicit Launcher(const LaunchArgs& args) : args_(args), children_(args.workers + (args.evaluator ? 1 : 0)) {}
+  Launcher(const LaunchArgs& args, SignalPipe& signals, RestartCount count)
+      : args_(args), children_(args.workers + (args.evaluator ? 1 : 0)), signals_(signals),
+        count_(count) {}
   ~Launcher() {
     stop_all(SIGKILL);
     for (auto& c : children_) {
@@ -303,8 +347,8 @@ class Launcher {
   }
 
   // Relays output, forwards signals and stops everyone at the first failure; returns the exit
-  // code launch should end with.
-  int supervise();
+  // code launch should end with, or that the cluster is to be started again.
+  Outcome supervise();
 
  private:
   void stop_all(int sig) {
@@ -322,7 +366,10 @@ class Launcher {
 
   const LaunchArgs& args_;
   std::vector<Child> children_;
-  SignalPipe signals_;
+  SignalPipe& signals_;
+  RestartCount count_;
+  bool restart_ = false;         // decided at the failure, announced in its line
+  bool preempted_ = false;
   std::optional<int> failed_;    // index of the worker whose failure stopped the others
   std::optional<int> forwarded_; // the first signal we passed on
   bool killed_ = false;          // a second signal: no more grace
@@ -348,8 +395,37 @@ void Launcher::reap() {
   }
   if (!culprit) return;
   failed_ = culprit;
-  write_all(STDERR_FILENO, "[launch] " + children_[static_cast<std::size_t>(*culprit)].name + " " +
-                               describe_exit(culprit_status) + "; stopping the other workers\n");
+  const Child& failed = children_[static_cast<std::size_t>(*culprit)];
+  std::string line = "[launch] " + failed.name + " " + describe_exit(culprit_status);
+  if (failed.exit_code == kExitPreempted && failed.index < args_.workers) {
+    preempted_ = true;
+    restart_ = count_.preemptions < kMaxPreemptionRestarts;
+    line += " (preempted: every worker saved a backup at the same step)";
+    line += restart_ ? "; restarting the cluster (preemption restart " +
+                           std::to_string(count_.preemptions + 1) +
+                           "; preemptions do not count against --max-restarts)"
+                     : "; not restarting: " + std::to_string(kMaxPreemptionRestarts) +
+                           " preemption restarts already. Find what keeps sending SIGTERM, "
+                           "then run the same command again to resume";
+    write_all(STDERR_FILENO, line + "\n");
+    // The workers agreed to stop and are exiting by themselves: a SIGTERM now could cut short
+    // one still finishing its part of the backup. Only the evaluator, outside that agreement,
+    // is told; the grace period bounds the rest.
+    for (auto& c : children_) {
+      if (c.running && c.index >= args_.workers) ::kill(-c.pid, SIGTERM);
+    }
+    stop_later();
+    return;
+  }
+  line += "; stopping the other workers";
+  restart_ = count_.failures < args_.max_restarts;
+  if (restart_) {
+    line += "; restarting the cluster (restart " + std::to_string(count_.failures + 1) + " of " +
+            std::to_string(args_.max_restarts) + ")";
+  } else if (args_.max_restarts > 0) {
+    line += "; no restarts left (--max-restarts " + std::to_string(args_.max_restarts) + ")";
+  }
+  write_all(STDERR_FILENO, line + "\n");
   stop_all(SIGTERM);
   stop_later();
 }
@@ -385,7 +461,7 @@ void Launcher::relay(Child& child, bool is_out, int fd) {
   }
 }
 
-int Launcher::supervise() {
+Outcome Launcher::supervise() {
   for (;;) {
     reap();
     const bool any_running =
@@ -430,12 +506,31 @@ int Launcher::supervise() {
       }
     }
   }
-  if (failed_) return children_[static_cast<std::size_t>(*failed_)].exit_code;
+  if (failed_) {
+    // A signal to launch itself during the failure's grace period cancels the restart.
+    const bool restart = restart_ && !forwarded_;
+    if (restart_ && forwarded_) {
+      write_all(STDERR_FILENO, "[launch] signalled while stopping the workers; not restarting\n");
+    }
+    return {children_[static_cast<std::size_t>(*failed_)].exit_code, restart,
+            preempted_ && restart};
+  }
+  if (forwarded_) {
+    // Workers that saved a backup for the forwarded SIGTERM (and any that finished) make a
+    // job to be started again, not a failure; the evaluator, killed by it, has no say.
+    bool saved = false, clean = true;
+    for (const auto& c : children_) {
+      if (c.index >= args_.workers) continue;
+      saved = saved || c.exit_code == kExitPreempted;
+      clean = clean && (c.exit_code == kExitPreempted || c.exit_code == 0);
+    }
+    if (saved && clean) return {kExitPreempted};
+  }
   for (const auto& c : children_) {
-    if (c.exit_code != 0) return c.exit_code; // how the workers ended after a forwarded signal
+    if (c.exit_code != 0) return {c.exit_code}; // how the workers ended after a forwarded signal
   }
   // Stopped by a signal, even if every worker then exited cleanly: not a success to a scheduler.
-  return forwarded_ ? 128 + *forwarded_ : kExitOk;
+  return {forwarded_ ? 128 + *forwarded_ : kExitOk};
 }
 
 int run(const LaunchArgs& a) {
@@ -449,15 +544,6 @@ int run(const LaunchArgs& a) {
                       std::to_string(65536 - a.workers));
   }
   const int tasks = a.workers + (a.evaluator ? 1 : 0);
-  std::vector<int> ports;
-  if (a.port > 0) {
-    for (int i = 0; i < tasks; ++i) ports.push_back(a.port + i);
-  } else {
-    ports = free_ports(tasks);
-  }
-  cluster::ClusterSpec spec;
-  for (int i = 0; i < a.workers; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
-  if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
   const int threads = std::max(1, available_cores() / a.workers);
   const bool terminal = ::isatty(STDOUT_FILENO) != 0;
 
@@ -465,20 +551,48 @@ int run(const LaunchArgs& a) {
   std::vector<std::string> argv = a.command;
   if (argv[0] == "flotilla") argv[0] = self_executable();
 
-  Launcher launcher(a);
-  for (int i = 0; i < a.workers; ++i) {
-    spec.task = {cluster::TaskType::kWorker, i};
-    launcher.start(i, argv,
-                   child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal));
+  // One for all runs: a signal between two runs is still seen, and never meets the default
+  // disposition (which would end launch without stopping anyone).
+  SignalPipe signals;
+  RestartCount count;
+  for (;;) {
+    // Fresh ports for every run: the last run's may still be in TIME_WAIT. --port is the
+    // user's choice, kept.
+    std::vector<int> ports;
+    if (a.port > 0) {
+      for (int i = 0; i < tasks; ++i) ports.push_back(a.port + i);
+    } else {
+      ports = free_ports(tasks);
+    }
+    cluster::ClusterSpec spec;
+    for (int i = 0; i < a.workers; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+    if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
+
+    Outcome outcome;
+    {
+      Launcher launcher(a, signals, count);
+      for (int i = 0; i < a.workers; ++i) {
+        spec.task = {cluster::TaskType::kWorker, i};
+        launcher.start(
+            i, argv, child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal));
+      }
+      if (a.evaluator) {
+        // TF's sidecar: it trains nothing, so it shares the machine with the workers' threads.
+        spec.task = {cluster::TaskType::kEvaluator, 0};
+        launcher.start(a.workers, argv,
+                       child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1,
+                                         false));
+      }
+      outcome = launcher.supervise();
+    }
+    if (!outcome.restart) return outcome.exit_code;
+    if (const int sig = signals.pending()) {
+      write_all(STDERR_FILENO, std::string("[launch] received signal ") + ::strsignal(sig) +
+                                   " between runs; not restarting\n");
+      return outcome.preempted ? kExitPreempted : 128 + sig;
+    }
+    ++(outcome.preempted ? count.preemptions : count.failures);
   }
-  if (a.evaluator) {
-    // TF's sidecar: it trains nothing, so it shares the machine with the workers' threads.
-    spec.task = {cluster::TaskType::kEvaluator, 0};
-    launcher.start(a.workers, argv,
-                   child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1,
-                                     false));
-  }
-  return launcher.supervise();
 }
 
 } // namespace
@@ -497,6 +611,12 @@ Command add_launch(CLI::App& parent) {
   app->add_option("--grace", args->grace_s,
                   "Seconds stopped workers get between SIGTERM and SIGKILL")
       ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+  app->add_option("--max-restarts", args->max_restarts,
+                  "Restart the whole cluster (fresh ports) up to N times after a worker fails; "
+                  "with flotilla train --backup-dir the workers resume from the last backup. A "
+                  "preempted worker (exit 75: it saved) restarts it without counting")
+      ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   app->add_flag("--evaluator", args->evaluator,
                 "Also start an evaluator task (TF_CONFIG type \"evaluator\"): it evaluates each "

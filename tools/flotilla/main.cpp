@@ -40,6 +40,9 @@ int main(int argc, char** argv) {
     if (!command.app->parsed()) continue;
     try {
       return command.run();
+    } catch (const Preempted& e) { // not an error: the job is to be started again
+      std::cerr << "flotilla " << command.app->get_name() << ": " << e.what() << "\n";
+      return kExitPreempted;
     } catch (const c10::Error& e) { // LibTorch's own: its message, not its backtrace
       std::cerr << "flotilla " << command.app->get_name()
                 << ": error: " << e.what_without_backtrace() << "\n";
