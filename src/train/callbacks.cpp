@@ -1,10 +1,12 @@
 #include "flotilla/train/callbacks.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -287,6 +289,46 @@ void ModelCheckpoint::on_epoch_end(int epoch, EpochLogs& logs) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Preemption
+
+namespace {
+
+// Process-wide because a signal is: the SIGTERM handler can reach nothing else. Lock-free, so
+// setting it from the handler is async-signal-safe.
+std::atomic<bool> g_preemption_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void on_sigterm(int) { g_preemption_requested.store(true); }
+
+// Fits in one process (ranks as threads, or a user's own threads) share the one SIGTERM
+// disposition: the first to start installs the handler, the last to end puts back what was
+// there before.
+std::mutex g_handler_mutex;
+int g_handler_users = 0;
+struct sigaction g_previous_sigterm {};
+
+void acquire_sigterm_handler() {
+  std::lock_guard<std::mutex> lock(g_handler_mutex);
+  if (g_handler_users++ > 0) return;
+  struct sigaction action {};
+  action.sa_handler = on_sigterm;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART; // a collective's socket calls carry on; the flag waits for them
+  ::sigaction(SIGTERM, &action, &g_previous_sigterm);
+}
+
+void release_sigterm_handler() {
+  std::lock_guard<std::mutex> lock(g_handler_mutex);
+  if (--g_handler_users == 0) ::sigaction(SIGTERM, &g_previous_sigterm, nullptr);
+}
+
+} // namespace
+
+void request_preemption() noexcept { g_preemption_requested.store(true); }
+
+bool preemption_requested() noexcept { return g_preemption_requested.load(); }
+
+// ---------------------------------------------------------------------------------------------
 // BackupAndRestore
 
 BackupAndRestore::BackupAndRestore(BackupOptions options) : options_(std::move(options)) {
@@ -295,6 +337,37 @@ BackupAndRestore::BackupAndRestore(BackupOptions options) : options_(std::move(o
     throw ConfigError("BackupAndRestore save_freq must be 0 (every epoch) or a number of "
                       "updates; saw " + std::to_string(options_.save_freq));
   }
+}
+
+BackupAndRestore::~BackupAndRestore() {
+  // A fit that ended by an exception other than Preempted has a vote still in flight.
+  if (vote_) {
+    try {
+      vote_->wait();
+    } catch (const std::exception&) {
+      // The fit failed already; its own error is the one that matters.
+    }
+  }
+  release_signal_handler();
+}
+
+void BackupAndRestore::release_signal_handler() {
+  if (!handler_installed_) return;
+  handler_installed_ = false;
+  release_sigterm_handler();
+}
+
+void BackupAndRestore::start_vote() {
+  const bool mine = requested_.load() || g_preemption_requested.load();
+  vote_tensor_ = torch::tensor({mine ? 1 : 0}, torch::kInt32);
+  vote_ = model().strategy().communicator().all_reduce(vote_tensor_, strategy::ReduceOp::kMax);
+}
+
+bool BackupAndRestore::finish_vote() {
+  if (!vote_) return false;
+  vote_->wait();
+  vote_.reset();
+  return vote_tensor_.item<int>() != 0;
 }
 
 void BackupAndRestore::on_train_begin() {
@@ -317,17 +390,24 @@ void BackupAndRestore::on_train_begin() {
   }
   number_ = 0;
   last_backup_iteration_ = model().iterations();
-  if (!data) return;
-  const TrainingState state = apply(model(), *data, from);
-  model().restore_training_state(state);
-  restored_ = state;
-  last_backup_iteration_ = state.iterations;
-  number_ = data->state.value("backup_number", std::int64_t{0});
-  if (strategy.is_chief()) {
-    strategy.log().info("BackupAndRestore: resuming from " + from.string() + " at epoch " +
-                        std::to_string(state.epoch + 1) + ", step " +
-                        std::to_string(state.step_in_epoch) + " (" +
-                        std::to_string(state.iterations) + " updates done)");
+  agreed_ = false;
+  vote_.reset();
+  if (data) {
+    const TrainingState state = apply(model(), *data, from);
+    model().restore_training_state(state);
+    restored_ = state;
+    last_backup_iteration_ = state.iterations;
+    number_ = data->state.value("backup_number", std::int64_t{0});
+    if (strategy.is_chief()) {
+      strategy.log().info("BackupAndRestore: resuming from " + from.string() + " at epoch " +
+                          std::to_string(state.epoch + 1) + ", step " +
+                          std::to_string(state.step_in_epoch) + " (" +
+                          std::to_string(state.iterations) + " updates done)");
+    }
+  }
+  if (options_.handle_preemption && !handler_installed_) {
+    acquire_sigterm_handler();
+    handler_installed_ = true;
   }
 }
 
@@ -340,6 +420,35 @@ void BackupAndRestore::backup() {
 }
 
 void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  if (options_.handle_preemption) {
+    // Last boundary's vote, read now: it had a whole step to complete behind the computation.
+    if (!agreed_) agreed_ = finish_vote();
+    if (agreed_) {
+      // Stop only where a resume continues exactly: after an optimizer update (not inside an
+      // accumulation group), and not at an epoch's last step (a backup there would resume into
+      // an exhausted pass, which ends the fit); the epoch's end is a backup of its own.
+      const int accumulation = model().compile_options().gradient_accumulation_steps;
+      const bool in_group = (batch + 1) % accumulation != 0;
+      const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
+      if (!in_group && !epoch_last) {
+        backup();
+        const TrainingState state = model().training_state();
+        requested_ = false;
+        g_preemption_requested.store(false); // acted on; a new fit in this process starts clean
+        release_signal_handler();
+        throw Preempted("training preempted (a worker received SIGTERM or "
+                        "request_preemption()): every worker saved the backup at update " +
+                            std::to_string(state.iterations) + " (epoch " +
+                            std::to_string(state.epoch + 1) + ", step " +
+                            std::to_string(state.step_in_epoch) + ") in " +
+                            options_.backup_dir.string() +
+                            "; start the same job again to resume from there",
+                        state.iterations);
+      }
+    } else {
+      start_vote();
+    }
+  }
   if (options_.save_freq == 0) return;
   if (model().iterations() - last_backup_iteration_ >= options_.save_freq) {
     backup();
@@ -349,6 +458,17 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
 void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) { backup(); }
 
 void BackupAndRestore::on_train_end() {
+  // A request this late finds the work done: nothing is left to resume, so the fit ends as
+  // usual (and the process goes on to what follows it).
+  const bool late = finish_vote() || agreed_;
+  if (late && is_chief()) {
+    model().strategy().log().info("BackupAndRestore: preemption was requested at the last step; "
+                                  "training had finished, so it ends normally");
+  }
+  if (late) g_preemption_requested.store(false);
+  agreed_ = false;
+  requested_ = false;
+  release_signal_handler();
   // Only a fit that ran to its end removes the backup (one that stopped early was asked to).
   if (!options_.delete_checkpoint) return;
   auto& strategy = model().strategy();

@@ -400,6 +400,9 @@ int run(const TrainArgs& a) {
                  {"input_bound_share", logs.input_seconds / logs.seconds},
                  {"steps", logs.steps},
                  {"skipped_steps", logs.skipped_steps},
+                 // Optimizer updates so far: a resumed run must count as many as one never
+                 // interrupted, none lost and none done twice.
+                 {"iterations", model.iterations()},
                  {"comm_seconds", logs.comm_seconds},
                  {"comm_exposed_seconds", logs.comm_exposed_seconds},
                  {"comm_hidden_share", logs.comm_hidden_share},

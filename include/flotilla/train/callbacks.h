@@ -6,6 +6,7 @@
 // 1-based in file name templates and progress, as in Keras.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "flotilla/collective/communicator.h"
 #include "flotilla/train/model.h"
 
 namespace flotilla::train {
@@ -122,27 +124,59 @@ struct BackupOptions {
   std::filesystem::path backup_dir;
   std::int64_t save_freq = 0;  // 0: at every epoch end; N: also every N optimizer updates
   bool delete_checkpoint = true; // remove the backup after a fit that completes
+  // TF's PreemptionCheckpointHandler: during fit, SIGTERM to any one worker makes every worker
+  // save a backup at the same step and leave fit with Preempted (see request_preemption).
+  bool handle_preemption = true;
 };
+
+// Asks the running fit of every BackupAndRestore in this process to stop for preemption: the
+// SIGTERM handler calls it (async-signal-safe: it sets one lock-free atomic). Each worker
+// contributes its request to a one-element MAX all-reduce at every step boundary, started at one
+// boundary and read at the next so it never waits on the step's critical path; because every
+// worker issues it in the same order, all see the request at the same step, save a backup there
+// and throw Preempted (message: the update it saved at; a fit started again resumes there).
+// The SIGTERM handler is installed from on_train_begin to on_train_end (or until Preempted is
+// thrown, or the callback is destroyed), and the previous handler is put back after.
+void request_preemption() noexcept;
+// Whether a request is pending (set by request_preemption, cleared when a fit acts on it).
+bool preemption_requested() noexcept;
 
 // Keras's BackupAndRestore: a fit that starts with a backup present continues from it: weights,
 // optimizer state, loss scale, epoch, step, input position and RNG state. Every worker reads
 // the chief's backup (backup_dir must be on storage they share; on one machine it is).
+// With handle_preemption, a preemption request (above) ends fit with Preempted after a backup
+// at the agreed step. That step is an optimizer step's boundary (never inside a gradient
+// accumulation group) and never an epoch's last step: a request that lands there is carried
+// out after the first step of the next epoch (or not at all, if that was the last epoch: the
+// fit has finished its work).
 class BackupAndRestore : public Callback {
  public:
   explicit BackupAndRestore(BackupOptions options);
+  ~BackupAndRestore() override;
   void on_train_begin() override;
   void on_train_batch_end(std::int64_t batch, const Logs& logs) override;
   void on_epoch_end(int epoch, EpochLogs& logs) override;
   void on_train_end() override;
   // Where the starting fit resumed from (nullopt: it started fresh).
   const std::optional<TrainingState>& restored() const { return restored_; }
+  // request_preemption() for this worker only (the process-wide request reaches every worker
+  // in the process; ranks as threads in one process need this one).
+  void request_preemption() noexcept { requested_ = true; }
 
  private:
   void backup();
+  void start_vote();
+  bool finish_vote();
+  void release_signal_handler();
   BackupOptions options_;
   std::optional<TrainingState> restored_;
   std::int64_t last_backup_iteration_ = -1;
   std::int64_t number_ = 0;
+  std::atomic<bool> requested_{false};
+  bool handler_installed_ = false;
+  bool agreed_ = false; // every worker has seen a request: stop at the next allowed boundary
+  torch::Tensor vote_tensor_;
+  std::optional<collective::Work> vote_;
 };
 
 struct TensorBoardOptions {
