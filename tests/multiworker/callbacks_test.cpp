@@ -3,6 +3,8 @@
 // across workers, and only the chief writes files.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <fstream>
 #include <mutex>
 
@@ -164,6 +166,117 @@ TEST(Callbacks, BackupAndRestoreResumesAtAnEpochBoundaryExactly) {
 // Every replica's optimizer state comes back, not only replica 0's.
 TEST(Callbacks, BackupAndRestoreResumesTwoReplicasPerWorkerExactly) {
   expect_exact_resume({/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/10, 1, 4, 2});
+}
+
+// Preemption: one worker is asked to stop (its own request_preemption(), or a real SIGTERM to
+// the process); every worker must stop at the same step, the backup must hold that step, and a
+// fit started again must end bit-identical to one never interrupted, with no update lost or
+// done twice.
+struct PreemptionCase {
+  bool real_signal;          // rank 0 raises SIGTERM; otherwise rank 1 asks through its callback
+  std::int64_t ask_at;       // the update after which the request is made
+  std::int64_t stopped_at;   // the update every worker stops at
+  int epoch;                 // where the backup resumes (0-based epoch, step in it)
+  std::int64_t step_in_epoch;
+};
+
+void expect_preemption(const PreemptionCase& case_) {
+  const Data data;
+  testing::TempDir dir;
+  const fs::path backup = fs::path(dir.path()) / "backup";
+  constexpr int kEpochs = 3;
+  struct sigaction before {};
+  ASSERT_EQ(::sigaction(SIGTERM, nullptr, &before), 0);
+  std::vector<std::vector<float>> uninterrupted(2), resumed(2);
+  std::vector<std::int64_t> preempted_at(2, -1), first_run(2), second_run(2);
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    {
+      auto net = make_net();
+      train::Model model(s, net);
+      compile_locked(model);
+      train::FitOptions fit;
+      fit.epochs = kEpochs;
+      fit.verbose = train::Verbosity::kSilent;
+      model.fit(data.batches(), fit);
+      uninterrupted[rank] = testing::flat_parameters(*net);
+    }
+    {
+      auto net = make_net();
+      train::Model model(s, net);
+      compile_locked(model);
+      auto restore = std::make_shared<train::BackupAndRestore>(train::BackupOptions{backup, 0});
+      // Before BackupAndRestore in the list: the request joins this very step's vote.
+      auto trigger = std::make_shared<train::LambdaCallback>();
+      std::int64_t batches = 0;
+      trigger->batch_end = [&](std::int64_t, const train::Logs&) {
+        if (++batches != case_.ask_at) return;
+        if (case_.real_signal && rank == 0) ::raise(SIGTERM);
+        if (!case_.real_signal && rank == 1) restore->request_preemption();
+      };
+      train::FitOptions fit;
+      fit.epochs = kEpochs;
+      fit.verbose = train::Verbosity::kSilent;
+      fit.callbacks = {trigger, restore};
+      try {
+        model.fit(data.batches(), fit);
+      } catch (const Preempted& e) {
+        preempted_at[rank] = e.iterations();
+        messages[rank] = e.what();
+      }
+      first_run[rank] = batches;
+    }
+    auto net = make_net();
+    train::Model model(s, net);
+    compile_locked(model);
+    auto restore = std::make_shared<train::BackupAndRestore>(train::BackupOptions{backup, 0});
+    auto counter = std::make_shared<CountingCallback>();
+    train::FitOptions fit;
+    fit.epochs = kEpochs;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {restore, counter};
+    model.fit(data.batches(), fit);
+    second_run[rank] = counter->batches;
+    ASSERT_TRUE(restore->restored().has_value());
+    EXPECT_EQ(restore->restored()->iterations, case_.stopped_at);
+    EXPECT_EQ(restore->restored()->epoch, case_.epoch);
+    EXPECT_EQ(restore->restored()->step_in_epoch, case_.step_in_epoch);
+    EXPECT_EQ(model.training_state().iterations, 18);
+    resumed[rank] = testing::flat_parameters(*net);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(preempted_at[r], case_.stopped_at) << "rank " << r;
+    EXPECT_EQ(first_run[r], case_.stopped_at) << "rank " << r;
+    EXPECT_EQ(second_run[r], 18 - case_.stopped_at) << "rank " << r;
+    EXPECT_NE(messages[r].find("saved the backup at update " + std::to_string(case_.stopped_at)),
+              std::string::npos)
+        << messages[r];
+  }
+  EXPECT_EQ(resumed[0], uninterrupted[0]); // bit for bit
+  EXPECT_EQ(resumed[1], uninterrupted[1]);
+  EXPECT_FALSE(train::preemption_requested());
+  // The SIGTERM disposition is the one the test had before the fits.
+  struct sigaction after {};
+  ASSERT_EQ(::sigaction(SIGTERM, nullptr, &after), 0);
+  EXPECT_EQ(after.sa_handler, before.sa_handler);
+}
+
+TEST(Callbacks, PreemptionOnOneWorkerStopsEveryWorkerAtTheSameStep) {
+  // 6 updates per epoch. Asked after update 8: the vote started then is read after update 9.
+  expect_preemption({/*real_signal=*/false, /*ask_at=*/8, /*stopped_at=*/9, 1, 3});
+}
+
+TEST(Callbacks, PreemptionAgreedAtAnEpochsLastStepStopsAfterTheNextEpochsFirst) {
+  // Agreed after update 6, the last of epoch 1: a backup there would resume into an exhausted
+  // pass, so the stop comes after update 7.
+  expect_preemption({/*real_signal=*/false, /*ask_at=*/5, /*stopped_at=*/7, 1, 1});
+}
+
+TEST(Callbacks, ARealSigtermDuringFitPreemptsInsteadOfKilling) {
+  // Rank 0's process-wide flag is in its vote after update 10 whatever rank 1 saw: the MAX of
+  // the two is 1 at the same step on both.
+  expect_preemption({/*real_signal=*/true, /*ask_at=*/10, /*stopped_at=*/11, 1, 5});
 }
 
 TEST(Callbacks, ScheduleDrivesTheLearningRateAndValidationAddsValKeys) {
