@@ -59,7 +59,7 @@ netns_remove_stale() {
 netns_cleanup() {
   local rc=$?
   set +e
-  trap - EXIT INT TERM
+  trap - EXIT INT TERM HUP
   local pid ns
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   # Whatever still runs inside our namespaces was started by this script.
@@ -111,6 +111,7 @@ netns_init() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/flotilla-netns-$netns_name.XXXXXX")
   trap netns_cleanup EXIT
   trap 'exit 130' INT
+  trap 'exit 129' HUP
   trap 'log "deadline or signal: stopping"; exit 143' TERM
   netns_remove_stale
 
