@@ -37,7 +37,7 @@ last=$(grep '^Evaluator: ckpt-' "$tmp/evaluator.log" | tail -n1 || true)
 
 # The evaluator's numbers on the final checkpoint vs the chief's test result.
 if [[ -s $tmp/evaluator.json && -s $tmp/chief.json ]]; then
-  out=$("$PYTHON" - "$tmp/evaluator.json" "$tmp/chief.json" "$epochs" <<'PY'
+  if out=$("$PYTHON" - "$tmp/evaluator.json" "$tmp/chief.json" "$epochs" <<'PY'
 import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 test = [o for o in map(json.loads, filter(str.strip, open(sys.argv[2]))) if "test_loss" in o]
@@ -52,7 +52,11 @@ msg = (f"evaluator on {e['evaluator_checkpoint']}: loss {e['eval_loss']:.6f} acc
 print(msg)
 sys.exit(0 if e["eval_accuracy"] == t["test_accuracy"] and rel <= 1e-5 else 1)
 PY
-  ) && log "$out" || check_fail "evaluator vs chief: $out"
+  ); then
+    log "$out"
+  else
+    check_fail "evaluator vs chief: $out"
+  fi
 else
   check_fail "no metrics from the evaluator ($tmp/evaluator.json) or the chief ($tmp/chief.json)"
 fi

@@ -142,7 +142,6 @@ netns_add_hosts() {
     ip -n "$ns" addr add "$(host_ip "$i")/24" dev eth0
     ip -n "$ns" link set eth0 up
   done
-  netns_hosts=$n
   # Every host reaches every other over TCP (no ping on this machine).
   local j port=5000 server
   for ((i = 0; i < n; i++)); do
