@@ -4,6 +4,8 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -121,6 +123,92 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
       if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     EXPECT_TRUE(gone) << "worker " << pid << " outlived its launcher";
+  }
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(Launch, MaxRestartsRestartsTheWholeClusterOnFreshPortsThenSucceeds) {
+  testing::TempDir dir;
+  // Worker 1 fails in the first run only; every run prints its TF_CONFIG.
+  const auto r = run_process(
+      {kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts", "3", "--", "sh", "-c",
+       "echo \"$TF_CONFIG\"; if [ \"$LOCAL_RANK\" = 1 ] && [ ! -e " + dir.path() +
+           "/failed ]; then touch " + dir.path() + "/failed; exit 7; fi; exec sleep 0.5"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting the cluster"), 1u) << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 exited with code 7; stopping the other workers; "
+                       "restarting the cluster (restart 1 of 3)\n"),
+            std::string::npos)
+      << r.err;
+  // Both workers of both runs; the second run's ports are not the first's.
+  std::map<std::string, int> configs;
+  for (const auto& line : lines_of(r.out)) ++configs[line.substr(line.find("] ") + 2)];
+  ASSERT_EQ(configs.size(), 4u) << r.out;
+  std::set<std::string> clusters;
+  for (const auto& [config, n] : configs) {
+    clusters.insert(nlohmann::json::parse(config)["cluster"].dump());
+  }
+  EXPECT_EQ(clusters.size(), 2u) << r.out;
+}
+
+TEST(Launch, RestartsRunOutAndTheLastFailureIsTheExitCode) {
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts",
+                              "2", "--", "sh", "-c",
+                              "if [ \"$LOCAL_RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 600"});
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.err;
+  EXPECT_EQ(count_of(r.err, "[launch] worker 1 was killed by signal Killed; stopping the other "
+                            "workers; restarting the cluster (restart "),
+            2u)
+      << r.err;
+  EXPECT_NE(r.err.find("(restart 2 of 2)\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 was killed by signal Killed; stopping the other "
+                       "workers; no restarts left (--max-restarts 2)\n"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(Launch, APreemptedClusterRestartsWithoutUsingMaxRestarts) {
+  testing::TempDir dir;
+  // Every worker exits 75 (as after a preemption backup) in the first run only.
+  const auto r = run_process(
+      {kCli, "launch", "--workers", "2", "--", "sh", "-c",
+       "if [ ! -e " + dir.path() + "/ran.$LOCAL_RANK ]; then touch " + dir.path() +
+           "/ran.$LOCAL_RANK; exit 75; fi; echo second run"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting the cluster"), 1u) << r.err;
+  EXPECT_NE(r.err.find("exited with code 75 (preempted: every worker saved a backup at the same "
+                       "step); restarting the cluster (preemption restart 1; preemptions do not "
+                       "count against --max-restarts)\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(count_of(r.out, "second run"), 2u) << r.out;
+}
+
+TEST(Launch, PreemptionRestartsAreBounded) {
+  const auto r = run_process({kCli, "launch", "--workers", "1", "--", "sh", "-c", "exit 75"});
+  EXPECT_EQ(r.exit_code, kExitPreempted) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting the cluster (preemption restart "), 100u);
+  EXPECT_NE(r.err.find("; not restarting: 100 preemption restarts already."), std::string::npos)
+      << r.err.substr(r.err.size() > 2000 ? r.err.size() - 2000 : 0);
+}
+
+TEST(Launch, ASignalToLaunchNeverRestartsAndWorkersThatSavedMakeIt75) {
+  for (const auto& [worker_exit, launch_exit] : {std::pair{75, kExitPreempted}, {5, 5}}) {
+    testing::Process launch({kCli, "launch", "--workers", "2", "--max-restarts", "3", "--", "sh",
+                             "-c",
+                             "trap 'exit " + std::to_string(worker_exit) +
+                                 "' TERM; echo ready; sleep 600 & wait"});
+    std::this_thread::sleep_for(std::chrono::seconds(2)); // let both shells set their trap
+    launch.signal(SIGTERM);
+    const auto r = launch.wait(std::chrono::seconds(60));
+    EXPECT_EQ(r.exit_code, launch_exit) << r.out << r.err;
+    EXPECT_EQ(r.err.find("restarting"), std::string::npos) << r.err;
+    EXPECT_EQ(count_of(r.out, "ready"), 2u) << "one run only: " << r.out;
   }
 }
 
