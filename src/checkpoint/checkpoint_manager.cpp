@@ -20,6 +20,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "checkpoint/manifest.h"
 #include "flotilla/checkpoint/atomic_file.h"
 #include "flotilla/checkpoint/sha256.h"
 #include "flotilla/error.h"
@@ -28,6 +29,8 @@ namespace flotilla::checkpoint {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using nlohmann::ordered_json;
+
+using detail::restore_advice;
 
 namespace {
 
@@ -424,29 +427,6 @@ void sweep_debris(const fs::path& dir, const std::string& prefix, const Logger& 
 
 // ---- reading -----------------------------------------------------------------------------------
 
-std::string restore_advice(const fs::path& checkpoint_dir) {
-  return "Restore from an older checkpoint (restore_latest falls back to one) or delete " +
-         checkpoint_dir.string();
-}
-
-template <class T> T field(const json& manifest, const char* name, const fs::path& file) {
-  const auto it = manifest.find(name);
-  bool ok = it != manifest.end();
-  if (ok) {
-    if constexpr (std::is_same_v<T, std::string>) {
-      ok = it->is_string();
-    } else {
-      ok = it->is_number_integer();
-    }
-  }
-  if (!ok) {
-    throw CheckpointError(file.string() + ": field \"" + name + "\" is missing or not " +
-                          (std::is_same_v<T, std::string> ? "a string" : "an integer") +
-                          "; the manifest is damaged. " + restore_advice(file.parent_path()));
-  }
-  return it->get<T>();
-}
-
 NamedTensors load_tensors(const fs::path& path) {
   SafetensorsFile file = load_safetensors(path);
   return NamedTensors(std::make_move_iterator(file.tensors.begin()),
@@ -687,66 +667,16 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
                           "that does not finish never gets a checkpoint's name). " +
                           restore_advice(checkpoint_dir));
   }
-  json manifest;
-  try {
-    manifest = json::parse(read_text(manifest_path));
-  } catch (const json::parse_error& e) {
-    throw CheckpointError(manifest_path.string() + ": not valid JSON (" + e.what() +
-                          "); the file is truncated or damaged. " + restore_advice(checkpoint_dir));
-  }
-  if (!manifest.is_object()) {
-    throw CheckpointError(manifest_path.string() +
-                          ": not a JSON object; the manifest is damaged. " +
-                          restore_advice(checkpoint_dir));
-  }
-  const auto format = manifest.find("format");
-  if (format == manifest.end() || !format->is_string() || *format != kCheckpointFormat) {
-    throw CheckpointError(manifest_path.string() + ": format is " +
-                          (format == manifest.end() ? std::string("missing") : format->dump()) +
-                          ", expected \"" + kCheckpointFormat +
-                          "\"; this is not a flotilla checkpoint");
-  }
-  const auto version = field<std::int64_t>(manifest, "format_version", manifest_path);
-  if (version < 1 || version > kCheckpointFormatVersion) {
-    throw CheckpointError(manifest_path.string() + ": format_version " + std::to_string(version) +
-                          ", but this build of flotilla reads version " +
-                          std::to_string(kCheckpointFormatVersion) +
-                          (version > kCheckpointFormatVersion
-                               ? "; it was written by a newer flotilla: upgrade to read it"
-                               : "; the manifest is damaged"));
-  }
+  const detail::Manifest manifest = detail::parse_manifest(
+      read_text(manifest_path), manifest_path,
+      {kCheckpointFormat, kCheckpointFormatVersion, {kModelFile, kOptimizerFile}});
   CheckpointData data;
-  field<std::int64_t>(manifest, "number", manifest_path);
-  data.epoch = field<std::int64_t>(manifest, "epoch", manifest_path);
-  data.step = field<std::int64_t>(manifest, "step", manifest_path);
-  data.policy = field<std::string>(manifest, "policy", manifest_path);
-  if (manifest.contains("state")) data.state = manifest["state"];
-
-  const auto files = manifest.find("files");
-  if (files == manifest.end() || !files->is_object()) {
-    throw CheckpointError(manifest_path.string() +
-                          ": \"files\" is missing or not an object; the manifest is damaged. " +
-                          restore_advice(checkpoint_dir));
-  }
-  for (const char* required : {kModelFile, kOptimizerFile}) {
-    if (!files->contains(required)) {
-      throw CheckpointError(manifest_path.string() + ": does not list " + required +
-                            "; the manifest is damaged. " + restore_advice(checkpoint_dir));
-    }
-  }
-  for (const auto& [name, entry] : files->items()) {
-    const fs::path path = checkpoint_dir / name;
-    const bool entry_ok = plain_name(name) && entry.is_object() && entry.contains("sha256") &&
-                          entry["sha256"].is_string() && entry.contains("bytes") &&
-                          entry["bytes"].is_number_unsigned();
-    if (!entry_ok) {
-      throw CheckpointError(manifest_path.string() + ": the entry for \"" + name +
-                            "\" is not {\"sha256\": ..., \"bytes\": ...}; the manifest is "
-                            "damaged. " +
-                            restore_advice(checkpoint_dir));
-    }
-    const std::string expected_hash = entry["sha256"].get<std::string>();
-    const auto expected_bytes = entry["bytes"].get<std::uint64_t>();
+  data.epoch = manifest.epoch;
+  data.step = manifest.step;
+  data.policy = manifest.policy;
+  data.state = manifest.state;
+  for (const auto& entry : manifest.files) {
+    const fs::path path = checkpoint_dir / entry.name;
     std::error_code ec;
     const auto bytes = fs::file_size(path, ec);
     if (ec) {
@@ -754,16 +684,16 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
                             "), though the manifest lists it; the checkpoint is incomplete. " +
                             restore_advice(checkpoint_dir));
     }
-    if (bytes != expected_bytes) {
+    if (bytes != entry.bytes) {
       throw CheckpointError(path.string() + ": " + std::to_string(bytes) +
-                            " bytes, the manifest says " + std::to_string(expected_bytes) +
+                            " bytes, the manifest says " + std::to_string(entry.bytes) +
                             "; the file is truncated or damaged. " +
                             restore_advice(checkpoint_dir));
     }
     const std::string actual_hash = sha256_file(path);
-    if (actual_hash != expected_hash) {
+    if (actual_hash != entry.sha256) {
       throw CheckpointError(path.string() + ": SHA-256 is " + actual_hash + ", the manifest says " +
-                            expected_hash + "; the file changed after it was written (damaged). " +
+                            entry.sha256 + "; the file changed after it was written (damaged). " +
                             restore_advice(checkpoint_dir));
     }
   }

@@ -117,8 +117,9 @@ ClusterSpec parse_tf_config(std::string_view text) {
   json doc;
   try {
     doc = json::parse(text);
-  } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 9: ..."
+  } catch (const json::exception& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 9: ...", or
+    // out_of_range.406 for a number beyond double's range (1e999): both are bad JSON to us.
     std::string what = e.what();
     const auto pos = what.find("] ");
     throw error("is not valid JSON (" + (pos == std::string::npos ? what : what.substr(pos + 2)) +

@@ -1,9 +1,8 @@
 #include "flotilla/data/csv.h"
 
-#include <cerrno>
-#include <cstdlib>
 #include <fstream>
 
+#include "data/csv_parse.h"
 #include "data/stages.h"
 #include "flotilla/error.h"
 
@@ -11,36 +10,12 @@ namespace flotilla::data {
 namespace detail {
 namespace {
 
-// Splits a line on the delimiter; a field in double quotes may hold the delimiter and "".
-std::vector<std::string> split(const std::string& line, char delimiter) {
-  std::vector<std::string> fields(1);
-  bool quoted = false;
-  for (std::size_t i = 0; i < line.size(); ++i) {
-    const char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
-        fields.back() += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        fields.back() += c;
-      }
-    } else if (c == '"') {
-      quoted = true;
-    } else if (c == delimiter) {
-      fields.emplace_back();
-    } else {
-      fields.back() += c;
-    }
-  }
-  return fields;
-}
-
 class CsvStage : public Stage {
  public:
   CsvStage(std::vector<std::string> files, CsvOptions options)
-      : Stage("Csv"), files_(std::move(files)), options_(std::move(options)) {}
+      : Stage("Csv"), files_(std::move(files)), options_(std::move(options)) {
+    for (auto type : options_.column_types) int64_columns_.push_back(type == ColumnType::kInt64);
+  }
 
  protected:
   std::optional<Element> produce() override {
@@ -70,43 +45,21 @@ class CsvStage : public Stage {
 
  private:
   Element parse(const std::string& line) const {
-    const std::string where = path_ + ":" + std::to_string(line_);
-    const auto fields = split(line, options_.delimiter);
-    const auto columns = options_.column_types.size();
-    if (fields.size() != columns) {
-      throw DataError(where + ": has " + std::to_string(fields.size()) + " fields; expected " +
-                      std::to_string(columns) + " (one per column type)");
-    }
+    const auto values = parse_csv_line(line, options_.delimiter, int64_columns_,
+                                       path_ + ":" + std::to_string(line_));
+    const auto columns = values.size();
     const int label = options_.label_column.value_or(-1);
     torch::Tensor features =
         torch::empty({static_cast<std::int64_t>(columns) - (label >= 0 ? 1 : 0)}, torch::kFloat32);
     float* f = features.data_ptr<float>();
     torch::Tensor label_tensor;
     for (std::size_t c = 0; c < columns; ++c) {
-      const std::string& text = fields[c];
-      const char* begin = text.c_str();
-      char* end = nullptr;
-      errno = 0;
-      double value = 0;
-      std::int64_t integer = 0;
-      if (options_.column_types[c] == ColumnType::kInt64) {
-        integer = std::strtoll(begin, &end, 10);
-        value = static_cast<double>(integer);
-      } else {
-        value = std::strtod(begin, &end);
-      }
-      while (end && *end == ' ') ++end;
-      if (text.empty() || end == begin || *end != '\0' || errno == ERANGE) {
-        throw DataError(
-            where + ": column " + std::to_string(c) + ": \"" + text + "\" is not " +
-            (options_.column_types[c] == ColumnType::kInt64 ? "an integer" : "a number"));
-      }
       if (static_cast<int>(c) == label) {
-        label_tensor = options_.column_types[c] == ColumnType::kInt64
-                           ? torch::tensor(integer, torch::kInt64)
-                           : torch::tensor(static_cast<float>(value), torch::kFloat32);
+        label_tensor = int64_columns_[c]
+                           ? torch::tensor(values[c].integer, torch::kInt64)
+                           : torch::tensor(static_cast<float>(values[c].value), torch::kFloat32);
       } else {
-        *f++ = static_cast<float>(value);
+        *f++ = static_cast<float>(values[c].value);
       }
     }
     if (label < 0) return Element{features};
@@ -115,6 +68,7 @@ class CsvStage : public Stage {
 
   std::vector<std::string> files_;
   CsvOptions options_;
+  std::vector<bool> int64_columns_;
   std::size_t next_file_ = 0;
   std::ifstream in_;
   std::string path_;

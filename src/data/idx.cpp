@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <sstream>
 
+#include "data/idx_format.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {
@@ -17,32 +17,6 @@ struct GzCloser {
   void operator()(gzFile_s* f) const { gzclose(f); }
 };
 using GzFile = std::unique_ptr<gzFile_s, GzCloser>;
-
-std::string hex(std::uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08x", v);
-  return buf;
-}
-
-// Reads exactly n bytes or says why not (end of data, or zlib's error).
-std::size_t read_some(gzFile f, void* out, std::size_t n, const std::string& path) {
-  std::size_t total = 0;
-  auto* p = static_cast<unsigned char*>(out);
-  while (total < n) {
-    const unsigned chunk = static_cast<unsigned>(std::min<std::size_t>(n - total, 1u << 30));
-    const int got = gzread(f, p + total, chunk);
-    if (got < 0) {
-      int code = 0;
-      const char* message = gzerror(f, &code);
-      if (code == Z_BUF_ERROR) break; // the compressed stream stops early: a truncated file
-      throw DataError(path + ": cannot decompress (" + std::string(message) +
-                      "); the file is corrupt: download or reinstall it");
-    }
-    if (got == 0) break;
-    total += static_cast<std::size_t>(got);
-  }
-  return total;
-}
 
 } // namespace
 
@@ -66,61 +40,16 @@ torch::Tensor read_idx(const std::string& path) {
                     "); give the directory that holds the IDX files, or on Debian install "
                     "the dataset-fashion-mnist package");
   }
-  unsigned char header[4];
-  if (read_some(file.get(), header, 4, path) != 4) {
-    throw DataError(path + ": truncated: the file ends inside the 4-byte IDX magic number");
-  }
-  const std::uint32_t magic = (std::uint32_t{header[0]} << 24) | (std::uint32_t{header[1]} << 16) |
-                              (std::uint32_t{header[2]} << 8) | header[3];
-  const int ndim = header[3];
-  if (header[0] != 0 || header[1] != 0 || header[2] != 0x08 || ndim < 1 || ndim > 4) {
-    throw DataError(path + ": wrong magic number " + hex(magic) +
-                    "; expected an unsigned-byte IDX file (0x00000801 to 0x00000804), such as "
-                    "train-images-idx3-ubyte.gz");
-  }
-  std::vector<std::int64_t> dims(ndim);
-  std::int64_t count = 1;
-  for (int d = 0; d < ndim; ++d) {
-    unsigned char b[4];
-    if (read_some(file.get(), b, 4, path) != 4) {
-      throw DataError(path + ": truncated: the file ends inside its dimension list (" +
-                      std::to_string(ndim) + " dimensions expected)");
-    }
-    dims[d] =
-        (std::int64_t{b[0]} << 24) | (std::int64_t{b[1]} << 16) | (std::int64_t{b[2]} << 8) | b[3];
-    constexpr std::int64_t kMaxBytes = std::int64_t{1} << 40; // far beyond any IDX file
-    if (dims[d] != 0 && count > kMaxBytes / dims[d]) {
-      throw DataError(path + ": header claims more than 1 TiB of data (dimension " +
-                      std::to_string(d) + " is " + std::to_string(dims[d]) +
-                      "); the file is corrupt");
-    }
-    count *= dims[d];
-  }
-  auto truncated = [&](std::int64_t held) {
-    std::ostringstream shape;
-    for (int d = 0; d < ndim; ++d) shape << (d ? "x" : "") << dims[d];
-    return DataError(path + ": truncated: the header promises " + shape.str() + " = " +
-                     std::to_string(count) + " bytes of data, the file holds " +
-                     std::to_string(held) + "; download or reinstall it");
-  };
-  // An uncompressed file's size is known: check it before allocating.
+  // An uncompressed file's size is known: a truncated one is refused before reading.
   struct stat info {};
-  const std::int64_t header_bytes = 4 + 4 * ndim;
-  if (gzdirect(file.get()) && ::stat(path.c_str(), &info) == 0 &&
-      info.st_size < header_bytes + count) {
-    throw truncated(info.st_size - header_bytes);
-  }
-  torch::Tensor out;
-  try {
-    out = torch::empty(dims, torch::kUInt8);
-  } catch (const c10::Error&) {
-    throw DataError(path + ": cannot allocate the " + std::to_string(count) +
-                    " bytes its header promises; the file is corrupt or too large for memory");
-  }
-  const std::size_t got =
-      read_some(file.get(), out.data_ptr(), static_cast<std::size_t>(count), path);
-  if (got != static_cast<std::size_t>(count)) throw truncated(static_cast<std::int64_t>(got));
-  return out;
+  std::optional<std::int64_t> stored_size;
+  if (gzdirect(file.get()) && ::stat(path.c_str(), &info) == 0) stored_size = info.st_size;
+  auto array = detail::read_idx_array(file.get(), path, stored_size);
+  if (array.data.empty()) return torch::empty(array.dims, torch::kUInt8);
+  // The tensor takes the bytes over: no copy of a 47 MB image file.
+  auto bytes = std::make_shared<std::vector<std::uint8_t>>(std::move(array.data));
+  return torch::from_blob(
+      bytes->data(), array.dims, [bytes](void*) mutable { bytes.reset(); }, torch::kUInt8);
 }
 
 } // namespace flotilla::data

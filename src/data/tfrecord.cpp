@@ -5,17 +5,12 @@
 #include "data/crc32c.h"
 #include "data/example_codec.h"
 #include "data/stages.h"
+#include "data/tfrecord_framing.h"
 #include "flotilla/checkpoint/atomic_file.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {
 namespace {
-
-std::string hex(std::uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08x", v);
-  return buf;
-}
 
 std::string type_name(FeatureType t) {
   switch (t) {
@@ -164,38 +159,9 @@ TFRecordReader::TFRecordReader(std::string path)
 }
 
 std::optional<std::string> TFRecordReader::next() {
-  const std::string where = path_ + ": record " + std::to_string(index_);
-  unsigned char header[12];
-  in_.read(reinterpret_cast<char*>(header), 12);
-  const auto got = in_.gcount();
-  if (got == 0) return std::nullopt;
-  if (got < 12) {
-    throw DataError(where + ": truncated: the file ends inside the record's 12-byte header");
-  }
-  std::uint64_t length = 0;
-  std::uint32_t length_crc = 0;
-  std::memcpy(&length, header, 8);
-  std::memcpy(&length_crc, header + 8, 4);
-  const std::uint32_t expected_length_crc = detail::mask_crc(detail::crc32c(header, 8));
-  if (length_crc != expected_length_crc) {
-    throw DataError(where + ": length CRC mismatch (stored " + hex(length_crc) + ", computed " +
-                    hex(expected_length_crc) + "); the file is corrupt or not a TFRecord file");
-  }
-  std::string data(length, '\0');
-  in_.read(data.data(), static_cast<std::streamsize>(length));
-  std::uint32_t data_crc = 0;
-  if (static_cast<std::uint64_t>(in_.gcount()) != length ||
-      !in_.read(reinterpret_cast<char*>(&data_crc), 4)) {
-    throw DataError(where + ": truncated: the record claims " + std::to_string(length) +
-                    " bytes and its CRC, the file ends first");
-  }
-  const std::uint32_t expected = detail::mask_crc(detail::crc32c(data.data(), data.size()));
-  if (data_crc != expected) {
-    throw DataError(where + ": data CRC mismatch (stored " + hex(data_crc) + ", computed " +
-                    hex(expected) + "); the file is corrupt");
-  }
-  ++index_;
-  return data;
+  auto record = detail::read_tfrecord(in_, path_ + ": record " + std::to_string(index_));
+  if (record) ++index_;
+  return record;
 }
 
 TFRecordWriter::TFRecordWriter(const std::string& path)

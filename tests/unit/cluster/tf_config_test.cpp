@@ -113,6 +113,11 @@ const BadCase kBadCases[] = {
      "object key - unexpected end of input; expected string literal); e.g. {\"cluster\": "
      "{\"worker\": [\"host1:2222\", \"host2:2222\"]}, \"task\": {\"type\": \"worker\", \"index\": "
      "0}}"},
+    // Found by tests/fuzz: nlohmann reports this as out_of_range, not parse_error, and it escaped.
+    {"NumberOverflow", R"({"cluster": {"worker": ["a:1"]}, "task": {"index": 1e999}})",
+     "TF_CONFIG is not valid JSON (number overflow parsing '1e999'); e.g. {\"cluster\": "
+     "{\"worker\": [\"host1:2222\", \"host2:2222\"]}, \"task\": {\"type\": \"worker\", \"index\": "
+     "0}}"},
     {"NotAnObject", R"(["a:1"])",
      "TF_CONFIG must be a JSON object; saw array [\"a:1\"]; e.g. {\"cluster\": {\"worker\": "
      "[\"host1:2222\", \"host2:2222\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}"},
