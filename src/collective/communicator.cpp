@@ -2,17 +2,18 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <condition_variable>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <thread>
 
 #include "collective/backends.h"
+#include "collective/rendezvous.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 
@@ -134,19 +135,24 @@ std::vector<std::uint8_t> bytes(const std::string& s) {
   return {s.begin(), s.end()};
 }
 
-std::string join_ranks(const std::vector<int>& ranks) {
+using Names = std::shared_ptr<const std::vector<std::string>>;
+
+std::string join_ranks(const std::vector<int>& ranks, const Names& names) {
   std::string out;
+  const bool named = names && !names->empty();
   for (std::size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+    out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") +
+           (named ? names->at(static_cast<std::size_t>(ranks[i])) : std::to_string(ranks[i]));
   }
-  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+  return named ? out : (ranks.size() == 1 ? "rank " : "ranks ") + out;
 }
 
 // After `description` (#sequence) timed out on `rank`: says where this rank is through the
 // store, waits up to `grace` for the others to say where they are (ranks stuck in the same
 // operation time out too and answer), and names those that did not arrive.
 std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t sequence,
-                          const std::string& description, std::chrono::milliseconds grace) {
+                          const std::string& description, std::chrono::milliseconds grace,
+                          const Names& names) {
   const std::string prefix = "flotilla/at/";
   std::vector<int> silent;
   std::vector<std::pair<int, std::string>> elsewhere;
@@ -191,20 +197,35 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
   }
   std::string out;
   if (!silent.empty()) {
-    out += "; " + join_ranks(silent) + " did not arrive (no word from " +
+    out += "; " + join_ranks(silent, names) + " did not arrive (no word from " +
            (silent.size() == 1 ? "it" : "them") +
            ": stopped, dead, or busy outside the collectives)";
   }
   for (const auto& [r, where] : elsewhere) {
-    out += "; rank " + std::to_string(r) + " did not arrive: it is in " + where + " instead";
+    out += "; " + join_ranks({r}, names) + " did not arrive: it is in " + where + " instead";
   }
   return out;
 }
 
 } // namespace
 
+// What the heartbeat learned: the first failure of a peer, shared by the group's operations.
+// Every completed operation notifies `cv`, so a waiter wakes for whichever comes first.
+struct Health {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::string failure; // empty: healthy
+
+  std::string failed() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return failure;
+  }
+};
+
 struct Work::State {
   c10::intrusive_ptr<c10d::Work> work; // null: nothing to wait for
+  std::shared_ptr<Health> health;      // null: no heartbeat (a group inside one process)
+  std::shared_ptr<const std::vector<std::string>> names; // how to name the ranks in errors
   std::function<void()> finish;        // after success: mean's division, copy-back
   std::string description;             // "all_reduce #7 (sum, 1024 x float)"
   std::chrono::milliseconds timeout{0};
@@ -233,9 +254,7 @@ void Work::wait() {
 void Work::finish_locked(bool diagnose) {
   if (!state_->done) {
     try {
-      // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that
-      // would not.
-      if (state_->work) state_->work->wait(state_->timeout + std::chrono::seconds(5));
+      if (state_->work) wait_for_backend();
       if (state_->finish) state_->finish();
     } catch (const Error&) {
       state_->error = std::current_exception();
@@ -248,7 +267,8 @@ void Work::finish_locked(bool diagnose) {
             diagnose && state_->store ? missing_ranks(*state_->store, state_->rank, state_->size,
                                                       state_->sequence, state_->description,
                                                       std::min<std::chrono::milliseconds>(
-                                                          state_->timeout, std::chrono::seconds(5)))
+                                                          state_->timeout, std::chrono::seconds(5)),
+                                                      state_->names)
                                       : "";
         state_->error = std::make_exception_ptr(
             TimeoutError(head + " did not complete within " + seconds(state_->timeout) + " (" +
@@ -266,6 +286,28 @@ void Work::finish_locked(bool diagnose) {
     state_->done = true;
   }
   if (state_->error) std::rethrow_exception(state_->error);
+}
+
+void Work::wait_for_backend() {
+  // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that would
+  // not.
+  const auto limit = state_->timeout + std::chrono::seconds(5);
+  if (auto health = state_->health) {
+    // Wait for the operation or for the heartbeat's news of a dead peer, whichever comes
+    // first: the backend alone would wait out its whole timeout for a peer that is stopped.
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    std::unique_lock<std::mutex> lock(health->mutex);
+    while (!state_->work->isCompleted() && std::chrono::steady_clock::now() < deadline) {
+      if (!health->failure.empty()) {
+        throw CommError(state_->description + " on " + state_->where() +
+                        " cannot complete: " + health->failure +
+                        "; restart the job (flotilla launch --max-restarts, or the scheduler); "
+                        "BackupAndRestore resumes from the last backup");
+      }
+      health->cv.wait_for(lock, std::chrono::milliseconds(200));
+    }
+  }
+  state_->work->wait(limit);
 }
 
 bool Work::is_completed() {
@@ -296,11 +338,30 @@ struct Communicator::Impl {
   int rank = 0;
   int size = 1;
   CommunicationOptions options;
+  std::unique_ptr<detail::RendezvousServer> server; // the chief's
+  std::shared_ptr<Health> health;                   // null inside one process
+  std::unique_ptr<detail::Heartbeat> heartbeat;
+  // "worker 1 at host:port (rank 2)" per rank; null inside one process.
+  std::shared_ptr<const std::vector<std::string>> names;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> ring;
   c10::intrusive_ptr<c10d::Backend> nccl; // made on the first CUDA collective
   std::uint64_t sequence = 0;
   bool warned_nccl_cpu = false;
+
+  ~Impl() {
+    heartbeat.reset(); // a goodbye: leaving is not failing
+    if (health && !health->failed().empty()) {
+      // A failed group is abandoned, not joined: the backends' threads may be blocked on a
+      // peer that will never answer, and destroying them would wait out their timeout.
+      (void)ring.release();
+      (void)nccl.release();
+    }
+    ring.reset();
+    nccl.reset();
+    store.reset();
+    server.reset();
+  }
 
   c10d::Backend& backend_for(const at::Tensor& tensor) {
     const bool cuda = tensor.defined() && tensor.is_cuda();
@@ -336,6 +397,16 @@ struct Communicator::Impl {
     state->size = size;
     state->sequence = sequence;
     if (size > 1) state->store = store;
+    state->health = health;
+    state->names = names;
+    if (health) {
+      const std::string failure = health->failed();
+      if (!failure.empty()) {
+        throw CommError(state->description + " on " + state->where() + " cannot start: " +
+                        failure + "; restart the job (flotilla launch --max-restarts, or the "
+                                  "scheduler); BackupAndRestore resumes from the last backup");
+      }
+    }
     return state;
   }
 
@@ -348,12 +419,17 @@ struct Communicator::Impl {
       // collective ran hidden behind other work. (A weak reference: the future must not keep
       // the state, which keeps the work, which keeps the future, alive.)
       std::weak_ptr<Work::State> weak = state;
+      std::weak_ptr<Health> weak_health = health;
       try {
-        state->work->getFuture()->addCallback([weak](c10::ivalue::Future&) {
+        state->work->getFuture()->addCallback([weak, weak_health](c10::ivalue::Future&) {
           if (auto s = weak.lock()) {
             s->completed_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                   std::chrono::steady_clock::now().time_since_epoch())
                                   .count();
+          }
+          if (auto h = weak_health.lock()) {
+            { std::lock_guard<std::mutex> lock(h->mutex); } // no wakeup lost in between
+            h->cv.notify_all();
           }
         });
       } catch (const std::exception&) {
@@ -372,6 +448,22 @@ struct Communicator::Impl {
 };
 
 namespace {
+
+// "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)": how messages
+// name a rank, so a failure points at a host. Empty when the spec lists no addresses.
+std::vector<std::string> rank_names(const cluster::ClusterSpec& spec) {
+  std::vector<std::string> names;
+  const auto addresses = spec.training_addresses();
+  if (static_cast<int>(addresses.size()) != spec.world_size) return names;
+  for (int r = 0; r < spec.world_size; ++r) {
+    const bool has_chief = !spec.chief.empty();
+    const std::string task = has_chief && r == 0 ? std::string("chief")
+                                                 : "worker " + std::to_string(has_chief ? r - 1 : r);
+    names.push_back(task + " at " + addresses[static_cast<std::size_t>(r)].to_string() +
+                    " (rank " + std::to_string(r) + ")");
+  }
+  return names;
+}
 
 // c10d's flight recorder (a process-wide log of every collective, for PyTorch's Python
 // debugging tools) updates a map outside its lock in LibTorch 2.11, so two process groups in
@@ -416,32 +508,50 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
 
   const std::string where =
       "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
-  const std::string address = spec.rendezvous.to_string();
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<std::uint16_t>(spec.rendezvous.port);
-  store_options.isServer = spec.rank == 0;
-  store_options.numWorkers = spec.world_size;
-  store_options.waitWorkers = true;
-  store_options.timeout = options.timeout;
-  c10::intrusive_ptr<c10d::Store> store;
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(spec.rendezvous.host, store_options);
-  } catch (const std::exception& e) {
-    const std::string message = backend_message(e);
-    if (is_timeout(message)) {
-      throw TimeoutError("rendezvous with the chief at " + address + " (" + where +
-                         ") did not complete within " + seconds(options.timeout) + " (" + message +
-                         "); start every task TF_CONFIG lists, check that the chief's address "
-                         "is reachable from this host, or raise the timeout");
-    }
-    throw CommError((spec.rank == 0 ? "the chief could not host the rendezvous store at "
-                                    : "could not reach the chief's rendezvous store at ") +
-                    address + " (" + where + "): " + message +
-                    (spec.rank == 0 ? "; give the chief a free port in TF_CONFIG"
-                                    : "; check the chief's address and that it is running"));
+  detail::RendezvousConfig rendezvous;
+  rendezvous.rank = spec.rank;
+  rendezvous.world_size = spec.world_size;
+  rendezvous.chief = spec.rendezvous;
+  rendezvous.token = options.cluster_token;
+  rendezvous.timeout = options.timeout;
+  rendezvous.heartbeat_interval = options.heartbeat_interval;
+  rendezvous.heartbeat_timeout = options.heartbeat_timeout;
+  rendezvous.names = rank_names(spec);
+  rendezvous.session = detail::new_session();
+  if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
+      options.heartbeat_timeout <= options.heartbeat_interval) {
+    throw ConfigError("the heartbeat needs 0 < heartbeat_interval < heartbeat_timeout; saw " +
+                      seconds(options.heartbeat_interval) + " and " +
+                      seconds(options.heartbeat_timeout));
   }
+  if (options.cluster_token && options.cluster_token->empty()) {
+    throw ConfigError("the cluster token is empty; set a long random secret (e.g. openssl rand "
+                      "-hex 32) or unset it");
+  }
+  std::unique_ptr<detail::RendezvousServer> server;
+  if (spec.rank == 0) server = std::make_unique<detail::RendezvousServer>(rendezvous);
+  auto rendezvous_store = c10::make_intrusive<detail::RendezvousStore>(rendezvous);
+  rendezvous_store->wait_for_all_ranks();
+  c10::intrusive_ptr<c10d::Store> store = rendezvous_store;
   try {
-    return Communicator(make_impl(spec.rank, spec.world_size, options, store, spec.local_host));
+    auto impl = make_impl(spec.rank, spec.world_size, options, store, spec.local_host);
+    impl->server = std::move(server);
+    impl->health = std::make_shared<Health>();
+    impl->names = std::make_shared<const std::vector<std::string>>(rendezvous.names);
+    const Logger log(spec.rank, spec.world_size);
+    impl->heartbeat = std::make_unique<detail::Heartbeat>(
+        rendezvous, [health = std::weak_ptr<Health>(impl->health), log](const std::string& why) {
+          auto h = health.lock();
+          if (!h) return;
+          {
+            std::lock_guard<std::mutex> lock(h->mutex);
+            if (!h->failure.empty()) return;
+            h->failure = why;
+          }
+          h->cv.notify_all();
+          log.error(why + "; the training group cannot continue: its collectives fail from now");
+        });
+    return Communicator(std::move(impl));
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

@@ -1,5 +1,5 @@
-// Collectives across real processes over real sockets: a TCPStore hosted by the chief at its
-// TF_CONFIG address, Gloo pairs between every two processes.
+// Collectives across real processes over real sockets: the rendezvous store hosted by the chief
+// at its TF_CONFIG address, Gloo pairs between every two processes.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -86,18 +86,25 @@ TEST(CollectiveProcesses, AMissingWorkerTimesOutTheRendezvousNamingTheChief) {
   const auto results = run_cluster(2, {"--timeout-ms", "2000"}, /*start_only=*/0);
   ASSERT_EQ(results.size(), 1u);
   EXPECT_EQ(results[0].exit_code, kExitComm) << results[0].err;
-  EXPECT_NE(results[0].err.find("error: rendezvous with the chief at 127.0.0.1:"),
+  EXPECT_NE(results[0].err.find("error: worker 0 at 127.0.0.1:"), std::string::npos)
+      << results[0].err;
+  EXPECT_NE(results[0].err.find("(rank 0): rendezvous with the chief at 127.0.0.1:"),
             std::string::npos)
       << results[0].err;
-  EXPECT_NE(results[0].err.find("(rank 0 of 2) did not complete within 2s"), std::string::npos)
+  EXPECT_NE(results[0].err.find(": 1 of 2 joined within 2 s; worker 1 at 127.0.0.1:"),
+            std::string::npos)
       << results[0].err;
+  EXPECT_NE(results[0].err.find("(rank 1) did not join"), std::string::npos) << results[0].err;
 }
 
 TEST(CollectiveProcesses, AnAbsentChiefTimesOutTheWorker) {
   const auto results = run_cluster(2, {"--timeout-ms", "2000"}, /*start_only=*/1);
   ASSERT_EQ(results.size(), 1u);
   EXPECT_EQ(results[0].exit_code, kExitComm) << results[0].err;
-  EXPECT_NE(results[0].err.find("(rank 1 of 2) did not complete within 2s"), std::string::npos)
+  EXPECT_NE(results[0].err.find("(rank 1) could not reach the chief's rendezvous at 127.0.0.1:"),
+            std::string::npos)
+      << results[0].err;
+  EXPECT_NE(results[0].err.find(" within 2 s (Connection refused)"), std::string::npos)
       << results[0].err;
 }
 

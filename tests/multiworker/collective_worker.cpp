@@ -1,12 +1,17 @@
 // A worker process for the cross-process collective tests: joins the cluster in TF_CONFIG (or
 // torchrun variables), checks each collective's result against its closed form, and exits
 //   0 all results right, 1 a wrong result, or flotilla's exit code for an error it raised.
-// Flags: --timeout-ms N; --leave-rank R (rank R exits right after joining, before collectives).
+// Flags: --timeout-ms N; --heartbeat-timeout-ms N; --leave-rank R (rank R exits right after
+// joining, before collectives); --signal-rank R --signal STOP|KILL (rank R sends itself that
+// signal right after joining, while the others go on into an all-reduce). The cluster token
+// comes from FLOTILLA_CLUSTER_TOKEN / FLOTILLA_CLUSTER_TOKEN_FILE, as in flotilla train.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 
+#include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/error.h"
@@ -16,17 +21,31 @@ using namespace flotilla;
 int main(int argc, char** argv) {
   collective::CommunicationOptions options;
   int leave_rank = -1;
+  int signal_rank = -1;
+  int signal = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--timeout-ms")) {
       options.timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
+    } else if (!std::strcmp(argv[i], "--heartbeat-timeout-ms")) {
+      options.heartbeat_timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
     } else if (!std::strcmp(argv[i], "--leave-rank")) {
       leave_rank = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--signal-rank")) {
+      signal_rank = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--signal")) {
+      signal = !std::strcmp(argv[i + 1], "STOP") ? SIGSTOP : SIGKILL;
     }
   }
   try {
-    const auto spec = cluster::resolve_cluster(cluster::Environment::from_process());
+    const auto env = cluster::Environment::from_process();
+    const auto spec = cluster::resolve_cluster(env);
+    options.cluster_token = cluster::cluster_token(env);
     auto comm = collective::Communicator::connect(spec, options);
     if (comm.rank() == leave_rank) return 0;
+    if (signal_rank >= 0) {
+      comm.barrier().wait(); // everyone fully joined, heartbeats running
+      if (comm.rank() == signal_rank) ::raise(signal);
+    }
     const int world = comm.size();
     const std::int64_t n = (1 << 20) + 3;
     const auto base = (torch::arange(n, torch::kInt64) % 13 + 1).to(torch::kFloat32);

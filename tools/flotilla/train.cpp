@@ -9,6 +9,7 @@
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/data/distribute.h"
 #include "flotilla/data/fashion_mnist.h"
@@ -58,6 +59,7 @@ struct TrainArgs {
   int threads = 0; // 0: cores ÷ workers on this machine
   std::string metrics_json;
   double timeout_s = 300;
+  std::string cluster_token_file; // "": FLOTILLA_CLUSTER_TOKEN(_FILE) or none
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
@@ -257,6 +259,9 @@ int run(const TrainArgs& a) {
   collective::CommunicationOptions comm;
   comm.implementation = collective::parse_implementation(a.implementation);
   comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  comm.cluster_token = cluster::cluster_token(
+      env, a.cluster_token_file.empty() ? std::nullopt
+                                        : std::optional<std::filesystem::path>(a.cluster_token_file));
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
@@ -516,6 +521,10 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--metrics-json", args->metrics_json,
                   "Chief appends one JSON object per epoch and one with the test result");
+  app->add_option("--cluster-token-file", args->cluster_token_file,
+                  "File holding the cluster token (mode 600); the chief admits only tasks that "
+                  "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
+                  "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication)");
   app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
       ->check(CLI::Range(0.1, 7 * 86400.0))
       ->capture_default_str();

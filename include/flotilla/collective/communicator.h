@@ -1,6 +1,6 @@
 // Collectives across the workers of a cluster. A Communicator is a cheap value handle over one
-// process group: the chief hosts a c10d TCPStore at its TF_CONFIG address for the rendezvous,
-// CPU tensors travel over Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
+// process group: the chief hosts the rendezvous store at its TF_CONFIG address (flotilla's own,
+// with authentication, bounded reads and a heartbeat; see src/collective/rendezvous.h), CPU tensors travel over Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
 // operation is asynchronous and returns a Work; Work::wait() rethrows a failure as CommError, or
 // TimeoutError once CommunicationOptions::timeout has passed: a collective never hangs forever.
 //
@@ -56,6 +56,15 @@ struct CommunicationOptions {
   bool overlap = true;
   // Gradients cross workers in half precision (half the bytes); the local math stays fp32.
   Compression compression = Compression::kNone;
+  // The shared secret a process must prove it holds (HMAC-SHA256 challenge-response) before the
+  // chief lets it join; nullopt: none is asked for. Set it on every task or on none. Resolve it
+  // with cluster::cluster_token(); it is never logged.
+  std::optional<std::string> cluster_token;
+  // Every rank pings the chief this often; a rank silent for heartbeat_timeout (stopped, hung,
+  // cut off) or whose connection closes (it died) fails the group on every other rank within
+  // about that time, inside a collective or between them.
+  std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
+  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
 };
 
 // Whether this build has the NCCL backend (LibTorch with CUDA).
@@ -84,6 +93,7 @@ class Work {
  private:
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
   void finish_locked(bool diagnose);
+  void wait_for_backend();
   std::shared_ptr<State> state_;
   friend class Communicator;
 };
@@ -91,8 +101,12 @@ class Work {
 class Communicator {
  public:
   // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
-  // spec.rendezvous, the others connect to it. Blocks until every rank has joined or
-  // options.timeout passes (TimeoutError naming the address and how many joined).
+  // spec.rendezvous (bound to that address only), the others connect to it, prove they hold
+  // options.cluster_token when one is set, and claim their rank (ConfigError when refused).
+  // Blocks until every rank has joined or options.timeout passes (TimeoutError naming the
+  // ranks that did not join). Then each rank's heartbeat watches the others (see
+  // CommunicationOptions::heartbeat_timeout): once a peer has failed, every operation fails
+  // with a CommError naming it.
   static Communicator connect(const cluster::ClusterSpec& spec,
                               const CommunicationOptions& options = {});
   // A group of `world_size` ranks inside this process over an in-memory store (one thread per

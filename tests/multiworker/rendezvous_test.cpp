@@ -1,0 +1,330 @@
+// The rendezvous and the heartbeat against real processes and raw sockets: the cluster token's
+// challenge-response, refused intruders and duplicate ranks, bounded reads, the chief's bind
+// address, and dead or frozen peers (real SIGSTOP / SIGKILL) failing the others by name
+// instead of hanging them.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <thread>
+
+#include "collective/rendezvous.h"
+#include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/error.h"
+#include "support/paths.h"
+#include "support/subprocess.h"
+
+namespace flotilla {
+namespace {
+
+using collective::detail::RendezvousConfig;
+using collective::detail::RendezvousServer;
+using collective::detail::RendezvousStore;
+using collective::detail::WireError;
+using collective::detail::WireReader;
+using testing::Process;
+using testing::ProcessResult;
+
+const std::string kWorker = flotilla::testing::test_bin_dir() + "/collective_worker";
+
+std::string tf_config(const std::vector<int>& ports, int index) {
+  cluster::ClusterSpec spec;
+  for (int p : ports) spec.worker.push_back({"127.0.0.1", p});
+  spec.task = {cluster::TaskType::kWorker, index};
+  return cluster::to_tf_config(spec);
+}
+
+std::unique_ptr<Process> start(const std::vector<int>& ports, int index,
+                               const std::vector<std::string>& flags,
+                               const std::string& token = "") {
+  std::vector<std::string> argv = {kWorker};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  // An empty value removes the variable, so a test's own environment cannot leak a token in.
+  return std::make_unique<Process>(
+      argv, std::map<std::string, std::string>{{"TF_CONFIG", tf_config(ports, index)},
+                                               {"FLOTILLA_CLUSTER_TOKEN", token},
+                                               {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+}
+
+bool has(const std::string& text, const std::string& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+std::string name_of(const std::vector<int>& ports, int rank) {
+  return "worker " + std::to_string(rank) + " at 127.0.0.1:" + std::to_string(ports[rank]) +
+         " (rank " + std::to_string(rank) + ")";
+}
+
+TEST(Rendezvous, HmacSha256MatchesRfc4231) {
+  const auto mac = collective::detail::hmac_sha256("Jefe", "what do ya want for nothing?");
+  std::string hex;
+  for (auto b : mac) {
+    char buf[3];
+    std::snprintf(buf, sizeof buf, "%02x", b);
+    hex += buf;
+  }
+  EXPECT_EQ(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+}
+
+TEST(Rendezvous, ALengthIsCheckedBeforeAnythingIsAllocatedForIt) {
+  // A field that claims 4 GiB, in a 6-byte message.
+  const std::uint8_t huge[] = {0xff, 0xff, 0xff, 0xff, 'a', 'b'};
+  WireReader big(huge, sizeof huge);
+  try {
+    big.bytes(16);
+    FAIL() << "no error";
+  } catch (const WireError& e) {
+    EXPECT_TRUE(has(e.what(), "4294967295 bytes is over its limit of 16")) << e.what();
+  }
+  // Within the limit, but longer than what is there.
+  const std::uint8_t short_field[] = {10, 0, 0, 0, 'a', 'b'};
+  WireReader truncated(short_field, sizeof short_field);
+  EXPECT_THROW(truncated.bytes(16), WireError);
+  const std::uint8_t ok[] = {2, 0, 0, 0, 'a', 'b'};
+  WireReader fine(ok, sizeof ok);
+  EXPECT_EQ(fine.str(16), "ab");
+  EXPECT_TRUE(fine.done());
+}
+
+TEST(Rendezvous, WithTheSameTokenEveryTaskJoinsAndTheCollectivesAgree) {
+  const std::string token = "s3cret-token-for-the-test-0123456789";
+  const auto ports = testing::free_ports(2);
+  auto chief = start(ports, 0, {"--timeout-ms", "60000"}, token);
+  auto worker = start(ports, 1, {"--timeout-ms", "60000"}, token);
+  for (auto* p : {chief.get(), worker.get()}) {
+    const auto result = p->wait(std::chrono::seconds(120));
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    EXPECT_TRUE(has(result.out, " of 2 ok")) << result.out;
+    EXPECT_FALSE(has(result.out + result.err, token));
+  }
+}
+
+TEST(Rendezvous, AnIntruderWithTheWrongTokenIsRefusedAndCannotStallTheJob) {
+  const std::string token = "the-right-token-0123456789abcdef";
+  const std::string wrong = "a-wrong-token-fedcba9876543210";
+  const auto ports = testing::free_ports(2);
+  auto chief = start(ports, 0, {"--timeout-ms", "60000"}, token);
+  // The intruder claims rank 1 before the real worker exists.
+  const auto intruder = start(ports, 1, {"--timeout-ms", "60000"}, wrong)->wait(
+      std::chrono::seconds(60));
+  EXPECT_EQ(intruder.exit_code, kExitBadInput) << intruder.err;
+  EXPECT_TRUE(has(intruder.err, "refused worker 1 at 127.0.0.1:" + std::to_string(ports[1]) +
+                                    " (rank 1): wrong or missing cluster token"))
+      << intruder.err;
+  // Rank 1 is still free: the real worker takes it and the job completes.
+  const auto worker = start(ports, 1, {"--timeout-ms", "60000"}, token)->wait(
+      std::chrono::seconds(120));
+  const auto chief_result = chief->wait(std::chrono::seconds(120));
+  EXPECT_EQ(worker.exit_code, 0) << worker.err;
+  EXPECT_EQ(chief_result.exit_code, 0) << chief_result.err;
+  EXPECT_TRUE(has(chief_result.err, "rendezvous: refused 127.0.0.1:")) << chief_result.err;
+  EXPECT_TRUE(has(chief_result.err, "wrong or missing cluster token (claiming rank 1)"))
+      << chief_result.err;
+  for (const auto& text : {intruder.out, intruder.err, worker.out, worker.err, chief_result.out,
+                           chief_result.err}) {
+    EXPECT_FALSE(has(text, token));
+    EXPECT_FALSE(has(text, wrong));
+  }
+}
+
+TEST(Rendezvous, ATaskWithoutTheTokenIsToldWhatToSetAndTheChiefNamesWhoIsMissing) {
+  const auto ports = testing::free_ports(2);
+  auto chief = start(ports, 0, {"--timeout-ms", "4000"}, "token-0123456789abcdef");
+  const auto worker = start(ports, 1, {"--timeout-ms", "4000"})->wait(std::chrono::seconds(60));
+  EXPECT_EQ(worker.exit_code, kExitBadInput) << worker.err;
+  EXPECT_TRUE(has(worker.err, "requires a cluster token and this task has none; set "
+                              "FLOTILLA_CLUSTER_TOKEN"))
+      << worker.err;
+  const auto chief_result = chief->wait(std::chrono::seconds(60));
+  EXPECT_EQ(chief_result.exit_code, kExitComm) << chief_result.err;
+  EXPECT_TRUE(has(chief_result.err, "1 of 2 joined within 4 s; " + name_of(ports, 1) +
+                                        " did not join"))
+      << chief_result.err;
+}
+
+TEST(Rendezvous, AChiefWithoutTheTokenCannotPassForTheRealOne) {
+  const auto ports = testing::free_ports(2);
+  auto chief = start(ports, 0, {"--timeout-ms", "4000"});
+  const auto worker = start(ports, 1, {"--timeout-ms", "4000"}, "token-0123456789abcdef")
+                          ->wait(std::chrono::seconds(60));
+  EXPECT_EQ(worker.exit_code, kExitBadInput) << worker.err;
+  EXPECT_TRUE(has(worker.err, "does not ask for one, so it cannot prove it is the chief"))
+      << worker.err;
+  EXPECT_EQ(chief->wait(std::chrono::seconds(60)).exit_code, kExitComm);
+}
+
+TEST(Rendezvous, ASecondProcessClaimingATakenRankIsRefused) {
+  const auto ports = testing::free_ports(2);
+  auto chief = start(ports, 0, {"--timeout-ms", "60000"});
+  auto first = start(ports, 1, {"--timeout-ms", "60000"});
+  auto second = start(ports, 1, {"--timeout-ms", "60000"});
+  std::vector<ProcessResult> claimants = {first->wait(std::chrono::seconds(120)),
+                                          second->wait(std::chrono::seconds(120))};
+  const auto chief_result = chief->wait(std::chrono::seconds(120));
+  EXPECT_EQ(chief_result.exit_code, 0) << chief_result.err;
+  // Whichever came first keeps the rank; the other is refused, not admitted twice.
+  int refused = 0;
+  for (const auto& c : claimants) {
+    if (c.exit_code == 0) continue;
+    ++refused;
+    EXPECT_EQ(c.exit_code, kExitBadInput) << c.err;
+    EXPECT_TRUE(has(c.err, name_of(ports, 1) + " is already taken by the process at 127.0.0.1:"))
+        << c.err;
+  }
+  EXPECT_EQ(refused, 1) << claimants[0].err << claimants[1].err;
+}
+
+// A raw TCP connection to the server, for what no well-behaved client would send.
+class RawSocket {
+ public:
+  RawSocket(const std::string& host, int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  }
+  ~RawSocket() { ::close(fd_); }
+  bool connected() const { return connected_; }
+  void send(const std::string& bytes) { ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL); }
+  // Reads until the peer closes or `limit` passes; true when it closed.
+  bool closed_within(std::chrono::seconds limit, std::string* got = nullptr) {
+    timeval tv{static_cast<time_t>(limit.count()), 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n == 0) return true;
+      if (n < 0) return errno == ECONNRESET;
+      if (got) got->append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+RendezvousConfig local_config(int rank, int world, int port) {
+  RendezvousConfig config;
+  config.rank = rank;
+  config.world_size = world;
+  config.chief = {"127.0.0.1", port};
+  config.timeout = std::chrono::seconds(20);
+  config.session = collective::detail::new_session();
+  return config;
+}
+
+TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
+  RendezvousServer server(local_config(0, 2, 0));
+  const int port = server.port();
+  RawSocket silent("127.0.0.1", port); // connects and never says a word
+  ASSERT_TRUE(silent.connected());
+  RawSocket oversized("127.0.0.1", port);
+  oversized.send(std::string("\xff\xff\xff\x7f", 4)); // a 2 GiB message, announced
+  EXPECT_TRUE(oversized.closed_within(std::chrono::seconds(10)));
+  RawSocket garbage("127.0.0.1", port);
+  garbage.send(std::string("\x08\x00\x00\x00GET / HT", 12)); // not the protocol
+  std::string answer;
+  EXPECT_TRUE(garbage.closed_within(std::chrono::seconds(10), &answer));
+  EXPECT_TRUE(has(answer, "does not speak flotilla's rendezvous protocol"));
+
+  // Meanwhile the real ranks join and use the store as if nothing happened.
+  std::unique_ptr<RendezvousStore> rank1;
+  std::thread other([&] { rank1 = std::make_unique<RendezvousStore>(local_config(1, 2, port)); });
+  RendezvousStore rank0(local_config(0, 2, port));
+  other.join();
+  rank0.wait_for_all_ranks();
+  rank1->set("k", std::vector<std::uint8_t>{1, 2, 3});
+  EXPECT_EQ(rank0.get("k"), (std::vector<std::uint8_t>{1, 2, 3}));
+  EXPECT_EQ(rank0.add("n", 5), 5);
+  EXPECT_EQ(rank1->add("n", -2), 3);
+  EXPECT_TRUE(rank1->check({"k", "n"}));
+  EXPECT_FALSE(rank1->check({"k", "absent"}));
+  // A value over the limit is refused before it is sent.
+  EXPECT_THROW(rank1->set("big", std::vector<std::uint8_t>(collective::detail::kMaxValueBytes + 1)),
+               CommError);
+  // The silent connection is dropped at its handshake deadline, not kept forever.
+  EXPECT_TRUE(silent.closed_within(std::chrono::seconds(30)));
+}
+
+TEST(Rendezvous, TheServerListensOnlyOnTheChiefsAddress) {
+  RendezvousServer server(local_config(0, 2, 0));
+  // 127.0.0.2 is this host too (all of 127/8 is loopback), but not the chief's address.
+  RawSocket other_address("127.0.0.2", server.port());
+  EXPECT_FALSE(other_address.connected());
+  RawSocket chief_address("127.0.0.1", server.port());
+  EXPECT_TRUE(chief_address.connected());
+}
+
+TEST(Rendezvous, AChiefAddressThatIsNotThisHostIsAClearError) {
+  auto config = local_config(0, 2, 0);
+  config.chief = {"198.18.255.254", 2222}; // a benchmarking address no interface here has
+  try {
+    RendezvousServer server(config);
+    FAIL() << "no error";
+  } catch (const CommError& e) {
+    EXPECT_TRUE(has(e.what(), "is not an address of this host")) << e.what();
+  }
+}
+
+// Ranks 0 and 1 go into an all-reduce that rank `victim` never joins: it sent itself `signal`
+// after a barrier that follows the rendezvous. The collective timeout (120 s) is far beyond the heartbeat's
+// (3 s), so only the heartbeat can end the wait in time.
+std::vector<ProcessResult> run_with_victim(const std::vector<int>& ports, int victim,
+                                           const std::string& signal) {
+  const std::vector<std::string> flags = {"--timeout-ms",  "120000", "--heartbeat-timeout-ms",
+                                          "3000",          "--signal-rank", std::to_string(victim),
+                                          "--signal",      signal};
+  std::vector<std::unique_ptr<Process>> procs;
+  for (int i = 0; i < 3; ++i) procs.push_back(start(ports, i, flags));
+  std::vector<ProcessResult> results(3);
+  for (int i = 0; i < 3; ++i) {
+    if (i != victim) results[i] = procs[i]->wait(std::chrono::seconds(60));
+  }
+  return results; // the stopped victim is killed with its Process
+}
+
+TEST(Heartbeat, AStoppedWorkerFailsTheOthersByNameInsteadOfHangingThem) {
+  const auto ports = testing::free_ports(3);
+  const auto results = run_with_victim(ports, 2, "STOP");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    EXPECT_TRUE(has(results[r].err, "all_reduce #2 (sum, 1048579 x float) on rank " +
+                                        std::to_string(r) + " of 3 cannot complete: " +
+                                        name_of(ports, 2) + " stopped sending heartbeats for 3 s"))
+        << results[r].err;
+    EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
+  }
+}
+
+TEST(Heartbeat, AStoppedChiefFailsTheWorkersByName) {
+  const auto ports = testing::free_ports(3);
+  const auto results = run_with_victim(ports, 0, "STOP");
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    EXPECT_TRUE(has(results[r].err, name_of(ports, 0) + ", which hosts the rendezvous, stopped "
+                                                        "answering heartbeats for 3 s"))
+        << results[r].err;
+  }
+}
+
+TEST(Heartbeat, AKilledWorkerFailsTheOthersAtOnce) {
+  const auto ports = testing::free_ports(3);
+  const auto results = run_with_victim(ports, 1, "KILL");
+  for (int r : {0, 2}) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    // Gloo's closed connection or the heartbeat's news, whichever came first; never the timeout.
+    EXPECT_TRUE(has(results[r].err, "all_reduce #2 (sum, 1048579 x float) on rank " +
+                                        std::to_string(r) + " of 3"))
+        << results[r].err;
+    EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
+  }
+}
+
+} // namespace
+} // namespace flotilla
