@@ -55,6 +55,32 @@ TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
   for (const auto& line : lines_of(r.err)) EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
 }
 
+TEST(Launch, EveryRunGetsItsOwnClusterTokenUnlessTheUserBroughtOne) {
+  // sha256sum of the token: equal within a run, different between runs, never printed itself.
+  const std::vector<std::string> cmd = {kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                                        "printf %s \"$FLOTILLA_CLUSTER_TOKEN\" | sha256sum"};
+  const auto first = run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""},
+                                       {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+  const auto second = run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""},
+                                        {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  auto digests = [](const std::string& out) {
+    std::set<std::string> d;
+    for (const auto& line : lines_of(out)) d.insert(line.substr(line.find("] ") + 2, 64));
+    return d;
+  };
+  const auto a = digests(first.out), b = digests(second.out);
+  ASSERT_EQ(a.size(), 1u) << first.out; // both workers hold the same token
+  ASSERT_EQ(b.size(), 1u) << second.out;
+  EXPECT_NE(*a.begin(), *b.begin());
+  // sha256 of the empty string: a run without a token would print this.
+  EXPECT_NE(*a.begin(), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  const auto own = run_process({kCli, "launch", "--workers", "1", "--", "sh", "-c",
+                                "printf %s \"$FLOTILLA_CLUSTER_TOKEN\""},
+                               {{"FLOTILLA_CLUSTER_TOKEN", "users-own"}});
+  EXPECT_EQ(own.out, "[worker 0] users-own\n");
+}
+
 TEST(Launch, CarriageReturnsRedrawAndDosNewlinesEndLines) {
   const auto r = run_process(
       {kCli, "launch", "--workers", "1", "--", "sh", "-c", "printf 'a\\r\\nb\\n\\r1/2\\r2/2\\n'"});

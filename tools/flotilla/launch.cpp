@@ -5,7 +5,9 @@
 // Ctrl-C/SIGTERM are forwarded (a second one kills). When a worker fails, the others are stopped
 // (SIGTERM, then SIGKILL after a grace period) and launch exits with the failed worker's code
 // (128 + signal for a worker killed by a signal; 128 + signal too when launch itself was
-// signalled and the workers then exited cleanly).
+// signalled and the workers then exited cleanly). Unless FLOTILLA_CLUSTER_TOKEN(_FILE) is set,
+// each run gets a random cluster token in its workers' environment, so no other local process
+// can join the rendezvous.
 //
 // Recovery. With --max-restarts N, a failure (a nonzero exit or a signal) stops the others as
 // above and then starts the whole cluster again (every worker, and the evaluator), on fresh free
@@ -176,13 +178,33 @@ void emit_lines(const std::string& name, std::string& buffer, int fd, bool flush
   if (!out.empty()) write_all(fd, out);
 }
 
+// 32 random bytes in hex: a run's cluster token when the user set none.
+std::string random_token() {
+  unsigned char bytes[32];
+  Fd urandom(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  if (urandom.get() < 0 || ::read(urandom.get(), bytes, sizeof bytes) != sizeof bytes) {
+    throw Error("cannot read /dev/urandom for the cluster token; set FLOTILLA_CLUSTER_TOKEN");
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) token += {kHex[b >> 4], kHex[b & 15]};
+  return token;
+}
+
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,
-                                           int threads, bool terminal) {
+                                           int threads, bool terminal, const std::string& token) {
   std::map<std::string, std::string> vars;
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
     const auto eq = entry.find('=');
     if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  // Any local user can reach a port on 127.0.0.1: unless the user brought a token, the run gets
+  // its own, so only the processes launch started can join (it travels in the environment,
+  // which only their owner can read, never in argv).
+  const auto set = [&](const char* name) { return vars.count(name) && !vars[name].empty(); };
+  if (!set("FLOTILLA_CLUSTER_TOKEN") && !set("FLOTILLA_CLUSTER_TOKEN_FILE")) {
+    vars["FLOTILLA_CLUSTER_TOKEN"] = token;
   }
   // TF_CONFIG decides the cluster; stale torchrun variables would only confuse a reader.
   for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) vars.erase(stale);
@@ -568,20 +590,22 @@ int run(const LaunchArgs& a) {
     for (int i = 0; i < a.workers; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
     if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
 
+    const std::string token = random_token();
     Outcome outcome;
     {
       Launcher launcher(a, signals, count);
       for (int i = 0; i < a.workers; ++i) {
         spec.task = {cluster::TaskType::kWorker, i};
         launcher.start(
-            i, argv, child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal));
+            i, argv, child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal,
+                                 token));
       }
       if (a.evaluator) {
         // TF's sidecar: it trains nothing, so it shares the machine with the workers' threads.
         spec.task = {cluster::TaskType::kEvaluator, 0};
         launcher.start(a.workers, argv,
                        child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1,
-                                         false));
+                                         false, token));
       }
       outcome = launcher.supervise();
     }
