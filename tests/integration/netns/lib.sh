@@ -188,10 +188,14 @@ tf_config() {
 
 # start_task NAME HOST TF_CONFIG TIMEOUT_S ARGS... : `flotilla train ARGS` on host HOST in the
 # background, output in $tmp/NAME.log, killed after TIMEOUT_S (a hang guard, never a check).
+# Every task of a scenario holds the same random cluster token, so each join across the namespaces
+# goes through the HMAC challenge-response, as on real hosts.
+cluster_token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 start_task() {
   local name=$1 host=$2 tf=$3 limit=$4
   shift 4
   ip netns exec "$(host_ns "$host")" env TF_CONFIG="$tf" OMP_NUM_THREADS=1 \
+    FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
     timeout -k 5 "$limit" "$bin" train "$@" >"$tmp/$name.log" 2>&1 &
   task_pid[$name]=$!
   pids+=($!)
