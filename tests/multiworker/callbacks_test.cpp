@@ -79,6 +79,9 @@ struct Interruption {
   int epoch;                  // the backup's epoch (0-based) and step in it
   std::int64_t step_in_epoch;
   int replicas = 1; // per worker
+  // Damages the newest backup between the crash and the resume (nullptr: none); the resume
+  // must then fall back to the backup before it.
+  void (*damage)(const fs::path& newest) = nullptr;
 };
 
 // 6 global batches of 16 per epoch, 3 epochs: 18 updates in all.
@@ -124,6 +127,19 @@ void expect_exact_resume(const Interruption& case_) {
       EXPECT_THROW(model.fit(data.batches(), fit), Crash);
       first_run[rank] = counter->batches;
     }
+    if (case_.damage) {
+      comm.barrier().wait(); // both ranks have crashed
+      if (rank == 0) {
+        fs::path newest;
+        for (const auto& entry : fs::directory_iterator(backup)) {
+          if (entry.is_directory() && entry.path().filename().string() > newest.filename().string()) {
+            newest = entry.path();
+          }
+        }
+        case_.damage(newest);
+      }
+      comm.barrier().wait();
+    }
     // A new process would start from scratch: new model, new optimizer, a new dataset object.
     auto net = make_net();
     train::Model model(s, net);
@@ -161,6 +177,29 @@ TEST(Callbacks, BackupAndRestoreResumesMidEpochExactly) {
 
 TEST(Callbacks, BackupAndRestoreResumesAtAnEpochBoundaryExactly) {
   expect_exact_resume({/*backup_every=*/0, /*crash_after=*/9, /*resumed_at=*/6, 1, 0});
+}
+
+// A damaged newest backup is caught by its checksums and the previous one is used: backups at
+// updates 4, 6 and 10 keep 6 and 10; with 10 damaged, the resume starts at 6 (epoch 1, step 0)
+// and is still exact.
+TEST(Callbacks, BackupAndRestoreFallsBackWhenTheNewestBackupIsTruncated) {
+  Interruption c{/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/6, 1, 0};
+  c.damage = [](const fs::path& newest) {
+    fs::resize_file(newest / "model.safetensors", fs::file_size(newest / "model.safetensors") / 2);
+  };
+  expect_exact_resume(c);
+}
+
+TEST(Callbacks, BackupAndRestoreFallsBackWhenTheNewestBackupHasAChangedByte) {
+  Interruption c{/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/6, 1, 0};
+  c.damage = [](const fs::path& newest) {
+    std::fstream f(newest / "optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    const char byte = static_cast<char>(f.get() ^ 0x5a);
+    f.seekp(-3, std::ios::end);
+    f.put(byte);
+  };
+  expect_exact_resume(c);
 }
 
 // Every replica's optimizer state comes back, not only replica 0's.
