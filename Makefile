@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test bench-threads bench-data bench-allreduce bench-peers bench-link bench-recipe clean
+.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-recipe clean
 
 all: build
 
@@ -22,6 +22,13 @@ run: build
 # Everything but the GPU tests (they need a CUDA device; see bench/gpu).
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600
+
+# Every libFuzzer target for FUZZ_SECONDS each (clang; `make test` runs them 20 s each).
+FUZZ_SECONDS ?= 60
+fuzz:
+	@for target in $$(tests/fuzz/run.sh --list); do \
+	  FLOTILLA_FUZZ_BUILD=$(BUILD_DIR)/fuzz tests/fuzz/run.sh $$target $(FUZZ_SECONDS) || exit 1; \
+	done
 
 # Threads per worker: the default against oversubscription (JSON lines; docs/benchmarks.md).
 bench-threads: build
