@@ -297,7 +297,12 @@ void Work::wait_for_backend() {
     // first: the backend alone would wait out its whole timeout for a peer that is stopped.
     const auto deadline = std::chrono::steady_clock::now() + limit;
     std::unique_lock<std::mutex> lock(health->mutex);
-    while (!state_->work->isCompleted() && std::chrono::steady_clock::now() < deadline) {
+    // The backend's future runs our callback (which sets completed_ns) a moment before the
+    // work itself says isCompleted(): either is enough to stop waiting here.
+    const auto finished = [&] {
+      return state_->completed_ns.load() >= 0 || state_->work->isCompleted();
+    };
+    while (!finished() && std::chrono::steady_clock::now() < deadline) {
       if (!health->failure.empty()) {
         throw CommError(state_->description + " on " + state_->where() +
                         " cannot complete: " + health->failure +
