@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <mutex>
@@ -293,6 +294,10 @@ void ModelCheckpoint::on_epoch_end(int epoch, EpochLogs& logs) {
 
 namespace {
 
+// Votes at least this often (in steps), however fast the steps: a request must not wait for
+// a count of steps a run may never reach.
+constexpr std::int64_t kMaxVoteEvery = 1000;
+
 // Process-wide because a signal is: the SIGTERM handler can reach nothing else. Lock-free, so
 // setting it from the handler is async-signal-safe.
 std::atomic<bool> g_preemption_requested{false};
@@ -357,9 +362,24 @@ void BackupAndRestore::release_signal_handler() {
   release_sigterm_handler();
 }
 
-void BackupAndRestore::start_vote() {
+void BackupAndRestore::start_vote(std::int64_t steps_timed) {
   const bool mine = requested_.load() || g_preemption_requested.load();
-  vote_tensor_ = torch::tensor({mine ? 1 : 0}, torch::kInt32);
+  // The chief proposes the steps until the next vote from its own step time; the others send
+  // 0, so the MAX hands every worker the chief's number.
+  std::int64_t every = 0;
+  const auto now = std::chrono::steady_clock::now();
+  if (is_chief()) {
+    every = 1;
+    const auto target = options_.preemption_check_interval;
+    if (target.count() > 0 && steps_timed > 0) {
+      const double step_s =
+          std::chrono::duration<double>(now - vote_started_).count() / steps_timed;
+      const double steps = std::chrono::duration<double>(target).count() / std::max(step_s, 1e-6);
+      every = std::clamp<std::int64_t>(static_cast<std::int64_t>(steps), 1, kMaxVoteEvery);
+    }
+  }
+  vote_started_ = now;
+  vote_tensor_ = torch::tensor({std::int64_t{mine ? 1 : 0}, every}, torch::kInt64);
   vote_ = model().strategy().communicator().all_reduce(vote_tensor_, strategy::ReduceOp::kMax);
 }
 
@@ -367,7 +387,8 @@ bool BackupAndRestore::finish_vote() {
   if (!vote_) return false;
   vote_->wait();
   vote_.reset();
-  return vote_tensor_.item<int>() != 0;
+  vote_every_ = std::max<std::int64_t>(1, vote_tensor_[1].item<std::int64_t>());
+  return vote_tensor_[0].item<std::int64_t>() != 0;
 }
 
 void BackupAndRestore::on_train_begin() {
@@ -392,6 +413,8 @@ void BackupAndRestore::on_train_begin() {
   last_backup_iteration_ = model().iterations();
   agreed_ = false;
   vote_.reset();
+  vote_every_ = 1;
+  since_vote_ = 0;
   if (data) {
     const TrainingState state = apply(model(), *data, from);
     model().restore_training_state(state);
@@ -421,8 +444,15 @@ void BackupAndRestore::backup() {
 
 void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (options_.handle_preemption) {
-    // Last boundary's vote, read now: it had a whole step to complete behind the computation.
-    if (!agreed_) agreed_ = finish_vote();
+    // The last vote, read now: it had at least a whole step to complete behind the computation;
+    // the next starts at once. Both happen every vote_every_ steps (the same on every worker).
+    if (!agreed_ && ++since_vote_ >= vote_every_) {
+      since_vote_ = 0;
+      // The chief times the steps since the vote being read began, for its next proposal.
+      const std::int64_t steps_timed = vote_ ? vote_every_ : 0;
+      agreed_ = finish_vote();
+      if (!agreed_) start_vote(steps_timed);
+    }
     if (agreed_) {
       // Stop only where a resume continues exactly: after an optimizer update (not inside an
       // accumulation group), and not at an epoch's last step (a backup there would resume into
@@ -445,8 +475,6 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
                             "; start the same job again to resume from there",
                         state.iterations);
       }
-    } else {
-      start_vote();
     }
   }
   if (options_.save_freq == 0) return;

@@ -53,6 +53,7 @@ struct TrainArgs {
   int max_to_keep = 3;
   std::string backup_dir;
   std::int64_t backup_freq = 0;
+  double preemption_check_ms = 500; // 0: the workers compare SIGTERM requests every step
   std::string tensorboard_dir;
   std::string csv_log;
   bool validation = false;
@@ -380,8 +381,10 @@ int run(const TrainArgs& a) {
     fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
   }
   if (!a.backup_dir.empty()) {
-    fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(
-        train::BackupOptions{a.backup_dir, a.backup_freq, true}));
+    train::BackupOptions backup{a.backup_dir, a.backup_freq, true};
+    backup.preemption_check_interval =
+        std::chrono::milliseconds(static_cast<std::int64_t>(a.preemption_check_ms));
+    fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(backup));
   }
   if (!a.checkpoint_dir.empty()) {
     train::ModelCheckpointOptions checkpoints;
@@ -509,6 +512,11 @@ Command add_train(CLI::App& parent) {
   app->add_option("--backup-freq", args->backup_freq,
                   "Also back up every N optimizer updates (0: at epoch ends only)")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--preemption-check-ms", args->preemption_check_ms,
+                  "With --backup-dir, SIGTERM to any worker makes all save a backup at one step "
+                  "and exit 75; they compare notes about this often (0: every step)")
+      ->check(CLI::Range(0.0, 3600e3))
       ->capture_default_str();
   app->add_option("--tensorboard-dir", args->tensorboard_dir,
                   "TensorBoard event files: <dir>/train and <dir>/validation (chief)");

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -127,14 +128,19 @@ struct BackupOptions {
   // TF's PreemptionCheckpointHandler: during fit, SIGTERM to any one worker makes every worker
   // save a backup at the same step and leave fit with Preempted (see request_preemption).
   bool handle_preemption = true;
+  // How often the workers compare preemption requests: about this often in time, as a whole
+  // number of steps the chief derives from its step time and sends with each vote (so every
+  // worker uses the same number). A request is acted on within about twice this. 0: every step.
+  std::chrono::milliseconds preemption_check_interval{500};
 };
 
 // Asks the running fit of every BackupAndRestore in this process to stop for preemption: the
 // SIGTERM handler calls it (async-signal-safe: it sets one lock-free atomic). Each worker
-// contributes its request to a one-element MAX all-reduce at every step boundary, started at one
-// boundary and read at the next so it never waits on the step's critical path; because every
-// worker issues it in the same order, all see the request at the same step, save a backup there
-// and throw Preempted (message: the update it saved at; a fit started again resumes there).
+// contributes its request to a tiny MAX all-reduce at step boundaries (every step, or about
+// every BackupOptions::preemption_check_interval), started at one boundary and read at the next
+// so it never waits on the step's critical path; because every worker issues it in the same
+// order, all see the request at the same step, save a backup there and throw Preempted
+// (message: the update it saved at; a fit started again resumes there).
 // The SIGTERM handler is installed from on_train_begin to on_train_end (or until Preempted is
 // thrown, or the callback is destroyed), and the previous handler is put back after.
 void request_preemption() noexcept;
@@ -165,7 +171,7 @@ class BackupAndRestore : public Callback {
 
  private:
   void backup();
-  void start_vote();
+  void start_vote(std::int64_t steps_timed); // steps since the last vote began (0: none)
   bool finish_vote();
   void release_signal_handler();
   BackupOptions options_;
@@ -175,6 +181,9 @@ class BackupAndRestore : public Callback {
   std::atomic<bool> requested_{false};
   bool handler_installed_ = false;
   bool agreed_ = false; // every worker has seen a request: stop at the next allowed boundary
+  std::int64_t vote_every_ = 1; // steps between votes, as the last vote decided
+  std::int64_t since_vote_ = 0;
+  std::chrono::steady_clock::time_point vote_started_;
   torch::Tensor vote_tensor_;
   std::optional<collective::Work> vote_;
 };
