@@ -478,7 +478,11 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
     }
   }
   if (options_.save_freq == 0) return;
-  if (model().iterations() - last_backup_iteration_ >= options_.save_freq) {
+  // Not at an epoch's last step either: resumed there, the pass is exhausted and fit would end
+  // without the epoch's end (its checkpoint, its logs, the epochs after it). The epoch-end
+  // backup comes right after this step anyway.
+  const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
+  if (!epoch_last && model().iterations() - last_backup_iteration_ >= options_.save_freq) {
     backup();
   }
 }

@@ -179,6 +179,13 @@ TEST(Callbacks, BackupAndRestoreResumesAtAnEpochBoundaryExactly) {
   expect_exact_resume({/*backup_every=*/0, /*crash_after=*/9, /*resumed_at=*/6, 1, 0});
 }
 
+// A crash between an epoch's last step and its end (here: right after the step; in the CLI,
+// during the epoch's log reduction) resumes from the backup before that step: a backup taken at
+// the last step would resume into an exhausted pass and end the fit with epochs still to go.
+TEST(Callbacks, BackupAndRestoreNeverBacksUpAtAnEpochsLastStep) {
+  expect_exact_resume({/*backup_every=*/3, /*crash_after=*/6, /*resumed_at=*/3, 0, 3});
+}
+
 // A damaged newest backup is caught by its checksums and the previous one is used: backups at
 // updates 4, 6 and 10 keep 6 and 10; with 10 damaged, the resume starts at 6 (epoch 1, step 0)
 // and is still exact.
