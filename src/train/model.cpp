@@ -591,7 +591,12 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       }
     }
     if (micro > 0) apply_gradients(); // the epoch's last, partial accumulation
-    if (steps == 0) break;            // the data ran out at an epoch's start: nothing to report
+    if (steps == 0) {
+      // Resumed from a backup taken at the very end of an epoch (the last step of a pass whose
+      // length was not known in advance): that epoch is over, the next ones are still to do.
+      if (epoch == first_epoch && resume_step > 0 && !ran_out) continue;
+      break; // the data ran out at an epoch's start: nothing to report
+    }
     const double seconds = seconds_since(start);
     const torch::Tensor global =
         strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));
