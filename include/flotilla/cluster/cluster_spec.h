@@ -1,7 +1,7 @@
 // The cluster a worker belongs to: every task's address and which task this process is, as
 // TF_CONFIG describes it, plus the training group derived from it (world size, this worker's
 // rank, the chief's rendezvous address). Resolvers (resolvers.h) build one from TF_CONFIG,
-// torchrun-style variables, or nothing at all.
+// torchrun-style variables, Slurm's, or nothing at all.
 #pragma once
 
 #include <optional>
@@ -46,7 +46,8 @@ struct ClusterSpec {
   int rank = 0;           // chief is 0, then workers by index; -1 for the evaluator
   Address rendezvous;     // the chief's address; it hosts the rendezvous store on that port
   std::string local_host; // this task's own host (to bind collectives to); "" when unknown
-  std::string source;     // "TF_CONFIG", "torchrun environment" or "single worker"
+  // "TF_CONFIG", "torchrun environment", "Slurm environment" or "single worker".
+  std::string source;
 
   bool is_chief() const { return rank == 0; }
   bool is_evaluator() const { return task.type == TaskType::kEvaluator; }
