@@ -214,9 +214,10 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
 struct Health {
   std::mutex mutex;
   std::condition_variable cv;
-  std::string failure; // empty: healthy
+  std::string failure;              // empty: healthy; written once, under the mutex
+  std::atomic<bool> failed{false}; // set after `failure`: every operation reads it, lock-free
 
-  std::string failed() {
+  std::string failure_text() {
     std::lock_guard<std::mutex> lock(mutex);
     return failure;
   }
@@ -356,7 +357,7 @@ struct Communicator::Impl {
 
   ~Impl() {
     heartbeat.reset(); // a goodbye: leaving is not failing
-    if (health && !health->failed().empty()) {
+    if (health && health->failed) {
       // A failed group is abandoned, not joined: the backends' threads may be blocked on a
       // peer that will never answer, and destroying them would wait out their timeout.
       (void)ring.release();
@@ -404,13 +405,11 @@ struct Communicator::Impl {
     if (size > 1) state->store = store;
     state->health = health;
     state->names = names;
-    if (health) {
-      const std::string failure = health->failed();
-      if (!failure.empty()) {
-        throw CommError(state->description + " on " + state->where() + " cannot start: " +
-                        failure + "; restart the job (flotilla launch --max-restarts, or the "
-                                  "scheduler); BackupAndRestore resumes from the last backup");
-      }
+    if (health && health->failed) {
+      throw CommError(state->description + " on " + state->where() + " cannot start: " +
+                      health->failure_text() +
+                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
+                      "BackupAndRestore resumes from the last backup");
     }
     return state;
   }
@@ -552,6 +551,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
             std::lock_guard<std::mutex> lock(h->mutex);
             if (!h->failure.empty()) return;
             h->failure = why;
+            h->failed = true;
           }
           h->cv.notify_all();
           log.error(why + "; the training group cannot continue: its collectives fail from now");

@@ -93,6 +93,18 @@ void compile_locked(train::Model& model) {
   model.compile(sgd_with_schedule());
 }
 
+// The weights after `epochs` epochs of fit without any callback: what every resume must match.
+std::vector<float> uninterrupted_weights(strategy::Strategy& s, const Data& data, int epochs) {
+  auto net = make_net();
+  train::Model model(s, net);
+  compile_locked(model);
+  train::FitOptions fit;
+  fit.epochs = epochs;
+  fit.verbose = train::Verbosity::kSilent;
+  model.fit(data.batches(), fit);
+  return testing::flat_parameters(*net);
+}
+
 void expect_exact_resume(const Interruption& case_) {
   const Data data;
   testing::TempDir dir;
@@ -102,16 +114,7 @@ void expect_exact_resume(const Interruption& case_) {
   std::vector<std::int64_t> first_run(2), second_run(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm, case_.replicas);
-    {
-      auto net = make_net();
-      train::Model model(s, net);
-      compile_locked(model);
-      train::FitOptions fit;
-      fit.epochs = kEpochs;
-      fit.verbose = train::Verbosity::kSilent;
-      model.fit(data.batches(), fit);
-      uninterrupted[rank] = testing::flat_parameters(*net);
-    }
+    uninterrupted[rank] = uninterrupted_weights(s, data, kEpochs);
     auto counter = std::make_shared<CountingCallback>();
     counter->crash_after = case_.crash_after;
     {
@@ -241,16 +244,7 @@ void expect_preemption(const PreemptionCase& case_) {
   std::vector<std::string> messages(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
-    {
-      auto net = make_net();
-      train::Model model(s, net);
-      compile_locked(model);
-      train::FitOptions fit;
-      fit.epochs = kEpochs;
-      fit.verbose = train::Verbosity::kSilent;
-      model.fit(data.batches(), fit);
-      uninterrupted[rank] = testing::flat_parameters(*net);
-    }
+    uninterrupted[rank] = uninterrupted_weights(s, data, kEpochs);
     {
       auto net = make_net();
       train::Model model(s, net);

@@ -7,6 +7,7 @@
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
+#include "support/ranks.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
@@ -17,13 +18,6 @@ using testing::ProcessResult;
 
 const std::string kWorker = flotilla::testing::test_bin_dir() + "/collective_worker";
 
-std::string tf_config(const std::vector<int>& ports, int index) {
-  cluster::ClusterSpec spec;
-  for (int p : ports) spec.worker.push_back({"127.0.0.1", p});
-  spec.task = {cluster::TaskType::kWorker, index};
-  return cluster::to_tf_config(spec);
-}
-
 std::vector<ProcessResult> run_cluster(int world, const std::vector<std::string>& flags,
                                        int start_only = -1) {
   const auto ports = testing::free_ports(world);
@@ -33,7 +27,7 @@ std::vector<ProcessResult> run_cluster(int world, const std::vector<std::string>
     std::vector<std::string> argv = {kWorker};
     argv.insert(argv.end(), flags.begin(), flags.end());
     procs.push_back(std::make_unique<Process>(
-        argv, std::map<std::string, std::string>{{"TF_CONFIG", tf_config(ports, i)}}));
+        argv, std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, i)}}));
   }
   std::vector<ProcessResult> results;
   for (auto& p : procs) results.push_back(p->wait(std::chrono::seconds(120)));

@@ -15,6 +15,7 @@
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
+#include "support/ranks.h"
 #include "support/subprocess.h"
 
 namespace flotilla {
@@ -30,13 +31,6 @@ using testing::ProcessResult;
 
 const std::string kWorker = flotilla::testing::test_bin_dir() + "/collective_worker";
 
-std::string tf_config(const std::vector<int>& ports, int index) {
-  cluster::ClusterSpec spec;
-  for (int p : ports) spec.worker.push_back({"127.0.0.1", p});
-  spec.task = {cluster::TaskType::kWorker, index};
-  return cluster::to_tf_config(spec);
-}
-
 std::unique_ptr<Process> start(const std::vector<int>& ports, int index,
                                const std::vector<std::string>& flags,
                                const std::string& token = "") {
@@ -44,7 +38,7 @@ std::unique_ptr<Process> start(const std::vector<int>& ports, int index,
   argv.insert(argv.end(), flags.begin(), flags.end());
   // An empty value removes the variable, so a test's own environment cannot leak a token in.
   return std::make_unique<Process>(
-      argv, std::map<std::string, std::string>{{"TF_CONFIG", tf_config(ports, index)},
+      argv, std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, index)},
                                                {"FLOTILLA_CLUSTER_TOKEN", token},
                                                {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
 }

@@ -53,4 +53,13 @@ inline cluster::ClusterSpec thread_cluster(int rank, int world_size) {
   return spec;
 }
 
+// TF_CONFIG for worker `index` of a cluster of workers on 127.0.0.1 at `ports` (worker 0 is the
+// chief), for tests that start real processes.
+inline std::string loopback_tf_config(const std::vector<int>& ports, int index) {
+  cluster::ClusterSpec spec;
+  for (int p : ports) spec.worker.push_back({"127.0.0.1", p});
+  spec.task = {cluster::TaskType::kWorker, index};
+  return cluster::to_tf_config(spec);
+}
+
 } // namespace flotilla::testing
