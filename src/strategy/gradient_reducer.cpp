@@ -372,6 +372,7 @@ void GradientReducer::finish() {
     stats_.comm_seconds += busy;
     stats_.exposed_seconds += std::chrono::duration<double>(Clock::now() - backward_end).count();
   }
+  last_in_flight_ = std::move(in_flight);
 }
 
 std::string GradientReducer::plan() const {
@@ -383,6 +384,12 @@ std::string GradientReducer::plan() const {
     out += "]";
   }
   return out;
+}
+
+std::vector<std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point>>
+GradientReducer::last_all_reduces() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_in_flight_;
 }
 
 GradientReducer::Stats GradientReducer::stats() const {

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 
+#include <torch/cuda.h>
 #include <torch/version.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <limits>
 #include <condition_variable>
 #include <mutex>
+#include <utility>
 
 #include "data/thread_pool.h"
 #include "flotilla/error.h"
@@ -54,6 +56,50 @@ struct Model::Threads {
   std::vector<std::exception_ptr> errors;
 };
 
+// Times a step's phases: each mark() charges the time since the previous mark to a phase, so the
+// phases of a step are consecutive and add up to its wall-clock time. A few clock reads a step;
+// spans are kept only while tracing.
+struct Model::StepClock {
+  using Clock = std::chrono::steady_clock;
+  PhaseTimes epoch;           // this epoch's sums
+  StepTrace* trace = nullptr; // the step being traced, if any
+  Clock::time_point origin;   // the trace's zero
+  bool sync_cuda = false;     // tracing on CUDA: wait for the kernels at each mark
+  Clock::time_point step_start;
+  Clock::time_point last;
+  bool active = false; // between start_step() and end_step(): work outside steps is not charged
+
+  void start_step() {
+    step_start = last = Clock::now();
+    active = true;
+  }
+  void mark(Phase phase) {
+    if (!active) return;
+    if (sync_cuda) torch::cuda::synchronize();
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - last).count();
+    epoch[phase] += seconds;
+    if (trace) {
+      if (!trace->spans.empty() && trace->spans.back().phase == phase) {
+        trace->spans.back().seconds += seconds; // one span per stretch of a phase
+      } else {
+        trace->spans.push_back(
+            {phase, std::chrono::duration<double>(last - origin).count(), seconds});
+      }
+    }
+    last = now;
+  }
+  // The step's tail since the last mark (its bookkeeping) counts as callbacks' time.
+  void end_step() {
+    if (!active) return;
+    mark(Phase::kCallbacks);
+    epoch.step_seconds += std::chrono::duration<double>(last - step_start).count();
+    ++epoch.steps;
+    trace = nullptr;
+    active = false;
+  }
+};
+
 void Logs::set(const std::string& key, double value) {
   for (auto& [k, v] : items_) {
     if (k == key) {
@@ -91,11 +137,21 @@ std::vector<double> History::operator[](const std::string& key) const {
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward, std::function<Replica()> clone)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)),
-      clone_(std::move(clone)) {
+      clone_(std::move(clone)), clock_(std::make_unique<StepClock>()) {
   if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
 }
 
 Model::~Model() = default;
+
+void Model::set_step_tracing(bool on, std::int64_t max_steps) {
+  if (on && max_steps < 1) {
+    throw ConfigError("step tracing needs max_steps >= 1; saw " + std::to_string(max_steps));
+  }
+  tracing_ = on;
+  max_traced_steps_ = max_steps;
+}
+
+std::vector<StepTrace> Model::take_step_traces() { return std::exchange(traces_, {}); }
 
 const strategy::GradientReducer& Model::gradient_reducer() const {
   require_compiled("gradient_reducer");
@@ -197,6 +253,11 @@ void Model::compile(const CompileOptions& options) {
   }
   reducer_ = strategy_.make_gradient_reducer(modules);
   if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
+  devices_.clear();
+  for (const auto& replica : modules) {
+    const auto params = replica->parameters();
+    devices_.push_back(params.empty() ? torch::Device(torch::kCPU) : params.front().device());
+  }
   metrics_ = std::move(metrics);
   policy_ = policy;
   loss_scale_ = loss_scale;
@@ -325,6 +386,7 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
 
 void Model::apply_gradients() {
   reducer_->finish();
+  clock_->mark(Phase::kAllReduce);
   bool apply = true;
   if (loss_scale_ || check_finite_) {
     // The all-reduced gradients are the same on every worker, so is this decision.
@@ -342,13 +404,40 @@ void Model::apply_gradients() {
     last_step_finite_ = found_inf.item<float>() == 0;
     if (loss_scale_) apply = loss_scale_->update(last_step_finite_);
   }
-  if (!apply) return; // skipped: no update, and the schedules' step does not advance
+  if (!apply) { // skipped: no update, and the schedules' step does not advance
+    clock_->mark(Phase::kOptimizer);
+    return;
+  }
   const double lr = compiled_->optimizer.learning_rate_at(iterations_);
   for (auto& optimizer : optimizers_) {
     train::set_learning_rate(*optimizer, lr);
     optimizer->step();
   }
   ++iterations_;
+  clock_->mark(Phase::kOptimizer);
+}
+
+std::vector<PhaseTimes> Model::gather_phases(const PhaseTimes& mine) {
+  std::vector<double> flat(mine.seconds.begin(), mine.seconds.end());
+  flat.push_back(mine.step_seconds);
+  flat.push_back(mine.comm_seconds);
+  flat.push_back(static_cast<double>(mine.steps));
+  auto& comm = strategy_.communicator();
+  if (comm.size() == 1) return {mine};
+  collective::Work work = comm.all_gather(torch::tensor(flat, torch::kFloat64));
+  work.wait();
+  std::vector<PhaseTimes> all;
+  for (const auto& t : work.result()) {
+    const torch::Tensor host = t.to(torch::kCPU).contiguous();
+    const double* v = host.data_ptr<double>();
+    PhaseTimes p;
+    std::copy(v, v + kPhaseCount, p.seconds.begin());
+    p.step_seconds = v[kPhaseCount];
+    p.comm_seconds = v[kPhaseCount + 1];
+    p.steps = static_cast<std::int64_t>(v[kPhaseCount + 2]);
+    all.push_back(p);
+  }
+  return all;
 }
 
 std::vector<double> Model::batch_sums(const torch::Tensor& per_example_loss,
@@ -372,8 +461,16 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   for (const auto& component : batch.element) {
     auto pieces = num_replicas == 1 ? std::vector<torch::Tensor>{component}
                                     : torch::tensor_split(component, num_replicas);
-    for (int r = 0; r < num_replicas; ++r) parts[r].push_back(pieces[r]);
+    for (int r = 0; r < num_replicas; ++r) {
+      // To the replica's device (a no-op when the batch is there already); pinned host memory
+      // makes it asynchronous.
+      parts[r].push_back(pieces[r].device() == devices_[r]
+                             ? pieces[r]
+                             : pieces[r].to(torch::TensorOptions().device(devices_[r]),
+                                                         /*non_blocking=*/pieces[r].is_pinned()));
+    }
   }
+  clock_->mark(Phase::kCopy);
   const int accumulation = compiled_->gradient_accumulation_steps;
   if (micro == 0) reducer_->zero_grad();
   const bool sync = micro + 1 == accumulation;
@@ -397,12 +494,17 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
     }
     torch::Tensor per_example = per_example_loss(compiled_->loss, outputs, labels);
     if (e.size() > 2) per_example = per_example * e[2].to(per_example.dtype());
+    // Replica 0 runs on this thread and times the phases; the others' extra time shows as
+    // backward, where this thread waits for them.
+    if (r == 0) clock_->mark(Phase::kForward);
     // Summed over this replica's slice and divided by the global batch's share per
     // replica: averaged over replicas by the reducer, that is the global batch's mean loss
     // exactly, short last batches included.
     (per_example.sum() * (scale / share)).backward();
+    if (r == 0) clock_->mark(Phase::kBackward);
     torch::NoGradGuard no_grad;
     results[r].sums = batch_sums(per_example.detach(), outputs.detach(), labels);
+    if (r == 0) clock_->mark(Phase::kMetrics);
   };
   try {
     if (threads_) {
@@ -414,6 +516,7 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
     reducer_->abort_step(); // buckets already on the wire complete before anything else
     throw;
   }
+  if (threads_) clock_->mark(Phase::kBackward); // waiting for the other replicas
   if (sync) {
     apply_gradients();
     micro = 0;
@@ -455,6 +558,11 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   // Equal on every worker: a known length, or endless (repeat()) everywhere.
   const bool agreed = (known >= 0 || known == data::kInfiniteCardinality) &&
                       lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
+  // Every worker has just left the same collective: the timelines' common zero.
+  trace_origin_ = std::chrono::steady_clock::now();
+  traces_.clear();
+  clock_->origin = trace_origin_;
+  clock_->sync_cuda = tracing_ && !devices_.empty() && devices_.front().is_cuda();
   if (agreed && known == data::kInfiniteCardinality && !options.steps_per_epoch) {
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
@@ -551,16 +659,22 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     for (auto& [replica, forward] : replicas_) replica->train();
     each([&](Callback& c) { c.on_epoch_begin(epoch); });
     std::vector<double> totals(metrics_.size() + 2, 0.0);
-    double input_seconds = 0;
+    clock_->epoch = PhaseTimes{};
     std::int64_t steps = 0;
     std::int64_t skipped = 0;
     int micro = 0; // batches accumulated since the last optimizer step
     const auto comm_before = reducer_->stats();
     const auto start = std::chrono::steady_clock::now();
     while (!options.steps_per_epoch || step_in_epoch_ < *options.steps_per_epoch) {
-      const auto before_input = std::chrono::steady_clock::now();
+      StepTrace* trace = nullptr;
+      if (tracing_ && static_cast<std::int64_t>(traces_.size()) < max_traced_steps_) {
+        trace = &traces_.emplace_back();
+        trace->epoch = epoch;
+        trace->step = step_in_epoch_;
+      }
+      clock_->trace = trace;
+      clock_->start_step();
       std::optional<data::ReplicaBatch> batch = pass->next();
-      input_seconds += seconds_since(before_input);
       bool have = batch.has_value();
       if (!agreed) {
         have =
@@ -568,13 +682,26 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
             1;
       }
       if (!have) {
+        clock_->active = false; // no step: the pass's end is not a step's input wait
+        if (trace) traces_.pop_back();
         ran_out = options.steps_per_epoch.has_value();
         break;
       }
+      clock_->mark(Phase::kInput);
       const bool hooks = step_in_epoch_ % every == 0;
-      if (hooks) each([&](Callback& c) { c.on_train_batch_begin(step_in_epoch_); });
+      if (hooks) {
+        each([&](Callback& c) { c.on_train_batch_begin(step_in_epoch_); });
+        clock_->mark(Phase::kCallbacks);
+      }
       const std::int64_t iterations_before = iterations_;
       const StepSums sums = train_step(*batch, micro);
+      if (trace && micro == 0) { // this step's all-reduces (none while accumulating)
+        for (const auto& [begin, end] : reducer_->last_all_reduces()) {
+          trace->all_reduces.emplace_back(
+              std::chrono::duration<double>(begin - trace_origin_).count(),
+              std::chrono::duration<double>(end - trace_origin_).count());
+        }
+      }
       if (micro == 0 && iterations_ == iterations_before) ++skipped;
       for (std::size_t k = 0; k < totals.size(); ++k) totals[k] += sums.sums[k];
       ++steps;
@@ -587,8 +714,10 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
           running.set(metrics_[m].name, totals[m + 1] / totals.back());
         }
         each([&](Callback& c) { c.on_train_batch_end(step_in_epoch_ - 1, running); });
+        clock_->end_step();
         if (stop_training) break;
       }
+      clock_->end_step();
     }
     if (micro > 0) apply_gradients(); // the epoch's last, partial accumulation
     if (steps == 0) {
@@ -612,15 +741,10 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     logs.values.set("learning_rate", compiled_->optimizer.learning_rate_at(iterations_));
     logs.seconds = seconds;
     logs.samples_per_s = count / seconds;
-    logs.input_seconds = input_seconds;
     logs.skipped_steps = skipped;
-    const auto comm_after = reducer_->stats();
-    logs.comm_seconds = comm_after.comm_seconds - comm_before.comm_seconds;
-    logs.comm_exposed_seconds = comm_after.exposed_seconds - comm_before.exposed_seconds;
-    strategy::GradientReducer::Stats epoch_comm;
-    epoch_comm.comm_seconds = logs.comm_seconds;
-    epoch_comm.exposed_seconds = logs.comm_exposed_seconds;
-    logs.comm_hidden_share = epoch_comm.hidden_share();
+    logs.phases = clock_->epoch;
+    logs.phases.comm_seconds = reducer_->stats().comm_seconds - comm_before.comm_seconds;
+    logs.worker_phases = gather_phases(logs.phases);
     step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
     epoch_index_ = epoch + 1;
     if (validation && (epoch + 1) % options.validation_freq == 0) {

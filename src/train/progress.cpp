@@ -35,6 +35,44 @@ std::string format_logs(const Logs& logs) {
 
 } // namespace
 
+std::string phase_summary(const EpochLogs& logs) {
+  const PhaseTimes& p = logs.phases;
+  if (p.steps == 0) return "";
+  const double per_step = 1000.0 / static_cast<double>(p.steps);
+  char buf[160];
+  const double share = p.input_share();
+  std::snprintf(buf, sizeof buf, "step %.1f ms: input %.2f (%.1f%%, %s)",
+                p.step_seconds * per_step, p[Phase::kInput] * per_step, 100.0 * share,
+                to_string(classify_input_bound(share)));
+  std::string text = buf;
+  for (Phase phase : {Phase::kCopy, Phase::kForward, Phase::kBackward, Phase::kAllReduce,
+                      Phase::kOptimizer, Phase::kMetrics, Phase::kCallbacks}) {
+    const double ms = p[phase] * per_step;
+    if (phase == Phase::kCopy && ms < 0.005) continue; // the batch was on the device already
+    if (phase == Phase::kAllReduce && p.comm_seconds > 0) {
+      std::snprintf(buf, sizeof buf, " | all-reduce waited %.2f (%.0f%% of %.2f in flight hidden)",
+                    ms, 100.0 * p.hidden_share(), p.comm_seconds * per_step);
+    } else {
+      std::snprintf(buf, sizeof buf, " | %s %.2f", phase_name(phase), ms);
+    }
+    text += buf;
+  }
+  // The worker that waits longest for input sets everyone's pace.
+  int slowest = -1;
+  for (std::size_t w = 0; w < logs.worker_phases.size(); ++w) {
+    if (slowest < 0 || logs.worker_phases[w].input_share() >
+                           logs.worker_phases[static_cast<std::size_t>(slowest)].input_share()) {
+      slowest = static_cast<int>(w);
+    }
+  }
+  if (slowest > 0) {
+    std::snprintf(buf, sizeof buf, "; most input wait: worker %d, %.1f%%", slowest,
+                  100.0 * logs.worker_phases[static_cast<std::size_t>(slowest)].input_share());
+    text += buf;
+  }
+  return text;
+}
+
 Progress::Progress(bool enabled, bool bar, std::FILE* out)
     : enabled_(enabled), bar_(bar), out_(out) {}
 
@@ -82,14 +120,7 @@ void Progress::end_epoch(const EpochLogs& logs) {
     std::fprintf(out_, "  loss scaling: %lld step(s) skipped (non-finite gradients)\n",
                  static_cast<long long>(logs.skipped_steps));
   }
-  if (logs.comm_seconds > 0 && logs.steps > 0) {
-    // Where multi-worker time goes: what the all-reduces took, and how much backward hid.
-    std::fprintf(out_, "  gradient all-reduce: %.1fms/step in flight, %.1fms/step waited (%.0f%% "
-                       "hidden behind backward); input wait: %.1f%% of the epoch\n",
-                 1000.0 * logs.comm_seconds / logs.steps,
-                 1000.0 * logs.comm_exposed_seconds / logs.steps, 100.0 * logs.comm_hidden_share,
-                 logs.seconds > 0 ? 100.0 * logs.input_seconds / logs.seconds : 0.0);
-  }
+  if (logs.phases.steps > 0) std::fprintf(out_, "  %s\n", phase_summary(logs).c_str());
   std::fflush(out_);
 }
 

@@ -29,7 +29,7 @@ double PhaseTimes::input_share() const {
 }
 
 double PhaseTimes::hidden_share() const {
-  if (comm_seconds <= 0) return 1.0;
+  if (comm_seconds <= 0) return 0.0;
   return std::clamp(1.0 - (*this)[Phase::kAllReduce] / comm_seconds, 0.0, 1.0);
 }
 

@@ -15,6 +15,7 @@
 #include "flotilla/data/fashion_mnist.h"
 #include "flotilla/data/image.h"
 #include "flotilla/error.h"
+#include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/train/callbacks.h"
@@ -59,6 +60,11 @@ struct TrainArgs {
   bool validation = false;
   int threads = 0; // 0: cores ÷ workers on this machine
   std::string metrics_json;
+  std::string profile_json; // the run's record (flotilla.run/1), for plan and doctor
+  std::string trace;        // the timeline: Chrome trace-event JSON
+  std::string report;       // the HTML report
+  bool no_doctor = false;
+  std::string command;      // this process's argv, for the report
   double timeout_s = 300;
   std::string cluster_token_file; // "": FLOTILLA_CLUSTER_TOKEN(_FILE) or none
   std::string implementation = "auto";
@@ -81,10 +87,33 @@ void append_json_line(const std::string& path, const nlohmann::ordered_json& obj
   }
 }
 
+// This process's command line, quoted where a word needs it, for the report's header.
+std::string this_command() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  constexpr const char* kPlain =
+      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@";
+  std::string word, line;
+  while (std::getline(in, word, '\0')) {
+    const bool plain = !word.empty() && word.find_first_not_of(kPlain) == std::string::npos;
+    if (!line.empty()) line += ' ';
+    if (plain) {
+      line += word;
+    } else {
+      line += '\'';
+      for (char c : word) line += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      line += '\'';
+    }
+  }
+  return line;
+}
+
 struct Recipe {
   train::Policy policy = train::Policy::kFloat32;
   train::OptimizerOptions optimizer;
   std::vector<std::string> lines; // what is on and off, for the log
+  double peak_lr = 0;
+  std::int64_t warmup_steps = 0;
+  std::int64_t total_steps = 0;
 };
 
 // Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then does
@@ -126,6 +155,7 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
     std::snprintf(buf, sizeof buf, "learning rate: %g, not scaled (--lr-scaling none)", a.base_lr);
   }
   r.lines.push_back(buf);
+  r.peak_lr = peak;
   r.optimizer.kind = train::parse_optimizer(a.optimizer);
   r.optimizer.learning_rate = peak;
   if (r.optimizer.kind == train::OptimizerKind::kSGD) {
@@ -138,7 +168,9 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
   const auto warmup = static_cast<std::int64_t>(warmup_epochs * static_cast<double>(total) /
                                                 a.epochs);
+  r.total_steps = total;
   if (a.schedule == "cosine") {
+    r.warmup_steps = warmup;
     if (total - warmup < 1) {
       throw ConfigError("--warmup-epochs " + std::to_string(warmup_epochs) +
                         " leaves no steps to decay over in " + std::to_string(a.epochs) +
@@ -405,15 +437,15 @@ int run(const TrainArgs& a) {
     for (const auto& [key, value] : logs.values.items()) line[key] = value;
     line.update({{"samples_per_s", logs.samples_per_s},
                  {"seconds", logs.seconds},
-                 {"input_bound_share", logs.input_seconds / logs.seconds},
+                 {"input_bound_share", logs.phases.input_share()},
                  {"steps", logs.steps},
                  {"skipped_steps", logs.skipped_steps},
                  // Optimizer updates so far: a resumed run must count as many as one never
                  // interrupted, none lost and none done twice.
                  {"iterations", model.iterations()},
-                 {"comm_seconds", logs.comm_seconds},
-                 {"comm_exposed_seconds", logs.comm_exposed_seconds},
-                 {"comm_hidden_share", logs.comm_hidden_share},
+                 {"comm_seconds", logs.phases.comm_seconds},
+                 {"comm_exposed_seconds", logs.phases[train::Phase::kAllReduce]},
+                 {"comm_hidden_share", logs.phases.hidden_share()},
                  {"workers", strategy.num_workers()},
                  {"replicas_in_sync", strategy.num_replicas_in_sync()},
                  {"global_batch", global_batch},
@@ -421,6 +453,28 @@ int run(const TrainArgs& a) {
     append_json_line(a.metrics_json, line);
   };
   fit.callbacks.push_back(metrics);
+  profile::ProfilerOptions profiling;
+  profiling.trace = a.trace;
+  profiling.summary = a.profile_json;
+  profiling.report = a.report;
+  profiling.doctor = !a.no_doctor && fit.verbose != train::Verbosity::kSilent;
+  profiling.command = a.command;
+  profile::RecipeFacts& facts = profiling.recipe;
+  facts.model = a.model;
+  facts.batch_per_replica = a.batch_per_replica;
+  facts.global_batch = global_batch;
+  facts.base_lr = a.lr > 0 ? 0 : a.base_lr;
+  facts.base_batch = a.lr > 0 ? 0 : a.base_batch;
+  facts.lr_scaling = a.lr > 0 ? "as given" : a.lr_scaling;
+  facts.peak_lr = recipe.peak_lr;
+  facts.schedule = a.schedule;
+  facts.warmup_steps = recipe.warmup_steps;
+  facts.total_steps = recipe.total_steps;
+  facts.threads_per_worker = threads;
+  facts.cores = available_cores();
+  facts.local_workers = cluster::local_world_size(env);
+  facts.input_pipeline = train_set.plan();
+  fit.callbacks.push_back(std::make_shared<profile::Profiler>(profiling));
   model.fit(train_set, fit);
 
   const train::EvalResult test = model.evaluate(test_batches);
@@ -529,6 +583,17 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--metrics-json", args->metrics_json,
                   "Chief appends one JSON object per epoch and one with the test result");
+  app->add_option("--profile-json", args->profile_json,
+                  "Write the run's profile (per-epoch values, step phases per worker, the "
+                  "recipe) as JSON, for flotilla plan --profile (chief)");
+  app->add_option("--trace", args->trace,
+                  "Write the timeline: every worker's step phases as one Chrome trace-event JSON "
+                  "file (Perfetto, chrome://tracing), gathered on the chief");
+  app->add_option("--report", args->report,
+                  "Write a self-contained HTML report: curves, step-time breakdown per worker, "
+                  "the recipe checklist (chief)");
+  app->add_flag("--no-doctor", args->no_doctor,
+                "Do not print the recipe doctor's findings at the end of training");
   app->add_option("--cluster-token-file", args->cluster_token_file,
                   "File holding the cluster token (mode 600); the chief admits only tasks that "
                   "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
@@ -569,7 +634,10 @@ Command add_train(CLI::App& parent) {
                   "auto (bar on a terminal, else a line per epoch), 0, 1 (bar) or 2 (line)")
       ->check(CLI::IsMember({"auto", "0", "1", "2"}))
       ->capture_default_str();
-  return {app, [args] { return run(*args); }};
+  return {app, [args] {
+            args->command = this_command();
+            return run(*args);
+          }};
 }
 
 } // namespace flotilla::tools

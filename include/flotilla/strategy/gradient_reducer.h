@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flotilla/collective/communicator.h"
@@ -88,6 +89,11 @@ class GradientReducer {
   // reduce different things (part of the start-up consistency check).
   std::string plan() const;
   Stats stats() const;
+  // Each bucket's cross-worker all-reduce in the last finish(): [started, completed], for the
+  // timeline. Empty with one worker.
+  std::vector<std::pair<std::chrono::steady_clock::time_point,
+                        std::chrono::steady_clock::time_point>>
+  last_all_reduces() const;
 
  private:
   struct Hook;
@@ -121,6 +127,9 @@ class GradientReducer {
   std::vector<collective::Work> works_;
   std::vector<std::chrono::steady_clock::time_point> started_at_;
   Stats stats_;
+  std::vector<std::pair<std::chrono::steady_clock::time_point,
+                        std::chrono::steady_clock::time_point>>
+      last_in_flight_;
 };
 
 } // namespace flotilla::strategy

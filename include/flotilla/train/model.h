@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "flotilla/train/losses.h"
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/optimizers.h"
+#include "flotilla/train/step_phases.h"
 
 namespace flotilla::train {
 
@@ -68,12 +70,11 @@ struct EpochLogs {
   Logs values;
   double samples_per_s = 0; // global samples ÷ the chief's wall-clock seconds
   double seconds = 0;
-  double input_seconds = 0; // of `seconds`, waiting for the input pipeline (input-bound share)
-  // This worker's gradient all-reduces over the epoch: time in flight, time the steps waited
-  // for them after backward, and the share hidden behind backward.
-  double comm_seconds = 0;
-  double comm_exposed_seconds = 0;
-  double comm_hidden_share = 0;
+  // Where this worker's step time went, phase by phase (input wait, forward, backward, exposed
+  // all-reduce, ...; see step_phases.h), and every worker's, in rank order: one small all-gather
+  // per epoch, so the chief can show them all.
+  PhaseTimes phases;
+  std::vector<PhaseTimes> worker_phases;
   std::int64_t skipped_steps = 0; // non-finite gradients (loss scaling), the same on every worker
 };
 
@@ -175,6 +176,15 @@ class Model {
   // cheap, for per-batch callbacks.
   std::int64_t iterations() const { return iterations_; }
   int current_epoch() const { return epoch_index_; }
+  // The timeline: while on, fit() keeps every step's phase spans (and each gradient bucket's
+  // all-reduce) for take_step_traces(), up to `max_steps` steps a fit. Off by default; the
+  // per-epoch phase sums in EpochLogs are always kept (a few clock reads a step). On CUDA, tracing
+  // synchronises the device at each phase boundary, so the spans are the kernels' real times.
+  void set_step_tracing(bool on, std::int64_t max_steps = 10000);
+  std::vector<StepTrace> take_step_traces();
+  // The timeline's zero: when this worker left fit()'s first collective, which every worker
+  // leaves at about the same moment.
+  std::chrono::steady_clock::time_point trace_origin() const { return trace_origin_; }
   // Where training stands; inside fit() it includes the input's position (serialising the
   // iterator: not for every step).
   TrainingState training_state() const;
@@ -195,6 +205,8 @@ class Model {
   std::vector<double> batch_sums(const torch::Tensor& per_example_loss,
                                  const torch::Tensor& outputs, const torch::Tensor& labels) const;
   void apply_gradients();
+  // Every worker's phase sums, in rank order (a collective: every worker calls it).
+  std::vector<PhaseTimes> gather_phases(const PhaseTimes& mine);
   EvalResult evaluate_impl(const data::DistributedDataset& data);
 
   strategy::Strategy& strategy_;
@@ -220,6 +232,13 @@ class Model {
   const data::DistributedIterator* pass_ = nullptr;
   struct Threads;
   std::unique_ptr<Threads> threads_; // runs replicas 1..K-1
+  struct StepClock; // the phase timer of the step in progress
+  std::unique_ptr<StepClock> clock_;
+  std::vector<torch::Device> devices_; // each replica's parameters' device
+  bool tracing_ = false;
+  std::int64_t max_traced_steps_ = 0;
+  std::vector<StepTrace> traces_;
+  std::chrono::steady_clock::time_point trace_origin_;
 };
 
 } // namespace flotilla::train

@@ -35,4 +35,9 @@ class Progress {
   std::chrono::steady_clock::time_point last_draw_;
 };
 
+// The cheap per-epoch profile, one line: ms per step for each phase, the input-bound share
+// with TF's class, and how much all-reduce time backward hid, e.g.
+//   step 42.1 ms: input 0.41 (1.0%, not input-bound) | forward 9.80 | backward 25.10 | ...
+std::string phase_summary(const EpochLogs& logs);
+
 } // namespace flotilla::train

@@ -42,7 +42,7 @@ struct PhaseTimes {
   double sum() const; // of the phases; equals step_seconds up to the clock reads between them
   // Input wait over step time, 0..1 (TF's profiler: "input-bound share").
   double input_share() const;
-  // Share of all-reduce time hidden behind backward, 0..1 (1 when there is no communication).
+  // Share of all-reduce time hidden behind backward, 0..1 (0 when there is no communication).
   double hidden_share() const;
   PhaseTimes& operator+=(const PhaseTimes& other);
 };

@@ -1,0 +1,193 @@
+#include "flotilla/profile/profiler.h"
+
+#include <ATen/cpu/Utils.h>
+#include <sched.h>
+
+#include <ctime>
+#include <fstream>
+
+#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/error.h"
+#include "flotilla/profile/doctor.h"
+#include "flotilla/profile/report.h"
+#include "flotilla/profile/timeline.h"
+
+namespace flotilla::profile {
+
+namespace {
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+bool cpu_has_native_bf16() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  for (const char* key : {"avx512_bf16", "amx_bf16"}) {
+    auto it = caps.find(key);
+    if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
+  }
+  return false;
+}
+
+int cores_of_this_process() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return 0;
+}
+
+// Every worker's packed traces, on every worker, in rank order (two all-gathers: the lengths,
+// then the traces padded to the longest).
+std::vector<std::vector<double>> gather_packed(collective::Communicator& comm,
+                                               const std::vector<double>& mine) {
+  if (comm.size() == 1) return {mine};
+  collective::Work lengths =
+      comm.all_gather(torch::tensor({static_cast<std::int64_t>(mine.size())}, torch::kInt64));
+  lengths.wait();
+  std::vector<std::int64_t> sizes;
+  std::int64_t longest = 0;
+  for (const auto& t : lengths.result()) {
+    sizes.push_back(t.item<std::int64_t>());
+    longest = std::max(longest, sizes.back());
+  }
+  torch::Tensor padded = torch::zeros({longest}, torch::kFloat64);
+  std::copy(mine.begin(), mine.end(), padded.data_ptr<double>());
+  collective::Work traces = comm.all_gather(padded);
+  traces.wait();
+  std::vector<std::vector<double>> all;
+  for (std::size_t r = 0; r < traces.result().size(); ++r) {
+    const torch::Tensor t = traces.result()[r].to(torch::kCPU).contiguous();
+    const double* v = t.data_ptr<double>();
+    all.emplace_back(v, v + sizes[r]);
+  }
+  return all;
+}
+
+} // namespace
+
+std::int64_t peak_resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024; // kB
+  }
+  return 0;
+}
+
+RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
+  auto& strategy = model.strategy();
+  const auto& compiled = model.compile_options();
+  const auto params = model.module().parameters();
+  const bool cuda = !params.empty() && params.front().is_cuda();
+  if (cuda) f.device = params.front().device().str();
+  f.workers = strategy.num_workers();
+  f.replicas_per_worker = strategy.replicas_per_worker();
+  f.precision = train::to_string(model.policy());
+  f.loss_scaling = compiled.loss_scale.has_value() || model.policy() == train::Policy::kMixedFloat16;
+  // CUDA: float16 tensor cores on every GPU flotilla targets; the bfloat16 capability check
+  // (sm_80+) comes with the CUDA path.
+  f.hardware_bf16 = cuda ? f.hardware_bf16 : cpu_has_native_bf16();
+  f.hardware_fp16 = cuda;
+  f.jit_compile = compiled.jit_compile;
+  f.compiled_step_available = false; // no CUDA-graph step yet, on any device
+  if (f.optimizer.empty()) f.optimizer = compiled.optimizer.describe();
+  if (f.peak_lr == 0 && !compiled.optimizer.schedule) f.peak_lr = compiled.optimizer.learning_rate;
+  if (f.schedule.empty()) {
+    f.schedule = compiled.optimizer.schedule ? compiled.optimizer.schedule->describe() : "constant";
+  }
+  if (f.threads_per_worker == 0) f.threads_per_worker = torch::get_num_threads();
+  if (f.cores == 0) f.cores = cores_of_this_process();
+  f.parameters = 0;
+  for (const auto& p : params) {
+    if (p.requires_grad()) f.parameters += p.numel();
+  }
+  const auto& reducer = model.gradient_reducer();
+  const auto& comm = strategy.communicator().options();
+  f.bytes_per_pack = comm.bytes_per_pack;
+  f.overlap = comm.overlap;
+  f.compression = std::string(collective::to_string(comm.compression));
+  f.buckets = static_cast<int>(reducer.buckets().size());
+  const auto stats = reducer.stats();
+  if (stats.syncs > 0 && stats.wire_bytes > 0) {
+    f.gradient_bytes = stats.wire_bytes / stats.syncs;
+  } else { // one worker sends nothing: what it would send
+    std::int64_t bytes = 0;
+    const std::int64_t wire = comm.compression == collective::Compression::kNone ? 0 : 2;
+    for (const auto& b : reducer.buckets()) {
+      const std::int64_t elements = b.numel + static_cast<std::int64_t>(b.params.size());
+      bytes += elements * (wire > 0 ? wire : static_cast<std::int64_t>(c10::elementSize(b.dtype)));
+    }
+    f.gradient_bytes = bytes;
+  }
+  f.peak_memory_bytes = peak_resident_bytes();
+  return f;
+}
+
+Profiler::Profiler(ProfilerOptions options) : options_(std::move(options)) {}
+
+void Profiler::on_train_begin() {
+  summary_ = RunSummary{};
+  summary_.command = options_.command;
+  summary_.started = utc_now();
+  model().set_step_tracing(!options_.trace.empty(), options_.max_traced_steps);
+}
+
+void Profiler::on_epoch_end(int epoch, train::EpochLogs& logs) {
+  EpochSummary e;
+  e.epoch = logs.epoch;
+  e.steps = logs.steps;
+  e.seconds = logs.seconds;
+  e.samples_per_s = logs.samples_per_s;
+  e.values = logs.values.items();
+  e.workers = logs.worker_phases;
+  summary_.epochs.push_back(std::move(e));
+}
+
+void Profiler::write_timeline() {
+  auto& strategy = model().strategy();
+  const auto all = gather_packed(strategy.communicator(), pack_traces(model().take_step_traces()));
+  model().set_step_tracing(false);
+  if (!is_chief()) return;
+  std::vector<std::vector<train::StepTrace>> workers;
+  std::vector<std::string> names;
+  const auto addresses = strategy.cluster().training_addresses();
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    workers.push_back(unpack_traces(all[r]));
+    std::string name = r == 0 ? "worker 0 (chief)" : "worker " + std::to_string(r);
+    if (r < addresses.size()) name += " " + addresses[r].to_string();
+    names.push_back(name);
+  }
+  checkpoint::write_file_atomic(options_.trace, chrome_trace(workers, names).dump() + "\n");
+}
+
+void Profiler::on_train_end() {
+  if (!options_.trace.empty()) write_timeline(); // a collective: every worker takes part
+  if (!is_chief()) return;
+  RecipeFacts known = options_.recipe;
+  if (known.global_batch == 0 && !summary_.epochs.empty()) {
+    // The batch as trained: samples per step (drop_remainder batches are all full).
+    const auto& e = summary_.epochs.front();
+    if (e.steps > 0) {
+      known.global_batch =
+          static_cast<std::int64_t>(e.samples_per_s * e.seconds / static_cast<double>(e.steps) + 0.5);
+    }
+  }
+  const int replicas = model().strategy().num_replicas_in_sync();
+  if (known.batch_per_replica == 0 && known.global_batch > 0) {
+    known.batch_per_replica = known.global_batch / replicas;
+  }
+  summary_.recipe = observe_recipe(model(), known);
+  if (!options_.summary.empty()) write_run_summary(options_.summary, summary_);
+  const auto findings = diagnose(summary_);
+  if (!options_.report.empty()) write_html_report(options_.report, summary_, findings);
+  if (options_.doctor && options_.out) {
+    std::fprintf(options_.out, "%s", format_findings(findings).c_str());
+    std::fflush(options_.out);
+  }
+}
+
+} // namespace flotilla::profile
