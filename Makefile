@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-recipe clean
+.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe clean
 
 all: build
 
@@ -49,6 +49,15 @@ bench-peers: build
 # Overlap and compression on 1 Gbit/s links between network namespaces (needs root).
 bench-link: build
 	bench/link.sh
+
+# `flotilla plan`'s predicted step time against 2- and 3-worker runs over 1 Gbit/s tbf links
+# between network namespaces (needs root; exits 77 without it; ~5 minutes).
+bench-plan: build
+	bench/plan.sh
+
+# What the step profiler costs: 2-worker training with and without --trace (docs/benchmarks.md).
+bench-profile: build
+	bench/profile.sh
 
 # The recipe's acceptance figures: CNN, 2 workers, batch 256, warmup + cosine, 10 epochs; bf16 speed.
 bench-recipe: build

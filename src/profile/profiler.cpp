@@ -1,6 +1,5 @@
 #include "flotilla/profile/profiler.h"
 
-#include <ATen/cpu/Utils.h>
 #include <sched.h>
 
 #include <ctime>
@@ -23,15 +22,6 @@ std::string utc_now() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-bool cpu_has_native_bf16() {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  for (const char* key : {"avx512_bf16", "amx_bf16"}) {
-    auto it = caps.find(key);
-    if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
-  }
-  return false;
 }
 
 int cores_of_this_process() {
@@ -90,7 +80,7 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   f.loss_scaling = compiled.loss_scale.has_value() || model.policy() == train::Policy::kMixedFloat16;
   // CUDA: float16 tensor cores on every GPU flotilla targets; the bfloat16 capability check
   // (sm_80+) comes with the CUDA path.
-  f.hardware_bf16 = cuda ? f.hardware_bf16 : cpu_has_native_bf16();
+  f.hardware_bf16 = cuda ? f.hardware_bf16 : train::cpu_has_native_bf16();
   f.hardware_fp16 = cuda;
   f.jit_compile = compiled.jit_compile;
   f.compiled_step_available = false; // no CUDA-graph step yet, on any device
@@ -102,8 +92,11 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   if (f.threads_per_worker == 0) f.threads_per_worker = torch::get_num_threads();
   if (f.cores == 0) f.cores = cores_of_this_process();
   f.parameters = 0;
-  for (const auto& p : params) {
-    if (p.requires_grad()) f.parameters += p.numel();
+  f.gradient_layout.clear();
+  for (auto p = params.rbegin(); p != params.rend(); ++p) {
+    if (!p->requires_grad()) continue;
+    f.parameters += p->numel();
+    f.gradient_layout.push_back(p->numel() * static_cast<std::int64_t>(p->element_size()));
   }
   const auto& reducer = model.gradient_reducer();
   const auto& comm = strategy.communicator().options();

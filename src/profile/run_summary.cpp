@@ -68,6 +68,7 @@ train::PhaseTimes phases_from_json(const nlohmann::json& j, const std::string& w
   X(hardware_bf16) X(hardware_fp16) X(loss_scaling) X(jit_compile) X(compiled_step_available)      \
   X(optimizer) X(base_lr) X(base_batch) X(lr_scaling) X(peak_lr) X(schedule) X(warmup_steps)       \
   X(total_steps) X(threads_per_worker) X(cores) X(local_workers) X(parameters) X(gradient_bytes)   \
+  X(gradient_layout)                                                                               \
   X(bytes_per_pack) X(buckets) X(overlap) X(compression) X(input_pipeline)
 
 } // namespace

@@ -1,5 +1,7 @@
 #include "flotilla/train/mixed_precision.h"
 
+#include <ATen/cpu/Utils.h>
+
 #include <ATen/autocast_mode.h>
 
 #include <atomic>
@@ -88,6 +90,15 @@ bool LossScale::update(bool finite) {
 void LossScale::restore(double scale, std::int64_t good_steps) {
   scale_ = scale;
   good_steps_ = good_steps;
+}
+
+bool cpu_has_native_bf16() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  for (const char* key : {"avx512_bf16", "amx_bf16"}) {
+    auto it = caps.find(key);
+    if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
+  }
+  return false;
 }
 
 } // namespace flotilla::train

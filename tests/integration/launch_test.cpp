@@ -323,5 +323,54 @@ TEST(Examples, TheSeedProgramsRunOnTwoWorkers) {
       << recipe.out;
 }
 
+TEST(Launch, ProfilingGathersEveryWorkersTimelineAndWritesTheRecordAndReport) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  const std::string trace = dir.path() + "/trace.json";
+  const std::string run = dir.path() + "/run.json";
+  const std::string report = dir.path() + "/report.html";
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", kCli, "train", "--model",
+                              "mlp", "--epochs", "2", "--steps-per-epoch", "15", "--trace", trace,
+                              "--profile-json", run, "--report", report});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // The per-epoch phase line and the doctor, on the chief only.
+  EXPECT_NE(r.out.find("[worker 0]   step "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("input-bound"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Recipe doctor"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[worker 1] Recipe doctor"), std::string::npos) << r.out;
+
+  // One trace file for both processes: each worker's steps, phases and bucket all-reduces.
+  const auto events = nlohmann::json::parse(testing::read_file(trace)).at("traceEvents");
+  std::map<int, int> steps, all_reduces;
+  std::map<int, std::string> names;
+  for (const auto& e : events) {
+    const int pid = e.at("pid").get<int>();
+    if (e["ph"] == "M" && e["name"] == "process_name") names[pid] = e["args"]["name"];
+    if (e["ph"] != "X") continue;
+    if (e["cat"] == "step") ++steps[pid];
+    if (e["cat"] == "all-reduce") ++all_reduces[pid];
+  }
+  ASSERT_EQ(names.size(), 2u);
+  EXPECT_NE(names[1].find("worker 1 127.0.0.1:"), std::string::npos) << names[1];
+  for (int pid : {0, 1}) {
+    EXPECT_EQ(steps[pid], 30) << "worker " << pid;
+    EXPECT_GE(all_reduces[pid], 30) << "worker " << pid;
+  }
+
+  const auto record = nlohmann::json::parse(testing::read_file(run));
+  EXPECT_EQ(record.at("schema"), "flotilla.run/1");
+  EXPECT_EQ(record["recipe"]["workers"], 2);
+  EXPECT_EQ(record["recipe"]["model"], "mlp");
+  EXPECT_EQ(record["recipe"]["global_batch"], 64);
+  ASSERT_EQ(record["epochs"].size(), 2u);
+  EXPECT_EQ(record["epochs"][1]["workers"].size(), 2u);
+  EXPECT_EQ(record["epochs"][1]["workers"][1]["steps"], 15);
+  EXPECT_NE(record.at("command").get<std::string>().find("--profile-json"), std::string::npos);
+
+  const std::string html = testing::read_file(report);
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u) << html.substr(0, 40);
+  EXPECT_NE(html.find("data-worker=\"1\""), std::string::npos);
+}
+
 } // namespace
 } // namespace flotilla

@@ -17,6 +17,9 @@ struct Command {
 Command add_train(CLI::App& parent);
 Command add_launch(CLI::App& parent);
 Command add_tf_config(CLI::App& parent);
+Command add_plan(CLI::App& parent);
+Command add_tune(CLI::App& parent);
+Command add_doctor(CLI::App& parent);
 
 // Cores this process may run on (its affinity mask), at least 1.
 int available_cores();

@@ -25,7 +25,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("flotilla ") + FLOTILLA_VERSION);
   std::vector<tools::Command> commands = {tools::add_train(app), tools::add_launch(app),
-                                          tools::add_tf_config(app)};
+                                          tools::add_tf_config(app), tools::add_plan(app)};
+  commands.push_back(tools::add_tune(app));
+  commands.push_back(tools::add_doctor(app));
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

@@ -3,7 +3,6 @@
 // `flotilla launch` start them on this machine.
 #include <unistd.h>
 
-#include <ATen/cpu/Utils.h>
 
 #include <fstream>
 #include <thread>
@@ -116,23 +115,12 @@ struct Recipe {
   std::int64_t total_steps = 0;
 };
 
-// Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then does
-// mixed_bfloat16 make a CPU step faster rather than slower.
-bool cpu_has_bf16() {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  for (const char* key : {"avx512_bf16", "amx_bf16"}) {
-    auto it = caps.find(key);
-    if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
-  }
-  return false;
-}
-
 Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t steps_per_epoch) {
   Recipe r;
   char buf[256];
   // Mixed precision, matched to the hardware (the seeds: mixed_float16 on GPU, bf16 elsewhere).
   if (a.precision == "auto") {
-    const bool bf16 = cpu_has_bf16();
+    const bool bf16 = train::cpu_has_native_bf16();
     r.policy = bf16 ? train::Policy::kMixedBFloat16 : train::Policy::kFloat32;
     r.lines.push_back(bf16 ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
                            : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
@@ -473,7 +461,13 @@ int run(const TrainArgs& a) {
   facts.threads_per_worker = threads;
   facts.cores = available_cores();
   facts.local_workers = cluster::local_world_size(env);
-  facts.input_pipeline = train_set.plan();
+  // The chain as built above, in Dataset::plan()'s words, for the doctor's input check.
+  facts.input_pipeline =
+      a.dataset + (a.cache != "none" ? " -> cache(" + a.cache + ")" : std::string()) +
+      " -> shuffle(" + std::to_string(a.shuffle_buffer) + ")" +
+      (a.steps_per_epoch > 0 ? " -> repeat()" : "") + " -> batch(" +
+      std::to_string(global_batch) + ") -> map(parallel=autotune" +
+      (a.augment ? ", augment" : "") + ") -> prefetch(autotune); " + train_set.plan();
   fit.callbacks.push_back(std::make_shared<profile::Profiler>(profiling));
   model.fit(train_set, fit);
 

@@ -48,6 +48,9 @@ struct RecipeFacts {
   int local_workers = 1;                  // workers on the chief's machine
   std::int64_t parameters = 0;            // trainable elements
   std::int64_t gradient_bytes = 0;        // per all-reduce step, as sent (after compression)
+  // Each trainable parameter's gradient bytes (its own dtype), in the order backward fills the
+  // buckets (reverse registration): the planner packs them as the gradient engine does.
+  std::vector<std::int64_t> gradient_layout;
   std::int64_t bytes_per_pack = 0;
   int buckets = 0;
   bool overlap = true;

@@ -22,6 +22,9 @@ void set_global_policy(const std::string& name);
 Policy global_policy();
 // The dtype the forward pass computes in (float32 for the float32 policy).
 torch::ScalarType compute_dtype(Policy policy);
+// Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then does
+// mixed_bfloat16 make a CPU step faster rather than slower.
+bool cpu_has_native_bf16();
 
 // Autocast on this thread for `device` while alive (autocast state is per thread: each replica's
 // thread makes its own). Does nothing under the float32 policy.

@@ -1,0 +1,389 @@
+// The recipe doctor: each item's verdict follows the run's numbers, and changes when they do.
+#include "flotilla/profile/doctor.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace flotilla::profile {
+namespace {
+
+using train::Phase;
+using Status = Finding::Status;
+
+train::PhaseTimes phases(double input_share, double allreduce_share = 0, double comm_share = 0) {
+  train::PhaseTimes p;
+  p.steps = 100;
+  p.step_seconds = 10;
+  p[Phase::kInput] = 10 * input_share;
+  p[Phase::kAllReduce] = 10 * allreduce_share;
+  p.comm_seconds = 10 * comm_share;
+  // The rest of the step: mostly forward and backward.
+  const double rest = 10 - p[Phase::kInput] - p[Phase::kAllReduce];
+  p[Phase::kForward] = rest * 0.3;
+  p[Phase::kBackward] = rest * 0.5;
+  p[Phase::kOptimizer] = rest * 0.1;
+  p[Phase::kMetrics] = rest * 0.05;
+  p[Phase::kCallbacks] = rest * 0.05;
+  return p;
+}
+
+// A run where every recipe item is as it should be on this kind of CPU machine.
+RunSummary healthy() {
+  RunSummary run;
+  RecipeFacts& r = run.recipe;
+  r.model = "mlp";
+  r.device = "cpu";
+  r.batch_per_replica = 256;
+  r.global_batch = 256;
+  r.max_batch_per_replica = 384;
+  r.memory_budget_bytes = 8LL << 30;
+  r.peak_memory_bytes = 1LL << 30;
+  r.precision = "float32";
+  r.base_lr = 0.02;
+  r.base_batch = 32;
+  r.lr_scaling = "linear";
+  r.peak_lr = 0.16; // 0.02 x 256 / 32
+  r.schedule = "cosine";
+  r.warmup_steps = 100;
+  r.total_steps = 200;
+  r.threads_per_worker = 2;
+  r.cores = 2;
+  r.local_workers = 1;
+  r.buckets = 1;
+  r.bytes_per_pack = 25 << 20;
+  for (int e = 1; e <= 2; ++e) {
+    EpochSummary epoch;
+    epoch.epoch = e;
+    epoch.steps = 100;
+    epoch.workers = {phases(0.01)};
+    run.epochs.push_back(epoch);
+  }
+  return run;
+}
+
+void set_steady(RunSummary& run, std::vector<train::PhaseTimes> workers) {
+  run.epochs.back().workers = std::move(workers);
+}
+
+Finding find(const std::vector<Finding>& findings, const std::string& item) {
+  for (const auto& f : findings) {
+    if (f.item == item) return f;
+  }
+  ADD_FAILURE() << "no finding for " << item;
+  return {};
+}
+
+Finding item(const RunSummary& run, const std::string& name) {
+  return find(diagnose(run), name);
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(Doctor, OneFindingPerRecipeItemAllOkForAHealthyRun) {
+  const auto findings = diagnose(healthy());
+  std::vector<std::string> items;
+  for (const auto& f : findings) items.push_back(f.item);
+  std::sort(items.begin(), items.end());
+  EXPECT_EQ(items, (std::vector<std::string>{"batch size", "communication", "compiled step",
+                                             "input pipeline", "learning rate", "mixed precision",
+                                             "threads per worker"}));
+  for (const auto& f : findings) {
+    if (f.item == "compiled step") {
+      EXPECT_EQ(f.status, Status::kUnknown); // nothing to compile with on the CPU
+    } else {
+      EXPECT_EQ(f.status, Status::kGood) << f.item << ": " << f.evidence;
+    }
+  }
+}
+
+TEST(Doctor, InputPipelineFollowsTheInputBoundShare) {
+  RunSummary run = healthy();
+  Finding f = item(run, "input pipeline");
+  EXPECT_EQ(f.status, Status::kGood);
+  EXPECT_TRUE(contains(f.evidence, "1.0% of step time waiting for input (not input-bound"))
+      << f.evidence;
+
+  set_steady(run, {phases(0.12)});
+  f = item(run, "input pipeline");
+  EXPECT_EQ(f.status, Status::kConsider);
+  EXPECT_TRUE(contains(f.evidence, "12% of step time waiting for input (moderately input-bound"))
+      << f.evidence;
+  EXPECT_NEAR(f.gain, 0.12, 1e-9);
+
+  set_steady(run, {phases(0.40)});
+  const auto findings = diagnose(run);
+  EXPECT_EQ(findings.front().item, "input pipeline");
+  EXPECT_EQ(findings.front().status, Status::kAct);
+  EXPECT_TRUE(contains(findings.front().evidence, "40% of step time waiting for input (highly"));
+  // The plan does not show the chain: every remedy, to be checked.
+  EXPECT_EQ(findings.front().recommendation.rfind("where not done yet: parallel map", 0), 0u)
+      << findings.front().recommendation;
+  EXPECT_TRUE(contains(findings.front().recommendation, "prefetch"));
+  EXPECT_TRUE(contains(findings.front().recommendation, "cache"));
+  EXPECT_NEAR(findings.front().gain, 0.40, 1e-9);
+}
+
+TEST(Doctor, InputPipelineTakesTheWorstWorkerAndTheRemediesItLacks) {
+  RunSummary run = healthy();
+  set_steady(run, {phases(0.02), phases(0.30)});
+  Finding f = item(run, "input pipeline");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "30%")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "worst is worker 1, the chief 2.0%")) << f.evidence;
+  // A pipeline that already caches and prefetches is not told to.
+  run.recipe.input_pipeline = "DATA: cache(memory) -> batch(256) -> map(parallel=-1) -> prefetch";
+  f = item(run, "input pipeline");
+  EXPECT_FALSE(contains(f.recommendation, "--cache memory")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, ".prefetch(")) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "pipeline threads")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, "where not done yet")) << f.recommendation;
+  run.recipe.input_pipeline = "DATA: batch(256) -> map(parallel=1)";
+  f = item(run, "input pipeline");
+  EXPECT_EQ(f.recommendation.rfind("parallel map", 0), 0u) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "parallel map")) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "--cache memory")) << f.recommendation;
+}
+
+TEST(Doctor, MixedPrecisionMatchesTheHardware) {
+  RunSummary run = healthy();
+  Finding f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kGood);
+  EXPECT_TRUE(contains(f.evidence, "no AVX512-BF16/AMX")) << f.evidence;
+  EXPECT_TRUE(f.recommendation.empty());
+
+  run.recipe.precision = "mixed_bfloat16"; // on the same CPU: emulated, slower
+  f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--precision float32")) << f.recommendation;
+  EXPECT_NEAR(f.gain, 0.5 * 0.8 * 0.99, 1e-9); // half of forward + backward
+
+  run.recipe.hardware_bf16 = true; // a CPU with AMX: now bf16 is right ...
+  f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kGood);
+  run.recipe.precision = "float32"; // ... and float32 is not
+  f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_bfloat16")) << f.recommendation;
+
+  run.recipe.device = "cuda:0 (NVIDIA H200)";
+  run.recipe.hardware_fp16 = true;
+  f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_")) << f.recommendation;
+  run.recipe.precision = "mixed_bfloat16";
+  EXPECT_EQ(item(run, "mixed precision").status, Status::kGood);
+  run.recipe.hardware_bf16 = false; // a pre-Ampere GPU
+  f = item(run, "mixed precision");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_float16")) << f.recommendation;
+}
+
+TEST(Doctor, CompiledStepSaysPlainlyThatTheCpuHasNone) {
+  RunSummary run = healthy();
+  run.recipe.jit_compile = true;
+  Finding f = item(run, "compiled step");
+  EXPECT_EQ(f.status, Status::kUnknown);
+  EXPECT_TRUE(contains(f.evidence, "no compiled step for the CPU")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "no effect")) << f.evidence;
+
+  run.recipe.device = "cuda:0";
+  run.recipe.compiled_step_available = true;
+  EXPECT_EQ(item(run, "compiled step").status, Status::kGood);
+  run.recipe.jit_compile = false;
+  f = item(run, "compiled step");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--jit-compile")) << f.recommendation;
+}
+
+TEST(Doctor, BatchSizeAgainstTheLargestThatFits) {
+  RunSummary run = healthy();
+  Finding f = item(run, "batch size");
+  EXPECT_EQ(f.status, Status::kGood); // 256 of 384
+  EXPECT_TRUE(contains(f.evidence, "the largest that fits is 384 (67% of it)")) << f.evidence;
+
+  run.recipe.max_batch_per_replica = 4096;
+  f = item(run, "batch size");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--batch-per-replica 4096 with linear LR scaling"))
+      << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "x 16) and a warmup")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, "~8k")) << f.recommendation;
+  EXPECT_GT(f.gain, 0);
+  run.recipe.max_batch_per_replica = 16384; // past linear scaling's known range
+  EXPECT_TRUE(contains(item(run, "batch size").recommendation, "global batch past ~8k"));
+  run.recipe.max_batch_per_replica = 4096;
+
+  run.recipe.batch_per_replica = 5000;
+  f = item(run, "batch size");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--batch-per-replica 4096 or less")) << f.recommendation;
+
+  run.recipe.batch_per_replica = 256;
+  run.recipe.max_batch_per_replica = 0; // not searched
+  run.recipe.peak_memory_bytes = 6LL << 30;
+  f = item(run, "batch size");
+  EXPECT_EQ(f.status, Status::kUnknown);
+  EXPECT_TRUE(contains(f.recommendation, "flotilla tune --max-batch --model mlp"))
+      << f.recommendation;
+  run.recipe.peak_memory_bytes = 1LL << 30; // an eighth of the budget
+  EXPECT_EQ(item(run, "batch size").status, Status::kConsider);
+  run.recipe.peak_memory_bytes = 9LL << 30; // over it
+  f = item(run, "batch size");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "peak memory 9.00 GiB of a 8.00 GiB budget")) << f.evidence;
+}
+
+TEST(Doctor, LearningRateChecksLinearScalingAndWarmup) {
+  RunSummary run = healthy();
+  Finding f = item(run, "learning rate");
+  EXPECT_EQ(f.status, Status::kGood);
+  EXPECT_TRUE(contains(f.evidence, "0.16 = 0.02 x 256 / 32")) << f.evidence;
+
+  run.recipe.peak_lr = 0.16 * (1 + 1e-9); // a float's rounding is not a mistake
+  EXPECT_EQ(item(run, "learning rate").status, Status::kGood);
+
+  run.recipe.peak_lr = 0.16 * (1 + 1e-4); // outside 1e-6: a rate not computed as claimed
+  EXPECT_EQ(item(run, "learning rate").status, Status::kAct);
+
+  run.recipe.peak_lr = 0.2;
+  f = item(run, "learning rate");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "linear scaling gives 0.02 x 256 / 32 = 0.16, not 0.2"))
+      << f.evidence;
+  EXPECT_TRUE(contains(f.recommendation, "peak rate 0.16")) << f.recommendation;
+
+  run.recipe.peak_lr = 0.16;
+  run.recipe.warmup_steps = 0; // a batch 8x the base one, two epochs, no warmup
+  f = item(run, "learning rate");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.recommendation, "--warmup-epochs 1")) << f.recommendation;
+  RunSummary one_epoch = run; // the same, in a single epoch: flotilla train warms up only past one
+  one_epoch.epochs.erase(one_epoch.epochs.begin());
+  one_epoch.epochs.front().steps = one_epoch.recipe.total_steps;
+  EXPECT_EQ(item(one_epoch, "learning rate").status, Status::kGood);
+
+  run.recipe.global_batch = run.recipe.batch_per_replica = 64; // 2x the base: no warmup needed
+  run.recipe.peak_lr = 0.04;
+  EXPECT_EQ(item(run, "learning rate").status, Status::kGood);
+
+  run.recipe.lr_scaling = "none";
+  run.recipe.peak_lr = 0.02;
+  f = item(run, "learning rate");
+  EXPECT_EQ(f.status, Status::kConsider);
+  EXPECT_TRUE(contains(f.recommendation, "--lr-scaling linear (peak 0.04)")) << f.recommendation;
+}
+
+TEST(Doctor, ThreadsAgainstCores) {
+  RunSummary run = healthy();
+  EXPECT_EQ(item(run, "threads per worker").status, Status::kGood);
+  run.recipe.local_workers = 2; // 2 threads x 2 workers on 2 cores
+  Finding f = item(run, "threads per worker");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "2 thread(s) x 2 worker(s) on this machine = 4 for 2 core(s)"))
+      << f.evidence;
+  EXPECT_TRUE(contains(f.recommendation, "--threads 1")) << f.recommendation;
+  run.recipe.local_workers = 1;
+  run.recipe.threads_per_worker = 3; // one more than the cores
+  EXPECT_EQ(item(run, "threads per worker").status, Status::kAct);
+  run.recipe.threads_per_worker = 2;
+  run.recipe.cores = 8;
+  f = item(run, "threads per worker");
+  EXPECT_EQ(f.status, Status::kConsider);
+  EXPECT_TRUE(contains(f.recommendation, "--threads 8")) << f.recommendation;
+}
+
+TEST(Doctor, CommunicationFollowsTheExposedShare) {
+  RunSummary run = healthy();
+  Finding f = item(run, "communication");
+  EXPECT_EQ(f.status, Status::kGood);
+  EXPECT_TRUE(contains(f.evidence, "nothing to communicate")) << f.evidence;
+
+  run.recipe.workers = 2;
+  run.recipe.gradient_bytes = 1 << 20;
+  set_steady(run, {phases(0.01, 0.02, 0.10), phases(0.01, 0.01, 0.10)});
+  f = item(run, "communication");
+  EXPECT_EQ(f.status, Status::kGood);
+  EXPECT_TRUE(contains(f.evidence, "all-reduce wait 2.0% of step time, 80% hidden")) << f.evidence;
+
+  set_steady(run, {phases(0.01, 0.10, 0.20), phases(0.01, 0.10, 0.20)});
+  EXPECT_EQ(item(run, "communication").status, Status::kConsider);
+
+  run.recipe.overlap = false;
+  set_steady(run, {phases(0.01, 0.30, 0.30), phases(0.01, 0.30, 0.30)});
+  f = item(run, "communication");
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "0.0% hidden")) << f.evidence;
+  EXPECT_TRUE(contains(f.recommendation, "without --no-overlap")) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "--compression bf16")) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "flotilla plan")) << f.recommendation;
+
+  run.recipe.overlap = true;
+  run.recipe.compression = "bf16";
+  f = item(run, "communication");
+  EXPECT_TRUE(contains(f.recommendation, "--bytes-per-pack 262144")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, "--compression")) << f.recommendation;
+}
+
+TEST(Doctor, MostValuableFirst) {
+  RunSummary run = healthy();
+  run.recipe.peak_lr = 0.5;             // act, no speed to gain
+  set_steady(run, {phases(0.25)});      // act, a quarter of the step
+  run.recipe.cores = 4;                 // consider
+  run.recipe.max_batch_per_replica = 0; // unknown (not searched)
+  run.recipe.peak_memory_bytes = 6LL << 30;
+  const auto findings = diagnose(run);
+  std::vector<std::string> order;
+  for (const auto& f : findings) order.push_back(f.item);
+  EXPECT_EQ(order, (std::vector<std::string>{"input pipeline", "learning rate",
+                                             "threads per worker", "compiled step", "batch size",
+                                             "mixed precision", "communication"}));
+  auto rank = [](Status s) {
+    return s == Status::kAct ? 0 : s == Status::kConsider ? 1 : s == Status::kUnknown ? 2 : 3;
+  };
+  for (std::size_t i = 1; i < findings.size(); ++i) {
+    const auto& a = findings[i - 1];
+    const auto& b = findings[i];
+    EXPECT_TRUE(rank(a.status) < rank(b.status) ||
+                (rank(a.status) == rank(b.status) && a.gain >= b.gain))
+        << a.item << " before " << b.item;
+  }
+}
+
+TEST(Doctor, FormatFindingsIsAShortReport) {
+  RunSummary run = healthy();
+  set_steady(run, {phases(0.31)});
+  const std::string text = format_findings(diagnose(run));
+  std::istringstream lines(text);
+  std::string line;
+  std::vector<std::string> all;
+  while (std::getline(lines, line)) all.push_back(line);
+  ASSERT_GE(all.size(), 4u) << text;
+  EXPECT_EQ(all[0], "Recipe doctor (most valuable first):");
+  EXPECT_EQ(all[1], "  [act] input pipeline: 31% of step time waiting for input (highly "
+                    "input-bound)");
+  EXPECT_EQ(all[2].rfind("        -> ", 0), 0u) << all[2];
+  EXPECT_TRUE(contains(all[2], "(up to ~31% of step time)")) << all[2];
+  // Every item once; "ok" items carry no recommendation line.
+  for (const char* name : {"input pipeline", "mixed precision", "compiled step", "batch size",
+                           "learning rate", "threads per worker", "communication"}) {
+    EXPECT_EQ(std::count_if(all.begin(), all.end(),
+                            [&](const std::string& l) {
+                              return contains(l, std::string("] ") + name + ":");
+                            }),
+              1)
+        << name;
+  }
+  const auto recommendation_lines =
+      std::count_if(all.begin(), all.end(), [](const std::string& l) { return contains(l, "->"); });
+  EXPECT_EQ(recommendation_lines, 2); // input pipeline and the CPU's missing compiled step
+  EXPECT_EQ(all.size(), 1u + 7u + 2u);
+  EXPECT_TRUE(contains(text, "  [ok] mixed precision: float32 on cpu")) << text;
+  EXPECT_EQ(format_findings({}), "Recipe doctor (most valuable first):\n  nothing to check\n");
+}
+
+} // namespace
+} // namespace flotilla::profile
