@@ -77,7 +77,8 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   f.workers = strategy.num_workers();
   f.replicas_per_worker = strategy.replicas_per_worker();
   f.precision = train::to_string(model.policy());
-  f.loss_scaling = compiled.loss_scale.has_value() || model.policy() == train::Policy::kMixedFloat16;
+  f.loss_scaling =
+      compiled.loss_scale.has_value() || model.policy() == train::Policy::kMixedFloat16;
   // CUDA: float16 tensor cores on every GPU flotilla targets; the bfloat16 capability check
   // (sm_80+) comes with the CUDA path.
   f.hardware_bf16 = cuda ? f.hardware_bf16 : train::cpu_has_native_bf16();
@@ -165,8 +166,8 @@ void Profiler::on_train_end() {
     // The batch as trained: samples per step (drop_remainder batches are all full).
     const auto& e = summary_.epochs.front();
     if (e.steps > 0) {
-      known.global_batch =
-          static_cast<std::int64_t>(e.samples_per_s * e.seconds / static_cast<double>(e.steps) + 0.5);
+      known.global_batch = static_cast<std::int64_t>(
+          e.samples_per_s * e.seconds / static_cast<double>(e.steps) + 0.5);
     }
   }
   const int replicas = model().strategy().num_replicas_in_sync();

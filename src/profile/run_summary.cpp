@@ -24,7 +24,8 @@ void read_field(const nlohmann::json& object, const char* key, T& out, const std
     out = it->get<T>();
   } catch (const nlohmann::json::exception&) {
     throw ConfigError(where + ": field \"" + key + "\" has the wrong type (" + it->type_name() +
-                      ": " + it->dump().substr(0, 60) + "); is this a flotilla --profile-json file?");
+                      ": " + it->dump().substr(0, 60) +
+                      "); is this a flotilla --profile-json file?");
   }
 }
 
@@ -32,7 +33,8 @@ const nlohmann::json& require(const nlohmann::json& object, const char* key,
                               const std::string& where) {
   auto it = object.find(key);
   if (it == object.end()) {
-    throw ConfigError(where + ": no \"" + key + "\" field; write the file with flotilla train "
+    throw ConfigError(where + ": no \"" + key +
+                      "\" field; write the file with flotilla train "
                       "--profile-json");
   }
   return *it;
@@ -41,7 +43,8 @@ const nlohmann::json& require(const nlohmann::json& object, const char* key,
 nlohmann::json phases_to_json(const train::PhaseTimes& p) {
   nlohmann::json phases = nlohmann::json::object();
   for (int i = 0; i < train::kPhaseCount; ++i) {
-    phases[train::phase_name(static_cast<train::Phase>(i))] = p.seconds[static_cast<std::size_t>(i)];
+    phases[train::phase_name(static_cast<train::Phase>(i))] =
+        p.seconds[static_cast<std::size_t>(i)];
   }
   return {{"steps", p.steps},
           {"step_seconds", p.step_seconds},
@@ -62,14 +65,17 @@ train::PhaseTimes phases_from_json(const nlohmann::json& j, const std::string& w
   return p;
 }
 
-#define FLOTILLA_RECIPE_FIELDS(X)                                                                  \
-  X(model) X(device) X(workers) X(replicas_per_worker) X(batch_per_replica) X(global_batch)        \
-  X(max_batch_per_replica) X(memory_budget_bytes) X(peak_memory_bytes) X(precision)                \
-  X(hardware_bf16) X(hardware_fp16) X(loss_scaling) X(jit_compile) X(compiled_step_available)      \
-  X(optimizer) X(base_lr) X(base_batch) X(lr_scaling) X(peak_lr) X(schedule) X(warmup_steps)       \
-  X(total_steps) X(threads_per_worker) X(cores) X(local_workers) X(parameters) X(gradient_bytes)   \
-  X(gradient_layout)                                                                               \
-  X(bytes_per_pack) X(buckets) X(overlap) X(compression) X(input_pipeline)
+// Every RecipeFacts field, for to_json and run_summary_from_json (one list, so the two agree).
+// clang-format off
+#define FLOTILLA_RECIPE_FIELDS(X) \
+  X(model) X(device) X(workers) X(replicas_per_worker) X(batch_per_replica) X(global_batch) \
+  X(max_batch_per_replica) X(memory_budget_bytes) X(peak_memory_bytes) X(precision) \
+  X(hardware_bf16) X(hardware_fp16) X(loss_scaling) X(jit_compile) \
+  X(compiled_step_available) X(optimizer) X(base_lr) X(base_batch) X(lr_scaling) X(peak_lr) \
+  X(schedule) X(warmup_steps) X(total_steps) X(threads_per_worker) X(cores) \
+  X(local_workers) X(parameters) X(gradient_bytes) X(gradient_layout) X(bytes_per_pack) \
+  X(buckets) X(overlap) X(compression) X(input_pipeline)
+// clang-format on
 
 } // namespace
 
@@ -94,7 +100,8 @@ nlohmann::json to_json(const RunSummary& s) {
   nlohmann::json epochs = nlohmann::json::array();
   for (const auto& e : s.epochs) {
     nlohmann::json values = nlohmann::json::array();
-    for (const auto& [k, v] : e.values) values.push_back({k, std::isfinite(v) ? nlohmann::json(v) : nullptr});
+    for (const auto& [k, v] : e.values)
+      values.push_back({k, std::isfinite(v) ? nlohmann::json(v) : nullptr});
     nlohmann::json workers = nlohmann::json::array();
     for (const auto& w : e.workers) workers.push_back(phases_to_json(w));
     epochs.push_back({{"epoch", e.epoch},
@@ -141,7 +148,8 @@ RunSummary run_summary_from_json(const nlohmann::json& j, const std::string& whe
                                 pair[1].is_number() ? pair[1].get<double>()
                                                     : std::numeric_limits<double>::quiet_NaN());
     }
-    for (const auto& w : require(e, "workers", where)) epoch.workers.push_back(phases_from_json(w, where));
+    for (const auto& w : require(e, "workers", where))
+      epoch.workers.push_back(phases_from_json(w, where));
     s.epochs.push_back(std::move(epoch));
   }
   return s;

@@ -9,7 +9,9 @@ namespace flotilla::profile {
 namespace {
 
 // Trace-event times are microseconds.
-double us(double seconds) { return std::round(seconds * 1e7) / 10.0; }
+double us(double seconds) {
+  return std::round(seconds * 1e7) / 10.0;
+}
 
 nlohmann::json metadata(const char* what, int pid, int tid, const nlohmann::json& args) {
   nlohmann::json e = {{"ph", "M"}, {"name", what}, {"pid", pid}, {"args", args}};

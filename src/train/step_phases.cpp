@@ -9,7 +9,9 @@ constexpr std::array<const char*, kPhaseCount> kNames = {
     "input", "copy", "forward", "backward", "allreduce", "optimizer", "metrics", "callbacks"};
 } // namespace
 
-const char* phase_name(Phase phase) { return kNames[static_cast<std::size_t>(phase)]; }
+const char* phase_name(Phase phase) {
+  return kNames[static_cast<std::size_t>(phase)];
+}
 
 int phase_index(const std::string& name) {
   for (int i = 0; i < kPhaseCount; ++i) {

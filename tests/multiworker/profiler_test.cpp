@@ -39,13 +39,12 @@ nn::Sequential make_mlp(std::int64_t width = 256) {
 
 data::Dataset examples(std::int64_t n) {
   torch::manual_seed(9);
-  return data::Dataset::from_tensor_slices(
-      {torch::randn({n, 64}), torch::randint(0, 10, {n})});
+  return data::Dataset::from_tensor_slices({torch::randn({n, 64}), torch::randint(0, 10, {n})});
 }
 
 fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() /
-             ("flotilla_profiler_" + name + "_" + std::to_string(::getpid()));
+  auto dir =
+      fs::temp_directory_path() / ("flotilla_profiler_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
@@ -178,8 +177,8 @@ TEST(Profiler, TheTimelineHasEveryWorkerEveryPhaseAndEveryStep) {
   EXPECT_NE(process_names[0].find("chief"), std::string::npos);
   for (int pid = 0; pid < kWorkers; ++pid) {
     EXPECT_EQ(steps_by_pid[pid], kEpochs * kSteps) << "worker " << pid;
-    for (const char* phase : {"input", "copy", "forward", "backward", "allreduce", "optimizer",
-                              "metrics"}) {
+    for (const char* phase :
+         {"input", "copy", "forward", "backward", "allreduce", "optimizer", "metrics"}) {
       EXPECT_EQ(phases_by_pid[pid][phase], kEpochs * kSteps) << "worker " << pid << " " << phase;
     }
     EXPECT_EQ(buckets_by_pid[pid] % (kEpochs * kSteps), 0);

@@ -119,8 +119,7 @@ int run(const PlanArgs& a) {
               "(%d), overlap %s\n\n",
               format_rate(link.bytes_per_s).c_str(), a.latency.c_str(), a.per_collective_us,
               format_bytes(bucket).c_str(),
-              static_cast<int>(profile::plan_buckets(step, bucket).size()),
-              overlap ? "on" : "off");
+              static_cast<int>(profile::plan_buckets(step, bucket).size()), overlap ? "on" : "off");
   std::printf("%7s %9s %9s %10s %11s %11s   %-11s %9s\n", "workers", "step ms", "comm ms",
               "exposed ms", "efficiency", "samples/s", "best bucket", "its step");
   for (std::size_t i = 0; i < rows.size(); ++i) {

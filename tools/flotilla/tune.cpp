@@ -49,7 +49,7 @@ int run(const TuneArgs& a) {
       a.device == "auto" ? (profile::cuda_available() ? "cuda" : "cpu") : a.device;
   std::string precision = a.precision;
   if (precision == "auto") {
-    precision = device == "cuda"                    ? "mixed_float16"
+    precision = device == "cuda"               ? "mixed_float16"
                 : train::cpu_has_native_bf16() ? "mixed_bfloat16"
                                                : "float32";
   }

@@ -15,7 +15,7 @@ namespace flotilla::profile {
 
 struct Finding {
   enum class Status { kGood, kConsider, kAct, kUnknown };
-  std::string item;           // "input pipeline", "mixed precision", "compiled step", ...
+  std::string item; // "input pipeline", "mixed precision", "compiled step", ...
   Status status = Status::kUnknown;
   std::string evidence;       // the measured numbers behind the verdict
   std::string recommendation; // a concrete next step (a flag, a call); empty when kGood

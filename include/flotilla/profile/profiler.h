@@ -20,16 +20,16 @@
 namespace flotilla::profile {
 
 struct ProfilerOptions {
-  std::filesystem::path trace;   // Chrome trace-event JSON; empty: no timeline
+  std::filesystem::path trace;           // Chrome trace-event JSON; empty: no timeline
   std::int64_t max_traced_steps = 10000; // per worker, from the first step
-  std::filesystem::path summary; // RunSummary JSON ("flotilla.run/1"); empty: none
-  std::filesystem::path report;  // self-contained HTML report; empty: none
-  bool doctor = true;            // print the recipe doctor at the end of fit (chief)
+  std::filesystem::path summary;         // RunSummary JSON ("flotilla.run/1"); empty: none
+  std::filesystem::path report;          // self-contained HTML report; empty: none
+  bool doctor = true;                    // print the recipe doctor at the end of fit (chief)
   // What the caller knows that the model cannot tell (model name, LR scaling, the input's
   // plan, workers per machine); the rest is filled in from the model and this process.
   RecipeFacts recipe;
-  std::string command;           // how the run was started, for the report
-  std::FILE* out = stdout;       // where the doctor prints
+  std::string command;     // how the run was started, for the report
+  std::FILE* out = stdout; // where the doctor prints
 };
 
 class Profiler : public train::Callback {

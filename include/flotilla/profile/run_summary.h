@@ -20,8 +20,8 @@ namespace flotilla::profile {
 
 // The recipe as this run used it. Unknown numbers are 0, unknown strings empty.
 struct RecipeFacts {
-  std::string model;                  // "cnn", or a user's description
-  std::string device = "cpu";         // "cpu", "cuda:0 (NVIDIA H200)"
+  std::string model;          // "cnn", or a user's description
+  std::string device = "cpu"; // "cpu", "cuda:0 (NVIDIA H200)"
   int workers = 1;
   int replicas_per_worker = 1;
   std::int64_t batch_per_replica = 0;
@@ -33,21 +33,21 @@ struct RecipeFacts {
   bool hardware_bf16 = false;             // computes bfloat16 natively (AVX512-BF16/AMX; sm_80+)
   bool hardware_fp16 = false;             // fast float16 (CUDA tensor cores)
   bool loss_scaling = false;
-  bool jit_compile = false;               // requested
-  bool compiled_step_available = false;   // a compiled (CUDA-graph) step exists on this device
-  std::string optimizer;                  // its description
-  double base_lr = 0;                     // per base_batch examples (0: not given)
+  bool jit_compile = false;             // requested
+  bool compiled_step_available = false; // a compiled (CUDA-graph) step exists on this device
+  std::string optimizer;                // its description
+  double base_lr = 0;                   // per base_batch examples (0: not given)
   std::int64_t base_batch = 0;
-  std::string lr_scaling;                 // "linear", "none", "as given"
+  std::string lr_scaling; // "linear", "none", "as given"
   double peak_lr = 0;
-  std::string schedule;                   // "cosine", "constant", a description
+  std::string schedule; // "cosine", "constant", a description
   std::int64_t warmup_steps = 0;
-  std::int64_t total_steps = 0;           // optimizer updates planned
+  std::int64_t total_steps = 0; // optimizer updates planned
   int threads_per_worker = 0;
-  int cores = 0;                          // this machine's, for this process
-  int local_workers = 1;                  // workers on the chief's machine
-  std::int64_t parameters = 0;            // trainable elements
-  std::int64_t gradient_bytes = 0;        // per all-reduce step, as sent (after compression)
+  int cores = 0;                   // this machine's, for this process
+  int local_workers = 1;           // workers on the chief's machine
+  std::int64_t parameters = 0;     // trainable elements
+  std::int64_t gradient_bytes = 0; // per all-reduce step, as sent (after compression)
   // Each trainable parameter's gradient bytes (its own dtype), in the order backward fills the
   // buckets (reverse registration): the planner packs them as the gradient engine does.
   std::vector<std::int64_t> gradient_layout;
@@ -55,7 +55,7 @@ struct RecipeFacts {
   int buckets = 0;
   bool overlap = true;
   std::string compression = "none";
-  std::string input_pipeline;             // the input's plan
+  std::string input_pipeline; // the input's plan
 };
 
 struct EpochSummary {
@@ -64,7 +64,7 @@ struct EpochSummary {
   double seconds = 0;
   double samples_per_s = 0;
   std::vector<std::pair<std::string, double>> values; // loss, metrics, learning_rate, val_...
-  std::vector<train::PhaseTimes> workers;            // each worker's, in rank order
+  std::vector<train::PhaseTimes> workers;             // each worker's, in rank order
   // The value of `key`, NaN if absent.
   double value(const std::string& key) const;
 };

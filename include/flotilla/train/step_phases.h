@@ -61,7 +61,7 @@ struct StepTrace {
     double begin;
     double seconds;
   };
-  int epoch = 0; // 0-based
+  int epoch = 0;         // 0-based
   std::int64_t step = 0; // in the epoch
   std::vector<Span> spans;
   std::vector<std::pair<double, double>> all_reduces; // each bucket's [start, completion]
