@@ -23,7 +23,7 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600
 
-# Every libFuzzer target for FUZZ_SECONDS each (clang; `make test` runs them 20 s each).
+# Every libFuzzer target for FUZZ_SECONDS each (clang; `make test` runs them 12 s each).
 FUZZ_SECONDS ?= 60
 fuzz:
 	@for target in $$(tests/fuzz/run.sh --list); do \
