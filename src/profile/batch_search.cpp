@@ -104,8 +104,19 @@ FitResult cpu_probe(const StepProbeOptions& o, train::Policy policy, std::int64_
   // earlier step's pages still held by malloc.
   ::malloc_trim(0);
   reset_resident_peak();
-  run_step(o, policy, torch::Device(torch::kCPU), batch);
   FitResult r;
+  try {
+    run_step(o, policy, torch::Device(torch::kCPU), batch);
+  } catch (const std::bad_alloc&) { // the allocator refused: certainly does not fit
+    r.peak_bytes = resident_peak_bytes();
+    r.note = "the allocation failed";
+    return r;
+  } catch (const c10::Error& e) {
+    if (std::string(e.what()).find("not enough memory") == std::string::npos) throw;
+    r.peak_bytes = resident_peak_bytes();
+    r.note = "the allocation failed";
+    return r;
+  }
   r.peak_bytes = resident_peak_bytes();
   r.fits = r.peak_bytes <= o.memory_budget_bytes;
   if (!r.fits) r.note = "over the " + format_bytes(o.memory_budget_bytes) + " budget";

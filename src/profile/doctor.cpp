@@ -165,10 +165,11 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
                 "i.e. train::set_global_policy(\"mixed_float16\")";
       f.evidence += ": float32 leaves the GPU's tensor cores idle";
     } else if (is_bf16 && !r.hardware_bf16) {
-      f.status = Status::kAct;
-      f.gain = half_compute;
-      f.evidence += ": this GPU has no native bfloat16 (before sm_80)";
-      f.recommendation = "--precision mixed_float16";
+      // The GPU's bfloat16 support (sm_80+) is not detected yet: say so, do not guess.
+      f.status = Status::kUnknown;
+      f.evidence += ": whether this GPU computes bfloat16 natively (sm_80 and later) was not "
+                    "checked";
+      f.recommendation = "on a GPU before sm_80 (V100, T4), --precision mixed_float16";
     } else if (is_fp16 && !r.loss_scaling) {
       f.status = Status::kConsider;
       f.evidence += ", without loss scaling: small float16 gradients underflow to zero";
@@ -374,7 +375,10 @@ Finding learning_rate(const RunSummary& run) {
   if (large && several_epochs && r.warmup_steps == 0) {
     f.status = Status::kAct;
     f.evidence += ": a large batch starts at the full rate";
-    f.recommendation = "--warmup-epochs 1 (linear warmup to the peak, as the recipe does)";
+    f.recommendation = r.schedule == "cosine"
+                           ? "--warmup-epochs 1 (linear warmup to the peak, as the recipe does)"
+                           : "--schedule cosine --warmup-epochs 1 (warmup comes with the cosine "
+                             "schedule)";
     return f;
   }
   if (r.total_steps > 0 && r.warmup_steps * 2 > r.total_steps) {
@@ -410,7 +414,7 @@ Finding threads(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
     // Time-sliced threads lose roughly the excess share of the compute.
     f.gain = compute_share(workers) * (1 - static_cast<double>(r.cores) / used);
     f.recommendation = "--threads " + std::to_string(fair) + " (or 0: cores / workers)";
-  } else if (used < r.cores) {
+  } else if (r.threads_per_worker < fair) {
     f.status = Status::kConsider;
     f.evidence += ": " + num(static_cast<std::int64_t>(r.cores - used)) + " core(s) idle";
     f.gain = compute_share(workers) * (1 - static_cast<double>(used) / r.cores) * 0.5;
@@ -426,10 +430,10 @@ Finding threads(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
 Finding communication(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
   Finding f;
   f.item = "communication";
-  const int replicas = std::max(1, r.workers) * std::max(1, r.replicas_per_worker);
-  if (replicas == 1) {
+  // Replicas of one worker reduce in memory: only several workers put gradients on a wire.
+  if (r.workers <= 1) {
     f.status = Status::kGood;
-    f.evidence = "one replica: nothing to communicate";
+    f.evidence = "one worker: nothing crosses a network";
     return f;
   }
   if (!has_steps(workers)) {

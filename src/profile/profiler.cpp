@@ -3,10 +3,10 @@
 #include <sched.h>
 
 #include <ctime>
-#include <fstream>
 
 #include "flotilla/checkpoint/atomic_file.h"
 #include "flotilla/error.h"
+#include "flotilla/profile/batch_search.h"
 #include "flotilla/profile/doctor.h"
 #include "flotilla/profile/report.h"
 #include "flotilla/profile/timeline.h"
@@ -59,15 +59,6 @@ std::vector<std::vector<double>> gather_packed(collective::Communicator& comm,
 
 } // namespace
 
-std::int64_t peak_resident_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024; // kB
-  }
-  return 0;
-}
-
 RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   auto& strategy = model.strategy();
   const auto& compiled = model.compile_options();
@@ -117,7 +108,11 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
     }
     f.gradient_bytes = bytes;
   }
-  f.peak_memory_bytes = peak_resident_bytes();
+  try {
+    f.peak_memory_bytes = resident_peak_bytes();
+  } catch (const ConfigError&) { // no /proc: unknown
+    f.peak_memory_bytes = 0;
+  }
   return f;
 }
 
@@ -127,7 +122,16 @@ void Profiler::on_train_begin() {
   summary_ = RunSummary{};
   summary_.command = options_.command;
   summary_.started = utc_now();
-  model().set_step_tracing(!options_.trace.empty(), options_.max_traced_steps);
+  // The timeline's gather is a collective: every worker must take part, or none.
+  const int mine = options_.trace.empty() ? 0 : 1;
+  const torch::Tensor agreed = model().strategy().reduce(
+      strategy::ReduceOp::kMin, torch::tensor({mine, -mine}, torch::kInt32));
+  if (agreed[0].item<int>() != -agreed[1].item<int>()) {
+    throw ConfigError("the Profiler's trace path is set on some workers and not on others; give "
+                      "every worker a ProfilerOptions::trace (--trace), or none: the timeline is "
+                      "gathered from all of them");
+  }
+  model().set_step_tracing(mine == 1, options_.max_traced_steps);
 }
 
 void Profiler::on_epoch_end(int epoch, train::EpochLogs& logs) {
@@ -155,7 +159,12 @@ void Profiler::write_timeline() {
     if (r < addresses.size()) name += " " + addresses[r].to_string();
     names.push_back(name);
   }
-  checkpoint::write_file_atomic(options_.trace, chrome_trace(workers, names).dump() + "\n");
+  try {
+    checkpoint::write_file_atomic(options_.trace, chrome_trace(workers, names).dump() + "\n");
+  } catch (const std::exception& e) { // auxiliary: see on_train_end
+    strategy.log().warn("could not write the timeline " + options_.trace.string() + ": " +
+                        e.what());
+  }
 }
 
 void Profiler::on_train_end() {
@@ -175,9 +184,21 @@ void Profiler::on_train_end() {
     known.batch_per_replica = known.global_batch / replicas;
   }
   summary_.recipe = observe_recipe(model(), known);
-  if (!options_.summary.empty()) write_run_summary(options_.summary, summary_);
+  // The outputs are auxiliary: a bad path costs them, not the end of the run (the other
+  // workers go on to their next collective; an exception here would strand them).
+  auto write = [&](const char* what, const std::filesystem::path& path, const auto& fn) {
+    if (path.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      model().strategy().log().warn(std::string("could not write the ") + what + " " +
+                                    path.string() + ": " + e.what());
+    }
+  };
+  write("run profile", options_.summary, [&] { write_run_summary(options_.summary, summary_); });
   const auto findings = diagnose(summary_);
-  if (!options_.report.empty()) write_html_report(options_.report, summary_, findings);
+  write("report", options_.report,
+        [&] { write_html_report(options_.report, summary_, findings); });
   if (options_.doctor && options_.out) {
     std::fprintf(options_.out, "%s", format_findings(findings).c_str());
     std::fflush(options_.out);

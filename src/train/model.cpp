@@ -560,9 +560,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
                       lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
   // Every worker has just left the same collective: the timelines' common zero.
   trace_origin_ = std::chrono::steady_clock::now();
-  traces_.clear();
   clock_->origin = trace_origin_;
-  clock_->sync_cuda = tracing_ && !devices_.empty() && devices_.front().is_cuda();
   if (agreed && known == data::kInfiniteCardinality && !options.steps_per_epoch) {
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
@@ -616,6 +614,13 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   } clear_pass{&pass_};
 
   each([](Callback& c) { c.on_train_begin(); }); // BackupAndRestore may set resume_ here
+  // Tracing (a Profiler turns it on in on_train_begin) lasts this fit, however it ends.
+  traces_.clear();
+  clock_->sync_cuda = tracing_ && !devices_.empty() && devices_.front().is_cuda();
+  struct StopTracing {
+    bool* tracing;
+    ~StopTracing() { *tracing = false; }
+  } stop_tracing{&tracing_};
   // Replicas are clones made at compile(); weights loaded into the model since then (a
   // checkpoint, a backup, a user's edit) reach the other replicas here.
   if (num_replicas > 1) {
@@ -719,6 +724,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       }
       clock_->end_step();
     }
+    // The steps' all-reduce time, without the partial accumulation's below (in no step).
+    const double comm_in_steps = reducer_->stats().comm_seconds - comm_before.comm_seconds;
     if (micro > 0) apply_gradients(); // the epoch's last, partial accumulation
     if (steps == 0) {
       // Resumed from a backup taken at the very end of an epoch (the last step of a pass whose
@@ -743,7 +750,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     logs.samples_per_s = count / seconds;
     logs.skipped_steps = skipped;
     logs.phases = clock_->epoch;
-    logs.phases.comm_seconds = reducer_->stats().comm_seconds - comm_before.comm_seconds;
+    logs.phases.comm_seconds = comm_in_steps;
     logs.worker_phases = gather_phases(logs.phases);
     step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
     epoch_index_ = epoch + 1;

@@ -134,7 +134,7 @@ TEST(DoctorCommand, DiagnosesARealTrainingRun) {
     EXPECT_TRUE(contains(report, std::string("] ") + item + ": ")) << item << "\n" << report;
   }
   // The facts of this run, not defaults: one worker, the batch and rate flotilla train used.
-  EXPECT_TRUE(contains(report, "[ok] communication: one replica: nothing to communicate"))
+  EXPECT_TRUE(contains(report, "[ok] communication: one worker: nothing crosses a network"))
       << report;
   EXPECT_TRUE(contains(report, "batch size: 32 per replica (global 32)")) << report;
   EXPECT_TRUE(contains(report, "learning rate: peak 0.02 = 0.02 x 32 / 32 (linear scaling)"))

@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +78,15 @@ std::string flag_value(const std::vector<std::string>& argv, std::size_t from, s
   return fallback;
 }
 
+// The child being waited for: a SIGINT/SIGTERM/SIGHUP sent to the doctor alone (a scheduler, a
+// kill) reaches it too, instead of leaving it running orphaned while the doctor exits.
+std::atomic<pid_t> running_child{0};
+
+void forward_signal(int sig) {
+  const pid_t child = running_child.load();
+  if (child > 0) ::kill(child, sig);
+}
+
 // Runs argv with this process's stdin, stdout and stderr; returns its exit code (128 + signal
 // when a signal ended it).
 int run_child(std::vector<std::string> argv, const std::string& out_file = "") {
@@ -96,10 +107,19 @@ int run_child(std::vector<std::string> argv, const std::string& out_file = "") {
     throw ConfigError("cannot start \"" + argv[0] + "\": " + std::strerror(rc) +
                       "; check the command after --");
   }
+  running_child = pid;
+  struct sigaction forward {}, previous[3];
+  forward.sa_handler = forward_signal;
+  const int signals[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int i = 0; i < 3; ++i) ::sigaction(signals[i], &forward, &previous[i]);
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) throw Error(std::string("waitpid: ") + std::strerror(errno));
+  int waited = 0;
+  while ((waited = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
   }
+  const int wait_errno = errno;
+  for (int i = 0; i < 3; ++i) ::sigaction(signals[i], &previous[i], nullptr);
+  running_child = 0;
+  if (waited < 0) throw Error(std::string("waitpid: ") + std::strerror(wait_errno));
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
@@ -135,7 +155,9 @@ struct SearchOutcome {
 // own process: the measured peak is then the search's alone, not this process's history.
 SearchOutcome search_max_batch(const DoctorArgs& a, std::size_t train_at) {
   const auto& c = a.command;
-  std::vector<std::string> tune = {self_path(), "tune", "--max-batch", "--json"};
+  // flotilla train runs on the CPU (the CUDA path is not built): search on the same device.
+  std::vector<std::string> tune = {self_path(), "tune",   "--max-batch",
+                                   "--json",    "--device", "cpu"};
   tune.insert(tune.end(), {"--model", flag_value(c, train_at, c.size(), "--model", "cnn")});
   for (const char* flag : {"--precision", "--optimizer", "--threads"}) {
     const std::string v = flag_value(c, train_at, c.size(), flag, "");

@@ -432,7 +432,9 @@ int run(const TrainArgs& a) {
                  // interrupted, none lost and none done twice.
                  {"iterations", model.iterations()},
                  {"comm_seconds", logs.phases.comm_seconds},
-                 {"comm_exposed_seconds", logs.phases[train::Phase::kAllReduce]},
+                 // The all-reduce wait after backward; 0 when nothing crossed a network.
+                 {"comm_exposed_seconds",
+                  logs.phases.comm_seconds > 0 ? logs.phases[train::Phase::kAllReduce] : 0.0},
                  {"comm_hidden_share", logs.phases.hidden_share()},
                  {"workers", strategy.num_workers()},
                  {"replicas_in_sync", strategy.num_replicas_in_sync()},

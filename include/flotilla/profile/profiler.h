@@ -55,7 +55,4 @@ class Profiler : public train::Callback {
 // already set in `known` win.
 RecipeFacts observe_recipe(train::Model& model, RecipeFacts known);
 
-// This process's peak resident memory (VmHWM), 0 where /proc is not available.
-std::int64_t peak_resident_bytes();
-
 } // namespace flotilla::profile

@@ -177,7 +177,8 @@ class Model {
   std::int64_t iterations() const { return iterations_; }
   int current_epoch() const { return epoch_index_; }
   // The timeline: while on, fit() keeps every step's phase spans (and each gradient bucket's
-  // all-reduce) for take_step_traces(), up to `max_steps` steps a fit. Off by default; the
+  // all-reduce) for take_step_traces(), up to `max_steps` steps. It lasts one fit (set it before
+  // fit() or in a callback's on_train_begin; fit() turns it off when it ends). Off by default; the
   // per-epoch phase sums in EpochLogs are always kept (a few clock reads a step). On CUDA, tracing
   // synchronises the device at each phase boundary, so the spans are the kernels' real times.
   void set_step_tracing(bool on, std::int64_t max_steps = 10000);

@@ -176,9 +176,9 @@ TEST(Doctor, MixedPrecisionMatchesTheHardware) {
   EXPECT_TRUE(contains(f.recommendation, "--precision mixed_")) << f.recommendation;
   run.recipe.precision = "mixed_bfloat16";
   EXPECT_EQ(item(run, "mixed precision").status, Status::kGood);
-  run.recipe.hardware_bf16 = false; // a pre-Ampere GPU
+  run.recipe.hardware_bf16 = false; // not detected on CUDA yet: unknown, not a wrong verdict
   f = item(run, "mixed precision");
-  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_EQ(f.status, Status::kUnknown);
   EXPECT_TRUE(contains(f.recommendation, "--precision mixed_float16")) << f.recommendation;
 }
 
@@ -294,13 +294,15 @@ TEST(Doctor, ThreadsAgainstCores) {
   f = item(run, "threads per worker");
   EXPECT_EQ(f.status, Status::kConsider);
   EXPECT_TRUE(contains(f.recommendation, "--threads 8")) << f.recommendation;
+  run.recipe.local_workers = 3; // 2 threads is already the fair share of 8 cores among 3
+  EXPECT_EQ(item(run, "threads per worker").status, Status::kGood);
 }
 
 TEST(Doctor, CommunicationFollowsTheExposedShare) {
   RunSummary run = healthy();
   Finding f = item(run, "communication");
   EXPECT_EQ(f.status, Status::kGood);
-  EXPECT_TRUE(contains(f.evidence, "nothing to communicate")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "nothing crosses a network")) << f.evidence;
 
   run.recipe.workers = 2;
   run.recipe.gradient_bytes = 1 << 20;
