@@ -404,16 +404,14 @@ void Model::apply_gradients() {
     last_step_finite_ = found_inf.item<float>() == 0;
     if (loss_scale_) apply = loss_scale_->update(last_step_finite_);
   }
-  if (!apply) { // skipped: no update, and the schedules' step does not advance
-    clock_->mark(Phase::kOptimizer);
-    return;
+  if (apply) { // skipped otherwise: no update, and the schedules' step does not advance
+    const double lr = compiled_->optimizer.learning_rate_at(iterations_);
+    for (auto& optimizer : optimizers_) {
+      train::set_learning_rate(*optimizer, lr);
+      optimizer->step();
+    }
+    ++iterations_;
   }
-  const double lr = compiled_->optimizer.learning_rate_at(iterations_);
-  for (auto& optimizer : optimizers_) {
-    train::set_learning_rate(*optimizer, lr);
-    optimizer->step();
-  }
-  ++iterations_;
   clock_->mark(Phase::kOptimizer);
 }
 
@@ -559,8 +557,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   const bool agreed = (known >= 0 || known == data::kInfiniteCardinality) &&
                       lengths[0].item<std::int64_t>() == -lengths[1].item<std::int64_t>();
   // Every worker has just left the same collective: the timelines' common zero.
-  trace_origin_ = std::chrono::steady_clock::now();
-  clock_->origin = trace_origin_;
+  clock_->origin = std::chrono::steady_clock::now();
   if (agreed && known == data::kInfiniteCardinality && !options.steps_per_epoch) {
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
@@ -703,8 +700,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       if (trace && micro == 0) { // this step's all-reduces (none while accumulating)
         for (const auto& [begin, end] : reducer_->last_all_reduces()) {
           trace->all_reduces.emplace_back(
-              std::chrono::duration<double>(begin - trace_origin_).count(),
-              std::chrono::duration<double>(end - trace_origin_).count());
+              std::chrono::duration<double>(begin - clock_->origin).count(),
+              std::chrono::duration<double>(end - clock_->origin).count());
         }
       }
       if (micro == 0 && iterations_ == iterations_before) ++skipped;

@@ -183,9 +183,6 @@ class Model {
   // synchronises the device at each phase boundary, so the spans are the kernels' real times.
   void set_step_tracing(bool on, std::int64_t max_steps = 10000);
   std::vector<StepTrace> take_step_traces();
-  // The timeline's zero: when this worker left fit()'s first collective, which every worker
-  // leaves at about the same moment.
-  std::chrono::steady_clock::time_point trace_origin() const { return trace_origin_; }
   // Where training stands; inside fit() it includes the input's position (serialising the
   // iterator: not for every step).
   TrainingState training_state() const;
@@ -239,7 +236,6 @@ class Model {
   bool tracing_ = false;
   std::int64_t max_traced_steps_ = 0;
   std::vector<StepTrace> traces_;
-  std::chrono::steady_clock::time_point trace_origin_;
 };
 
 } // namespace flotilla::train
