@@ -43,7 +43,7 @@ void Stage::stats(std::vector<StageStats>& out) const {
 }
 
 std::string Node::fingerprint() const {
-  std::string out = describe();
+  std::string out = fingerprint_text();
   const auto ins = inputs();
   if (!ins.empty()) {
     out += "<-[";
@@ -259,6 +259,9 @@ Dataset Dataset::cache(const std::string& filename) const {
 }
 Dataset Dataset::prefetch(std::int64_t buffer_size) const {
   return Dataset(detail::make_prefetch(node_, buffer_size));
+}
+Dataset Dataset::prefetch_to_device(torch::Device device, std::int64_t buffer_size) const {
+  return Dataset(detail::make_prefetch_to_device(node_, device, buffer_size));
 }
 Dataset Dataset::zip(const std::vector<Dataset>& datasets) {
   std::vector<std::shared_ptr<const detail::Node>> nodes;

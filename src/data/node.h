@@ -153,6 +153,9 @@ class Node {
   virtual std::shared_ptr<const Node> shard_files(std::int64_t n, std::int64_t i) const;
 
   std::string fingerprint() const;
+  // This node's part of the fingerprint: describe(), unless that names something a resumed pass
+  // may change without changing the elements (prefetch_to_device's device: each worker's own).
+  virtual std::string fingerprint_text() const { return describe(); }
   // The first reason found anywhere in the graph, or "".
   std::string graph_not_replayable(const Options& options) const;
   const Options& options() const { return options_; }

@@ -101,6 +101,7 @@ NodePtr make_shard(NodePtr input, std::int64_t num_shards, std::int64_t index);
 NodePtr make_enumerate(NodePtr input, std::int64_t start);
 NodePtr make_cache(NodePtr input, const std::string& filename);
 NodePtr make_prefetch(NodePtr input, std::int64_t buffer_size);
+NodePtr make_prefetch_to_device(NodePtr input, torch::Device device, std::int64_t buffer_size);
 NodePtr make_zip(std::vector<NodePtr> inputs);
 NodePtr make_concatenate(NodePtr first, NodePtr second);
 NodePtr make_with_options(NodePtr input, const Options& options);

@@ -188,6 +188,17 @@ class Dataset {
   // complete pass (never read half-written), rebuilt when the pipeline before it changes.
   Dataset cache(const std::string& filename = "") const;
   Dataset prefetch(std::int64_t buffer_size) const;
+  // tf.data.experimental.prefetch_to_device: a prefetch of buffer_size elements whose thread
+  // also moves every tensor to `device`. For a CUDA device it copies from pinned memory on a
+  // copy stream of its own and waits for the copy before buffering the element, so the copy of
+  // the next batch overlaps the step on this one, and a tensor handed out is complete: use it
+  // without synchronizing. (Read on a stream other than the device's default one, a tensor needs
+  // record_stream for that stream, as any CUDA tensor used off the stream it was made for.)
+  // Tensors already on `device` pass untouched. A CPU device moves tensors to the CPU; otherwise
+  // it is prefetch(buffer_size). Make it the LAST stage: a stage after it would work on device
+  // tensors, on its own, without the overlap. ConfigError for buffer_size < 1 or a CUDA device
+  // this process does not see.
+  Dataset prefetch_to_device(torch::Device device, std::int64_t buffer_size = 1) const;
   // Concatenation of `datasets`' components, element by element, to the shortest.
   static Dataset zip(const std::vector<Dataset>& datasets);
   Dataset concatenate(const Dataset& other) const;
