@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe clean
+.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-gpu clean
 
 all: build
 
@@ -62,6 +62,12 @@ bench-profile: build
 # The recipe's acceptance figures: CNN, 2 workers, batch 256, warmup + cosine, 10 epochs; bf16 speed.
 bench-recipe: build
 	bench/recipe.sh
+
+# Builds and packages the GPU benchmark's binaries into .device/ (bench/gpu/package.sh); the
+# benchmark itself runs on the GPU machine (bench/gpu/run.sh; docs/benchmarks.md).
+bench-gpu: build
+	bench/gpu/package.sh
+	@echo "bench-gpu: now, on the GPU machine, from the repository root, with .device carried: OUT=<dir> bench/gpu/run.sh (about 8 minutes; results in <dir>: bench.jsonl, summary.json, machine.txt, gpu_tests.log, run.log)"
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -1,0 +1,119 @@
+"""Ratios of the GPU benchmark (bench/gpu/run.sh) from its bench.jsonl, into summary.json.
+
+For each (model, batch) of one-worker runs: flotilla's best mixed_bfloat16 samples/s (CUDA graph
+on or off) against PyTorch eager with bf16 autocast (goal >= 1.1) and against torch.compile with
+bf16 autocast (goal >= 1.0); the same ratios for float32 and mixed_float16 as information; what
+the CUDA graph changes (graph on / off) for each precision. Several lines for one configuration
+(reruns) count by their median. Two-process lines (workers 2) are listed with their scaling
+against the same configuration on one worker. Error lines are counted and listed, never used.
+
+Usage: python3 summarize.py BENCH_JSONL [SUMMARY_JSON]   (prints the summary to stdout too)
+Needs only the standard library: the GPU machine's python3 runs it.
+"""
+import json
+import statistics
+import sys
+
+GOALS = {"torch-eager": 1.1, "torch-compile": 1.0}
+
+
+def load(path):
+    lines, bad = [], 0
+    with open(path) as f:
+        for raw in f:
+            raw = raw.strip()
+            if not raw.startswith("{"):
+                continue
+            try:
+                lines.append(json.loads(raw))
+            except json.JSONDecodeError:
+                bad += 1  # a line cut by a timeout
+    return lines, bad
+
+
+def median_rate(lines):
+    rates = [l["samples_per_s"] for l in lines]
+    return statistics.median(rates) if rates else None
+
+
+def pick(results, **want):
+    return [r for r in results if all(r.get(k) == v for k, v in want.items())]
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def summarize(lines):
+    errors = [l for l in lines if "error" in l or "samples_per_s" not in l]
+    results = [l for l in lines if l not in errors and l.get("bench") == "gpu_train"]
+    single = [r for r in results if r.get("workers", 1) == 1]
+    rows = []
+    for model, batch in sorted({(r["model"], r["batch"]) for r in single}):
+        here = pick(single, model=model, batch=batch)
+        row = {"model": model, "batch": batch, "samples_per_s": {}, "ratios": {},
+               "cuda_graph_speedup": {}}
+        for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
+            graph_off = median_rate(pick(here, impl="flotilla", precision=precision,
+                                         cuda_graph=False))
+            graph_on = median_rate(pick(here, impl="flotilla", precision=precision,
+                                        cuda_graph=True))
+            best = max([r for r in (graph_off, graph_on) if r], default=None)
+            rates = {"flotilla": graph_off, "flotilla+cuda_graph": graph_on}
+            for peer in GOALS:
+                rates[peer] = median_rate(pick(here, impl=peer, precision=precision))
+                key = f"flotilla_best/{peer}"
+                row["ratios"].setdefault(precision, {})[key] = ratio(best, rates[peer])
+            row["samples_per_s"][precision] = {k: round(v, 1) if v else None
+                                               for k, v in rates.items()}
+            row["cuda_graph_speedup"][precision] = ratio(graph_on, graph_off)
+        row["goals"] = {}
+        for peer, goal in GOALS.items():
+            value = row["ratios"]["mixed_bfloat16"][f"flotilla_best/{peer}"]
+            row["goals"][f"bf16 vs {peer} >= {goal}"] = (
+                None if value is None else value >= goal)
+        rows.append(row)
+
+    two = []
+    for r in [r for r in results if r.get("workers", 1) > 1]:
+        alone = median_rate(pick(single, impl=r["impl"], model=r["model"], batch=r["batch"],
+                                 precision=r["precision"], cuda_graph=r.get("cuda_graph", False)))
+        two.append({k: r.get(k) for k in ("impl", "model", "batch", "precision", "cuda_graph",
+                                           "workers", "implementation", "samples_per_s",
+                                           "step_ms")}
+                   | {"scaling_vs_one_worker": ratio(r["samples_per_s"], alone)})
+    two += [l for l in lines if l.get("bench") == "gpu_train_2proc"]
+
+    verdicts = [v for row in rows for v in row["goals"].values()]
+    return {
+        "bench": "gpu_summary",
+        "goals_met": None if not verdicts or None in verdicts else all(verdicts),
+        "rows": rows,
+        "two_process": two,
+        "errors": len(errors),
+        "error_lines": errors[:20],
+        "results": len(results),
+    }
+
+
+def main():
+    if len(sys.argv) not in (2, 3):
+        sys.exit(__doc__.strip().splitlines()[-2])
+    lines, bad = load(sys.argv[1])
+    summary = summarize(lines)
+    summary["unreadable_lines"] = bad
+    text = json.dumps(summary, indent=1)
+    if len(sys.argv) == 3:
+        with open(sys.argv[2], "w") as f:
+            f.write(text + "\n")
+    for row in summary["rows"]:
+        bf16 = row["ratios"]["mixed_bfloat16"]
+        print(f"{row['model']:>8} @ {row['batch']:<5} bf16: flotilla best / torch-eager "
+              f"{bf16['flotilla_best/torch-eager']}, / torch-compile "
+              f"{bf16['flotilla_best/torch-compile']}")
+    print(f"goals met: {summary['goals_met']}; {summary['results']} results, "
+          f"{summary['errors']} error lines")
+
+
+if __name__ == "__main__":
+    main()
