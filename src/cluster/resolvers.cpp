@@ -22,8 +22,7 @@ long parse_int(const Environment& env, const std::string& name, long min, const 
   return out;
 }
 
-const char* const kHostlistForm =
-    "Slurm writes node lists like \"node[01-03,07],gpu-a[1-2]\"";
+const char* const kHostlistForm = "Slurm writes node lists like \"node[01-03,07],gpu-a[1-2]\"";
 const char* const kSlurmFix = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURMD_NODENAME and "
                               "SLURM_STEP_NODELIST for every task: start flotilla with srun "
                               "(docs/deploy.md), or unset SLURM_PROCID to train alone";
@@ -70,9 +69,8 @@ std::vector<Range> parse_ranges(std::string_view inside, std::string_view text,
   std::size_t start = 0;
   for (;;) {
     const std::size_t comma = inside.find(',', start);
-    const std::string_view item =
-        inside.substr(start, comma == std::string_view::npos ? std::string_view::npos
-                                                             : comma - start);
+    const std::string_view item = inside.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
     const std::size_t dash = item.find('-');
     Range r;
     const std::string_view low = item.substr(0, dash);
@@ -84,8 +82,9 @@ std::vector<Range> parse_ranges(std::string_view inside, std::string_view text,
     }
     const unsigned long size = r.high - r.low + 1;
     if (size > kMaxSlurmHosts || count + size > kMaxSlurmHosts) {
-      throw fail("it names more than " + std::to_string(kMaxSlurmHosts) +
-                 " hosts (\"[" + std::string(inside) + "]\"), more than any job has; the value "
+      throw fail("it names more than " + std::to_string(kMaxSlurmHosts) + " hosts (\"[" +
+                 std::string(inside) +
+                 "]\"), more than any job has; the value "
                  "is damaged");
     }
     count += size;
@@ -191,8 +190,7 @@ bool slurm_applies(const Environment& env) {
 
 } // namespace
 
-std::vector<std::string> expand_slurm_hostlist(std::string_view text,
-                                               const std::string& variable) {
+std::vector<std::string> expand_slurm_hostlist(std::string_view text, const std::string& variable) {
   std::vector<std::string> out;
   if (text.empty()) {
     throw ConfigError(variable + " is empty; " + kHostlistForm);
@@ -233,9 +231,8 @@ std::vector<int> expand_slurm_tasks_per_node(std::string_view text, const std::s
   std::size_t start = 0;
   for (;;) {
     const std::size_t comma = text.find(',', start);
-    const std::string_view item =
-        text.substr(start, comma == std::string_view::npos ? std::string_view::npos
-                                                           : comma - start);
+    const std::string_view item = text.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
     const std::size_t open = item.find("(x");
     unsigned long repeat = 1;
     if (open != std::string_view::npos) {
@@ -266,8 +263,7 @@ ClusterSpec from_slurm_env(const Environment& env) {
   if (spec.rank >= spec.world_size) {
     throw ConfigError("SLURM_PROCID " + std::to_string(spec.rank) +
                       " is out of range for SLURM_NTASKS " + std::to_string(spec.world_size) +
-                      "; use 0 to " + std::to_string(spec.world_size - 1) + " (" + kSlurmFix +
-                      ")");
+                      "; use 0 to " + std::to_string(spec.world_size - 1) + " (" + kSlurmFix + ")");
   }
   const auto node = env.get("SLURMD_NODENAME");
   if (!node) throw ConfigError("SLURMD_NODENAME is not set; " + std::string(kSlurmFix));
@@ -339,6 +335,15 @@ ClusterSpec resolve_cluster(const Environment& env) {
   if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);
   if (env.get("SLURM_PROCID") && env.get("SLURM_NTASKS")) return from_slurm_env(env);
   return single_worker();
+}
+
+int local_rank(const Environment& env) {
+  for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID"}) {
+    if (env.get(name)) {
+      return static_cast<int>(parse_int(env, name, 0, "it is this worker's index on its machine"));
+    }
+  }
+  return 0;
 }
 
 int local_world_size(const Environment& env) {

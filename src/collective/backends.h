@@ -23,4 +23,10 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
                                                     int rank, int size,
                                                     std::chrono::milliseconds timeout);
 
+// Within one process, across its CUDA devices (torch::cuda::nccl, as DataParallel uses):
+// false, doing nothing, where NCCL is not built or the tensors do not qualify.
+bool nccl_local_reduce(const std::vector<at::Tensor>& tensors);
+bool nccl_local_broadcast(const std::vector<at::Tensor>& tensors);
+bool nccl_local_usable(const std::vector<at::Tensor>& tensors);
+
 } // namespace flotilla::collective::detail

@@ -87,6 +87,30 @@ bool nccl_available() {
   return detail::nccl_built();
 }
 
+void reduce_to_first(const std::vector<at::Tensor>& tensors) {
+  if (tensors.size() < 2 || detail::nccl_local_reduce(tensors)) return;
+  at::Tensor first = tensors.front();
+  for (std::size_t r = 1; r < tensors.size(); ++r) {
+    // Same device: a plain add. Across devices the copy is ordered after both devices' current
+    // streams (LibTorch's cross-device copy), so nothing waits on the host.
+    first.add_(tensors[r].device() == first.device()
+                   ? tensors[r]
+                   : tensors[r].to(first.device(), /*non_blocking=*/true));
+  }
+}
+
+void broadcast_from_first(const std::vector<at::Tensor>& tensors) {
+  if (tensors.size() < 2 || detail::nccl_local_broadcast(tensors)) return;
+  for (std::size_t r = 1; r < tensors.size(); ++r) {
+    at::Tensor target = tensors[r];
+    target.copy_(tensors.front(), /*non_blocking=*/true);
+  }
+}
+
+std::string local_transport(const std::vector<at::Tensor>& tensors) {
+  return detail::nccl_local_usable(tensors) ? "nccl" : "copy";
+}
+
 namespace {
 
 std::string seconds(std::chrono::milliseconds d) {
@@ -141,7 +165,9 @@ std::string join_ranks(const std::vector<int>& ranks, const Names& names) {
   std::string out;
   const bool named = names && !names->empty();
   for (std::size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") +
+    out += (i == 0                  ? ""
+            : i + 1 == ranks.size() ? " and "
+                                    : ", ") +
            (named ? names->at(static_cast<std::size_t>(ranks[i])) : std::to_string(ranks[i]));
   }
   return named ? out : (ranks.size() == 1 ? "rank " : "ranks ") + out;
@@ -214,7 +240,7 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
 struct Health {
   std::mutex mutex;
   std::condition_variable cv;
-  std::string failure;              // empty: healthy; written once, under the mutex
+  std::string failure;             // empty: healthy; written once, under the mutex
   std::atomic<bool> failed{false}; // set after `failure`: every operation reads it, lock-free
 
   std::string failure_text() {
@@ -227,8 +253,8 @@ struct Work::State {
   c10::intrusive_ptr<c10d::Work> work; // null: nothing to wait for
   std::shared_ptr<Health> health;      // null: no heartbeat (a group inside one process)
   std::shared_ptr<const std::vector<std::string>> names; // how to name the ranks in errors
-  std::function<void()> finish;        // after success: mean's division, copy-back
-  std::string description;             // "all_reduce #7 (sum, 1024 x float)"
+  std::function<void()> finish; // after success: mean's division, copy-back
+  std::string description;      // "all_reduce #7 (sum, 1024 x float)"
   std::chrono::milliseconds timeout{0};
   std::vector<std::vector<at::Tensor>> gathered; // all_gather's output lists
   // For the timeout diagnosis (who did not arrive): the group's store, this rank's place and
@@ -240,6 +266,10 @@ struct Work::State {
   std::string where() const {
     return "rank " + std::to_string(rank) + " of " + std::to_string(size);
   }
+  // NCCL on CUDA tensors: wait() orders the caller's current stream after the collective and
+  // returns; the host never blocks on it (the backend's future completes at launch, so it tells
+  // no completion time either).
+  bool stream_ordered = false;
   std::atomic<std::int64_t> completed_ns{-1}; // steady_clock, set by the backend's future
   std::mutex mutex;
   bool done = false;
@@ -293,6 +323,20 @@ void Work::wait_for_backend() {
   // Gloo and NCCL enforce the timeout themselves; the margin only guards a backend that would
   // not.
   const auto limit = state_->timeout + std::chrono::seconds(5);
+  if (state_->stream_ordered) {
+    // A peer that dies mid-collective is NCCL's watchdog's to find (it aborts the communicator
+    // after the timeout); the heartbeat's news still stops every operation at its start and
+    // here. No timeout: with one, WorkNCCL::wait polls the event from the host (a block per
+    // bucket, and illegal inside a CUDA-graph capture); without, it only orders the streams.
+    if (state_->health && state_->health->failed) {
+      throw CommError(state_->description + " on " + state_->where() +
+                      " cannot complete: " + state_->health->failure_text() +
+                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
+                      "BackupAndRestore resumes from the last backup");
+    }
+    state_->work->wait();
+    return;
+  }
   if (auto health = state_->health) {
     // Wait for the operation or for the heartbeat's news of a dead peer, whichever comes
     // first: the backend alone would wait out its whole timeout for a peer that is stopped.
@@ -406,8 +450,8 @@ struct Communicator::Impl {
     state->health = health;
     state->names = names;
     if (health && health->failed) {
-      throw CommError(state->description + " on " + state->where() + " cannot start: " +
-                      health->failure_text() +
+      throw CommError(state->description + " on " + state->where() +
+                      " cannot start: " + health->failure_text() +
                       "; restart the job (flotilla launch --max-restarts, or the scheduler); "
                       "BackupAndRestore resumes from the last backup");
     }
@@ -419,6 +463,7 @@ struct Communicator::Impl {
              const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
     try {
       state->work = launch();
+      if (state->stream_ordered) return Work(std::move(state));
       // The backend marks the future done as it finishes; the time tells how much of a
       // collective ran hidden behind other work. (A weak reference: the future must not keep
       // the state, which keeps the work, which keeps the future, alive.)
@@ -461,10 +506,11 @@ std::vector<std::string> rank_names(const cluster::ClusterSpec& spec) {
   if (static_cast<int>(addresses.size()) != spec.world_size) return names;
   for (int r = 0; r < spec.world_size; ++r) {
     const bool has_chief = !spec.chief.empty();
-    const std::string task = has_chief && r == 0 ? std::string("chief")
-                                                 : "worker " + std::to_string(has_chief ? r - 1 : r);
-    names.push_back(task + " at " + addresses[static_cast<std::size_t>(r)].to_string() +
-                    " (rank " + std::to_string(r) + ")");
+    const std::string task = has_chief && r == 0
+                                 ? std::string("chief")
+                                 : "worker " + std::to_string(has_chief ? r - 1 : r);
+    names.push_back(task + " at " + addresses[static_cast<std::size_t>(r)].to_string() + " (rank " +
+                    std::to_string(r) + ")");
   }
   return names;
 }
@@ -635,6 +681,7 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
                   : op == ReduceOp::kMin ? c10d::ReduceOp::MIN
                                          : c10d::ReduceOp::SUM;
   auto& backend = impl_->backend_for(tensor);
+  state->stream_ordered = tensor.is_cuda() && backend.getBackendName() == "nccl";
   return impl_->start(std::move(state), [&] {
     std::vector<at::Tensor> tensors{buffer};
     return backend.allreduce(tensors, opts);
@@ -653,6 +700,7 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   auto& backend = impl_->backend_for(tensor);
+  state->stream_ordered = tensor.is_cuda() && backend.getBackendName() == "nccl";
   return impl_->start(std::move(state), [&] {
     std::vector<at::Tensor> tensors{buffer};
     return backend.broadcast(tensors, opts);
@@ -666,6 +714,7 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
   for (int r = 0; r < impl_->size; ++r) state->gathered[0].push_back(at::empty_like(buffer));
   if (tensor.numel() == 0) return Work(std::move(state));
   auto& backend = impl_->backend_for(tensor);
+  state->stream_ordered = tensor.is_cuda() && backend.getBackendName() == "nccl";
   auto* gathered = &state->gathered;
   return impl_->start(std::move(state), [&] {
     std::vector<at::Tensor> inputs{buffer};

@@ -165,11 +165,11 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
                 "i.e. train::set_global_policy(\"mixed_float16\")";
       f.evidence += ": float32 leaves the GPU's tensor cores idle";
     } else if (is_bf16 && !r.hardware_bf16) {
-      // The GPU's bfloat16 support (sm_80+) is not detected yet: say so, do not guess.
-      f.status = Status::kUnknown;
-      f.evidence += ": whether this GPU computes bfloat16 natively (sm_80 and later) was not "
-                    "checked";
-      f.recommendation = "on a GPU before sm_80 (V100, T4), --precision mixed_float16";
+      f.status = Status::kAct;
+      f.gain = half_compute;
+      f.evidence += ": this GPU predates native bfloat16 (sm_80), so bfloat16 runs slowly";
+      f.recommendation = "--precision mixed_float16 (tensor cores; dynamic loss scaling is "
+                         "applied), or --precision auto";
     } else if (is_fp16 && !r.loss_scaling) {
       f.status = Status::kConsider;
       f.evidence += ", without loss scaling: small float16 gradients underflow to zero";
@@ -221,14 +221,14 @@ Finding compiled_step(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
   if (!r.compiled_step_available) {
     // Nothing to measure against, and nothing the user can switch on: say so, no verdict.
     f.status = Status::kUnknown;
-    f.evidence += on_cuda(r) ? "no compiled (CUDA-graph) step is available on this device: "
-                               "every step runs eagerly"
-                             : "flotilla has no compiled step for the CPU yet: every step "
-                               "runs eagerly" +
+    f.evidence += on_cuda(r) ? "no CUDA-graph step for this setup (it needs one GPU per worker "
+                               "and no gradient accumulation): every step runs eagerly"
+                             : "on the CPU the step is compiled C++ already; the CUDA-graph step "
+                               "is for CUDA replicas" +
                                    std::string(r.jit_compile ? ", so the flag has no effect" : "");
-    // jit_compile is accepted but captures nothing yet on any device (the CUDA-graph step is
-    // planned, not built): recommending it would promise a speed-up that does not exist.
-    f.recommendation = "none available: flotilla has no compiled step yet on any device";
+    f.recommendation = on_cuda(r) ? "one GPU per worker (--devices cuda:N, a worker per GPU) "
+                                    "and --jit-compile, where the batch shapes are fixed"
+                                  : "none available on the CPU";
     return f;
   }
   if (r.jit_compile) {

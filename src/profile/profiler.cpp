@@ -10,6 +10,7 @@
 #include "flotilla/profile/doctor.h"
 #include "flotilla/profile/report.h"
 #include "flotilla/profile/timeline.h"
+#include "train/step_graph.h"
 
 namespace flotilla::profile {
 
@@ -70,12 +71,15 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   f.precision = train::to_string(model.policy());
   f.loss_scaling =
       compiled.loss_scale.has_value() || model.policy() == train::Policy::kMixedFloat16;
-  // CUDA: float16 tensor cores on every GPU flotilla targets; the bfloat16 capability check
-  // (sm_80+) comes with the CUDA path.
-  f.hardware_bf16 = cuda ? f.hardware_bf16 : train::cpu_has_native_bf16();
+  // CUDA: float16 tensor cores on every GPU flotilla targets, bfloat16 from sm_80 on.
+  f.hardware_bf16 = cuda ? train::cuda_has_native_bf16(params.front().device().index())
+                         : train::cpu_has_native_bf16();
   f.hardware_fp16 = cuda;
   f.jit_compile = compiled.jit_compile;
-  f.compiled_step_available = false; // no CUDA-graph step yet, on any device
+  // What Model::compile() requires of a CUDA-graph step.
+  f.compiled_step_available = cuda && train::detail::cuda_graphs_built() &&
+                              strategy.replicas_per_worker() == 1 &&
+                              compiled.gradient_accumulation_steps == 1;
   if (f.optimizer.empty()) f.optimizer = compiled.optimizer.describe();
   if (f.peak_lr == 0 && !compiled.optimizer.schedule) f.peak_lr = compiled.optimizer.learning_rate;
   if (f.schedule.empty()) {
@@ -197,8 +201,7 @@ void Profiler::on_train_end() {
   };
   write("run profile", options_.summary, [&] { write_run_summary(options_.summary, summary_); });
   const auto findings = diagnose(summary_);
-  write("report", options_.report,
-        [&] { write_html_report(options_.report, summary_, findings); });
+  write("report", options_.report, [&] { write_html_report(options_.report, summary_, findings); });
   if (options_.doctor && options_.out) {
     std::fprintf(options_.out, "%s", format_findings(findings).c_str());
     std::fflush(options_.out);

@@ -57,13 +57,16 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
     }
     for (std::size_t k = 0; k < params.size(); ++k) {
       const auto& mine = replicas_[r][k];
-      // Buffers are summed element by element, so layouts must match too; and replicas on
-      // different devices would need a cross-device reduction this engine does not do yet.
+      // Buffers are summed element by element, so layouts must match too. Replicas may sit on
+      // different devices of one kind (one GPU each); one model's parameters on one device.
       if (mine.sizes() != params[k].sizes() || mine.scalar_type() != params[k].scalar_type() ||
-          mine.strides() != params[k].strides() || mine.device() != params[k].device()) {
+          mine.strides() != params[k].strides() ||
+          mine.device().type() != params[k].device().type() ||
+          mine.device() != replicas_[r].front().device()) {
         throw ConfigError("parameter " + std::to_string(k) + " of replica " + std::to_string(r) +
                           " is " + describe(mine) + ", but replica 0's is " + describe(params[k]) +
-                          "; every replica must be a clone of the same model on the same device");
+                          "; every replica must be a clone of the same model, each on one device "
+                          "of the same kind");
       }
     }
   }
@@ -112,9 +115,12 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
   for (std::size_t r = 0; r < replicas_.size(); ++r) {
     for (const auto& bucket : buckets_) {
       const auto flags = static_cast<std::int64_t>(bucket.params.size());
-      flat_[r].push_back(
-          torch::zeros({bucket.numel + flags},
-                       torch::TensorOptions().dtype(bucket.dtype).device(bucket.device)));
+      // On this replica's device: the local reduction moves buckets between devices, not
+      // gradients.
+      flat_[r].push_back(torch::zeros({bucket.numel + flags},
+                                      torch::TensorOptions()
+                                          .dtype(bucket.dtype)
+                                          .device(replicas_[r][bucket.params.front()].device())));
     }
     views_[r].resize(params.size());
     for (std::size_t k = 0; k < params.size(); ++k) {
@@ -286,9 +292,9 @@ void GradientReducer::start_locked(std::size_t b, bool in_backward) {
       flat_[r][b].narrow(0, bucket.numel + i, 1).fill_(used_[r][k] ? 1 : 0);
     }
   }
-  // Local reduction first: replica 0's buffer carries the worker's sum.
+  // Local reduction first: replica 0's buffer carries the worker's sum (NCCL across GPUs).
   torch::Tensor& sum = flat_[0][b];
-  for (std::size_t r = 1; r < replicas_.size(); ++r) sum.add_(flat_[r][b]);
+  if (replicas_.size() > 1) collective::reduce_to_first(replica_buffers(b));
   const int world = communicator_.size();
   const double divisor = static_cast<double>(world) * static_cast<double>(replicas_.size()) *
                          static_cast<double>(std::max(1, micro_batches_));
@@ -334,20 +340,28 @@ void GradientReducer::finish() {
         in_flight.emplace_back(started_at_[b], works_[b].completed_at().value_or(Clock::now()));
         if (!wire_.empty()) mean.copy_(wire_[b]);
       }
-      for (std::size_t r = 1; r < replicas_.size(); ++r) flat_[r][b].copy_(mean);
+      if (replicas_.size() > 1) collective::broadcast_from_first(replica_buffers(b));
       flags.push_back(
           mean.narrow(0, buckets_[b].numel, static_cast<std::int64_t>(buckets_[b].params.size())));
     }
-    // One copy to the host for all the used-flags (one synchronisation on CUDA, not one per
-    // bucket).
-    const torch::Tensor used = torch::cat(flags).to(torch::kCPU, torch::kFloat32).contiguous();
-    const float* used_by = used.data_ptr<float>();
-    for (const auto& bucket : buckets_) {
-      for (std::size_t k : bucket.params) {
-        // Used by no replica: no gradient, as single-process training (and DDP) would leave
-        // it, so momentum and weight decay do not move it. zero_grad() restores the view.
-        if (*used_by++ == 0.0f) {
-          for (auto& replica : replicas_) replica[k].mutable_grad().reset();
+    // Where every replica of this worker used every parameter, each has a gradient somewhere,
+    // so none is dropped and the flags need not be read: no host synchronisation per step on
+    // CUDA (nor in a captured graph). Otherwise one copy to the host for all the flags.
+    bool all_used_here = true;
+    for (const auto& replica : used_) {
+      all_used_here = all_used_here && std::all_of(replica.begin(), replica.end(),
+                                                   [](char used) { return used != 0; });
+    }
+    if (!all_used_here) {
+      const torch::Tensor used = torch::cat(flags).to(torch::kCPU, torch::kFloat32).contiguous();
+      const float* used_by = used.data_ptr<float>();
+      for (const auto& bucket : buckets_) {
+        for (std::size_t k : bucket.params) {
+          // Used by no replica: no gradient, as single-process training (and DDP) would leave
+          // it, so momentum and weight decay do not move it. zero_grad() restores the view.
+          if (*used_by++ == 0.0f) {
+            for (auto& replica : replicas_) replica[k].mutable_grad().reset();
+          }
         }
       }
     }
@@ -373,6 +387,12 @@ void GradientReducer::finish() {
     stats_.exposed_seconds += std::chrono::duration<double>(Clock::now() - backward_end).count();
   }
   last_in_flight_ = std::move(in_flight);
+}
+
+std::vector<torch::Tensor> GradientReducer::replica_buffers(std::size_t bucket) const {
+  std::vector<torch::Tensor> buffers;
+  for (const auto& replica : flat_) buffers.push_back(replica[bucket]);
+  return buffers;
 }
 
 std::string GradientReducer::plan() const {

@@ -1,6 +1,10 @@
 #include "flotilla/strategy/strategy.h"
 
+#include <torch/cuda.h>
+
+#include <cctype>
 #include <map>
+#include <set>
 
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/error.h"
@@ -19,15 +23,159 @@ std::int64_t InputContext::get_per_replica_batch_size(std::int64_t global_batch)
   return global_batch / num_replicas_in_sync;
 }
 
-Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
-                   int replicas_per_worker)
-    : cluster_(std::move(cluster)), communicator_(std::move(communicator)),
-      replicas_per_worker_(replicas_per_worker), log_(communicator_.rank(), communicator_.size()) {
-  if (replicas_per_worker < 1) {
-    throw ConfigError("replicas_per_worker must be at least 1; saw " +
-                      std::to_string(replicas_per_worker));
+namespace {
+
+int cuda_devices() {
+  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+}
+
+std::string visible_text() {
+  const int n = cuda_devices();
+  return n == 0 ? std::string("no CUDA device is visible")
+                : std::to_string(n) +
+                      " CUDA device(s) are visible (cuda:0 to cuda:" + std::to_string(n - 1) +
+                      "; CUDA_VISIBLE_DEVICES selects them)";
+}
+
+std::vector<torch::Device> cpu_replicas(int replicas) {
+  if (replicas < 1) {
+    throw ConfigError("replicas_per_worker must be at least 1; saw " + std::to_string(replicas));
+  }
+  return std::vector<torch::Device>(static_cast<std::size_t>(replicas), torch::Device(torch::kCPU));
+}
+
+} // namespace
+
+std::vector<torch::Device> visible_devices() {
+  std::vector<torch::Device> devices;
+  for (int i = 0; i < cuda_devices(); ++i) {
+    devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
+  }
+  if (devices.empty()) devices.emplace_back(torch::kCPU);
+  return devices;
+}
+
+std::vector<torch::Device> default_devices(int replicas) {
+  if (replicas < 0) {
+    throw ConfigError("replicas_per_worker must be at least 1 (or 0: one per visible GPU); saw " +
+                      std::to_string(replicas));
+  }
+  const int gpus = cuda_devices();
+  if (gpus == 0) return cpu_replicas(std::max(replicas, 1));
+  if (replicas > gpus) {
+    throw ConfigError(std::to_string(replicas) + " replicas per worker asked for, but " +
+                      visible_text() + "; ask for at most " + std::to_string(gpus) +
+                      ", or list CPU devices (--devices cpu,cpu,...) for CPU replicas");
+  }
+  auto devices = visible_devices();
+  if (replicas > 0) devices.resize(static_cast<std::size_t>(replicas), devices.front());
+  return devices;
+}
+
+std::vector<torch::Device> local_share_of_devices(int local_rank, int local_workers) {
+  if (local_workers < 1 || local_rank < 0 || local_rank >= local_workers) {
+    throw ConfigError("local rank " + std::to_string(local_rank) + " of " +
+                      std::to_string(local_workers) +
+                      " workers on this host is out of range; check LOCAL_RANK/LOCAL_WORLD_SIZE");
+  }
+  const int gpus = cuda_devices();
+  if (gpus == 0) return {torch::Device(torch::kCPU)};
+  if (gpus < local_workers) {
+    return {torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus))};
+  }
+  const int each = gpus / local_workers;
+  std::vector<torch::Device> devices;
+  for (int i = 0; i < each; ++i) {
+    devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank * each + i));
+  }
+  return devices;
+}
+
+std::vector<torch::Device> parse_devices(const std::string& text) {
+  if (text.empty() || text == "auto") return default_devices(0);
+  if (text == "cuda" || text == "gpu") {
+    if (cuda_devices() == 0) {
+      throw ConfigError("devices \"" + text + "\" asked for every GPU, but " + visible_text() +
+                        "; use --devices cpu");
+    }
+    return visible_devices();
+  }
+  std::vector<torch::Device> devices;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const auto comma = text.find(',', at);
+    std::string part = text.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    while (!part.empty() && part.front() == ' ') part.erase(0, 1);
+    while (!part.empty() && part.back() == ' ') part.pop_back();
+    // TF's spelling ("/gpu:1", "/device:GPU:0") as well as LibTorch's ("cuda:1").
+    if (!part.empty() && part.front() == '/') part.erase(0, 1);
+    for (auto& c : part) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (part.rfind("device:", 0) == 0) part.erase(0, 7);
+    if (part.rfind("gpu", 0) == 0) part.replace(0, 3, "cuda");
+    try {
+      devices.emplace_back(part);
+    } catch (const std::exception&) {
+      throw ConfigError("device \"" + part + "\" in \"" + text +
+                        "\" is not a device; use cpu, cuda or cuda:N, comma-separated");
+    }
+    if (!devices.back().is_cpu() && !devices.back().is_cuda()) {
+      throw ConfigError("device \"" + part + "\" in \"" + text +
+                        "\" is neither a CPU nor a CUDA device; flotilla trains on cpu and cuda:N");
+    }
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  // "cuda" without an index inside a list means cuda:0, as LibTorch's current device would.
+  for (auto& d : devices) {
+    if (d.is_cuda() && !d.has_index()) d = torch::Device(torch::kCUDA, 0);
+    if (d.is_cpu()) d = torch::Device(torch::kCPU);
+  }
+  check_devices(devices);
+  return devices;
+}
+
+void check_devices(const std::vector<torch::Device>& devices) {
+  if (devices.empty()) {
+    throw ConfigError("a strategy needs at least one replica device; saw an empty list");
+  }
+  const bool cuda = devices.front().is_cuda();
+  for (const auto& d : devices) {
+    if (d.is_cuda() != cuda) {
+      throw ConfigError("replica devices mix the CPU and CUDA (" + d.str() + " with " +
+                        devices.front().str() +
+                        "); every replica must be a copy on the same kind of device");
+    }
+  }
+  std::set<int> seen;
+  for (const auto& d : devices) {
+    if (!d.is_cuda()) continue;
+    const int index = d.has_index() ? d.index() : 0;
+    if (index >= cuda_devices()) {
+      throw ConfigError("device " + d.str() + " was asked for, but " + visible_text() +
+                        (cuda_devices() == 0 ? "; use the CPU (--devices cpu)" : ""));
+    }
+    if (!seen.insert(index).second) {
+      throw ConfigError("device " + d.str() +
+                        " is listed twice; one replica per GPU (for more replicas, add GPUs or "
+                        "workers)");
+    }
   }
 }
+
+Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
+                   std::vector<torch::Device> devices)
+    : cluster_(std::move(cluster)), communicator_(std::move(communicator)),
+      devices_(std::move(devices)), log_(communicator_.rank(), communicator_.size()) {
+  check_devices(devices_);
+  // "cuda" alone is the first GPU, as parse_devices says: batches are compared by device.
+  for (auto& d : devices_) {
+    if (d.is_cuda() && !d.has_index()) d = torch::Device(torch::kCUDA, 0);
+  }
+}
+
+Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
+                   int replicas_per_worker)
+    : Strategy(std::move(cluster), std::move(communicator), cpu_replicas(replicas_per_worker)) {}
 
 InputContext Strategy::input_context() const {
   return InputContext{num_workers(), worker_index(), num_replicas_in_sync()};
@@ -149,12 +297,31 @@ void Strategy::check_consistency(const std::vector<std::pair<std::string, std::s
 }
 
 MirroredStrategy::MirroredStrategy(const collective::CommunicationOptions& options, int replicas)
+    : MirroredStrategy(default_devices(replicas), options) {}
+
+MirroredStrategy::MirroredStrategy(std::vector<torch::Device> devices,
+                                   const collective::CommunicationOptions& options)
     : Strategy(cluster::single_worker(), collective::Communicator::local_group(1, options).front(),
-               replicas) {}
+               std::move(devices)) {}
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
     int replicas_per_worker)
-    : Strategy(cluster, collective::Communicator::connect(cluster, options), replicas_per_worker) {}
+    : MultiWorkerMirroredStrategy(cluster, options, default_devices(replicas_per_worker)) {}
+
+namespace {
+// Checks the devices before joining: a bad list fails this worker alone, at once.
+collective::Communicator connect_with(const cluster::ClusterSpec& cluster,
+                                      const collective::CommunicationOptions& options,
+                                      const std::vector<torch::Device>& devices) {
+  check_devices(devices);
+  return collective::Communicator::connect(cluster, options);
+}
+} // namespace
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
+    const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
+    std::vector<torch::Device> devices)
+    : Strategy(cluster, connect_with(cluster, options, devices), devices) {}
 
 } // namespace flotilla::strategy

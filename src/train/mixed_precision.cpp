@@ -3,6 +3,9 @@
 #include <ATen/cpu/Utils.h>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/cuda.h>
 
 #include <atomic>
 
@@ -24,22 +27,34 @@ Policy parse_policy(const std::string& name) {
 
 std::string to_string(Policy policy) {
   switch (policy) {
-  case Policy::kFloat32: return "float32";
-  case Policy::kMixedFloat16: return "mixed_float16";
-  case Policy::kMixedBFloat16: return "mixed_bfloat16";
+  case Policy::kFloat32:
+    return "float32";
+  case Policy::kMixedFloat16:
+    return "mixed_float16";
+  case Policy::kMixedBFloat16:
+    return "mixed_bfloat16";
   }
   return "unknown";
 }
 
-void set_global_policy(Policy policy) { g_policy = policy; }
-void set_global_policy(const std::string& name) { g_policy = parse_policy(name); }
-Policy global_policy() { return g_policy; }
+void set_global_policy(Policy policy) {
+  g_policy = policy;
+}
+void set_global_policy(const std::string& name) {
+  g_policy = parse_policy(name);
+}
+Policy global_policy() {
+  return g_policy;
+}
 
 torch::ScalarType compute_dtype(Policy policy) {
   switch (policy) {
-  case Policy::kMixedFloat16: return torch::kFloat16;
-  case Policy::kMixedBFloat16: return torch::kBFloat16;
-  default: return torch::kFloat32;
+  case Policy::kMixedFloat16:
+    return torch::kFloat16;
+  case Policy::kMixedBFloat16:
+    return torch::kBFloat16;
+  default:
+    return torch::kFloat32;
   }
 }
 
@@ -99,6 +114,24 @@ bool cpu_has_native_bf16() {
     if (it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
   }
   return false;
+}
+
+bool cuda_has_native_bf16(int index) {
+  if (!torch::cuda::is_available() || index < 0 ||
+      index >= static_cast<int>(torch::cuda::device_count())) {
+    return false;
+  }
+  // The hooks answer for the current device: cuDNN 8+ and compute capability 8.0+.
+  const c10::DeviceGuard guard(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)));
+  return at::detail::getCUDAHooks().supportsBFloat16ConvolutionWithCuDNNv8();
+}
+
+Policy fastest_policy(const torch::Device& device) {
+  if (device.is_cuda()) {
+    return cuda_has_native_bf16(device.has_index() ? device.index() : 0) ? Policy::kMixedBFloat16
+                                                                         : Policy::kMixedFloat16;
+  }
+  return cpu_has_native_bf16() ? Policy::kMixedBFloat16 : Policy::kFloat32;
 }
 
 } // namespace flotilla::train

@@ -1,5 +1,6 @@
 #include "flotilla/train/model.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 
 #include <torch/cuda.h>
@@ -8,14 +9,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 #include <condition_variable>
+#include <limits>
 #include <mutex>
 #include <utility>
 
 #include "data/thread_pool.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callbacks.h"
+#include "train/step_graph.h"
 
 namespace flotilla::train {
 
@@ -100,6 +102,22 @@ struct Model::StepClock {
   }
 };
 
+// jit_compile on CUDA: the step's forward, backward and gradient all-reduce captured once in a
+// CUDA graph, after a few eager warm-up steps (the allocator, cuBLAS and NCCL set themselves up
+// then), and replayed for every batch of the captured shapes. The optimizer stays eager: LibTorch's
+// optimizers read their learning rate and step count on the host, which a graph would freeze.
+struct Model::Compiled {
+  static constexpr int kWarmupSteps = 3;
+  explicit Compiled(const torch::Device& device) : stream(device) {}
+  detail::SideStream stream; // the gradient engine is made, and every step runs, on it
+  detail::StepGraph graph;
+  std::vector<torch::Tensor> inputs; // static copies of the batch's components, read by the graph
+  torch::Tensor loss_factor;         // loss scale / replica share: changes without a re-capture
+  torch::Tensor sums;                // the captured step's batch sums, rewritten by each replay
+  int eager_steps = 0;
+  bool told_shapes = false; // said once that a batch of other shapes runs eagerly
+};
+
 void Logs::set(const std::string& key, double value) {
   for (auto& [k, v] : items_) {
     if (k == key) {
@@ -151,7 +169,9 @@ void Model::set_step_tracing(bool on, std::int64_t max_steps) {
   max_traced_steps_ = max_steps;
 }
 
-std::vector<StepTrace> Model::take_step_traces() { return std::exchange(traces_, {}); }
+std::vector<StepTrace> Model::take_step_traces() {
+  return std::exchange(traces_, {});
+}
 
 const strategy::GradientReducer& Model::gradient_reducer() const {
   require_compiled("gradient_reducer");
@@ -209,7 +229,8 @@ void Model::compile(const CompileOptions& options) {
   for (std::size_t i = 0; i < metrics.size(); ++i) {
     for (std::size_t j = 0; j < i; ++j) {
       if (metrics[i].name == metrics[j].name || metrics[i].name == "loss") {
-        throw ConfigError("metric name \"" + metrics[i].name + "\" is used twice; names are "
+        throw ConfigError("metric name \"" + metrics[i].name +
+                          "\" is used twice; names are "
                           "the keys of the logs and must be unique");
       }
     }
@@ -237,13 +258,30 @@ void Model::compile(const CompileOptions& options) {
   }
   reducer_.reset(); // its hooks sit on the replicas being replaced
   threads_.reset();
+  graph_.reset();
   replicas_.clear();
+  const auto& devices = strategy_.devices();
+  // A model built outside scope() is moved here, before the optimizer and the gradient engine
+  // take its parameters; but not off a GPU the user chose onto the strategy's CPU.
+  for (const auto& p : module_->parameters()) {
+    if (p.is_cuda() && devices.front().is_cpu()) {
+      throw ConfigError("the model is on " + p.device().str() +
+                        ", but the strategy's replicas "
+                        "are on the CPU; give the strategy that device (MirroredStrategy("
+                        "parse_devices(\"" +
+                        p.device().str() +
+                        "\")), --devices) or build the "
+                        "model in strategy.scope()");
+    }
+  }
+  module_->to(devices.front());
   replicas_.emplace_back(module_, forward_);
   for (int r = 1; r < replicas; ++r) {
     replicas_.push_back(clone_());
     if (!replicas_.back().first) {
       throw ConfigError("the clone function returned no module for replica " + std::to_string(r));
     }
+    replicas_.back().first->to(devices[static_cast<std::size_t>(r)]);
   }
   optimizers_.clear();
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
@@ -251,13 +289,36 @@ void Model::compile(const CompileOptions& options) {
     modules.push_back(replica);
     optimizers_.push_back(make_optimizer(options.optimizer, replica->parameters()));
   }
-  reducer_ = strategy_.make_gradient_reducer(modules);
-  if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
-  devices_.clear();
-  for (const auto& replica : modules) {
-    const auto params = replica->parameters();
-    devices_.push_back(params.empty() ? torch::Device(torch::kCPU) : params.front().device());
+  std::string why_no_graph;
+  if (options.jit_compile) {
+    if (!devices.front().is_cuda()) {
+      why_no_graph =
+          "on the CPU the step is compiled C++ already; a CUDA graph needs CUDA replicas";
+    } else if (!detail::cuda_graphs_built()) {
+      why_no_graph = "this flotilla was built against a LibTorch without CUDA";
+    } else if (replicas > 1) {
+      why_no_graph = "a graph over several GPUs per worker is not captured yet: use one GPU per "
+                     "worker (one worker per GPU) for a captured step";
+    } else if (options.gradient_accumulation_steps > 1) {
+      why_no_graph = "gradient accumulation steps are not captured";
+    } else if (strategy_.num_workers() > 1 && (strategy_.communicator().options().implementation ==
+                                                   collective::Implementation::kRing ||
+                                               !collective::nccl_available())) {
+      why_no_graph = "the workers' all-reduce goes over Gloo, which a CUDA graph cannot "
+                     "capture; use implementation AUTO or NCCL";
+    } else {
+      graph_ = std::make_unique<Compiled>(devices.front());
+    }
   }
+  {
+    // Under jit_compile the gradient accumulators (and with them the engine's hooks) belong to
+    // the side stream the steps run on, or a capture would meet the default stream.
+    std::optional<detail::SideStream::Use> side;
+    if (graph_) side.emplace(graph_->stream);
+    reducer_ = strategy_.make_gradient_reducer(modules);
+  }
+  if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
+  devices_ = devices;
   metrics_ = std::move(metrics);
   policy_ = policy;
   loss_scale_ = loss_scale;
@@ -269,10 +330,7 @@ void Model::compile(const CompileOptions& options) {
     if (options.optimizer.schedule) {
       for (const auto& warning : options.optimizer.schedule->warnings()) log.warn(warning);
     }
-    if (options.jit_compile) {
-      log.info("jit_compile: no effect. The step is compiled C++ already; capturing it whole in "
-               "a CUDA graph is not built yet");
-    }
+    if (options.jit_compile && !graph_) log.info("jit_compile: no effect (" + why_no_graph + ")");
     if (policy == Policy::kMixedFloat16 && module_->parameters().size() > 0 &&
         !module_->parameters().front().is_cuda()) {
       log.warn("mixed_float16 on the CPU: LibTorch's CPU autocast computes in float16 slowly on "
@@ -337,9 +395,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 } // namespace
 
-// Per-example sums of a batch: loss, then each metric, then the example count.
+// Per-example sums of a batch: loss, then each metric, then the example count (float64, on
+// replica 0's device).
 struct Model::StepSums {
-  std::vector<double> sums;
+  torch::Tensor sums;
 };
 
 void Model::check_consistency(const data::DistributedDataset& train, const FitOptions& options) {
@@ -349,8 +408,8 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"LibTorch version", TORCH_VERSION},
       {"replicas per worker", std::to_string(strategy_.replicas_per_worker())},
       {"precision policy", to_string(policy_)},
-      {"loss scaling", loss_scale_ ? (loss_scale_->options().dynamic ? "dynamic" : "fixed")
-                                   : std::string("off")},
+      {"loss scaling",
+       loss_scale_ ? (loss_scale_->options().dynamic ? "dynamic" : "fixed") : std::string("off")},
       {"optimizer", compiled_->optimizer.describe()},
       {"loss", to_string(compiled_->loss.kind)},
       {"per-replica batch", train.per_replica_batch() > 0
@@ -387,6 +446,10 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
 void Model::apply_gradients() {
   reducer_->finish();
   clock_->mark(Phase::kAllReduce);
+  apply_update();
+}
+
+void Model::apply_update() {
   bool apply = true;
   if (loss_scale_ || check_finite_) {
     // The all-reduced gradients are the same on every worker, so is this decision.
@@ -399,7 +462,8 @@ void Model::apply_gradients() {
       for (const auto& p : replica->parameters()) {
         if (p.grad().defined()) grads.push_back(p.grad());
       }
-      if (!grads.empty()) at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+      if (!grads.empty())
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
     }
     last_step_finite_ = found_inf.item<float>() == 0;
     if (loss_scale_) apply = loss_scale_->update(last_step_finite_);
@@ -438,17 +502,100 @@ std::vector<PhaseTimes> Model::gather_phases(const PhaseTimes& mine) {
   return all;
 }
 
-std::vector<double> Model::batch_sums(const torch::Tensor& per_example_loss,
-                                      const torch::Tensor& outputs,
-                                      const torch::Tensor& labels) const {
-  // One copy to the host for the loss and every metric.
+torch::Tensor Model::batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
+                                const torch::Tensor& labels) const {
+  // On the device, in float64, the example count last: summed over steps there and read by the
+  // host only when logs are due (no synchronisation per step on CUDA).
   std::vector<torch::Tensor> sums = {per_example_loss.sum()};
   for (const auto& metric : metrics_) sums.push_back(metric.per_example(outputs, labels).sum());
-  const torch::Tensor host = torch::stack(sums).to(torch::kCPU, torch::kFloat64);
-  const double* values = host.data_ptr<double>();
-  std::vector<double> out(values, values + host.numel());
-  out.push_back(static_cast<double>(labels.size(0)));
-  return out;
+  sums.push_back(torch::full({}, static_cast<double>(labels.size(0)),
+                             per_example_loss.options().dtype(torch::kFloat64)));
+  return torch::stack(sums).to(torch::kFloat64);
+}
+
+namespace {
+// `t` on `device`: itself when it is there; asynchronous from pinned host memory.
+torch::Tensor on_device(const torch::Tensor& t, const torch::Device& device) {
+  if (t.device() == device) return t;
+  return t.to(torch::TensorOptions().device(device), /*non_blocking=*/t.is_pinned());
+}
+
+std::vector<double> to_host(const torch::Tensor& sums) {
+  const torch::Tensor host = sums.to(torch::kCPU, torch::kFloat64).contiguous();
+  return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
+}
+} // namespace
+
+std::optional<torch::Tensor> Model::replay_step(const data::Element& batch, double loss_factor) {
+  Compiled& g = *graph_;
+  if (g.graph.captured()) {
+    bool same = batch.size() == g.inputs.size();
+    for (std::size_t k = 0; same && k < batch.size(); ++k) {
+      same = batch[k].sizes() == g.inputs[k].sizes() &&
+             batch[k].scalar_type() == g.inputs[k].scalar_type();
+    }
+    if (!same) {
+      if (!g.told_shapes && strategy_.is_chief()) {
+        strategy_.log().info(
+            "jit_compile: a batch of shape " + c10::str(batch[0].sizes()) +
+            " differs from the captured " + c10::str(g.inputs[0].sizes()) +
+            "; such batches run eagerly (batch with drop_remainder for one shape)");
+      }
+      g.told_shapes = true;
+      return std::nullopt;
+    }
+  } else {
+    for (const auto& t : batch) g.inputs.push_back(torch::empty_like(t));
+    g.loss_factor = torch::ones({}, torch::TensorOptions().device(devices_[0]));
+  }
+  for (std::size_t k = 0; k < batch.size(); ++k) g.inputs[k].copy_(batch[k], /*non_blocking=*/true);
+  g.loss_factor.fill_(loss_factor);
+  clock_->mark(Phase::kCopy);
+  if (!g.graph.captured()) {
+    // What one eager step does between the copy and the optimizer, recorded instead of run.
+    auto body = [&] {
+      reducer_->zero_grad();
+      reducer_->prepare(true);
+      torch::Tensor outputs;
+      {
+        AutocastGuard autocast(policy_, devices_[0].type());
+        // Casts cached across the capture's edge would be stale on replay.
+        const bool cache = at::autocast::is_autocast_cache_enabled();
+        at::autocast::set_autocast_cache_enabled(false);
+        outputs = replicas_[0].second(g.inputs[0]);
+        at::autocast::set_autocast_cache_enabled(cache);
+      }
+      torch::Tensor per_example = per_example_loss(compiled_->loss, outputs, g.inputs[1]);
+      if (g.inputs.size() > 2) per_example = per_example * g.inputs[2].to(per_example.dtype());
+      (per_example.sum() * g.loss_factor).backward();
+      {
+        torch::NoGradGuard no_grad;
+        g.sums = batch_sums(per_example.detach(), outputs.detach(), g.inputs[1]);
+      }
+      reducer_->finish();
+    };
+    try {
+      g.graph.capture(body);
+    } catch (const std::exception& e) {
+      // Fatal: the other workers may have captured their all-reduces, and stepping on eagerly
+      // would leave them waiting for collectives this worker never issues.
+      reducer_->abort_step();
+      throw ConfigError(std::string("jit_compile: capturing the step in a CUDA graph failed (") +
+                        e.what() +
+                        "); a step that reads values back to the host (a parameter some replica "
+                        "leaves unused, a metric or callback that copies to the CPU) cannot be "
+                        "captured. Run without jit_compile (drop --jit-compile)");
+    }
+    if (strategy_.is_chief()) {
+      strategy_.log().info("jit_compile: the step's forward, backward and all-reduce are captured "
+                           "in a CUDA graph (batch " +
+                           c10::str(batch[0].sizes()) + "); the optimizer runs eagerly");
+    }
+  }
+  g.graph.replay();
+  clock_->mark(Phase::kBackward);
+  apply_update();
+  return g.sums;
 }
 
 Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
@@ -462,10 +609,19 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
     for (int r = 0; r < num_replicas; ++r) {
       // To the replica's device (a no-op when the batch is there already); pinned host memory
       // makes it asynchronous.
-      parts[r].push_back(pieces[r].device() == devices_[r]
-                             ? pieces[r]
-                             : pieces[r].to(torch::TensorOptions().device(devices_[r]),
-                                                         /*non_blocking=*/pieces[r].is_pinned()));
+      parts[r].push_back(on_device(pieces[r], devices_[r]));
+      // Under jit_compile the step runs on a side stream, not the one the input was made for.
+      if (graph_) detail::use_on_current_stream(parts[r].back());
+    }
+  }
+  const double share =
+      static_cast<double>(batch.global_batch_size) / strategy_.num_replicas_in_sync();
+  const double scale = loss_scale_ ? loss_scale_->scale() : 1.0;
+  if (graph_ && parts[0][1].size(0) > 0) {
+    if (graph_->eager_steps >= Compiled::kWarmupSteps) {
+      if (auto sums = replay_step(parts[0], scale / share)) return StepSums{*sums};
+    } else {
+      ++graph_->eager_steps;
     }
   }
   clock_->mark(Phase::kCopy);
@@ -473,13 +629,8 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   if (micro == 0) reducer_->zero_grad();
   const bool sync = micro + 1 == accumulation;
   reducer_->prepare(sync);
-  const std::size_t width = metrics_.size() + 2;
   std::vector<StepSums> results(static_cast<std::size_t>(num_replicas));
-  const double share =
-      static_cast<double>(batch.global_batch_size) / strategy_.num_replicas_in_sync();
-  const double scale = loss_scale_ ? loss_scale_->scale() : 1.0;
   auto replica_step = [&](int r) {
-    results[r].sums.assign(width, 0.0);
     const data::Element& e = parts[r];
     const torch::Tensor& labels = e[1];
     // An empty slice (a short last batch over many replicas) runs no forward — a batch
@@ -521,9 +672,10 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   } else {
     ++micro;
   }
-  StepSums total{std::vector<double>(width, 0.0)};
+  StepSums total{torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
+                              torch::TensorOptions().dtype(torch::kFloat64).device(devices_[0]))};
   for (const auto& r : results) {
-    for (std::size_t k = 0; k < width; ++k) total.sums[k] += r.sums[k];
+    if (r.sums.defined()) total.sums.add_(r.sums.to(devices_[0], /*non_blocking=*/true));
   }
   return total;
 }
@@ -564,8 +716,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   }
   std::optional<data::DistributedDataset> validation;
   if (options.validation_data) {
-    validation.emplace(data::distribute_dataset(*options.validation_data,
-                                                strategy_.input_context()));
+    validation.emplace(
+        data::distribute_dataset(*options.validation_data, strategy_.input_context()));
   }
 
   // Callbacks: the user's, plus a progress bar unless silent or given (Keras's ProgbarLogger).
@@ -647,9 +799,11 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     resume_.reset();
   }
 
-  const int accumulation = compiled_->gradient_accumulation_steps;
   const std::int64_t every = compiled_->steps_per_execution;
   bool ran_out = false;
+  // A captured step is warmed up, captured and replayed on one side stream.
+  std::optional<detail::SideStream::Use> side_stream;
+  if (graph_) side_stream.emplace(graph_->stream);
   for (int epoch = first_epoch; epoch < options.epochs && !ran_out && !stop_training; ++epoch) {
     // A new pass per epoch, unless one pass runs across epochs or a resume made this one.
     if (!pass || (!options.steps_per_epoch && epoch != first_epoch)) {
@@ -660,7 +814,9 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     step_in_epoch_ = epoch == first_epoch ? resume_step : 0;
     for (auto& [replica, forward] : replicas_) replica->train();
     each([&](Callback& c) { c.on_epoch_begin(epoch); });
-    std::vector<double> totals(metrics_.size() + 2, 0.0);
+    const torch::Tensor epoch_sums =
+        torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
+                     torch::TensorOptions().dtype(torch::kFloat64).device(devices_[0]));
     clock_->epoch = PhaseTimes{};
     std::int64_t steps = 0;
     std::int64_t skipped = 0;
@@ -705,11 +861,13 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
         }
       }
       if (micro == 0 && iterations_ == iterations_before) ++skipped;
-      for (std::size_t k = 0; k < totals.size(); ++k) totals[k] += sums.sums[k];
+      epoch_sums.add_(sums.sums);
       ++steps;
       ++step_in_epoch_;
       const bool last = options.steps_per_epoch && step_in_epoch_ == *options.steps_per_epoch;
-      if ((step_in_epoch_ % every == 0 || last) && totals.back() > 0) {
+      std::vector<double> totals;
+      if (step_in_epoch_ % every == 0 || last) totals = to_host(epoch_sums);
+      if (!totals.empty() && totals.back() > 0) {
         Logs running;
         running.set("loss", totals[0] / totals.back());
         for (std::size_t m = 0; m < metrics_.size(); ++m) {
@@ -731,6 +889,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       break; // the data ran out at an epoch's start: nothing to report
     }
     const double seconds = seconds_since(start);
+    const std::vector<double> totals = to_host(epoch_sums);
     const torch::Tensor global =
         strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));
     const auto g = global.accessor<double, 1>();
@@ -758,9 +917,10 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     }
     each([&](Callback& c) { c.on_epoch_end(epoch, logs); });
     // A stop decided by one worker alone (a user's callback) must stop them all.
-    stop_training = strategy_.reduce(strategy::ReduceOp::kMax,
-                                     torch::tensor({stop_training ? 1 : 0}, torch::kInt32))
-                        .item<int>() == 1;
+    stop_training =
+        strategy_
+            .reduce(strategy::ReduceOp::kMax, torch::tensor({stop_training ? 1 : 0}, torch::kInt32))
+            .item<int>() == 1;
     history.epochs.push_back(logs);
   }
   if (ran_out && strategy_.is_chief()) {
@@ -784,24 +944,29 @@ EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
   torch::NoGradGuard no_grad;
   auto& net = module();
   net.eval();
-  std::vector<double> totals(metrics_.size() + 2, 0.0);
+  const torch::Device device = devices_.front(); // the model itself is replica 0
+  torch::Tensor sums = torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
+                                    torch::TensorOptions().dtype(torch::kFloat64).device(device));
   auto pass = data.make_iterator();
   while (auto batch = pass.next()) {
     check_element(batch->element);
-    const torch::Tensor& labels = batch->element[1];
+    data::Element e;
+    for (const auto& t : batch->element) {
+      e.push_back(on_device(t, device));
+      if (graph_) detail::use_on_current_stream(e.back()); // on the side stream inside fit()
+    }
+    const torch::Tensor& labels = e[1];
     if (labels.size(0) == 0) continue; // this worker's share of a short last batch
     torch::Tensor outputs;
     {
-      AutocastGuard autocast(policy_, batch->element[0].device().type());
-      outputs = forward_(batch->element[0]);
+      AutocastGuard autocast(policy_, device.type());
+      outputs = forward_(e[0]);
     }
     torch::Tensor per_example = per_example_loss(compiled_->loss, outputs, labels);
-    if (batch->element.size() > 2) {
-      per_example = per_example * batch->element[2].to(per_example.dtype());
-    }
-    const std::vector<double> sums = batch_sums(per_example, outputs, labels);
-    for (std::size_t k = 0; k < totals.size(); ++k) totals[k] += sums[k];
+    if (e.size() > 2) per_example = per_example * e[2].to(per_example.dtype());
+    sums.add_(batch_sums(per_example, outputs, labels));
   }
+  const std::vector<double> totals = to_host(sums);
   const torch::Tensor global =
       strategy_.reduce(strategy::ReduceOp::kSum, torch::tensor(totals, torch::kFloat64));
   const auto g = global.accessor<double, 1>();
@@ -819,9 +984,12 @@ EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
 torch::Tensor Model::predict(const torch::Tensor& features) {
   torch::NoGradGuard no_grad;
   module().eval();
-  AutocastGuard autocast(policy_, features.device().type());
-  const torch::Tensor outputs = forward_(features);
-  return policy_ == Policy::kFloat32 ? outputs : outputs.to(torch::kFloat32);
+  const torch::Device device = devices_.empty() ? features.device() : devices_.front();
+  AutocastGuard autocast(policy_, device.type());
+  const torch::Tensor outputs = forward_(on_device(features, device));
+  // On the caller's device, as given.
+  return (policy_ == Policy::kFloat32 ? outputs : outputs.to(torch::kFloat32))
+      .to(features.device());
 }
 
 } // namespace flotilla::train

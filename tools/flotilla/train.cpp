@@ -70,7 +70,8 @@ struct TrainArgs {
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
   std::string compression = "none";
-  int replicas_per_worker = 1;
+  int replicas_per_worker = 0; // 0: one per device in --devices
+  std::string devices = "auto";
   int accumulation_steps = 1;
   std::string verbose = "auto";
   std::int64_t shuffle_buffer = 10000;
@@ -115,16 +116,25 @@ struct Recipe {
   std::int64_t total_steps = 0;
 };
 
-Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t steps_per_epoch) {
+Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t steps_per_epoch,
+                   const torch::Device& device) {
   Recipe r;
   char buf[256];
-  // Mixed precision, matched to the hardware (the seeds: mixed_float16 on GPU, bf16 elsewhere).
+  // Mixed precision, matched to the hardware (the seeds: mixed_float16 on GPU, bf16 where it is
+  // native: Ampere and newer GPUs, AVX512-BF16/AMX CPUs).
   if (a.precision == "auto") {
-    const bool bf16 = train::cpu_has_native_bf16();
-    r.policy = bf16 ? train::Policy::kMixedBFloat16 : train::Policy::kFloat32;
-    r.lines.push_back(bf16 ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
-                           : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
-                             "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
+    r.policy = train::fastest_policy(device);
+    if (device.is_cuda()) {
+      r.lines.push_back(r.policy == train::Policy::kMixedBFloat16
+                            ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
+                            : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
+                              "predates native bfloat16)");
+    } else {
+      r.lines.push_back(r.policy == train::Policy::kMixedBFloat16
+                            ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
+                            : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
+                              "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
+    }
   } else {
     r.policy = train::parse_policy(a.precision);
     r.lines.push_back("mixed precision: " + train::to_string(r.policy) + " (--precision)");
@@ -185,15 +195,28 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   }
   r.lines.push_back(buf);
   r.lines.push_back(std::string("compiled step: ") +
-                    (a.jit_compile ? "jit_compile requested; on the CPU it has no effect"
-                                   : "off (jit_compile: CUDA-graph capture is not built yet)"));
+                    (!a.jit_compile        ? "off (--jit-compile captures the step in a CUDA graph)"
+                     : device.is_cuda()    ? "jit_compile requested: the step in a CUDA graph where "
+                                             "it applies (the jit_compile line says)"
+                                           : "jit_compile requested; on the CPU it has no effect"));
   r.lines.push_back("input pipeline: shuffle, batch, parallel map (AUTOTUNE), prefetch (AUTOTUNE)" +
                     std::string(a.cache != "none" ? ", cache" : "") +
+                    std::string(device.is_cuda() ? ", prefetch_to_device (pinned)" : "") +
                     "; each worker prepares only its own slice");
   r.lines.push_back("batch: " + std::to_string(a.batch_per_replica) +
                     " per replica, global " + std::to_string(global_batch) +
                     " (the largest batch that fits is not searched for: set --batch-per-replica)");
   return r;
+}
+
+// "cpu", "cuda:0,cuda:1", "2 x cpu".
+std::string device_list(const std::vector<torch::Device>& devices) {
+  if (devices.size() > 1 && devices.front().is_cpu()) {
+    return std::to_string(devices.size()) + " x cpu";
+  }
+  std::string out;
+  for (const auto& d : devices) out += (out.empty() ? "" : ",") + d.str();
+  return out;
 }
 
 data::Dataset test_source_of(const TrainArgs& a) {
@@ -298,14 +321,28 @@ int run(const TrainArgs& a) {
   data::Dataset train_source = data::fashion_mnist(a.data_dir, data::Split::kTrain);
   const data::Dataset test_source = test_source_of(a);
 
-  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, a.replicas_per_worker);
+  // Before joining, so a bad device list fails this worker at once.
+  if (a.devices != "auto" && a.replicas_per_worker > 0) {
+    throw ConfigError("--devices " + a.devices + " and --replicas-per-worker " +
+                      std::to_string(a.replicas_per_worker) +
+                      " both choose the replicas; give one of them");
+  }
+  // auto: several workers on one host (flotilla launch, torchrun, Slurm) split its GPUs.
+  const int local_workers = cluster::local_world_size(env);
+  const std::vector<torch::Device> devices =
+      a.devices != "auto" ? strategy::parse_devices(a.devices)
+      : a.replicas_per_worker == 0 && local_workers > 1
+          ? strategy::local_share_of_devices(cluster::local_rank(env), local_workers)
+          : strategy::default_devices(a.replicas_per_worker);
+  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
   const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
   if (strategy.is_chief()) {
     strategy.log().info(
         "MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) + " worker(s), " +
         std::to_string(strategy.num_replicas_in_sync()) + " replica(s) in sync, global batch " +
         std::to_string(global_batch) + " (" + std::to_string(a.batch_per_replica) +
-        " per replica), " + std::to_string(threads) + " thread(s) per worker; cluster from " +
+        " per replica), replicas on " + device_list(devices) + ", " + std::to_string(threads) +
+        " thread(s) per worker; cluster from " +
         spec.source + (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
   }
 
@@ -349,8 +386,13 @@ int run(const TrainArgs& a) {
                           return data::Element{data::normalize_images(e[0]), e[1]};
                         },
                         data::kAutotune);
-  const auto train_set = data::distribute_dataset(
-      batches.prefetch(data::kAutotune).with_options(pipeline_options), strategy.input_context());
+  // On a GPU the last stage copies each batch from pinned memory while the step before it runs.
+  const data::Dataset to_device = devices.front().is_cuda()
+                                      ? batches.prefetch(data::kAutotune)
+                                            .prefetch_to_device(devices.front())
+                                      : batches.prefetch(data::kAutotune);
+  const auto train_set =
+      data::distribute_dataset(to_device.with_options(pipeline_options), strategy.input_context());
   // Evaluation (and --validation) batches: every element counted once, the last batch short.
   const data::Dataset test_batches = test_source.batch(global_batch)
                                          .map(
@@ -370,7 +412,7 @@ int run(const TrainArgs& a) {
   }
 
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
-  const Recipe recipe = make_recipe(a, global_batch, steps_per_epoch);
+  const Recipe recipe = make_recipe(a, global_batch, steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
   torch::manual_seed(a.seed);
   auto net = strategy.scope([&] { return models::make_model(a.model); });
@@ -544,7 +586,7 @@ Command add_train(CLI::App& parent) {
                   "mixed_float16 or mixed_bfloat16")
       ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
       ->capture_default_str();
-  app->add_flag("--jit-compile", args->jit_compile, "Keras's jit_compile (no effect on the CPU)");
+  app->add_flag("--jit-compile", args->jit_compile, "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
   app->add_option("--steps-per-execution", args->steps_per_execution,
                   "Steps between batch-level callbacks and progress updates")
       ->check(CLI::Range(1, 1 << 20))
@@ -611,8 +653,13 @@ Command add_train(CLI::App& parent) {
       ->check(CLI::IsMember({"none", "fp16", "bf16"}, CLI::ignore_case))
       ->capture_default_str();
   app->add_option("--replicas-per-worker", args->replicas_per_worker,
-                  "Model replicas per worker (threads), reduced locally before the all-reduce")
-      ->check(CLI::Range(1, 64))
+                  "Model replicas per worker, reduced locally before the all-reduce: the first N "
+                  "GPUs, or N CPU replicas (threads) without a GPU; 0: one per --devices entry")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app->add_option("--devices", args->devices,
+                  "Each worker's replica devices: auto (every visible GPU, else the CPU), cpu, "
+                  "cuda, or a list such as cuda:0,cuda:1")
       ->capture_default_str();
   app->add_option("--accumulation-steps", args->accumulation_steps,
                   "Batches whose gradients are summed before one all-reduce and optimizer step")

@@ -54,5 +54,7 @@ ClusterSpec resolve_cluster(const Environment& env);
 // else, when resolve_cluster picks Slurm, this node's entry of the step's tasks per node; else 1.
 // Used to share the cores between them.
 int local_world_size(const Environment& env);
+// This worker's index among them: LOCAL_RANK (flotilla launch, torchrun), SLURM_LOCALID, or 0.
+int local_rank(const Environment& env);
 
 } // namespace flotilla::cluster

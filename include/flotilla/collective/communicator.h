@@ -70,6 +70,17 @@ struct CommunicationOptions {
 // Whether this build has the NCCL backend (LibTorch with CUDA).
 bool nccl_available();
 
+// The replicas of one worker: one tensor per replica, the same shape and dtype, each on its
+// replica's device. reduce_to_first() sums them into tensors[0]; broadcast_from_first() copies
+// tensors[0] into the others. CUDA tensors on distinct devices go through NCCL in one group call
+// (LibTorch's communicators for that device set) on each device's current stream, so they are
+// ordered after the kernels that produced them with no host synchronisation; otherwise plain
+// adds and copies (across devices when they differ).
+void reduce_to_first(const std::vector<at::Tensor>& tensors);
+void broadcast_from_first(const std::vector<at::Tensor>& tensors);
+// "nccl" or "copy": how the two above move these tensors.
+std::string local_transport(const std::vector<at::Tensor>& tensors);
+
 // The handle to one asynchronous collective. Copies share the same operation.
 class Work {
  public:

@@ -8,9 +8,9 @@
 // (overlap), and finish() waits for all of them only before the optimizer. Buckets start in
 // plan order on every rank, so ranks always issue the same collectives in the same order.
 //
-// Several replicas per worker (threads, each its own model copy) share one engine: a bucket is
-// summed locally once every replica has produced it, crosses workers in one all-reduce, and the
-// mean is copied back to every replica.
+// Several replicas per worker (threads, each its own model copy, on one device each) share one
+// engine: a bucket is summed locally once every replica has produced it (NCCL across GPUs), crosses
+// workers in one all-reduce, and the mean is broadcast back to every replica.
 //
 // A parameter that got no gradient on a replica contributes zeros, so nobody waits for a
 // gradient that never comes (PyTorch DDP's find_unused_parameters, without the graph walk): a
@@ -103,6 +103,7 @@ class GradientReducer {
   void drain_locked() noexcept;
   void start_ready_locked(bool in_backward);
   void start_locked(std::size_t bucket, bool in_backward);
+  std::vector<torch::Tensor> replica_buffers(std::size_t bucket) const; // [replica]
 
   collective::Communicator communicator_;
   collective::CommunicationOptions options_;

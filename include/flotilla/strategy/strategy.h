@@ -3,6 +3,11 @@
 // MirroredStrategy is the same on one worker. Build the model inside scope() so every replica
 // starts from the chief's parameters; each step, GradientReducer averages the gradients before
 // the optimizer runs, so every replica takes the same step.
+//
+// Devices: each worker runs one replica per device. By default that is every visible CUDA device
+// (CUDA_VISIBLE_DEVICES selects them), or one CPU replica where there is none, as Keras's
+// MirroredStrategy() takes every GPU; an explicit list picks devices, and several CPU "devices"
+// are replicas on threads.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -24,16 +29,38 @@ namespace flotilla::strategy {
 
 using collective::ReduceOp;
 
+// The CUDA devices this process sees (CUDA_VISIBLE_DEVICES renumbers them from cuda:0), or
+// {cpu} where there is none.
+std::vector<torch::Device> visible_devices();
+// `replicas` replicas: 0 means every visible device; K > 0 the first K visible CUDA devices, or K
+// CPU replicas (threads) where no CUDA device is visible. ConfigError for more GPUs than there are.
+std::vector<torch::Device> default_devices(int replicas = 0);
+// Worker `local_rank` of `local_workers` on this host: its share of the visible GPUs (an even
+// split, so workers never share one while there are enough; with fewer GPUs than workers,
+// GPU local_rank % GPUs), or one CPU replica where there is none.
+std::vector<torch::Device> local_share_of_devices(int local_rank, int local_workers);
+// "auto" (default_devices()), "cpu", "cuda" (every visible GPU), or a comma-separated list such as
+// "cuda:0,cuda:1" or "cpu,cpu". ConfigError naming the bad part and what is visible.
+std::vector<torch::Device> parse_devices(const std::string& text);
+// Checks a replica device list: not empty, all CPU or all CUDA, every CUDA device visible and
+// listed once. ConfigError otherwise.
+void check_devices(const std::vector<torch::Device>& devices);
+
 class Strategy {
  public:
-  // `replicas_per_worker` model copies train on each worker (threads, each on its slice of the
-  // worker's batch; MirroredStrategy's devices on CPU).
+  // One replica per entry of `devices` on each worker (replicas on one worker run on threads,
+  // each on its slice of the worker's batch).
+  Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
+           std::vector<torch::Device> devices);
+  // `replicas_per_worker` CPU replicas, whatever GPUs there are.
   Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
            int replicas_per_worker = 1);
   virtual ~Strategy() = default;
 
-  int num_replicas_in_sync() const { return communicator_.size() * replicas_per_worker_; }
-  int replicas_per_worker() const { return replicas_per_worker_; }
+  int num_replicas_in_sync() const { return communicator_.size() * replicas_per_worker(); }
+  int replicas_per_worker() const { return static_cast<int>(devices_.size()); }
+  // Replica r's device on this worker; the model built in scope() lives on devices().front().
+  const std::vector<torch::Device>& devices() const { return devices_; }
   int num_workers() const { return communicator_.size(); }
   int worker_index() const { return communicator_.rank(); }
   bool is_chief() const { return communicator_.rank() == 0; }
@@ -42,9 +69,11 @@ class Strategy {
   const Logger& log() const { return log_; }
   InputContext input_context() const;
 
-  // Builds the model and makes every replica's parameters and buffers the chief's.
+  // Builds the model, puts it on the first replica device and makes its parameters and buffers
+  // the chief's. (Model::compile() makes the other replicas' copies on their devices.)
   template <class Build> auto scope(Build&& build) {
     auto model = build();
+    module_of(model).to(devices_.front());
     mirror(module_of(model));
     return model;
   }
@@ -74,23 +103,29 @@ class Strategy {
 
   cluster::ClusterSpec cluster_;
   collective::Communicator communicator_;
-  int replicas_per_worker_;
+  std::vector<torch::Device> devices_;
   Logger log_;
 };
 
-// One worker, this machine, `replicas` CPU replicas (threads) reduced locally.
+// One worker, this machine: a replica on each of `devices`, reduced locally.
 class MirroredStrategy : public Strategy {
  public:
-  explicit MirroredStrategy(const collective::CommunicationOptions& options = {},
-                            int replicas = 1);
+  // `replicas` as default_devices(): 0, every visible GPU (or the CPU).
+  explicit MirroredStrategy(const collective::CommunicationOptions& options = {}, int replicas = 0);
+  explicit MirroredStrategy(std::vector<torch::Device> devices,
+                            const collective::CommunicationOptions& options = {});
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
+// Each worker runs a replica on each of its devices.
 class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
                                        const collective::CommunicationOptions& options = {},
-                                       int replicas_per_worker = 1);
+                                       int replicas_per_worker = 0);
+  MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
+                              const collective::CommunicationOptions& options,
+                              std::vector<torch::Device> devices);
 };
 
 } // namespace flotilla::strategy

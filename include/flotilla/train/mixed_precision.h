@@ -25,6 +25,13 @@ torch::ScalarType compute_dtype(Policy policy);
 // Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then does
 // mixed_bfloat16 make a CPU step faster rather than slower.
 bool cpu_has_native_bf16();
+// Whether CUDA device `index` computes bfloat16 natively (compute capability 8.0 or newer: A100,
+// H100, H200); there mixed_bfloat16 is the GPU's mixed precision and needs no loss scaling.
+// False where no such device is visible.
+bool cuda_has_native_bf16(int index = 0);
+// The mixed precision that helps on `device`: mixed_bfloat16 where it computes bfloat16
+// natively, mixed_float16 (with loss scaling) on older GPUs, float32 on other CPUs.
+Policy fastest_policy(const torch::Device& device);
 
 // Autocast on this thread for `device` while alive (autocast state is per thread: each replica's
 // thread makes its own). Does nothing under the float32 policy.

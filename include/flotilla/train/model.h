@@ -36,8 +36,11 @@ struct CompileOptions {
   // Keras runs this many steps per call of its compiled function; here the steps are C++
   // already, so it sets how often batch-level callbacks (and the progress bar) run.
   int steps_per_execution = 1;
-  // Keras's XLA switch. The step is compiled C++ already; a CUDA-graph capture of the whole step
-  // is not built yet (issue 8). Accepted, and compile() says in one line that it has no effect.
+  // Keras's XLA switch. On CUDA (one GPU per worker, no gradient accumulation): after 3 eager
+  // warm-up steps, the step's forward, backward and gradient all-reduce are captured once in a
+  // CUDA graph and replayed for every batch of the same shapes (others run eagerly); the
+  // optimizer and the loss scale's check stay eager. Elsewhere compile() says in one line why it
+  // has no effect (on the CPU the step is compiled C++ already).
   bool jit_compile = false;
   // Apply the optimizer once every K batches, on their summed gradients, with one all-reduce
   // (Keras's gradient_accumulation_steps, DDP's no_sync). An epoch's last partial group is
@@ -199,10 +202,15 @@ class Model {
   // Runs one batch on every replica and applies the update when due; returns the batch's sums.
   struct StepSums;
   StepSums train_step(const data::ReplicaBatch& batch, int& micro);
-  // Summed per-example loss, each metric's sum, and the example count, in one host copy.
-  std::vector<double> batch_sums(const torch::Tensor& per_example_loss,
-                                 const torch::Tensor& outputs, const torch::Tensor& labels) const;
-  void apply_gradients();
+  // Summed per-example loss, each metric's sum, and the example count: float64, on the device.
+  torch::Tensor batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
+                           const torch::Tensor& labels) const;
+  void apply_gradients(); // finishes the reduction, then apply_update()
+  // Unscales and checks the reduced gradients, then steps the optimizers (or skips the step).
+  void apply_update();
+  // jit_compile: runs the step as a CUDA graph (captured on first use) and applies it; the batch
+  // sums, or nothing where the batch's shapes differ from the captured ones (run it eagerly).
+  std::optional<torch::Tensor> replay_step(const data::Element& batch, double loss_factor);
   // Every worker's phase sums, in rank order (a collective: every worker calls it).
   std::vector<PhaseTimes> gather_phases(const PhaseTimes& mine);
   EvalResult evaluate_impl(const data::DistributedDataset& data);
@@ -232,6 +240,8 @@ class Model {
   std::unique_ptr<Threads> threads_; // runs replicas 1..K-1
   struct StepClock; // the phase timer of the step in progress
   std::unique_ptr<StepClock> clock_;
+  struct Compiled; // jit_compile's CUDA graph, when it applies (see compile())
+  std::unique_ptr<Compiled> graph_;
   std::vector<torch::Device> devices_; // each replica's parameters' device
   bool tracing_ = false;
   std::int64_t max_traced_steps_ = 0;

@@ -15,4 +15,14 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
       "AUTO) for CPU training, or build against a CUDA LibTorch");
 }
 
+bool nccl_local_usable(const std::vector<at::Tensor>&) {
+  return false;
+}
+bool nccl_local_reduce(const std::vector<at::Tensor>&) {
+  return false;
+}
+bool nccl_local_broadcast(const std::vector<at::Tensor>&) {
+  return false;
+}
+
 } // namespace flotilla::collective::detail

@@ -176,9 +176,10 @@ TEST(Doctor, MixedPrecisionMatchesTheHardware) {
   EXPECT_TRUE(contains(f.recommendation, "--precision mixed_")) << f.recommendation;
   run.recipe.precision = "mixed_bfloat16";
   EXPECT_EQ(item(run, "mixed precision").status, Status::kGood);
-  run.recipe.hardware_bf16 = false; // not detected on CUDA yet: unknown, not a wrong verdict
+  run.recipe.hardware_bf16 = false; // a GPU before sm_80 (V100, T4): bfloat16 is the wrong pick
   f = item(run, "mixed precision");
-  EXPECT_EQ(f.status, Status::kUnknown);
+  EXPECT_EQ(f.status, Status::kAct);
+  EXPECT_TRUE(contains(f.evidence, "predates native bfloat16")) << f.evidence;
   EXPECT_TRUE(contains(f.recommendation, "--precision mixed_float16")) << f.recommendation;
 }
 
@@ -187,7 +188,7 @@ TEST(Doctor, CompiledStepSaysPlainlyThatTheCpuHasNone) {
   run.recipe.jit_compile = true;
   Finding f = item(run, "compiled step");
   EXPECT_EQ(f.status, Status::kUnknown);
-  EXPECT_TRUE(contains(f.evidence, "no compiled step for the CPU")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "on the CPU the step is compiled C++ already")) << f.evidence;
   EXPECT_TRUE(contains(f.evidence, "no effect")) << f.evidence;
 
   run.recipe.device = "cuda:0";
