@@ -16,12 +16,16 @@ Needs only torch. On a CPU-only machine: --device cpu --steps 3 --modes eager.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+# The layers are the DDP peer's (bench/peers/common.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
+from common import make_torch_model  # noqa: E402
 
 PRECISIONS = {  # flag -> (the name train_bench.cpp prints, autocast dtype or None)
     "float32": ("float32", None),
@@ -33,17 +37,6 @@ PRECISIONS = {  # flag -> (the name train_bench.cpp prints, autocast dtype or No
 }
 
 
-def make_model(name):
-    """The same layers as flotilla's models/zoo.cpp."""
-    if name in ("mlp", "mlp-wide"):
-        hidden = 256 if name == "mlp" else 2048
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(),
-                             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    if name == "cnn":
-        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Flatten(), nn.Linear(3136, 128), nn.ReLU(), nn.Linear(128, 10))
-    raise ValueError(f"unknown model {name!r}; use mlp, mlp-wide or cnn")
 
 
 def make_optimizer(name, parameters):
@@ -67,7 +60,7 @@ def run_one(args, device, mode, precision_flag):
     torch.manual_seed(args.seed)
     images = torch.randn(args.distinct_batches, args.batch, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (args.distinct_batches, args.batch), device=device)
-    model = make_model(args.model).to(device)
+    model = make_torch_model(args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters())
     forward = torch.compile(model) if mode == "compile" else model
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None

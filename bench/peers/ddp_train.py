@@ -19,23 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import LR, MEAN, MOMENTUM, SEED, STD, parse_args, read_idx  # noqa: E402
+from common import LR, MEAN, MOMENTUM, SEED, STD, make_torch_model, parse_args, read_idx  # noqa: E402
 
 
-def make_model(name):
-    """The same layers as flotilla's models/zoo.cpp."""
-    if name in ("mlp", "mlp-wide"):
-        hidden = 256 if name == "mlp" else 2048
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(),
-                             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    if name == "cnn":
-        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Flatten(), nn.Linear(3136, 128), nn.ReLU(), nn.Linear(128, 10))
-    raise SystemExit(f"unknown model {name!r}; use mlp, mlp-wide or cnn")
 
 
 def main():
@@ -55,7 +43,7 @@ def main():
     n = x.shape[0]
 
     torch.manual_seed(SEED)  # DDP broadcasts rank 0's parameters anyway
-    model = DistributedDataParallel(make_model(model_name))
+    model = DistributedDataParallel(make_torch_model(model_name))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
     def local_batches():

@@ -672,6 +672,9 @@ Model::StepSums Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   } else {
     ++micro;
   }
+  // One replica: its sums as they are (no allocation per step); several: added on replica 0's
+  // device (an empty slice has none).
+  if (results.size() == 1 && results[0].sums.defined()) return results[0];
   StepSums total{torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
                               torch::TensorOptions().dtype(torch::kFloat64).device(devices_[0]))};
   for (const auto& r : results) {

@@ -5,7 +5,6 @@
 #include <torch/cuda.h>
 
 #include <cmath>
-#include <sstream>
 #include <vector>
 
 #include "flotilla/data/dataset.h"
@@ -13,6 +12,7 @@
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/model.h"
 #include "models/zoo.h"
+#include "support/compare.h"
 
 namespace flotilla {
 namespace {
@@ -72,16 +72,6 @@ Trained train_on(const std::vector<torch::Device>& devices, const std::string& n
   return run;
 }
 
-double max_relative_difference(const std::vector<torch::Tensor>& a,
-                               const std::vector<torch::Tensor>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst =
-        std::max(worst, (a[i] - b[i]).abs().max().item<double>() / b[i].abs().max().item<double>());
-  }
-  return worst;
-}
-
 TEST(CudaTraining, DefaultStrategyTakesEveryVisibleGpuAndTheModelLivesOnTheFirst) {
   NEED_GPUS(1);
   strategy::MirroredStrategy strategy;
@@ -97,7 +87,7 @@ TEST(CudaTraining, Float32OnTheGpuFollowsTheCpu) {
   const Trained gpu = train_on({torch::Device("cuda:0")}, "cnn", data.dataset(64));
   // cuDNN convolutions may run in TF32 (LibTorch's default) and sum in another order: close,
   // not equal. A wrong reduction or a lost step is far outside this.
-  EXPECT_LT(max_relative_difference(gpu.weights, cpu.weights), 1e-2);
+  EXPECT_LT(testing::max_relative_difference(gpu.weights, cpu.weights), 1e-2);
   EXPECT_NEAR(gpu.history.epochs.at(0).values.at("loss"),
               cpu.history.epochs.at(0).values.at("loss"), 1e-2);
 }
@@ -113,7 +103,7 @@ TEST(CudaTraining, MixedPrecisionTrainsInBothHalfTypesAndScalesFloat16) {
     // The same training in lower precision: close to float32's, not equal to it.
     EXPECT_NEAR(loss, fp32.history.epochs.at(0).values.at("loss"), 0.05)
         << train::to_string(policy);
-    EXPECT_LT(max_relative_difference(mixed.weights, fp32.weights), 0.05)
+    EXPECT_LT(testing::max_relative_difference(mixed.weights, fp32.weights), 0.05)
         << train::to_string(policy);
     // float16 trains under the dynamic loss scale (2^15 to start); bfloat16 needs none.
     if (policy == train::Policy::kMixedFloat16) {
@@ -133,7 +123,7 @@ TEST(CudaTraining, TheCapturedStepComputesWhatTheEagerStepDoes) {
     const Trained graph =
         train_on({torch::Device("cuda:0")}, "mlp", data.dataset(64), policy, /*jit=*/true);
     // The same kernels in the same order: equal up to nondeterministic reductions.
-    EXPECT_LT(max_relative_difference(graph.weights, eager.weights), 1e-5)
+    EXPECT_LT(testing::max_relative_difference(graph.weights, eager.weights), 1e-5)
         << train::to_string(policy);
     EXPECT_NEAR(graph.history.epochs.at(0).values.at("loss"),
                 eager.history.epochs.at(0).values.at("loss"), 1e-5);
@@ -149,7 +139,7 @@ TEST(CudaTraining, ABatchOfAnotherShapeRunsEagerlyBesideTheCapturedStep) {
   const Trained graph = train_on({torch::Device("cuda:0")}, "mlp", data.dataset(64, false),
                                  train::Policy::kFloat32, true);
   EXPECT_EQ(graph.history.epochs.at(0).steps, 7);
-  EXPECT_LT(max_relative_difference(graph.weights, eager.weights), 1e-5);
+  EXPECT_LT(testing::max_relative_difference(graph.weights, eager.weights), 1e-5);
 }
 
 TEST(CudaTraining, ReplicasOnTwoGpusTrainAsOneReplicaOnTheWholeBatch) {
@@ -157,7 +147,7 @@ TEST(CudaTraining, ReplicasOnTwoGpusTrainAsOneReplicaOnTheWholeBatch) {
   const Batches data(512);
   const Trained one = train_on({torch::Device("cuda:0")}, "cnn", data.dataset(64));
   const Trained two = train_on(strategy::parse_devices("cuda:0,cuda:1"), "cnn", data.dataset(64));
-  EXPECT_LT(max_relative_difference(two.weights, one.weights), 1e-4);
+  EXPECT_LT(testing::max_relative_difference(two.weights, one.weights), 1e-4);
 }
 
 } // namespace

@@ -106,62 +106,6 @@ TEST(PrefetchToDevice, ASavedPassResumesOnExactlyTheNextElement) {
   EXPECT_THROW(without.make_iterator(state), ConfigError);
 }
 
-strategy::InputContext worker(int index, int workers) {
-  return strategy::InputContext{workers, index, workers};
-}
-
-struct Pass {
-  std::vector<std::vector<std::int64_t>> ids;
-  std::vector<std::int64_t> global_sizes;
-  bool operator==(const Pass& o) const { return ids == o.ids && global_sizes == o.global_sizes; }
-};
-
-Pass run(const DistributedDataset& ds) {
-  Pass out;
-  auto it = ds.make_iterator();
-  while (auto b = it.next()) {
-    const auto t = b->element[0].reshape({-1}).contiguous();
-    out.ids.emplace_back(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
-    out.global_sizes.push_back(b->global_batch_size);
-  }
-  return out;
-}
-
-TEST(PrefetchToDevice, DistributesLikeThePipelineWithoutIt) {
-  // drop_remainder false: a short last global batch (100 = 4 × 24 + 4) is split and its size
-  // recorded through the stage too.
-  auto make = [](bool to_device) {
-    auto ds = Dataset::from_tensor_slices({torch::arange(100, torch::kInt64)})
-                  .shuffle(100, 5)
-                  .batch(24)
-                  .map([](Element e) { return e; }, 2);
-    return to_device ? ds.prefetch_to_device(kCpu, 2) : ds;
-  };
-  std::vector<std::int64_t> seen;
-  for (int w = 0; w < 2; ++w) {
-    const auto with = distribute_dataset(make(true), worker(w, 2));
-    const auto without = distribute_dataset(make(false), worker(w, 2));
-    // The batch below the stage was rewritten, not the whole pipeline split at the end.
-    EXPECT_NE(with.plan().find("batch(24) rewritten"), std::string::npos) << with.plan();
-    // The stage stays last; its fingerprint leaves the device out (each worker prefetches to its
-    // own GPU, and must resume from the chief's saved position).
-    EXPECT_EQ(with.per_worker().fingerprint().rfind("prefetch_to_device<-[map", 0), 0u)
-        << with.per_worker().fingerprint();
-    const Pass a = run(with);
-    const Pass b = run(without);
-    EXPECT_TRUE(a == b) << "worker " << w;
-    ASSERT_EQ(a.ids.size(), 5u);
-    EXPECT_EQ(a.ids[0].size(), 12u);
-    EXPECT_EQ(a.ids[4].size(), 2u);
-    EXPECT_EQ(a.global_sizes, (std::vector<std::int64_t>{24, 24, 24, 24, 4}));
-    for (const auto& ids : a.ids) seen.insert(seen.end(), ids.begin(), ids.end());
-  }
-  // The two workers' slices partition the data.
-  std::sort(seen.begin(), seen.end());
-  ASSERT_EQ(seen.size(), 100u);
-  for (std::int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], i);
-}
-
 TEST(PrefetchToDevice, AnUpstreamErrorReachesTheConsumerAndTheElementsAfterItStillCome) {
   auto boom = [](Element e) {
     if (e[0].item<std::int64_t>() == 3) throw std::runtime_error("bad pixel");

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <set>
 
@@ -33,6 +34,42 @@ Pass run(const DistributedDataset& ds) {
 
 Dataset ids(std::int64_t n) {
   return Dataset::from_tensor_slices({torch::arange(n, torch::kInt64)});
+}
+
+TEST(Distribute, APipelineEndingInPrefetchToDeviceDistributesAsOneWithout) {
+  // drop_remainder false: a short last global batch (100 = 4 × 24 + 4) is split and its size
+  // recorded through the stage too.
+  auto make = [](bool to_device) {
+    auto ds = Dataset::from_tensor_slices({torch::arange(100, torch::kInt64)})
+                  .shuffle(100, 5)
+                  .batch(24)
+                  .map([](Element e) { return e; }, 2);
+    return to_device ? ds.prefetch_to_device(torch::Device(torch::kCPU), 2) : ds;
+  };
+  std::vector<std::int64_t> seen;
+  for (int w = 0; w < 2; ++w) {
+    const auto with = distribute_dataset(make(true), worker(w, 2));
+    const auto without = distribute_dataset(make(false), worker(w, 2));
+    // The batch below the stage was rewritten, not the whole pipeline split at the end.
+    EXPECT_NE(with.plan().find("batch(24) rewritten"), std::string::npos) << with.plan();
+    // The stage stays last; its fingerprint leaves the device out (each worker prefetches to its
+    // own GPU, and must resume from the chief's saved position).
+    EXPECT_EQ(with.per_worker().fingerprint().rfind("prefetch_to_device<-[map", 0), 0u)
+        << with.per_worker().fingerprint();
+    const Pass a = run(with);
+    const Pass b = run(without);
+    EXPECT_EQ(a.ids, b.ids) << "worker " << w;
+    EXPECT_EQ(a.global_sizes, b.global_sizes) << "worker " << w;
+    ASSERT_EQ(a.ids.size(), 5u);
+    EXPECT_EQ(a.ids[0].size(), 12u);
+    EXPECT_EQ(a.ids[4].size(), 2u);
+    EXPECT_EQ(a.global_sizes, (std::vector<std::int64_t>{24, 24, 24, 24, 4}));
+    for (const auto& ids : a.ids) seen.insert(seen.end(), ids.begin(), ids.end());
+  }
+  // The two workers' slices partition the data.
+  std::sort(seen.begin(), seen.end());
+  ASSERT_EQ(seen.size(), 100u);
+  for (std::int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], i);
 }
 
 TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat) {
