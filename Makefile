@@ -6,17 +6,26 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap build run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-gpu clean
+.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-gpu clean
 
 all: build
 
+# What the main job needs (compiler, libraries, LibTorch, the dataset), then what the tests add.
 bootstrap:
 	@scripts/bootstrap
 
-build: bootstrap
+bootstrap-test:
+	@scripts/bootstrap --test
+
+# The library and the CLI only: `make run` builds no test, example or benchmark.
+build-run: bootstrap
+	@scripts/build --run
+
+# Everything: library, CLI, examples, benchmarks, tests.
+build: bootstrap-test
 	@scripts/build
 
-run: build
+run: build-run
 	$(BUILD_DIR)/flotilla $(RUN_ARGS)
 
 # Everything but the GPU tests (they need a CUDA device; see bench/gpu).
