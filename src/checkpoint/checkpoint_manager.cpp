@@ -21,8 +21,9 @@
 #include <type_traits>
 
 #include "checkpoint/manifest.h"
-#include "flotilla/checkpoint/atomic_file.h"
-#include "flotilla/checkpoint/sha256.h"
+#include "flotilla/base/atomic_file.h"
+#include "flotilla/base/hashes.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 
 namespace flotilla::checkpoint {
@@ -286,7 +287,7 @@ class StagedCheckpoint {
 };
 
 ordered_json file_entry(const fs::path& path) {
-  return ordered_json{{"sha256", sha256_file(path)},
+  return ordered_json{{"sha256", base::sha256_file(path)},
                       {"bytes", static_cast<std::uint64_t>(fs::file_size(path))}};
 }
 
@@ -313,7 +314,7 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
       {"files", files},
       {"state", ordered_json::parse(data.state.dump())},
   };
-  write_file_atomic(dir / kManifestFile, manifest.dump(2) + "\n");
+  base::write_file_atomic(dir / kManifestFile, manifest.dump(2) + "\n");
   sync_directory(dir);
 }
 
@@ -377,7 +378,7 @@ Commit commit(StagedCheckpoint& staged, const fs::path& dir, const std::string& 
       result.to_delete.assign(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(keep));
       kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(keep));
     }
-    write_file_atomic(dir / kPointerFile, format_pointer({name, kept}));
+    base::write_file_atomic(dir / kPointerFile, format_pointer({name, kept}));
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(final_path, ignored);
@@ -549,12 +550,12 @@ CheckpointManager::CheckpointManager(fs::path directory, int max_to_keep, std::s
   validate_prefix(prefix_);
 }
 
-fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointData& data,
-                                 std::int64_t number) {
+fs::path CheckpointManager::save(collective::Communicator& workers, const Logger& log,
+                                 const CheckpointData& data, std::int64_t number) {
   const std::string name = prefix_ + "-" + std::to_string(number);
   const std::string intact =
       "The previous checkpoints in " + directory_.string() + " and its pointer file are intact";
-  const bool chief = strategy.is_chief();
+  const bool chief = workers.rank() == 0;
 
   // Phase 1, every worker: write the whole checkpoint under a hidden name. The chief stops
   // there; the others, in their own temporary directory, finish as the chief will.
@@ -567,7 +568,7 @@ fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointD
         throw CheckpointError("checkpoint number " + std::to_string(number) +
                               " is negative; number checkpoints from 0 (epochs, steps)");
       }
-      location.emplace(directory_, chief, strategy.worker_index());
+      location.emplace(directory_, chief, workers.rank());
       const fs::path final_path = location->dir() / name;
       const auto final_status = fs::symlink_status(final_path);
       if (fs::exists(final_status) && !fs::is_directory(final_status)) {
@@ -582,10 +583,10 @@ fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointD
                               "move it away");
       }
       staged.emplace(location->dir(), name);
-      write_files(staged->path(), data, number, strategy.num_workers());
+      write_files(staged->path(), data, number, workers.size());
       if (!chief) {
         const Commit done = commit(*staged, location->dir(), name, max_to_keep_);
-        delete_old(location->dir(), done.to_delete, strategy.log());
+        delete_old(location->dir(), done.to_delete, log);
       }
     } catch (const std::exception& e) {
       throw CheckpointError("cannot save checkpoint " + name + " in " +
@@ -597,18 +598,15 @@ fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointD
   }
 
   // Everyone learns whether everyone succeeded, and whether all saved the same number.
-  const auto agreed = strategy.reduce(
-      strategy::ReduceOp::kMin,
-      torch::tensor({failure ? std::int64_t{0} : std::int64_t{1}, number, -number}, torch::kInt64));
-  const auto* values = agreed.data_ptr<std::int64_t>();
+  const collective::Agreement agreed = collective::agree(workers, !failure, number);
   if (failure) std::rethrow_exception(failure); // destructors remove what this worker wrote
-  if (values[0] == 0) {
+  if (!agreed.all) {
     throw CheckpointError("saving checkpoint " + name +
                           " failed on another worker; see its output. " + intact);
   }
-  if (values[1] != -values[2]) {
+  if (!agreed.same()) {
     throw CheckpointError("workers saved different checkpoint numbers (" +
-                          std::to_string(values[1]) + " to " + std::to_string(-values[2]) +
+                          std::to_string(agreed.min) + " to " + std::to_string(agreed.max) +
                           "); every worker must call save() at the same step with the same "
                           "number. " +
                           intact);
@@ -618,19 +616,18 @@ fs::path CheckpointManager::save(strategy::Strategy& strategy, const CheckpointD
   if (chief) {
     try {
       const Commit done = commit(*staged, directory_, name, max_to_keep_);
-      if (!done.warning.empty()) strategy.log().warn(done.warning);
-      delete_old(directory_, done.to_delete, strategy.log());
-      sweep_debris(directory_, prefix_, strategy.log());
+      if (!done.warning.empty()) log.warn(done.warning);
+      delete_old(directory_, done.to_delete, log);
+      sweep_debris(directory_, prefix_, log);
     } catch (const std::exception& e) {
       failure = std::make_exception_ptr(CheckpointError("cannot save checkpoint " + name + " in " +
                                                         directory_.string() + ": " + e.what() +
                                                         ". " + intact));
     }
   }
-  const auto committed =
-      strategy.reduce(strategy::ReduceOp::kMin, torch::tensor({failure ? 0 : 1}, torch::kInt32));
+  const bool committed = collective::all_true(workers, !failure);
   if (failure) std::rethrow_exception(failure);
-  if (committed.item<int>() == 0) {
+  if (!committed) {
     throw CheckpointError("saving checkpoint " + name + " failed on the chief; see its output. " +
                           intact);
   }
@@ -690,7 +687,7 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
                             "; the file is truncated or damaged. " +
                             restore_advice(checkpoint_dir));
     }
-    const std::string actual_hash = sha256_file(path);
+    const std::string actual_hash = base::sha256_file(path);
     if (actual_hash != entry.sha256) {
       throw CheckpointError(path.string() + ": SHA-256 is " + actual_hash + ", the manifest says " +
                             entry.sha256 + "; the file changed after it was written (damaged). " +

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "flotilla/checkpoint/safetensors.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 
 namespace flotilla::checkpoint {
@@ -74,23 +75,22 @@ void load_model_state(torch::nn::Module& module, const NamedTensors& state,
   for (auto& [target, source_tensor] : copies) target.copy_(*source_tensor);
 }
 
-fs::path save_model(strategy::Strategy& strategy, const torch::nn::Module& module,
+fs::path save_model(collective::Communicator& workers, const torch::nn::Module& module,
                     const fs::path& model_dir, const std::string& file_name,
                     const std::map<std::string, std::string>& metadata) {
   const NamedTensors tensors = model_state(module);
 
   std::exception_ptr failure;
   try {
-    WriteLocation location(model_dir, strategy.is_chief(), strategy.worker_index());
+    WriteLocation location(model_dir, workers.rank() == 0, workers.rank());
     save_safetensors(location.dir() / file_name, tensors, metadata);
   } catch (...) {
     failure = std::current_exception();
   }
   // Everyone learns whether everyone succeeded: nobody waits on a worker that gave up.
-  const auto ok =
-      strategy.reduce(strategy::ReduceOp::kMin, torch::tensor({failure ? 0 : 1}, torch::kInt32));
+  const bool ok = collective::all_true(workers, !failure);
   if (failure) std::rethrow_exception(failure);
-  if (ok.item<int>() == 0) {
+  if (!ok) {
     throw CheckpointError("saving " + file_name +
                           " failed on another worker; see its output. The previous checkpoint "
                           "in " +

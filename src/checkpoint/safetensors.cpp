@@ -3,7 +3,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
 namespace flotilla::checkpoint {
@@ -54,7 +54,7 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   text.append((8 - text.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
-  AtomicFile file(path);
+  base::AtomicFile file(path);
   file.write(length, 8);
   file.write(text);
   for (const auto& t : data) {

@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
 #include <openssl/rand.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -21,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "flotilla/base/hashes.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 
@@ -229,18 +229,6 @@ std::string WireWriter::frame() const {
   return head.body_ + body_;
 }
 
-std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::string& message) {
-  std::array<std::uint8_t, 32> out{};
-  std::size_t length = 0;
-  if (!EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(),
-                 reinterpret_cast<const unsigned char*>(message.data()), message.size(),
-                 out.data(), out.size(), &length) ||
-      length != out.size()) {
-    throw Error("HMAC-SHA256 failed (OpenSSL)");
-  }
-  return out;
-}
-
 std::array<std::uint8_t, 16> new_session() {
   return random_bytes<16>();
 }
@@ -402,7 +390,7 @@ struct RendezvousServer::Impl {
     if (!in.done()) throw WireError("trailing bytes after the join message");
     // The token first: a process without it learns nothing about the cluster.
     if (config.token) {
-      const auto expected = hmac_sha256(
+      const auto expected = base::hmac_sha256(
           *config.token, join_message(c.nonce, client_nonce, rank, world, role, session));
       if (!equal_secret(mac, expected)) {
         refuse(c, "wrong or missing cluster token (claiming rank " + std::to_string(rank) +
@@ -437,7 +425,7 @@ struct RendezvousServer::Impl {
     c.role = role;
     WireWriter w;
     w.u8(0).str("").u8(config.token ? 1 : 0);
-    w.fixed(config.token ? hmac_sha256(*config.token, chief_message(c.nonce, client_nonce, rank))
+    w.fixed(config.token ? base::hmac_sha256(*config.token, chief_message(c.nonce, client_nonce, rank))
                          : std::array<std::uint8_t, 32>{});
     queue(c, w.frame());
     if (role == kRoleStore) {
@@ -1014,7 +1002,7 @@ class Connection {
     WireWriter w;
     w.u32(kMagic).u8(kVersion).u8(role).i32(config.rank).i32(config.world_size);
     w.fixed(config.session).fixed(client_nonce);
-    w.fixed(config.token ? hmac_sha256(*config.token,
+    w.fixed(config.token ? base::hmac_sha256(*config.token,
                                        join_message(server_nonce, client_nonce, config.rank,
                                                     config.world_size, role, config.session))
                          : std::array<std::uint8_t, 32>{});
@@ -1031,7 +1019,7 @@ class Connection {
       }
       const auto mac = r.fixed<32>();
       if (config.token &&
-          (!has_mac || !equal_secret(mac, hmac_sha256(*config.token,
+          (!has_mac || !equal_secret(mac, base::hmac_sha256(*config.token,
                                                       chief_message(server_nonce, client_nonce,
                                                                     config.rank))))) {
         throw ConfigError("the process at " + chief_ +

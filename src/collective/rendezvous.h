@@ -111,9 +111,6 @@ struct WireError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// HMAC-SHA256 of `message` under `key` (OpenSSL).
-std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::string& message);
-
 // The chief's side: listens on config.chief from construction to destruction.
 class RendezvousServer {
  public:

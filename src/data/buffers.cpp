@@ -13,7 +13,7 @@
 #include "data/read_ahead.h"
 #include "data/stages.h"
 #include "data/tuner.h"
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 #include "flotilla/log.h"
 
 namespace flotilla::data::detail {
@@ -334,7 +334,7 @@ class FileFillStage : public UnaryStage {
  public:
   FileFillStage(std::unique_ptr<Stage> input, const std::string& path, std::string fingerprint)
       : UnaryStage("Cache(file write)", std::move(input)),
-        file_(std::make_unique<checkpoint::AtomicFile>(path)) {
+        file_(std::make_unique<base::AtomicFile>(path)) {
     file_->write(kCacheMagic, sizeof(kCacheMagic) - 1);
     put<std::uint64_t>(fingerprint.size());
     file_->write(fingerprint);
@@ -368,7 +368,7 @@ class FileFillStage : public UnaryStage {
 
  private:
   template <class T> void put(T v) { file_->write(&v, sizeof v); }
-  std::unique_ptr<checkpoint::AtomicFile> file_; // removed unless the pass completes
+  std::unique_ptr<base::AtomicFile> file_; // removed unless the pass completes
   std::int64_t count_ = 0;
 };
 

@@ -7,7 +7,8 @@
 #include <unistd.h>
 
 #include "data/stages.h"
-#include "data/thread_pool.h"
+#include "flotilla/base/system.h"
+#include "flotilla/base/thread_pool.h"
 #include "data/tuner.h"
 #include "flotilla/error.h"
 
@@ -112,12 +113,6 @@ void Node::continue_after(std::int64_t iteration) const {
   }
 }
 
-int available_cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return 1;
-}
-
 // The runtime of one pass: the pool and tuner its stages share, and the stage tree.
 class IteratorImpl {
  public:
@@ -130,7 +125,7 @@ class IteratorImpl {
     ctx.iteration = iteration;
     const int threads = ctx.options.private_threadpool_size > 0
                             ? ctx.options.private_threadpool_size
-                            : available_cores();
+                            : base::available_cores();
     std::int64_t budget = ctx.options.autotune.ram_budget;
     if (budget <= 0) {
       budget = static_cast<std::int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE) / 4;

@@ -15,9 +15,13 @@
 #include "flotilla/data/dataset.h"
 #include "flotilla/error.h"
 
+namespace flotilla::base {
+class ThreadPool;
+}
+
 namespace flotilla::data::detail {
 
-class ThreadPool;
+using base::ThreadPool;
 class Tuner;
 
 // The global size of each batch a distributed pass produced, in order: the rebatching stage

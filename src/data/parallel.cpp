@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "data/stages.h"
-#include "data/thread_pool.h"
+#include "flotilla/base/thread_pool.h"
 #include "data/tuner.h"
 
 namespace flotilla::data::detail {

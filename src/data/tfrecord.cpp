@@ -2,11 +2,11 @@
 
 #include <cstring>
 
-#include "data/crc32c.h"
+#include "flotilla/base/crc32c.h"
 #include "data/example_codec.h"
 #include "data/stages.h"
 #include "data/tfrecord_framing.h"
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {
@@ -165,7 +165,7 @@ std::optional<std::string> TFRecordReader::next() {
 }
 
 TFRecordWriter::TFRecordWriter(const std::string& path)
-    : file_(std::make_unique<checkpoint::AtomicFile>(path)) {}
+    : file_(std::make_unique<base::AtomicFile>(path)) {}
 TFRecordWriter::~TFRecordWriter() = default;
 
 void TFRecordWriter::write(const std::string& record) {
@@ -173,9 +173,9 @@ void TFRecordWriter::write(const std::string& record) {
   unsigned char header[12];
   const std::uint64_t length = record.size();
   std::memcpy(header, &length, 8);
-  const std::uint32_t length_crc = detail::mask_crc(detail::crc32c(header, 8));
+  const std::uint32_t length_crc = base::mask_crc(base::crc32c(header, 8));
   std::memcpy(header + 8, &length_crc, 4);
-  const std::uint32_t data_crc = detail::mask_crc(detail::crc32c(record.data(), record.size()));
+  const std::uint32_t data_crc = base::mask_crc(base::crc32c(record.data(), record.size()));
   file_->write(header, 12);
   file_->write(record);
   file_->write(&data_crc, 4);

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "data/crc32c.h"
+#include "flotilla/base/crc32c.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data::detail {
@@ -31,7 +31,7 @@ std::optional<std::string> read_tfrecord(std::istream& in, const std::string& wh
   std::uint32_t length_crc = 0;
   std::memcpy(&length, header, 8);
   std::memcpy(&length_crc, header + 8, 4);
-  const std::uint32_t expected_length_crc = mask_crc(crc32c(header, 8));
+  const std::uint32_t expected_length_crc = base::mask_crc(base::crc32c(header, 8));
   if (length_crc != expected_length_crc) {
     throw DataError(where + ": length CRC mismatch (stored " + hex(length_crc) + ", computed " +
                     hex(expected_length_crc) + "); the file is corrupt or not a TFRecord file");
@@ -54,7 +54,7 @@ std::optional<std::string> read_tfrecord(std::istream& in, const std::string& wh
     throw DataError(where + ": truncated: the record claims " + std::to_string(length) +
                     " bytes and its CRC, the file ends first");
   }
-  const std::uint32_t expected = mask_crc(crc32c(data.data(), data.size()));
+  const std::uint32_t expected = base::mask_crc(base::crc32c(data.data(), data.size()));
   if (data_crc != expected) {
     throw DataError(where + ": data CRC mismatch (stored " + hex(data_crc) + ", computed " +
                     hex(expected) + "); the file is corrupt");

@@ -18,7 +18,6 @@
 #include "flotilla/error.h"
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/optimizers.h"
-#include "models/zoo.h"
 
 namespace flotilla::profile {
 
@@ -61,7 +60,7 @@ std::string describe_probe(const Probe& p) {
 // The pieces of one training step, made fresh for every probe so that no probe inherits
 // another's optimizer state or cached buffers.
 struct Step {
-  torch::nn::Sequential net;
+  ProbeModel net;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   torch::Tensor images, labels;
 };
@@ -81,16 +80,16 @@ train::OptimizerOptions optimizer_options(const std::string& name) {
 void run_step(const StepProbeOptions& o, train::Policy policy, torch::Device device,
               std::int64_t batch) {
   Step s;
-  s.net = models::make_model(o.model);
-  s.net->to(device);
-  s.optimizer = train::make_optimizer(optimizer_options(o.optimizer), s.net->parameters());
+  s.net = o.model();
+  s.net.module->to(device);
+  s.optimizer = train::make_optimizer(optimizer_options(o.optimizer), s.net.module->parameters());
   const auto on = torch::TensorOptions().device(device);
   s.images = torch::rand({batch, 1, 28, 28}, on.dtype(torch::kFloat32));
   s.labels = torch::randint(0, 10, {batch}, on.dtype(torch::kLong));
   torch::Tensor loss;
   {
     train::AutocastGuard autocast(policy, device.type());
-    const torch::Tensor logits = s.net->forward(s.images);
+    const torch::Tensor logits = s.net.forward(s.images);
     loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), s.labels);
   }
   s.optimizer->zero_grad();
@@ -223,7 +222,11 @@ BatchSearchResult search_max_batch(const FitsFn& fits, const BatchSearchOptions&
 FitsFn step_probe(const StepProbeOptions& options) {
   const train::Policy policy = train::parse_policy(options.precision);
   train::parse_optimizer(options.optimizer); // fails now, not at the first probe
-  models::make_model(options.model);
+  if (!options.model) {
+    throw ConfigError("a step probe needs StepProbeOptions::model, the function that builds the "
+                      "model to measure");
+  }
+  options.model(); // fails now, not at the first probe
   if (options.device == "cpu") {
     if (options.memory_budget_bytes <= 0) {
       throw ConfigError("a CPU batch search needs a memory budget; saw " +

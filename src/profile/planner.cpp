@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "flotilla/error.h"
+#include "flotilla/strategy/bucket_assignment.h"
 
 namespace flotilla::profile {
 
@@ -162,6 +163,7 @@ StepProfile step_profile(const RunSummary& run, const std::string& where) {
   s.other = std::max(0.0, s.other);
   s.gradient_bytes = r.gradient_bytes;
   s.gradient_layout = r.gradient_layout;
+  s.gradient_kinds = r.gradient_kinds;
   if (r.bytes_per_pack > 0) s.bytes_per_pack = r.bytes_per_pack;
   s.overlap = r.overlap;
   // One worker: its global batch is its own (all its replicas together).
@@ -191,18 +193,19 @@ std::vector<std::int64_t> plan_buckets(const StepProfile& profile, std::int64_t 
   std::int64_t layout_total = 0;
   for (const auto bytes : profile.gradient_layout) layout_total += bytes;
   if (layout_total <= 0) return split_buckets(profile.gradient_bytes, bucket_bytes);
-  // The engine's rule (GradientReducer): close the bucket before a parameter that would take it
-  // past bucket_bytes, unless it is empty.
-  std::vector<std::int64_t> native;
-  std::int64_t current = 0;
-  for (const auto bytes : profile.gradient_layout) {
-    if (current > 0 && current + bytes > bucket_bytes) {
-      native.push_back(current);
-      current = 0;
-    }
-    current += bytes;
+  // The engine's own rule.
+  std::vector<strategy::GradientSlot> slots;
+  for (std::size_t k = 0; k < profile.gradient_layout.size(); ++k) {
+    slots.push_back({profile.gradient_layout[k], k < profile.gradient_kinds.size()
+                                                     ? profile.gradient_kinds[k]
+                                                     : std::string()});
   }
-  if (current > 0) native.push_back(current);
+  std::vector<std::int64_t> native;
+  for (const auto& members : strategy::assign_buckets(slots, bucket_bytes)) {
+    std::int64_t bytes = 0;
+    for (const std::size_t k : members) bytes += profile.gradient_layout[k];
+    native.push_back(bytes);
+  }
   // On the wire: each bucket's share of what a step sends (compressed, with its used-flags).
   std::vector<std::int64_t> out;
   std::int64_t assigned = 0;

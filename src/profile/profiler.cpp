@@ -1,16 +1,15 @@
 #include "flotilla/profile/profiler.h"
 
-#include <sched.h>
-
 #include <ctime>
 
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
+#include "flotilla/base/system.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/profile/batch_search.h"
 #include "flotilla/profile/doctor.h"
 #include "flotilla/profile/report.h"
 #include "flotilla/profile/timeline.h"
-#include "train/step_graph.h"
 
 namespace flotilla::profile {
 
@@ -23,39 +22,6 @@ std::string utc_now() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-int cores_of_this_process() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-  return 0;
-}
-
-// Every worker's packed traces, on every worker, in rank order (two all-gathers: the lengths,
-// then the traces padded to the longest).
-std::vector<std::vector<double>> gather_packed(collective::Communicator& comm,
-                                               const std::vector<double>& mine) {
-  if (comm.size() == 1) return {mine};
-  collective::Work lengths =
-      comm.all_gather(torch::tensor({static_cast<std::int64_t>(mine.size())}, torch::kInt64));
-  lengths.wait();
-  std::vector<std::int64_t> sizes;
-  std::int64_t longest = 0;
-  for (const auto& t : lengths.result()) {
-    sizes.push_back(t.item<std::int64_t>());
-    longest = std::max(longest, sizes.back());
-  }
-  torch::Tensor padded = torch::zeros({longest}, torch::kFloat64);
-  std::copy(mine.begin(), mine.end(), padded.data_ptr<double>());
-  collective::Work traces = comm.all_gather(padded);
-  traces.wait();
-  std::vector<std::vector<double>> all;
-  for (std::size_t r = 0; r < traces.result().size(); ++r) {
-    const torch::Tensor t = traces.result()[r].to(torch::kCPU).contiguous();
-    const double* v = t.data_ptr<double>();
-    all.emplace_back(v, v + sizes[r]);
-  }
-  return all;
 }
 
 } // namespace
@@ -76,23 +42,23 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
                          : train::cpu_has_native_bf16();
   f.hardware_fp16 = cuda;
   f.jit_compile = compiled.jit_compile;
-  // What Model::compile() requires of a CUDA-graph step.
-  f.compiled_step_available = cuda && train::detail::cuda_graphs_built() &&
-                              strategy.replicas_per_worker() == 1 &&
-                              compiled.gradient_accumulation_steps == 1;
+  f.compiled_step_available =
+      train::why_no_captured_step(strategy, compiled.gradient_accumulation_steps).empty();
   if (f.optimizer.empty()) f.optimizer = compiled.optimizer.describe();
   if (f.peak_lr == 0 && !compiled.optimizer.schedule) f.peak_lr = compiled.optimizer.learning_rate;
   if (f.schedule.empty()) {
     f.schedule = compiled.optimizer.schedule ? compiled.optimizer.schedule->describe() : "constant";
   }
   if (f.threads_per_worker == 0) f.threads_per_worker = torch::get_num_threads();
-  if (f.cores == 0) f.cores = cores_of_this_process();
+  if (f.cores == 0) f.cores = base::available_cores();
   f.parameters = 0;
   f.gradient_layout.clear();
+  f.gradient_kinds.clear();
   for (auto p = params.rbegin(); p != params.rend(); ++p) {
     if (!p->requires_grad()) continue;
     f.parameters += p->numel();
     f.gradient_layout.push_back(p->numel() * static_cast<std::int64_t>(p->element_size()));
+    f.gradient_kinds.push_back(strategy::gradient_kind(*p));
   }
   const auto& reducer = model.gradient_reducer();
   const auto& comm = strategy.communicator().options();
@@ -127,15 +93,14 @@ void Profiler::on_train_begin() {
   summary_.command = options_.command;
   summary_.started = utc_now();
   // The timeline's gather is a collective: every worker must take part, or none.
-  const int mine = options_.trace.empty() ? 0 : 1;
-  const torch::Tensor agreed = model().strategy().reduce(
-      strategy::ReduceOp::kMin, torch::tensor({mine, -mine}, torch::kInt32));
-  if (agreed[0].item<int>() != -agreed[1].item<int>()) {
+  const bool mine = !options_.trace.empty();
+  const collective::Agreement tracing = collective::agree(model().strategy().communicator(), mine);
+  if (tracing.all != tracing.any) {
     throw ConfigError("the Profiler's trace path is set on some workers and not on others; give "
                       "every worker a ProfilerOptions::trace (--trace), or none: the timeline is "
                       "gathered from all of them");
   }
-  model().set_step_tracing(mine == 1, options_.max_traced_steps);
+  model().set_step_tracing(mine, options_.max_traced_steps);
 }
 
 void Profiler::on_epoch_end(int epoch, train::EpochLogs& logs) {
@@ -151,20 +116,22 @@ void Profiler::on_epoch_end(int epoch, train::EpochLogs& logs) {
 
 void Profiler::write_timeline() {
   auto& strategy = model().strategy();
-  const auto all = gather_packed(strategy.communicator(), pack_traces(model().take_step_traces()));
+  const auto all = collective::all_gather_uneven(
+      strategy.communicator(), torch::tensor(pack_traces(model().take_step_traces()), torch::kFloat64));
   model().set_step_tracing(false);
   if (!is_chief()) return;
   std::vector<std::vector<train::StepTrace>> workers;
   std::vector<std::string> names;
   const auto addresses = strategy.cluster().training_addresses();
   for (std::size_t r = 0; r < all.size(); ++r) {
-    workers.push_back(unpack_traces(all[r]));
+    const double* packed = all[r].data_ptr<double>();
+    workers.push_back(unpack_traces(std::vector<double>(packed, packed + all[r].numel())));
     std::string name = r == 0 ? "worker 0 (chief)" : "worker " + std::to_string(r);
     if (r < addresses.size()) name += " " + addresses[r].to_string();
     names.push_back(name);
   }
   try {
-    checkpoint::write_file_atomic(options_.trace, chrome_trace(workers, names).dump() + "\n");
+    base::write_file_atomic(options_.trace, chrome_trace(workers, names).dump() + "\n");
   } catch (const std::exception& e) { // auxiliary: see on_train_end
     strategy.log().warn("could not write the timeline " + options_.trace.string() + ": " +
                         e.what());

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <utility>
 
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
 namespace flotilla::profile {
@@ -924,7 +924,7 @@ void write_html_report(const std::filesystem::path& path, const RunSummary& run,
     throw ConfigError("the HTML report needs a file name (saw an empty path); pass --report "
                       "FILE.html");
   }
-  checkpoint::write_file_atomic(path, render_html_report(run, findings));
+  base::write_file_atomic(path, render_html_report(run, findings));
 }
 
 } // namespace flotilla::profile

@@ -5,7 +5,7 @@
 #include <limits>
 #include <sstream>
 
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
 namespace flotilla::profile {
@@ -73,7 +73,8 @@ train::PhaseTimes phases_from_json(const nlohmann::json& j, const std::string& w
   X(hardware_bf16) X(hardware_fp16) X(loss_scaling) X(jit_compile) \
   X(compiled_step_available) X(optimizer) X(base_lr) X(base_batch) X(lr_scaling) X(peak_lr) \
   X(schedule) X(warmup_steps) X(total_steps) X(threads_per_worker) X(cores) \
-  X(local_workers) X(parameters) X(gradient_bytes) X(gradient_layout) X(bytes_per_pack) \
+  X(local_workers) X(parameters) X(gradient_bytes) X(gradient_layout) X(gradient_kinds) \
+  X(bytes_per_pack) \
   X(buckets) X(overlap) X(compression) X(input_pipeline)
 // clang-format on
 
@@ -156,7 +157,7 @@ RunSummary run_summary_from_json(const nlohmann::json& j, const std::string& whe
 }
 
 void write_run_summary(const std::filesystem::path& path, const RunSummary& summary) {
-  checkpoint::write_file_atomic(path, to_json(summary).dump(1) + "\n");
+  base::write_file_atomic(path, to_json(summary).dump(1) + "\n");
 }
 
 RunSummary read_run_summary(const std::filesystem::path& path) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "flotilla/error.h"
+#include "flotilla/strategy/bucket_assignment.h"
 
 namespace flotilla::strategy {
 
@@ -31,6 +32,10 @@ struct GradientReducer::Hook : torch::autograd::FunctionPostHook {
   int replica;
   std::size_t param;
 };
+
+std::string gradient_kind(const torch::Tensor& parameter) {
+  return c10::str(parameter.scalar_type(), "@", parameter.device());
+}
 
 GradientReducer::GradientReducer(collective::Communicator communicator,
                                  std::vector<std::vector<torch::Tensor>> replicas,
@@ -73,39 +78,28 @@ GradientReducer::GradientReducer(collective::Communicator communicator,
 
   // The plan, from replica 0, in reverse registration order: the last layers' gradients are
   // ready first in backward. A bucket holds one dtype on one device.
-  bucket_of_.resize(params.size());
-  std::vector<std::size_t> slot_of(params.size()); // parameter -> index within its bucket
-  Bucket current;
-  std::int64_t current_bytes = 0;
-  auto close = [&] {
-    if (current.params.empty()) return;
-    current.numel = current.offsets.back() + params[current.params.back()].numel();
-    buckets_.push_back(std::move(current));
-    current = Bucket{};
-    current_bytes = 0;
-  };
+  std::vector<GradientSlot> slots;
   for (std::size_t k = params.size(); k-- > 0;) {
     const auto& p = params[k];
-    const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
-    const bool same_kind = current.params.empty() ||
-                           (current.dtype == p.scalar_type() && current.device == p.device());
-    if (!same_kind ||
-        (!current.params.empty() && current_bytes + bytes > options_.bytes_per_pack)) {
-      close();
-    }
-    if (current.params.empty()) {
-      current.dtype = p.scalar_type();
-      current.device = p.device();
-    }
-    const std::int64_t offset =
-        current.params.empty() ? 0 : current.offsets.back() + params[current.params.back()].numel();
-    bucket_of_[k] = buckets_.size();
-    slot_of[k] = current.params.size();
-    current.params.push_back(k);
-    current.offsets.push_back(offset);
-    current_bytes += bytes;
+    slots.push_back({p.numel() * static_cast<std::int64_t>(p.element_size()), gradient_kind(p)});
   }
-  close();
+  bucket_of_.resize(params.size());
+  std::vector<std::size_t> slot_of(params.size()); // parameter -> index within its bucket
+  for (const auto& members : assign_buckets(slots, options_.bytes_per_pack)) {
+    Bucket bucket;
+    const std::size_t first = params.size() - 1 - members.front();
+    bucket.dtype = params[first].scalar_type();
+    bucket.device = params[first].device();
+    for (const std::size_t slot : members) {
+      const std::size_t k = params.size() - 1 - slot;
+      bucket_of_[k] = buckets_.size();
+      slot_of[k] = bucket.params.size();
+      bucket.params.push_back(k);
+      bucket.offsets.push_back(bucket.numel);
+      bucket.numel += params[k].numel();
+    }
+    buckets_.push_back(std::move(bucket));
+  }
 
   // Per replica: the flat buffers (gradients, then one "has a gradient" flag per parameter:
   // 0/1 and their sums are exact in every float type) and the views the gradients live in.

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "flotilla/cluster/resolvers.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 
 namespace flotilla::strategy {
@@ -249,21 +250,9 @@ std::vector<std::pair<std::string, std::string>> decode(const std::string& text)
 
 void Strategy::check_consistency(const std::vector<std::pair<std::string, std::string>>& fields) {
   if (communicator_.size() == 1) return;
-  const std::string mine = encode(fields);
-  // Lengths first, then every worker's fields padded to the longest.
-  auto length = torch::tensor({static_cast<std::int64_t>(mine.size())}, torch::kInt64);
-  auto lengths = communicator_.all_gather(length);
-  lengths.wait();
-  std::int64_t longest = 0;
-  for (const auto& l : lengths.result()) longest = std::max(longest, l.item<std::int64_t>());
-  auto padded = torch::zeros({longest}, torch::kUInt8);
-  std::copy(mine.begin(), mine.end(), padded.data_ptr<std::uint8_t>());
-  auto texts = communicator_.all_gather(padded);
-  texts.wait();
   std::vector<std::vector<std::pair<std::string, std::string>>> all;
-  for (std::size_t r = 0; r < texts.result().size(); ++r) {
-    const auto* begin = texts.result()[r].data_ptr<std::uint8_t>();
-    all.push_back(decode(std::string(begin, begin + lengths.result()[r].item<std::int64_t>())));
+  for (const auto& text : collective::all_gather_strings(communicator_, encode(fields))) {
+    all.push_back(decode(text));
   }
   std::string diff;
   int differences = 0;

@@ -263,7 +263,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
   if (options_.save_weights_only) {
-    checkpoint::save_model(strategy, model().module(), path.parent_path().empty() ? "." :
+    checkpoint::save_model(strategy.communicator(), model().module(), path.parent_path().empty() ? "." :
                                                            path.parent_path(),
                            path.filename().string(),
                            {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}});
@@ -271,7 +271,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
     checkpoint::CheckpointManager manager(path, options_.max_to_keep);
     const std::int64_t number =
         options_.save_freq == 0 ? epoch_1based : model().iterations();
-    saved_.push_back(manager.save(strategy, capture(model()), number));
+    saved_.push_back(manager.save(strategy.communicator(), strategy.log(), capture(model()), number));
     return;
   }
   saved_.push_back(path);
@@ -438,7 +438,7 @@ void BackupAndRestore::backup() {
   checkpoint::CheckpointData data = capture(model());
   data.state["backup_number"] = ++number_;
   checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
-  manager.save(model().strategy(), data, number_);
+  manager.save(model().strategy().communicator(), model().strategy().log(), data, number_);
   last_backup_iteration_ = data.step;
 }
 

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <system_error>
 
-#include "data/crc32c.h"
+#include "flotilla/base/crc32c.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 #include "train/event_codec.h"
@@ -38,10 +38,10 @@ void append_record(std::string& out, const std::string& data) {
   unsigned char header[12];
   const std::uint64_t length = data.size();
   std::memcpy(header, &length, 8);
-  const std::uint32_t length_crc = data::detail::mask_crc(data::detail::crc32c(header, 8));
+  const std::uint32_t length_crc = base::mask_crc(base::crc32c(header, 8));
   std::memcpy(header + 8, &length_crc, 4);
   const std::uint32_t data_crc =
-      data::detail::mask_crc(data::detail::crc32c(data.data(), data.size()));
+      base::mask_crc(base::crc32c(data.data(), data.size()));
   out.append(reinterpret_cast<const char*>(header), 12);
   out.append(data);
   out.append(reinterpret_cast<const char*>(&data_crc), 4);

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <utility>
 
-#include "data/thread_pool.h"
+#include "flotilla/base/thread_pool.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callbacks.h"
 #include "train/step_graph.h"
@@ -54,7 +54,7 @@ struct Model::Threads {
     }
   }
 
-  data::detail::ThreadPool pool;
+  base::ThreadPool pool;
   std::vector<std::exception_ptr> errors;
 };
 
@@ -289,26 +289,10 @@ void Model::compile(const CompileOptions& options) {
     modules.push_back(replica);
     optimizers_.push_back(make_optimizer(options.optimizer, replica->parameters()));
   }
-  std::string why_no_graph;
-  if (options.jit_compile) {
-    if (!devices.front().is_cuda()) {
-      why_no_graph =
-          "on the CPU the step is compiled C++ already; a CUDA graph needs CUDA replicas";
-    } else if (!detail::cuda_graphs_built()) {
-      why_no_graph = "this flotilla was built against a LibTorch without CUDA";
-    } else if (replicas > 1) {
-      why_no_graph = "a graph over several GPUs per worker is not captured yet: use one GPU per "
-                     "worker (one worker per GPU) for a captured step";
-    } else if (options.gradient_accumulation_steps > 1) {
-      why_no_graph = "gradient accumulation steps are not captured";
-    } else if (strategy_.num_workers() > 1 && (strategy_.communicator().options().implementation ==
-                                                   collective::Implementation::kRing ||
-                                               !collective::nccl_available())) {
-      why_no_graph = "the workers' all-reduce goes over Gloo, which a CUDA graph cannot "
-                     "capture; use implementation AUTO or NCCL";
-    } else {
-      graph_ = std::make_unique<Compiled>(devices.front());
-    }
+  const std::string why_no_graph =
+      why_no_captured_step(strategy_, options.gradient_accumulation_steps);
+  if (options.jit_compile && why_no_graph.empty()) {
+    graph_ = std::make_unique<Compiled>(devices.front());
   }
   {
     // Under jit_compile the gradient accumulators (and with them the engine's hooks) belong to
@@ -337,6 +321,25 @@ void Model::compile(const CompileOptions& options) {
                "most CPUs; mixed_bfloat16 is the CPU's mixed precision");
     }
   }
+}
+
+std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accumulation_steps) {
+  if (!strategy.devices().front().is_cuda()) {
+    return "on the CPU the step is compiled C++ already; a CUDA graph needs CUDA replicas";
+  }
+  if (!detail::cuda_graphs_built()) return "this flotilla was built against a LibTorch without CUDA";
+  if (strategy.replicas_per_worker() > 1) {
+    return "a graph over several GPUs per worker is not captured yet: use one GPU per worker "
+           "(one worker per GPU) for a captured step";
+  }
+  if (gradient_accumulation_steps > 1) return "gradient accumulation steps are not captured";
+  if (strategy.num_workers() > 1 &&
+      (strategy.communicator().options().implementation == collective::Implementation::kRing ||
+       !collective::nccl_available())) {
+    return "the workers' all-reduce goes over Gloo, which a CUDA graph cannot capture; use "
+           "implementation AUTO or NCCL";
+  }
+  return "";
 }
 
 void Model::require_compiled(const char* what) const {

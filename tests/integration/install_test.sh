@@ -2,10 +2,10 @@
 # Installs flotilla into a temporary prefix and builds examples/consumer against it with
 # find_package(flotilla), as a downstream project would; then runs both the consumer (which must
 # train to a high accuracy) and the installed CLI outside the build tree.
-#   install_test.sh BUILD_DIR CONSUMER_SOURCE_DIR BUILT_LIBRARY BUILT_CLI CXX_COMPILER
+#   install_test.sh BUILD_DIR CONSUMER_SOURCE_DIR BUILT_LIBRARY_DIR BUILT_CLI CXX_COMPILER
 set -euo pipefail
 
-build_dir=$1 consumer_src=$2 built_lib=$3 built_cli=$4 cxx=$5
+build_dir=$1 consumer_src=$2 built_lib_dir=$3 built_cli=$4 cxx=$5
 
 fail() {
   echo "install_test: FAIL: $*" >&2
@@ -24,9 +24,13 @@ config=$(find "$prefix" -name flotillaConfig.cmake)
 for f in flotillaConfigVersion.cmake flotillaTargets.cmake; do
   [ -f "$(dirname "$config")/$f" ] || fail "$f is not next to $config"
 done
-lib=$(find "$prefix" -name libflotilla.a)
-[ -n "$lib" ] || fail "no libflotilla.a under $prefix"
-cmp -s "$lib" "$built_lib" || fail "$lib differs from the built $built_lib"
+# One static library per module (docs/architecture.md), each the one that was built.
+for module in base cluster collective strategy data checkpoint train profile; do
+  lib=$(find "$prefix" -name "libflotilla_$module.a")
+  [ -n "$lib" ] || fail "no libflotilla_$module.a under $prefix"
+  cmp -s "$lib" "$built_lib_dir/libflotilla_$module.a" ||
+    fail "$lib differs from the built $built_lib_dir/libflotilla_$module.a"
+done
 
 # Every header a consumer can reach must be installed: a quoted include names a file under
 # include/ (not models/ or src/, which stay in the source tree).

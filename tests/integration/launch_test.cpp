@@ -55,6 +55,30 @@ TEST(Launch, EachWorkerGetsItsTfConfigAndPrefixedOutput) {
   for (const auto& line : lines_of(r.err)) EXPECT_EQ(line.substr(line.find("] ") + 2), threads);
 }
 
+// Workers sharing a host split its GPUs by local rank: the rank launch gives each worker must
+// reach cluster::local_rank through the real environment (it once read 0 everywhere).
+TEST(Launch, EachWorkerKnowsItsLocalRank) {
+  const std::string probe = testing::test_bin_dir() + "/local_rank_probe";
+  const auto r = run_process({kCli, "launch", "--workers", "3", "--", probe},
+                             {{"LOCAL_RANK", ""}, {"SLURM_LOCALID", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto out = lines_of(r.out);
+  ASSERT_EQ(out.size(), 3u) << r.out;
+  std::set<int> ranks;
+  for (const auto& line : out) {
+    const int index = std::stoi(line.substr(8)); // "[worker i] ..."
+    EXPECT_EQ(line.substr(line.find("] ") + 2),
+              "local_rank=" + std::to_string(index) + " local_world_size=3");
+    ranks.insert(index);
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
+  // Under srun, Slurm's name for it.
+  const auto slurm = run_process({probe}, {{"LOCAL_RANK", ""}, {"SLURM_LOCALID", "2"},
+                                           {"LOCAL_WORLD_SIZE", "4"}});
+  ASSERT_EQ(slurm.exit_code, 0) << slurm.err;
+  EXPECT_EQ(slurm.out, "local_rank=2 local_world_size=4\n");
+}
+
 TEST(Launch, EveryRunGetsItsOwnClusterTokenUnlessTheUserBroughtOne) {
   // sha256sum of the token: equal within a run, different between runs, never printed itself.
   const std::vector<std::string> cmd = {kCli, "launch", "--workers", "2", "--", "sh", "-c",

@@ -83,7 +83,7 @@ TEST(CheckpointLayout, AFailureOnTheChiefIsReportedOnEveryWorkerWithoutAHang) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
     auto net = s.scope([] { return nn::Linear(2, 2); });
     try {
-      checkpoint::save_model(s, *net, model_dir, "ckpt-1.safetensors");
+      checkpoint::save_model(s.communicator(), *net, model_dir, "ckpt-1.safetensors");
     } catch (const CheckpointError& e) {
       errors[rank] = e.what();
     }

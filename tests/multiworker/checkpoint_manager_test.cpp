@@ -16,7 +16,7 @@
 #include <regex>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
-#include "flotilla/checkpoint/sha256.h"
+#include "flotilla/base/hashes.h"
 #include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "support/paths.h"
@@ -67,11 +67,10 @@ save_on_ranks(int world, const fs::path& dir, int keep,
   outcome.paths.resize(world);
   outcome.errors.resize(world);
   run_ranks(world, [&](int rank, collective::Communicator& comm) {
-    strategy::Strategy s(thread_cluster(rank, world), comm);
     CheckpointManager manager(dir, keep);
     auto [data, number] = make(rank);
     try {
-      outcome.paths[rank] = manager.save(s, data, number);
+      outcome.paths[rank] = manager.save(comm, Logger(rank, world), data, number);
     } catch (const CheckpointError& e) {
       outcome.errors[rank] = e.what();
     }
@@ -139,7 +138,7 @@ TEST(CheckpointManager, ManifestDescribesTheCheckpointAndItsFiles) {
   EXPECT_EQ(manifest["state"], sample(7).state);
   ASSERT_EQ(manifest["files"].size(), 2u);
   for (const char* name : {"model.safetensors", "optimizer.safetensors"}) {
-    EXPECT_EQ(manifest["files"][name]["sha256"], checkpoint::sha256_file(ckpt / name)) << name;
+    EXPECT_EQ(manifest["files"][name]["sha256"], base::sha256_file(ckpt / name)) << name;
     EXPECT_EQ(manifest["files"][name]["bytes"], fs::file_size(ckpt / name)) << name;
   }
 
@@ -211,21 +210,6 @@ TEST(CheckpointManager, ReadsAPointerFileTensorFlowWrote) {
   EXPECT_TRUE(manager.checkpoints().empty());
   EXPECT_THROW(CheckpointManager(dir, 0), ConfigError);
   EXPECT_THROW(CheckpointManager(dir, 2, "../up"), ConfigError);
-}
-
-TEST(Sha256, MatchesTheStandardVectors) {
-  EXPECT_EQ(checkpoint::sha256_hex("abc", 3),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  TempDir dir;
-  const fs::path path = fs::path(dir.path()) / "f";
-  std::ofstream(path) << "";
-  EXPECT_EQ(checkpoint::sha256_file(path),
-            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  // Longer than one read: a million 'a's.
-  std::ofstream(path, std::ios::binary) << std::string(1000000, 'a');
-  EXPECT_EQ(checkpoint::sha256_file(path),
-            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
-  EXPECT_THROW(checkpoint::sha256_file(fs::path(dir.path()) / "none"), CheckpointError);
 }
 
 // ---- resuming training exactly ------------------------------------------------------------------
@@ -314,8 +298,7 @@ bool same_weights(const nn::Module& a, const nn::Module& b) {
 fs::path save_one(const fs::path& dir, const CheckpointData& data, std::int64_t number) {
   fs::path saved;
   run_ranks(1, [&](int rank, collective::Communicator& comm) {
-    strategy::Strategy s(thread_cluster(rank, 1), comm);
-    saved = CheckpointManager(dir).save(s, data, number);
+    saved = CheckpointManager(dir).save(comm, Logger(rank, 1), data, number);
   });
   return saved;
 }
@@ -503,7 +486,7 @@ TEST(CheckpointManager, AChangedByteIsCaughtAndRestoreFallsBackToTheCheckpointBe
   save_all(2, dir, 3, 1);
   save_all(2, dir, 3, 2);
   const fs::path damaged = dir / "ckpt-2" / "model.safetensors";
-  const std::string expected = checkpoint::sha256_file(damaged);
+  const std::string expected = base::sha256_file(damaged);
   {
     // One bit of the last tensor's data: the file still parses, only the hash can tell.
     std::fstream file(damaged, std::ios::in | std::ios::out | std::ios::binary);
@@ -512,7 +495,7 @@ TEST(CheckpointManager, AChangedByteIsCaughtAndRestoreFallsBackToTheCheckpointBe
     file.seekp(-1, std::ios::end);
     file.put(static_cast<char>(byte ^ 0x01));
   }
-  const std::string actual = checkpoint::sha256_file(damaged);
+  const std::string actual = base::sha256_file(damaged);
   ASSERT_NE(actual, expected);
   EXPECT_EQ(read_error(dir / "ckpt-2"),
             damaged.string() + ": SHA-256 is " + actual + ", the manifest says " + expected +
@@ -592,7 +575,7 @@ struct Snapshot {
 
 Snapshot snapshot(const fs::path& root, const fs::path& dir) {
   return {entries(root), entries(dir), read_file(dir / "checkpoint"),
-          checkpoint::sha256_file(dir / "ckpt-1" / "model.safetensors")};
+          base::sha256_file(dir / "ckpt-1" / "model.safetensors")};
 }
 
 void expect_unchanged(const Snapshot& before, const fs::path& root, const fs::path& dir) {

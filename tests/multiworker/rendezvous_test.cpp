@@ -52,17 +52,6 @@ std::string name_of(const std::vector<int>& ports, int rank) {
          " (rank " + std::to_string(rank) + ")";
 }
 
-TEST(Rendezvous, HmacSha256MatchesRfc4231) {
-  const auto mac = collective::detail::hmac_sha256("Jefe", "what do ya want for nothing?");
-  std::string hex;
-  for (auto b : mac) {
-    char buf[3];
-    std::snprintf(buf, sizeof buf, "%02x", b);
-    hex += buf;
-  }
-  EXPECT_EQ(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-}
-
 TEST(Rendezvous, ALengthIsCheckedBeforeAnythingIsAllocatedForIt) {
   // A field that claims 4 GiB, in a 6-byte message.
   const std::uint8_t huge[] = {0xff, 0xff, 0xff, 0xff, 'a', 'b'};

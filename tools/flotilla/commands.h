@@ -21,7 +21,4 @@ Command add_plan(CLI::App& parent);
 Command add_tune(CLI::App& parent);
 Command add_doctor(CLI::App& parent);
 
-// Cores this process may run on (its affinity mask), at least 1.
-int available_cores();
-
 } // namespace flotilla::tools

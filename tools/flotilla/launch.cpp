@@ -34,6 +34,7 @@
 #include <map>
 #include <optional>
 
+#include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
@@ -566,7 +567,7 @@ int run(const LaunchArgs& a) {
                       std::to_string(65536 - a.workers));
   }
   const int tasks = a.workers + (a.evaluator ? 1 : 0);
-  const int threads = std::max(1, available_cores() / a.workers);
+  const int threads = std::max(1, base::available_cores() / a.workers);
   const bool terminal = ::isatty(STDOUT_FILENO) != 0;
 
   // `flotilla launch -- flotilla train` means this very program, on PATH or not.

@@ -7,16 +7,6 @@
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
 
-namespace flotilla::tools {
-
-int available_cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return 1;
-}
-
-} // namespace flotilla::tools
-
 int main(int argc, char** argv) {
   using namespace flotilla;
   CLI::App app{"flotilla: synchronous data-parallel training for LibTorch models, configured by "

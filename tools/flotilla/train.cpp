@@ -8,6 +8,7 @@
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/data/distribute.h"
@@ -297,7 +298,7 @@ int run(const TrainArgs& a) {
     throw ConfigError("--dataset \"" + a.dataset + "\" is not available; use fashion-mnist");
   }
   const int threads =
-      a.threads > 0 ? a.threads : std::max(1, available_cores() / cluster::local_world_size(env));
+      a.threads > 0 ? a.threads : std::max(1, base::available_cores() / cluster::local_world_size(env));
   torch::set_num_threads(threads);
 
   collective::CommunicationOptions comm;
@@ -503,7 +504,7 @@ int run(const TrainArgs& a) {
   facts.warmup_steps = recipe.warmup_steps;
   facts.total_steps = recipe.total_steps;
   facts.threads_per_worker = threads;
-  facts.cores = available_cores();
+  facts.cores = base::available_cores();
   facts.local_workers = cluster::local_world_size(env);
   // The chain as built above, in Dataset::plan()'s words, for the doctor's input check.
   facts.input_pipeline =

@@ -11,9 +11,11 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "flotilla/base/system.h"
 #include "flotilla/error.h"
 #include "flotilla/profile/batch_search.h"
 #include "flotilla/train/mixed_precision.h"
+#include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 
 namespace flotilla::tools {
@@ -55,11 +57,11 @@ int run(const TuneArgs& a) {
   }
   const int threads = a.threads > 0
                           ? a.threads
-                          : std::max(1, available_cores() / std::max(1, a.workers_per_machine));
+                          : std::max(1, base::available_cores() / std::max(1, a.workers_per_machine));
   torch::set_num_threads(threads);
 
   profile::StepProbeOptions probe;
-  probe.model = a.model;
+  probe.model = [name = a.model] { return profile::probe_model(models::make_model(name)); };
   probe.precision = precision;
   probe.optimizer = a.optimizer;
   probe.device = device;

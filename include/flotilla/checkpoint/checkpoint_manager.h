@@ -29,7 +29,8 @@
 
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/checkpoint/safetensors.h"
-#include "flotilla/strategy/strategy.h"
+#include "flotilla/collective/communicator.h"
+#include "flotilla/log.h"
 
 namespace flotilla::checkpoint {
 
@@ -62,8 +63,10 @@ class CheckpointManager {
   // directory, "<directory>/<prefix>-<number>". Saving a number that exists replaces it. When
   // it fails on any worker it throws CheckpointError on every worker, and the previous
   // checkpoints and pointer are as they were.
-  std::filesystem::path save(strategy::Strategy& strategy, const CheckpointData& data,
-                             std::int64_t number);
+  // `workers` are the training group (rank 0 is the chief); `log` tells of old checkpoints
+  // that could not be removed.
+  std::filesystem::path save(collective::Communicator& workers, const Logger& log,
+                             const CheckpointData& data, std::int64_t number);
 
   // The newest checkpoint the pointer file names; nullopt when there is no pointer file.
   // CheckpointError when it exists but cannot be read or parsed.

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "flotilla/checkpoint/safetensors.h"
-#include "flotilla/strategy/strategy.h"
+#include "flotilla/collective/communicator.h"
 
 namespace flotilla::checkpoint {
 
@@ -44,10 +44,10 @@ NamedTensors model_state(const torch::nn::Module& module);
 void load_model_state(torch::nn::Module& module, const NamedTensors& state,
                       const std::string& source = "");
 
-// Every worker calls it at the same step. Writes `file_name` (parameters and buffers by their
+// Every worker of `workers` calls it at the same step. Writes `file_name` (parameters and buffers by their
 // module path, plus `metadata`) and returns the chief's path. A failure on any worker is
 // reported on all of them as CheckpointError, and the previous file of that name is intact.
-std::filesystem::path save_model(strategy::Strategy& strategy, const torch::nn::Module& module,
+std::filesystem::path save_model(collective::Communicator& workers, const torch::nn::Module& module,
                                  const std::filesystem::path& model_dir,
                                  const std::string& file_name,
                                  const std::map<std::string, std::string>& metadata = {});

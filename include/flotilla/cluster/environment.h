@@ -14,12 +14,12 @@ class Environment {
   explicit Environment(std::map<std::string, std::string> vars) : vars_(std::move(vars)) {}
 
   // Snapshot of the variables flotilla understands: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR,
-  // MASTER_PORT, LOCAL_WORLD_SIZE (torchrun's names, also set by `flotilla launch`);
+  // MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE (torchrun's names, also set by `flotilla launch`);
   // FLOTILLA_TERMINAL (set by `flotilla launch` when its own output is a
   // terminal, so a worker draws a progress bar through the launcher's pipe);
   // FLOTILLA_CLUSTER_TOKEN, or FLOTILLA_CLUSTER_TOKEN_FILE naming a file that holds it (a shared
   // secret for the HMAC-SHA256 rendezvous handshake; never logged); Slurm's SLURM_PROCID,
-  // SLURM_NTASKS, SLURMD_NODENAME, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST,
+  // SLURM_LOCALID, SLURM_NTASKS, SLURMD_NODENAME, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST,
   // SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE and SLURM_JOB_ID
   // (set by srun for each task; see from_slurm_env).
   static Environment from_process();

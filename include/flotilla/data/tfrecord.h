@@ -16,7 +16,7 @@
 
 #include "flotilla/data/dataset.h"
 
-namespace flotilla::checkpoint {
+namespace flotilla::base {
 class AtomicFile;
 }
 
@@ -65,7 +65,7 @@ class TFRecordWriter {
   void close();
 
  private:
-  std::unique_ptr<checkpoint::AtomicFile> file_;
+  std::unique_ptr<base::AtomicFile> file_;
 };
 
 // tf.data.TFRecordDataset: the records of `files`, in order, as uint8 tensors...

@@ -5,8 +5,11 @@
 // fit. The probes are real training steps of a built-in model: on the CPU the step's peak
 // resident memory (VmHWM) against a memory budget, on CUDA the step itself, an out-of-memory
 // error meaning "does not fit". `flotilla tune --max-batch` and `flotilla doctor --max-batch`
-// run it. The header is torch-free; the step probes are built in the .cpp.
+// run it.
 #pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <functional>
@@ -51,10 +54,23 @@ struct BatchSearchResult {
 // message names the smallest batch tried and its peak.
 BatchSearchResult search_max_batch(const FitsFn& fits, const BatchSearchOptions& options = {});
 
-// A training step of a built-in model (models::make_model) on Fashion-MNIST-shaped random input
-// (N x 1 x 28 x 28, 10 classes): forward, loss, backward and an optimizer update.
+// The model a step probe measures: a module and its forward ([N, 1, 28, 28] images to [N, 10]
+// logits). probe_model(holder) makes one from a module holder (torch::nn::Sequential, ...).
+struct ProbeModel {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+template <class Holder> ProbeModel probe_model(Holder holder) {
+  auto module = holder.ptr();
+  return {module, [module](const at::Tensor& images) { return module->forward(images); }};
+}
+
+// A training step of the caller's model on Fashion-MNIST-shaped random input (N x 1 x 28 x 28,
+// 10 classes): forward, loss, backward and an optimizer update.
 struct StepProbeOptions {
-  std::string model = "mlp";
+  // Builds the model, afresh for each probe (no probe inherits another's optimizer state or
+  // cached buffers); its forward takes [N, 1, 28, 28] images and returns [N, 10] logits.
+  std::function<ProbeModel()> model;
   std::string precision = "float32"; // float32, mixed_float16, mixed_bfloat16
   std::string optimizer = "sgd";     // sgd (momentum 0.9), adam, adamw: their state counts too
   std::string device = "cpu";        // "cpu" or "cuda" (device 0)
@@ -69,7 +85,8 @@ struct StepProbeOptions {
 // all, as a training process of the same model would have it (less the data set and the
 // pipeline's buffers, which the budget's safety factor is for). CUDA: runs one step; an
 // out-of-memory error is "does not fit", after which the allocator's cached blocks are released.
-// ConfigError for an unknown model, precision or device, or a CPU probe without a budget.
+// ConfigError for a missing model, an unknown precision or device, or a CPU probe without a
+// budget; what building the model throws, as it is.
 FitsFn step_probe(const StepProbeOptions& options);
 
 // Whether LibTorch sees a CUDA device.

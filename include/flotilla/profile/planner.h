@@ -71,8 +71,10 @@ struct StepProfile {
   // gradient wait): kept in every prediction, so step(1) is the measured step.
   double other = 0;
   std::int64_t gradient_bytes = 0;
-  // Each parameter's gradient bytes in backward order (empty: unknown, buckets cut evenly).
+  // Each parameter's gradient bytes in backward order (empty: unknown, buckets cut evenly), and
+  // its kind (dtype@device; empty: all one kind).
   std::vector<std::int64_t> gradient_layout;
+  std::vector<std::string> gradient_kinds;
   std::int64_t bytes_per_pack = kDefaultBytesPerPack;
   bool overlap = true;
   std::int64_t batch_per_worker = 0;
@@ -93,9 +95,9 @@ double all_reduce_seconds(std::int64_t bytes, int workers, const Link& link);
 // The buckets the planner assumes, in the order backward fills them: bucket_bytes each, the last
 // holding the remainder. Empty for no gradient.
 std::vector<std::int64_t> split_buckets(std::int64_t gradient_bytes, std::int64_t bucket_bytes);
-// The buckets of `profile`'s gradient at `bucket_bytes`, in bytes on the wire: packed along its
-// gradient_layout as the gradient engine packs parameters (a bucket never splits a parameter),
-// else split_buckets() of its gradient_bytes.
+// The buckets of `profile`'s gradient at `bucket_bytes`, in bytes on the wire: its
+// gradient_layout packed by the gradient engine's own rule (strategy::assign_buckets: a bucket
+// holds one kind and never splits a parameter), else split_buckets() of its gradient_bytes.
 std::vector<std::int64_t> plan_buckets(const StepProfile& profile, std::int64_t bucket_bytes);
 
 struct Prediction {

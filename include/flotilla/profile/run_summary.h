@@ -51,6 +51,8 @@ struct RecipeFacts {
   // Each trainable parameter's gradient bytes (its own dtype), in the order backward fills the
   // buckets (reverse registration): the planner packs them as the gradient engine does.
   std::vector<std::int64_t> gradient_layout;
+  // Each one's kind (dtype@device, strategy::gradient_kind): a bucket holds one kind only.
+  std::vector<std::string> gradient_kinds;
   std::int64_t bytes_per_pack = 0;
   int buckets = 0;
   bool overlap = true;

@@ -37,6 +37,9 @@ struct Node;
 
 namespace flotilla::strategy {
 
+// A parameter's kind for assign_buckets (bucket_assignment.h): its dtype and device, "Float@cpu".
+std::string gradient_kind(const torch::Tensor& parameter);
+
 class GradientReducer {
  public:
   struct Bucket {

@@ -51,6 +51,10 @@ struct CompileOptions {
   std::optional<LossScaleOptions> loss_scale;
 };
 
+// Why CompileOptions::jit_compile cannot capture the step in a CUDA graph under `strategy` with
+// `gradient_accumulation_steps` (what compile() says when it has no effect); "" when it can.
+std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accumulation_steps);
+
 // Keras's logs: metric name -> value, in the order Keras shows them (loss, metrics, val_...).
 class Logs {
  public:

@@ -5,7 +5,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "flotilla/checkpoint/atomic_file.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
@@ -80,25 +79,6 @@ TEST(Safetensors, CorruptFilesAreNamedNotLoaded) {
   std::ofstream(path, std::ios::binary) << bytes << header << std::string(16, '\0');
   EXPECT_EQ(error_of(path), path + ": tensor \"w\" has shape [4611686018427387904, 4], larger "
                                    "than the file's 16-byte data section; the file is corrupt");
-}
-
-TEST(AtomicFile, AnAbandonedWriteLeavesThePreviousFileAndNoTemporary) {
-  TempDir dir;
-  const fs::path target = fs::path(dir.path()) / "ckpt";
-  write_file_atomic(target, "good");
-  {
-    AtomicFile file(target);
-    file.write("half of a new one");
-    // destroyed without commit(), as when an exception unwinds mid-save
-  }
-  EXPECT_EQ(flotilla::testing::read_file(target), "good");
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
-  write_file_atomic(target, "better");
-  EXPECT_EQ(flotilla::testing::read_file(target), "better");
-}
-
-TEST(AtomicFile, UnwritableDirectoryIsACheckpointError) {
-  EXPECT_THROW(write_file_atomic("/nonexistent/dir/file", "x"), CheckpointError);
 }
 
 // The Python safetensors package (a real client) reads what we write, and we read what it writes.

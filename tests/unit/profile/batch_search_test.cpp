@@ -8,6 +8,7 @@
 #include <set>
 
 #include "flotilla/error.h"
+#include "models/zoo.h"
 
 namespace flotilla::profile {
 namespace {
@@ -156,9 +157,10 @@ TEST(BatchSearch, DefaultBudgetIsAvailableMemorySharedByTheWorkers) {
 TEST(BatchSearch, StepProbeRejectsBadSettings) {
   StepProbeOptions o;
   o.memory_budget_bytes = 1LL << 30;
-  o.model = "resnet";
+  EXPECT_THROW(step_probe(o), ConfigError); // no model
+  o.model = [] { return probe_model(models::make_model("resnet")); };
   EXPECT_THROW(step_probe(o), ConfigError);
-  o.model = "mlp";
+  o.model = [] { return probe_model(models::make_model("mlp")); };
   o.precision = "float8";
   EXPECT_THROW(step_probe(o), ConfigError);
   o.precision = "float32";
@@ -173,7 +175,7 @@ TEST(BatchSearch, StepProbeRejectsBadSettings) {
 // the peaks of two batches separates them, and a smaller budget finds a smaller batch.
 TEST(BatchSearch, ASmallerBudgetGivesASmallerBatchForTheMlp) {
   StepProbeOptions o;
-  o.model = "mlp";
+  o.model = [] { return probe_model(models::make_model("mlp")); };
   o.memory_budget_bytes = 1LL << 50; // measure only
   const FitsFn measure = step_probe(o);
   measure(64); // first-step initialisation (thread pools, kernels) is not the step's memory

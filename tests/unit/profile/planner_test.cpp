@@ -90,6 +90,12 @@ TEST(Planner, BucketsFollowTheParametersAsTheGradientEngineFillsThem) {
   // Buckets: 40 ready at 40/4480 s and sent by 80/4480; 4000 ready at 4040/4480, done at
   // 8040/4480; 440 ready at 1, done at 8480/4480. Exposed: 8480/4480 - 1.
   EXPECT_NEAR(packed.exposed_seconds, 8480.0 / 4480 - 1, 1e-9);
+  // Parameters of two dtypes never share a bucket, as in the engine: the float16 pair is cut
+  // from the float32 pair even where all four would fit.
+  p.gradient_kinds = {"Float@cpu", "Float@cpu", "Half@cpu", "Half@cpu"};
+  p.gradient_layout = {40, 40, 20, 20};
+  p.gradient_bytes = 120;
+  EXPECT_EQ(plan_buckets(p, 1000), (std::vector<std::int64_t>{80, 40}));
 }
 
 TEST(Planner, OverlapOffExposesAllCommunication) {

@@ -1,4 +1,4 @@
-#include "data/crc32c.h"
+#include "flotilla/base/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace flotilla::data::detail {
+namespace flotilla::base {
 namespace {
 
 // Slicing-by-8 tables for the reflected Castagnoli polynomial 0x82F63B78.
@@ -73,4 +73,4 @@ std::uint32_t crc32c(const void* data, std::size_t size, std::uint32_t crc) {
   return ~c;
 }
 
-} // namespace flotilla::data::detail
+} // namespace flotilla::base

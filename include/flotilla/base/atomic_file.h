@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <string>
 
-namespace flotilla::checkpoint {
+namespace flotilla::base {
 
 class AtomicFile {
  public:
@@ -30,4 +30,4 @@ class AtomicFile {
 // Convenience: the whole file at once.
 void write_file_atomic(const std::filesystem::path& target, const std::string& contents);
 
-} // namespace flotilla::checkpoint
+} // namespace flotilla::base

@@ -1,6 +1,6 @@
-#include "data/thread_pool.h"
+#include "flotilla/base/thread_pool.h"
 
-namespace flotilla::data::detail {
+namespace flotilla::base {
 
 ThreadPool::ThreadPool(int threads) {
   try {
@@ -45,4 +45,4 @@ void ThreadPool::work() {
   }
 }
 
-} // namespace flotilla::data::detail
+} // namespace flotilla::base

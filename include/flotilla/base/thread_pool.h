@@ -1,6 +1,6 @@
-// Private: the threads that run map functions and batch assembly for one iteration (and a
-// model's extra replicas, train/). Tasks run to completion; the destructor finishes what was
-// queued and joins.
+// A fixed set of threads running queued tasks: the input pipeline's map functions and batch
+// assembly (data/), a model's extra replicas (train/). Tasks run to completion; the destructor
+// finishes what was queued and joins.
 #pragma once
 
 #include <condition_variable>
@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-namespace flotilla::data::detail {
+namespace flotilla::base {
 
 class ThreadPool {
  public:
@@ -34,4 +34,4 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
-} // namespace flotilla::data::detail
+} // namespace flotilla::base

@@ -1,4 +1,4 @@
-#include "flotilla/checkpoint/sha256.h"
+#include "flotilla/base/hashes.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>
@@ -11,7 +11,7 @@
 
 #include "flotilla/error.h"
 
-namespace flotilla::checkpoint {
+namespace flotilla::base {
 namespace {
 
 struct ContextDeleter {
@@ -79,4 +79,16 @@ std::string sha256_file(const std::filesystem::path& path) {
   return finish(context.get());
 }
 
-} // namespace flotilla::checkpoint
+std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::string& message) {
+  std::array<std::uint8_t, 32> out{};
+  std::size_t length = 0;
+  if (!EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(),
+                 reinterpret_cast<const unsigned char*>(message.data()), message.size(),
+                 out.data(), out.size(), &length) ||
+      length != out.size()) {
+    throw Error("HMAC-SHA256 failed (OpenSSL)");
+  }
+  return out;
+}
+
+} // namespace flotilla::base

@@ -1,4 +1,4 @@
-#include "flotilla/checkpoint/atomic_file.h"
+#include "flotilla/base/atomic_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 
 #include "flotilla/error.h"
 
-namespace flotilla::checkpoint {
+namespace flotilla::base {
 namespace {
 
 std::string reason() {
@@ -78,4 +78,4 @@ void write_file_atomic(const std::filesystem::path& target, const std::string& c
   file.commit();
 }
 
-} // namespace flotilla::checkpoint
+} // namespace flotilla::base

@@ -1,0 +1,21 @@
+// What this process may use of the machine, and the clock flotilla times itself with.
+#pragma once
+
+#include <chrono>
+
+namespace flotilla::base {
+
+// Cores this process may run on (its affinity mask: taskset, cgroups, Slurm), at least 1.
+int available_cores();
+
+// Every duration flotilla measures (step phases, epochs, votes, timeouts) is on this clock.
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+inline double seconds_since(Clock::time_point from) {
+  return seconds_between(from, Clock::now());
+}
+
+} // namespace flotilla::base

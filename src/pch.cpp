@@ -1,0 +1,1 @@
+// The precompiled header's own translation unit (see pch.h); nothing else is in it.
