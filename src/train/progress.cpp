@@ -130,4 +130,29 @@ void Progress::line(const std::string& text) {
   std::fflush(out_);
 }
 
+ProgressBar::ProgressBar(Verbosity verbose, std::FILE* out) : verbose_(verbose), out_(out) {}
+
+CallbackNeeds ProgressBar::needs() const {
+  CallbackNeeds needs;
+  needs.shows_progress = true;
+  return needs;
+}
+
+void ProgressBar::on_train_begin() {
+  const Verbosity verbose =
+      resolve_verbosity(verbose_ == Verbosity::kAuto ? params().verbose : verbose_, out_);
+  progress_.emplace(is_chief() && verbose != Verbosity::kSilent,
+                    verbose == Verbosity::kProgressBar, out_);
+}
+
+void ProgressBar::on_epoch_begin(int epoch) {
+  progress_->begin_epoch(epoch + 1, params().epochs, params().steps);
+}
+
+void ProgressBar::on_train_batch_end(std::int64_t batch, const Logs& logs) {
+  progress_->step(batch + 1, logs);
+}
+
+void ProgressBar::on_epoch_end(int epoch, EpochLogs& logs) { progress_->end_epoch(logs); }
+
 } // namespace flotilla::train

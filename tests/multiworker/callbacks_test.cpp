@@ -337,6 +337,37 @@ TEST(Callbacks, PreemptionVotesSpacedByTheChiefsTimingStillAgreeOnOneStep) {
                      std::chrono::milliseconds(1)});
 }
 
+// The preemption vote is fit's own collective: workers whose callbacks disagree on it (one
+// handles preemption, the other does not) are stopped by the start-up check, on both, naming it,
+// before a vote one of them would never join.
+TEST(Callbacks, WorkersThatDisagreeOnPreemptionHandlingAreStoppedBeforeTheFirstStep) {
+  const Data data;
+  testing::TempDir dir;
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    compile_locked(model);
+    train::BackupOptions options{fs::path(dir.path()) / "backup", 0};
+    options.handle_preemption = rank == 0;
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {std::make_shared<train::BackupAndRestore>(options)};
+    try {
+      model.fit(data.batches(), fit);
+    } catch (const ConfigError& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("preemption vote: worker rank 1 has off, the chief (rank 0) has "
+                             "every 500 ms"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 TEST(Callbacks, ScheduleDrivesTheLearningRateAndValidationAddsValKeys) {
   const Data data;
   std::vector<train::History> histories(2);

@@ -154,7 +154,7 @@ TEST(Model, AnEndlessDatasetNeedsStepsPerEpoch) {
     } catch (const ConfigError& e) {
       EXPECT_EQ(std::string(e.what()),
                 "the training dataset is endless (repeat() without a count), so an epoch would "
-                "never end; set FitOptions.steps_per_epoch (--steps-per-epoch)");
+                "never end; set FitOptions::steps_per_epoch");
     }
     fit.epochs = 2;
     fit.steps_per_epoch = 5; // more than one pass of 6 elements in batches of 4

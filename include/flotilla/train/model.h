@@ -7,13 +7,13 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include <chrono>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flotilla/data/distribute.h"
@@ -22,10 +22,19 @@
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/optimizers.h"
 #include "flotilla/train/step_phases.h"
+#include "flotilla/train/training_state.h"
 
 namespace flotilla::train {
 
 class Callback;
+class CallbackList;
+namespace detail {
+class CapturedStep;
+class EpochIterator;
+class PreemptionVote;
+class ReplicaSet;
+class StepTimer;
+} // namespace detail
 
 // Keras's compile() arguments.
 struct CompileOptions {
@@ -113,16 +122,6 @@ struct FitOptions {
   Verbosity verbose = Verbosity::kAuto; // auto: a bar on a terminal, else one line per epoch
 };
 
-// Where a fit stands, for checkpoints and BackupAndRestore.
-struct TrainingState {
-  std::int64_t iterations = 0;    // optimizer updates applied (the schedules' step)
-  int epoch = 0;                  // epochs completed
-  std::int64_t step_in_epoch = 0; // steps of the current epoch done (0 at an epoch boundary)
-  std::optional<data::IteratorState> iterator; // the training input's position
-  double loss_scale = 0;          // 0: no loss scaling
-  std::int64_t loss_scale_good_steps = 0;
-};
-
 class Model {
  public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
@@ -190,6 +189,10 @@ class Model {
   // synchronises the device at each phase boundary, so the spans are the kernels' real times.
   void set_step_tracing(bool on, std::int64_t max_steps = 10000);
   std::vector<StepTrace> take_step_traces();
+  // Asks this model's running (or next) fit to stop for preemption, as SIGTERM does for every fit
+  // of the process (preemption.h); only a fit with a callback that handles preemption
+  // (BackupAndRestore) acts on it.
+  void request_preemption() noexcept { preemption_requested_ = true; }
   // Where training stands; inside fit() it includes the input's position (serialising the
   // iterator: not for every step).
   TrainingState training_state() const;
@@ -202,19 +205,26 @@ class Model {
     return [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
   }
   void require_compiled(const char* what) const;
-  void check_consistency(const data::DistributedDataset& train, const FitOptions& options);
-  // Runs one batch on every replica and applies the update when due; returns the batch's sums.
-  struct StepSums;
-  StepSums train_step(const data::ReplicaBatch& batch, int& micro);
-  // Summed per-example loss, each metric's sum, and the example count: float64, on the device.
+  void check_consistency(const data::DistributedDataset& train, const FitOptions& options,
+                         const CallbackList& callbacks);
+  // An epoch's steps, then its global logs; nullopt when no step ran (the data ended first).
+  std::optional<EpochLogs> run_epoch(int epoch, bool first, std::int64_t first_step,
+                                     detail::EpochIterator& input, CallbackList& callbacks,
+                                     const FitOptions& options, detail::PreemptionVote* vote);
+  // After an epoch's steps: validation, the callbacks' epoch end, the agreed stop.
+  void finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
+                    const std::optional<data::DistributedDataset>& validation,
+                    CallbackList& callbacks);
+  // Every worker agreed to stop for preemption: the callbacks save, then Preempted.
+  [[noreturn]] void preempt(CallbackList& callbacks);
+  // Runs one batch on every replica and applies the update when due; returns the batch's sums:
+  // per-example loss, each metric and the example count summed (float64, on the device).
+  torch::Tensor train_step(const data::ReplicaBatch& batch, int& micro);
   torch::Tensor batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
                            const torch::Tensor& labels) const;
   void apply_gradients(); // finishes the reduction, then apply_update()
   // Unscales and checks the reduced gradients, then steps the optimizers (or skips the step).
   void apply_update();
-  // jit_compile: runs the step as a CUDA graph (captured on first use) and applies it; the batch
-  // sums, or nothing where the batch's shapes differ from the captured ones (run it eagerly).
-  std::optional<torch::Tensor> replay_step(const data::Element& batch, double loss_factor);
   // Every worker's phase sums, in rank order (a collective: every worker calls it).
   std::vector<PhaseTimes> gather_phases(const PhaseTimes& mine);
   EvalResult evaluate_impl(const data::DistributedDataset& data);
@@ -223,33 +233,26 @@ class Model {
   std::shared_ptr<torch::nn::Module> module_;
   Forward forward_;
   std::function<Replica()> clone_;
-  std::optional<CompileOptions> compiled_;
-  std::vector<Replica> replicas_; // replica 0 is module_ itself
-  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
+  // What compile() set up: its options, the replicas (replica 0 is module_) with their
+  // optimizers, the gradient engine, jit_compile's CUDA graph where it applies, the metrics and
+  // the precision.
+  std::optional<CompileOptions> options_;
+  std::unique_ptr<detail::ReplicaSet> replicas_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
+  std::unique_ptr<detail::CapturedStep> captured_;
   std::vector<Metric> metrics_;
   Policy policy_ = Policy::kFloat32;
   std::optional<LossScale> loss_scale_;
-  bool check_finite_ = false; // a callback needs last_step_finite()
-  bool last_step_finite_ = true;
+  // Where training stands.
   std::int64_t iterations_ = 0;
-  // Set by restore_training_state for the next fit to pick up.
-  std::optional<TrainingState> resume_;
-  // During fit: the epoch in progress (0-based) and the input's iterator.
-  int epoch_index_ = 0;
+  int epoch_index_ = 0;                          // during fit: the epoch in progress (0-based)
   std::int64_t step_in_epoch_ = 0;
-  bool pass_continues_ = false; // steps_per_epoch: one pass runs across epochs
-  const data::DistributedIterator* pass_ = nullptr;
-  struct Threads;
-  std::unique_ptr<Threads> threads_; // runs replicas 1..K-1
-  struct StepClock; // the phase timer of the step in progress
-  std::unique_ptr<StepClock> clock_;
-  struct Compiled; // jit_compile's CUDA graph, when it applies (see compile())
-  std::unique_ptr<Compiled> graph_;
-  std::vector<torch::Device> devices_; // each replica's parameters' device
-  bool tracing_ = false;
-  std::int64_t max_traced_steps_ = 0;
-  std::vector<StepTrace> traces_;
+  std::optional<TrainingState> resume_;          // for the next fit (restore_training_state)
+  const detail::EpochIterator* input_ = nullptr; // during fit: the training input
+  bool check_finite_ = false;                    // a callback needs last_step_finite()
+  bool last_step_finite_ = true;
+  std::atomic<bool> preemption_requested_{false};
+  std::unique_ptr<detail::StepTimer> timer_;
 };
 
 } // namespace flotilla::train

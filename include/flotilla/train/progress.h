@@ -2,17 +2,18 @@
 // (verbose 1), or a single line per epoch otherwise (verbose 2), e.g.
 //   937/937 - 21s - 22ms/step - loss: 0.4620 - accuracy: 0.8331 - learning_rate: 0.0400 -
 //   2843 samples/s
+// Progress draws it; ProgressBar is the callback fit adds (Keras's ProgbarLogger).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
-namespace flotilla::train {
+#include "flotilla/train/callback.h"
 
-struct EpochLogs;
-class Logs;
+namespace flotilla::train {
 
 class Progress {
  public:
@@ -39,5 +40,23 @@ class Progress {
 // with TF's class, and how much all-reduce time backward hid, e.g.
 //   step 42.1 ms: input 0.41 (1.0%, not input-bound) | forward 9.80 | backward 25.10 | ...
 std::string phase_summary(const EpochLogs& logs);
+
+// Keras's ProgbarLogger: a bar with ETA and running loss/metrics on a terminal (verbose 1), one
+// line per epoch otherwise; chief only. fit() adds one unless verbose is silent or one is given.
+class ProgressBar : public Callback {
+ public:
+  // kAuto: fit's verbosity, resolved for `out` (resolve_verbosity).
+  explicit ProgressBar(Verbosity verbose = Verbosity::kAuto, std::FILE* out = stdout);
+  void on_train_begin() override;
+  void on_epoch_begin(int epoch) override;
+  void on_train_batch_end(std::int64_t batch, const Logs& logs) override;
+  void on_epoch_end(int epoch, EpochLogs& logs) override;
+  CallbackNeeds needs() const override;
+
+ private:
+  Verbosity verbose_;
+  std::FILE* out_;
+  std::optional<Progress> progress_;
+};
 
 } // namespace flotilla::train

@@ -1,0 +1,46 @@
+// Where a fit stands, and the codec between it and a checkpoint: the state a resumed fit needs
+// beyond weights (updates applied, epoch, step, the input's position, the loss scale) as the
+// "state" object of a checkpoint's manifest, and a Model's whole training state as a
+// checkpoint's data (weights, optimizer state, that state and the CPU generator) and back.
+// ModelCheckpoint, BackupAndRestore and the SidecarEvaluator read and write checkpoints through
+// these, so all agree on one format.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/data/dataset.h"
+
+namespace flotilla::train {
+
+class Model;
+
+// Where a fit stands, for checkpoints and BackupAndRestore.
+struct TrainingState {
+  std::int64_t iterations = 0;    // optimizer updates applied (the schedules' step)
+  int epoch = 0;                  // epochs completed
+  std::int64_t step_in_epoch = 0; // steps of the current epoch done (0 at an epoch boundary)
+  std::optional<data::IteratorState> iterator; // the training input's position
+  double loss_scale = 0;          // 0: no loss scaling
+  std::int64_t loss_scale_good_steps = 0;
+};
+
+// The manifest's "state" object, and back (CheckpointError naming `where` when incomplete).
+nlohmann::json to_json(const TrainingState& state);
+TrainingState training_state_from_json(const nlohmann::json& state,
+                                       const std::filesystem::path& where);
+
+// Everything a checkpoint directory holds for `model`: weights, replica 0's optimizer state,
+// the training state and the CPU generator's state (dropout masks and other draws continue as if
+// never interrupted).
+checkpoint::CheckpointData checkpoint_data(Model& model);
+// Loads weights into the model, optimizer state into every replica's optimizer and the CPU
+// generator's state; returns the training state for Model::restore_training_state.
+TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointData& data,
+                                   const std::filesystem::path& where);
+
+} // namespace flotilla::train

@@ -1,0 +1,53 @@
+// Private: fit's passes over the training input (Keras 3's EpochIterator). Every step is a
+// collective, so every worker must take the same number of steps: when each knows its pass
+// length and they agree, that is enough; otherwise every step first asks all workers whether they
+// still have a batch (what tf.distribute does for uneven input). A new pass starts each epoch,
+// unless steps_per_epoch makes one pass run across epochs (Keras's steps_per_epoch with
+// repeat()), or a resume continues a saved one.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "flotilla/collective/communicator.h"
+#include "flotilla/data/distribute.h"
+
+namespace flotilla::train::detail {
+
+class EpochIterator {
+ public:
+  // Agrees with the other workers on the pass length: a collective, as the first thing fit does.
+  // ConfigError for an endless input without steps_per_epoch.
+  EpochIterator(const data::DistributedDataset& data, std::optional<std::int64_t> steps_per_epoch,
+                collective::Communicator& workers);
+
+  // Steps in every epoch, when known in advance (Keras's params["steps"]); 0 otherwise.
+  std::int64_t known_steps() const { return known_steps_; }
+  // The first epoch continues the pass saved at `position` (a backup's).
+  void resume_at(const data::IteratorState& position) { pass_.emplace(data_.make_iterator(position)); }
+  // Before each epoch: a new pass unless one continues (see above).
+  void begin_epoch(bool first);
+  // Whether step `step_in_epoch` (0-based) of this epoch is to run: with steps_per_epoch, up to
+  // it; otherwise until the pass ends.
+  bool wants_step(std::int64_t step_in_epoch) const {
+    return !steps_per_epoch_ || step_in_epoch < *steps_per_epoch_;
+  }
+  // The next batch, or nullopt where the epoch ends for every worker.
+  std::optional<data::ReplicaBatch> next();
+  // The input ended before steps_per_epoch x epochs steps (fit stops early, with a warning).
+  bool ran_out() const { return ran_out_; }
+  // The input's position, for a backup (see Model::training_state); nullopt before the first
+  // pass.
+  std::optional<data::IteratorState> position(std::int64_t step_in_epoch) const;
+
+ private:
+  const data::DistributedDataset& data_;
+  std::optional<std::int64_t> steps_per_epoch_;
+  collective::Communicator& workers_;
+  bool agreed_ = false; // every worker knows the same pass length: no vote per step
+  std::int64_t known_steps_ = 0;
+  std::optional<data::DistributedIterator> pass_;
+  bool ran_out_ = false;
+};
+
+} // namespace flotilla::train::detail

@@ -1,0 +1,133 @@
+#include "train/replica_set.h"
+
+#include <condition_variable>
+#include <mutex>
+
+#include "flotilla/base/thread_pool.h"
+#include "flotilla/error.h"
+
+namespace flotilla::train::detail {
+
+struct ReplicaSet::Threads {
+  explicit Threads(int replicas) : pool(replicas - 1), errors(static_cast<std::size_t>(replicas)) {}
+  void run(const std::function<void(int)>& fn) {
+    std::fill(errors.begin(), errors.end(), nullptr);
+    std::mutex mutex;
+    std::condition_variable done;
+    int remaining = pool.size();
+    for (int r = 1; r <= pool.size(); ++r) {
+      pool.submit([&, r] {
+        try {
+          fn(r);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        if (--remaining == 0) done.notify_one();
+      });
+    }
+    try {
+      fn(0);
+    } catch (...) {
+      errors[0] = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    done.wait(lock, [&] { return remaining == 0; });
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+
+  base::ThreadPool pool;
+  std::vector<std::exception_ptr> errors;
+};
+
+ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
+                       const std::function<Model::Replica()>& clone,
+                       const OptimizerOptions& optimizer)
+    : devices_(devices) {
+  const int replicas = static_cast<int>(devices.size());
+  if (replicas > 1 && !clone) {
+    throw ConfigError("replicas_per_worker is " + std::to_string(replicas) +
+                      ", but this Model cannot copy its module: construct it from a module "
+                      "holder (torch::nn::Sequential, a TORCH_MODULE), or pass a clone function");
+  }
+  // A model built outside scope() is moved here, before the optimizer and the gradient engine
+  // take its parameters; but not off a GPU the user chose onto the strategy's CPU.
+  for (const auto& p : first.first->parameters()) {
+    if (p.is_cuda() && devices.front().is_cpu()) {
+      throw ConfigError("the model is on " + p.device().str() +
+                        ", but the strategy's replicas are on the CPU; give the strategy that "
+                        "device (MirroredStrategy(parse_devices(\"" +
+                        p.device().str() + "\"))) or build the model in strategy.scope()");
+    }
+  }
+  first.first->to(devices.front());
+  replicas_.push_back(std::move(first));
+  for (int r = 1; r < replicas; ++r) {
+    replicas_.push_back(clone());
+    if (!replicas_.back().first) {
+      throw ConfigError("the clone function returned no module for replica " + std::to_string(r));
+    }
+    replicas_.back().first->to(devices[static_cast<std::size_t>(r)]);
+  }
+  for (const auto& [module, forward] : replicas_) {
+    optimizers_.push_back(make_optimizer(optimizer, module->parameters()));
+  }
+  if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
+}
+
+ReplicaSet::~ReplicaSet() = default;
+
+std::vector<std::shared_ptr<torch::nn::Module>> ReplicaSet::modules() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> all;
+  for (const auto& [module, forward] : replicas_) all.push_back(module);
+  return all;
+}
+
+std::vector<torch::optim::Optimizer*> ReplicaSet::optimizers() const {
+  std::vector<torch::optim::Optimizer*> all;
+  for (const auto& optimizer : optimizers_) all.push_back(optimizer.get());
+  return all;
+}
+
+void ReplicaSet::run(const std::function<void(int)>& fn) {
+  if (threads_) {
+    threads_->run(fn);
+  } else {
+    fn(0);
+  }
+}
+
+void ReplicaSet::copy_first_to_others() {
+  if (replicas_.size() < 2) return;
+  torch::NoGradGuard no_grad;
+  const auto params = module(0).parameters();
+  const auto buffers = module(0).buffers();
+  for (int r = 1; r < size(); ++r) {
+    const auto theirs = module(r).parameters();
+    const auto their_buffers = module(r).buffers();
+    if (theirs.size() != params.size() || their_buffers.size() != buffers.size()) {
+      throw ConfigError("the model now has " + std::to_string(params.size()) +
+                        " parameters and " + std::to_string(buffers.size()) +
+                        " buffers, its replicas " + std::to_string(theirs.size()) + " and " +
+                        std::to_string(their_buffers.size()) +
+                        " (changed after compile()); call compile() again");
+    }
+    for (std::size_t k = 0; k < params.size(); ++k) theirs[k].copy_(params[k]);
+    for (std::size_t k = 0; k < buffers.size(); ++k) their_buffers[k].copy_(buffers[k]);
+  }
+}
+
+void ReplicaSet::set_training(bool training) {
+  for (auto& [module, forward] : replicas_) module->train(training);
+}
+
+void ReplicaSet::step(double learning_rate) {
+  for (auto& optimizer : optimizers_) {
+    set_learning_rate(*optimizer, learning_rate);
+    optimizer->step();
+  }
+}
+
+} // namespace flotilla::train::detail

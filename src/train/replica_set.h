@@ -1,0 +1,54 @@
+// Private: a worker's replicas of the model. Replica 0 is the model itself; compile() clones the
+// others onto their devices. Each replica has its own optimizer (all take the same step on the
+// same averaged gradients); replicas 1..K-1 run on threads that live as long as the set, so a
+// step costs K-1 hand-offs, not K-1 thread starts.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "flotilla/train/model.h"
+
+namespace flotilla::train::detail {
+
+class ReplicaSet {
+ public:
+  // `first` moves to devices[0]; `clone` makes each other replica, moved to its device.
+  // ConfigError when several replicas are asked for without a clone function, or when the model
+  // sits on a GPU the CPU replicas cannot use.
+  ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
+             const std::function<Model::Replica()>& clone, const OptimizerOptions& optimizer);
+  ~ReplicaSet();
+
+  int size() const { return static_cast<int>(replicas_.size()); }
+  torch::nn::Module& module(int r) const { return *replicas_[static_cast<std::size_t>(r)].first; }
+  const Model::Forward& forward(int r) const { return replicas_[static_cast<std::size_t>(r)].second; }
+  const torch::Device& device(int r) const { return devices_[static_cast<std::size_t>(r)]; }
+  const std::vector<torch::Device>& devices() const { return devices_; }
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
+  std::vector<torch::optim::Optimizer*> optimizers() const;
+
+  // fn(r) for every replica at once, replica 0 on the calling thread; rethrows the first
+  // replica's failure after all have finished.
+  void run(const std::function<void(int)>& fn);
+  // Replica 0's parameters and buffers into the others: weights loaded into the model since
+  // compile() (a checkpoint, a backup, a user's edit) reach every replica. ConfigError when the
+  // model's tensors changed since compile().
+  void copy_first_to_others();
+  void set_training(bool training);
+  // Every replica's optimizer steps at `learning_rate`.
+  void step(double learning_rate);
+
+ private:
+  struct Threads;
+  std::vector<Model::Replica> replicas_;
+  std::vector<torch::Device> devices_;
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
+  std::unique_ptr<Threads> threads_;
+};
+
+} // namespace flotilla::train::detail

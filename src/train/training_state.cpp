@@ -1,0 +1,104 @@
+#include "flotilla/train/training_state.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/error.h"
+#include "flotilla/train/model.h"
+
+namespace flotilla::train {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string to_hex(const torch::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  const torch::Tensor b = bytes.contiguous().to(torch::kUInt8);
+  const auto* p = b.data_ptr<std::uint8_t>();
+  std::string out;
+  out.reserve(static_cast<std::size_t>(b.numel()) * 2);
+  for (std::int64_t i = 0; i < b.numel(); ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+torch::Tensor from_hex(const std::string& hex) {
+  torch::Tensor out = torch::empty({static_cast<std::int64_t>(hex.size() / 2)}, torch::kUInt8);
+  auto* p = out.data_ptr<std::uint8_t>();
+  auto nibble = [](char c) {
+    return static_cast<std::uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+  };
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+    p[i / 2] = static_cast<std::uint8_t>(nibble(hex[i]) << 4 | nibble(hex[i + 1]));
+  }
+  return out;
+}
+
+} // namespace
+
+json to_json(const TrainingState& s) {
+  json j = {{"iterations", s.iterations},
+            {"epoch", s.epoch},
+            {"step_in_epoch", s.step_in_epoch},
+            {"loss_scale", s.loss_scale},
+            {"loss_scale_good_steps", s.loss_scale_good_steps}};
+  if (s.iterator) {
+    j["iterator"] = {{"iteration", s.iterator->iteration},
+                     {"produced", s.iterator->produced},
+                     {"fingerprint", s.iterator->fingerprint}};
+  }
+  return j;
+}
+
+TrainingState training_state_from_json(const json& j, const fs::path& where) {
+  try {
+    TrainingState s;
+    s.iterations = j.at("iterations").get<std::int64_t>();
+    s.epoch = j.at("epoch").get<int>();
+    s.step_in_epoch = j.at("step_in_epoch").get<std::int64_t>();
+    s.loss_scale = j.at("loss_scale").get<double>();
+    s.loss_scale_good_steps = j.at("loss_scale_good_steps").get<std::int64_t>();
+    if (j.contains("iterator")) {
+      const json& it = j.at("iterator");
+      s.iterator = data::IteratorState{it.at("iteration").get<std::int64_t>(),
+                                       it.at("produced").get<std::int64_t>(),
+                                       it.at("fingerprint").get<std::string>()};
+    }
+    return s;
+  } catch (const json::exception& e) {
+    throw CheckpointError(where.string() + ": the training state in its manifest is incomplete (" +
+                          e.what() + "); it was not written by this version of flotilla's fit");
+  }
+}
+
+checkpoint::CheckpointData checkpoint_data(Model& model) {
+  checkpoint::CheckpointData data;
+  data.model = checkpoint::model_state(model.module());
+  data.optimizer = checkpoint::optimizer_state(model.optimizer());
+  const TrainingState state = model.training_state();
+  data.epoch = state.epoch;
+  data.step = state.iterations;
+  data.policy = to_string(model.policy());
+  data.state = to_json(state);
+  data.state["rng_cpu"] = to_hex(at::detail::getDefaultCPUGenerator().get_state());
+  return data;
+}
+
+TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointData& data,
+                                   const fs::path& where) {
+  checkpoint::load_model_state(model.module(), data.model);
+  // Every replica's optimizer: fit() re-syncs the replicas' weights, not their optimizer state.
+  for (auto* optimizer : model.optimizers()) {
+    checkpoint::load_optimizer_state(*optimizer, data.optimizer);
+  }
+  if (data.state.contains("rng_cpu")) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(from_hex(data.state.at("rng_cpu").get<std::string>()));
+  }
+  return training_state_from_json(data.state, where);
+}
+
+} // namespace flotilla::train
