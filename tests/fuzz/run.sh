@@ -2,6 +2,11 @@
 # Runs one libFuzzer target for a bounded time: tests/fuzz/run.sh TARGET SECONDS
 #        tests/fuzz/run.sh --list      (the targets)
 #        tests/fuzz/run.sh --build     (build every target, run none)
+#        tests/fuzz/run.sh --all SECONDS DIR   (every target, two at a time: a target is one
+#                                       process on one core; each one's output and exit status
+#                                       go to DIR/TARGET.out and DIR/TARGET.status)
+#        tests/fuzz/run.sh --report TARGET DIR (prints what --all saved for TARGET and exits
+#                                       with its status: its CTest entry)
 # The first use configures build/fuzz with clang (ASan + UBSan + libFuzzer) and builds there;
 # later uses rebuild only what changed (ccache makes a fresh clone cheap too). The seed corpus
 # (tests/fuzz/corpus/TARGET) is copied to a temporary directory, so nothing is written into the
@@ -23,6 +28,16 @@ usage() {
 if [[ $1 == --list ]]; then
   printf '%s\n' "${targets[@]}"
   exit 0
+fi
+if [[ $1 == --report ]]; then
+  [[ $# -eq 3 ]] || usage
+  if [[ ! -f $3/$2.status ]]; then
+    echo "fuzz_$2: no result in $3: did this ctest run include fuzz_run?" >&2
+    exit 1
+  fi
+  cat "$3/$2.out"
+  status=$(cat "$3/$2.status")
+  exit "$status"
 fi
 
 cxx=${FUZZ_CXX:-clang++}
@@ -48,6 +63,20 @@ if [[ ! -f $build/build.ninja ]]; then
     >"$probe/configure.log" 2>&1 || { cat "$probe/configure.log" >&2; exit 1; }
 fi
 
+if [[ $1 == --all ]]; then
+  [[ $# -eq 3 && $2 =~ ^[0-9]+$ ]] || usage
+  mkdir -p "$3"
+  rm -f "$3"/*.out "$3"/*.status
+  ninja -C "$build" -j "${JOBS:-2}" $(printf 'fuzz_%s ' "${targets[@]}") >"$probe/build.log" 2>&1 ||
+    { cat "$probe/build.log" >&2; exit 1; }
+  export FLOTILLA_FUZZ_PREBUILT=1
+  # Each target's status is its own; this run fails only if it could not run them.
+  printf '%s\n' "${targets[@]}" | xargs -P "${JOBS:-2}" -I{} sh -c \
+    '"$0" {} "$1" > "$2/{}.out" 2>&1; echo $? > "$2/{}.status"' "$0" "$2" "$3"
+  # A skip (77: no clang or libFuzzer) is everyone's.
+  if grep -qx 77 "$3"/*.status; then exit 77; fi
+  exit 0
+fi
 if [[ $1 == --build ]]; then
   ninja -C "$build" -j "${JOBS:-2}" $(printf 'fuzz_%s ' "${targets[@]}")
   exit 0
@@ -57,8 +86,12 @@ fi
 target=$1
 seconds=$2
 [[ " ${targets[*]} " == *" $target "* ]] || usage
-ninja -C "$build" -j "${JOBS:-2}" "fuzz_$target" >"$probe/build.log" 2>&1 ||
-  { cat "$probe/build.log" >&2; exit 1; }
+# --all builds every target first, then runs them side by side: two ninjas in one build
+# directory at once could corrupt its logs.
+if [[ -z ${FLOTILLA_FUZZ_PREBUILT:-} ]]; then
+  ninja -C "$build" -j "${JOBS:-2}" "fuzz_$target" >"$probe/build.log" 2>&1 ||
+    { cat "$probe/build.log" >&2; exit 1; }
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$probe" "$work"' EXIT
