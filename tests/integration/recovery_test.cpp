@@ -150,17 +150,24 @@ bool running(pid_t pid) {
   return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
 }
 
-// Waits (bounded) until backup number `at_least` exists, then a random 0-300 ms more: a
-// moment in the middle of the first epoch, whatever the machine's speed. False if the run
-// ended first.
+// Waits (bounded) until backup number `at_least` (2 or more) exists, then a random part of the
+// time between the last two backups (5 updates): a moment in the middle of the first epoch,
+// however fast the machine. (A fixed 0-300 ms once landed after the end of a fast run, which
+// then had nothing to resume.) False if the run ended first.
 bool wait_mid_run(testing::Process& launch, const fs::path& dir, int at_least, std::mt19937& rng) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (latest_backup(dir) < at_least) {
-    if (std::chrono::steady_clock::now() > deadline || !running(launch.pid())) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  std::this_thread::sleep_for(
-      std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
+  auto wait_for = [&](int number) {
+    while (latest_backup(dir) < number) {
+      if (std::chrono::steady_clock::now() > deadline || !running(launch.pid())) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  };
+  if (!wait_for(at_least - 1)) return false;
+  const auto previous = std::chrono::steady_clock::now();
+  if (!wait_for(at_least)) return false;
+  const auto interval = std::chrono::steady_clock::now() - previous;
+  std::this_thread::sleep_for(std::uniform_real_distribution<double>(0, 1)(rng) * interval);
   return true;
 }
 
@@ -175,7 +182,7 @@ class Recovery : public ::testing::Test {
 TEST_F(Recovery, ASigkilledWorkerRestartsTheClusterAndLosesNoStep) {
   auto rng = seeded_rng();
   const int victim = std::uniform_int_distribution<int>(0, 1)(rng);
-  const int after_backup = std::uniform_int_distribution<int>(1, 3)(rng); // updates 5..15
+  const int after_backup = std::uniform_int_distribution<int>(2, 4)(rng); // updates 10..20
   std::cout << "SIGKILL to worker " << victim << " after backup " << after_backup << "\n";
   testing::TempDir dir;
   testing::Process launch(launch_command(dir.path(), {"--max-restarts", "2"}));
@@ -198,7 +205,7 @@ TEST_F(Recovery, ASigkilledWorkerRestartsTheClusterAndLosesNoStep) {
 TEST_F(Recovery, ASigtermedWorkerMakesEveryWorkerSaveAtOneStepAndResumeThere) {
   auto rng = seeded_rng();
   const int victim = std::uniform_int_distribution<int>(0, 1)(rng);
-  const int after_backup = std::uniform_int_distribution<int>(1, 3)(rng);
+  const int after_backup = std::uniform_int_distribution<int>(2, 4)(rng);
   std::cout << "SIGTERM to worker " << victim << " after backup " << after_backup << "\n";
   testing::TempDir dir;
   // No failure restarts allowed: only the preemption can start the cluster again.
@@ -234,7 +241,7 @@ TEST_F(Recovery, ASigtermedWorkerMakesEveryWorkerSaveAtOneStepAndResumeThere) {
 
 TEST_F(Recovery, ASigtermedLaunchExitsTempfailAndTheNextLaunchResumes) {
   auto rng = seeded_rng();
-  const int after_backup = std::uniform_int_distribution<int>(1, 3)(rng);
+  const int after_backup = std::uniform_int_distribution<int>(2, 4)(rng);
   std::cout << "SIGTERM to launch after backup " << after_backup << "\n";
   testing::TempDir dir;
   {
