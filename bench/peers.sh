@@ -20,6 +20,10 @@
 #   env: MODELS="mlp mlp-wide cnn"  BATCHES="128 512" (global)  STEPS=S (all configurations)
 #        FLOTILLA=build/flotilla  PYTHON=.venv/bin/python  TIMEOUT=600 (seconds, per process)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
+#        BASELINE=path/to/another/flotilla: that build too, alternating with FLOTILLA in the same
+#          runs ("system":"flotilla-baseline"), with the ratio flotilla/baseline: a change's
+#          before and after in one sitting
+#        PEERS="pytorch-ddp tf-mwms" (the peers to run; PEERS= runs flotilla alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1}
@@ -34,6 +38,8 @@ TRAIN_SIZE=60000
 WORKERS=2
 THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
 TF_KERAS_VERSION=2.21.0
+BASELINE=${BASELINE:-}
+PEERS=${PEERS-pytorch-ddp tf-mwms}
 
 tmp=$(mktemp -d)
 keep_logs=0
@@ -115,12 +121,13 @@ wait_all() {  # label, pids...
   done
 }
 
-run_flotilla() {  # model, global batch, steps, run -> samples/s on stdout
-  local model=$1 batch=$2 steps=$3 log="$tmp/flotilla-$1-$2-$4.log" metrics="$tmp/flotilla-$1-$2-$4.json"
-  local cmd=("$FLOTILLA" launch --workers "$WORKERS" -- flotilla train --model "$model"
+run_flotilla() {  # model, global batch, steps, run[, binary] -> samples/s on stdout
+  local model=$1 batch=$2 steps=$3 binary=${5:-$FLOTILLA} name=flotilla${5:+-baseline}
+  local log="$tmp/$name-$1-$2-$4.log" metrics="$tmp/$name-$1-$2-$4.json"
+  local cmd=("$binary" launch --workers "$WORKERS" -- flotilla train --model "$model"
     --data-dir "$DATA_DIR" --batch-per-replica $((batch / WORKERS)) --steps-per-epoch "$steps"
     --epochs 2 --lr 0.04 --momentum 0.9 --metrics-json "$metrics" --verbose 0)
-  for _ in $(seq 30); do [ -x "$FLOTILLA" ] && break; sleep 2; done  # may be being relinked
+  for _ in $(seq 30); do [ -x "$binary" ] && break; sleep 2; done  # may be being relinked
   start "$log" env -u OMP_NUM_THREADS "${cmd[@]}"
   wait_all "${cmd[*]}" "$started"
   local epoch2
@@ -170,6 +177,7 @@ run_tf() {  # model, global batch, steps, run -> samples/s on stdout; TF version
 # Preconditions: the binary, the project venv (torch), the TF venv (installed once).
 for _ in $(seq 30); do [ -x "$FLOTILLA" ] && break; sleep 2; done
 [ -x "$FLOTILLA" ] || fail "$FLOTILLA not found (make build)"
+[ -z "$BASELINE" ] || [ -x "$BASELINE" ] || fail "BASELINE $BASELINE is not an executable"
 [ -x "$PYTHON" ] || fail "$PYTHON not found (make bootstrap)"
 bench/setup_tf.sh >&2 || fail "bench/setup_tf.sh"
 if ! compgen -G "bench/.venv-tf/lib/python3*/site-packages/tf_keras-${TF_KERAS_VERSION}.dist-info" >/dev/null; then
@@ -190,29 +198,50 @@ for run in $(seq "$RUNS"); do
     for batch in $BATCHES; do
       steps=$(steps_for "$model" "$batch")
       run_flotilla "$model" "$batch" "$steps" "$run" >>"$tmp/flotilla-$model-$batch"
-      run_ddp "$model" "$batch" "$steps" "$run" >>"$tmp/pytorch-ddp-$model-$batch"
-      run_tf "$model" "$batch" "$steps" "$run" >>"$tmp/tf-mwms-$model-$batch"
+      if [ -n "$BASELINE" ]; then
+        run_flotilla "$model" "$batch" "$steps" "$run" "$BASELINE" >>"$tmp/flotilla-baseline-$model-$batch"
+      fi
+      case " $PEERS " in *" pytorch-ddp "*)
+        run_ddp "$model" "$batch" "$steps" "$run" >>"$tmp/pytorch-ddp-$model-$batch" ;;
+      esac
+      case " $PEERS " in *" tf-mwms "*)
+        run_tf "$model" "$batch" "$steps" "$run" >>"$tmp/tf-mwms-$model-$batch" ;;
+      esac
     done
   done
 done
 
 median() { sort -g "$1" | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 flotilla_version=$("$FLOTILLA" --version | awk '{print $NF}')
+systems=(flotilla)
+[ -z "$BASELINE" ] || systems+=(flotilla-baseline)
+for peer in $PEERS; do systems+=("$peer"); done
 for model in $MODELS; do
   for batch in $BATCHES; do
     declare -A value=()
-    for system in flotilla pytorch-ddp tf-mwms; do
+    for system in "${systems[@]}"; do
       value[$system]=$(median "$tmp/$system-$model-$batch")
       case $system in
         flotilla) version=$flotilla_version ;;
+        flotilla-baseline) version=$("$BASELINE" --version | awk '{print $NF}') ;;
         pytorch-ddp) version=$(cat "$tmp/version-ddp") ;;
         tf-mwms) version=$(cat "$tmp/version-tf") ;;
       esac
       printf '{"bench":"peers","system":"%s","model":"%s","global_batch":%d,"metric":"samples_per_s","value":%.1f,"runs":%d,"version":"%s"}\n' \
         "$system" "$model" "$batch" "${value[$system]}" "$RUNS" "$version"
     done
-    awk -v m="$model" -v b="$batch" -v f="${value[flotilla]}" -v d="${value[pytorch-ddp]}" -v t="${value[tf-mwms]}" 'BEGIN {
-      printf "{\"bench\":\"peers\",\"model\":\"%s\",\"global_batch\":%d,\"metric\":\"samples_per_s\",\"ratio_vs_ddp\":%.3f,\"ratio_vs_tf\":%.3f,\"of\":\"flotilla/peer\"}\n", m, b, f / d, f / t }'
+    ratios=""
+    for system in "${systems[@]:1}"; do
+      case $system in
+        flotilla-baseline) key=ratio_vs_baseline ;;
+        pytorch-ddp) key=ratio_vs_ddp ;;
+        tf-mwms) key=ratio_vs_tf ;;
+      esac
+      ratios+=$(awk -v k="$key" -v f="${value[flotilla]}" -v p="${value[$system]}" \
+        'BEGIN { printf ",\"%s\":%.3f", k, f / p }')
+    done
+    printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s"%s,"of":"flotilla/peer"}\n' \
+      "$model" "$batch" "$ratios"
     unset value
   done
 done

@@ -417,9 +417,10 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     }
     const std::int64_t iterations_before = iterations_;
     epoch_sums.add_(train_step(*batch, micro));
-    if (micro == 0) { // this step's all-reduces (none while accumulating)
-      timer_->record_all_reduces(reducer_->last_all_reduces());
+    if (micro == 0) {
       if (iterations_ == iterations_before) ++skipped;
+      // This step's all-reduces (none while accumulating), for its trace.
+      if (timer_->tracing_step()) timer_->record_all_reduces(reducer_->last_all_reduces());
     }
     ++steps;
     ++step_in_epoch_;

@@ -67,6 +67,8 @@ class StepTimer {
     }
     last_ = now;
   }
+  // Whether this step is traced (record_all_reduces has something to do).
+  bool tracing_step() const { return trace_ != nullptr; }
   // This step's bucket all-reduces, for its trace.
   void record_all_reduces(
       const std::vector<std::pair<Clock::time_point, Clock::time_point>>& intervals) {
