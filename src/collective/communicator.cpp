@@ -13,7 +13,10 @@
 #include <thread>
 
 #include "collective/backends.h"
+#include "collective/heartbeat.h"
 #include "collective/rendezvous.h"
+#include "collective/rendezvous_server.h"
+#include "collective/rendezvous_store.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 

@@ -11,7 +11,9 @@
 #include <memory>
 #include <thread>
 
-#include "collective/rendezvous.h"
+#include "collective/rendezvous_server.h"
+#include "collective/rendezvous_store.h"
+#include "collective/wire.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
