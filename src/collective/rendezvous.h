@@ -43,6 +43,9 @@ struct RendezvousConfig {
   std::chrono::milliseconds timeout{300000}; // joining, and each blocking store operation
   std::chrono::milliseconds heartbeat_interval{1000};
   std::chrono::milliseconds heartbeat_timeout{10000};
+  // The server drops a connection that has not completed its join by then, so a silent or
+  // stalled client cannot hold one of its few connection slots for long.
+  std::chrono::milliseconds join_timeout{10000};
   // How to name each rank in messages, e.g. "worker 1 at 198.18.0.3:2222 (rank 2)"; empty:
   // "rank r".
   std::vector<std::string> names;

@@ -25,8 +25,6 @@ namespace flotilla::collective::detail {
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading is dropped
-// A process that has not proved itself yet may stay this long.
-constexpr std::chrono::milliseconds kJoinTime{10000};
 } // namespace
 
 // Nothing a client sends can block the loop: a slow or silent client only holds its own
@@ -385,7 +383,7 @@ struct RendezvousServer::Impl {
       Conn c;
       c.fd = fd;
       c.peer = peer_name(addr);
-      c.join_deadline = Clock::now() + kJoinTime;
+      c.join_deadline = Clock::now() + config.join_timeout;
       c.nonce = random_bytes<32>();
       c.out = Hello{config.token.has_value(), c.nonce}.frame();
       conns.emplace(next_id++, std::move(c));
@@ -406,7 +404,7 @@ struct RendezvousServer::Impl {
     }
     for (int id : late) {
       log.warn("rendezvous: dropped the connection from " + conns[id].peer +
-               ": no valid join within " + ms_text(kJoinTime));
+               ": no valid join within " + ms_text(config.join_timeout));
       drop(id);
     }
     for (std::size_t r = 0; r < ranks.size(); ++r) {
