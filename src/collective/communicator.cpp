@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "collective/backend_failure.h"
 #include "collective/backends.h"
 #include "collective/heartbeat.h"
 #include "collective/rendezvous.h"
@@ -116,32 +117,12 @@ std::string local_transport(const std::vector<at::Tensor>& tensors) {
 
 namespace {
 
+using detail::backend_message;
+using detail::FailureKind;
+
 std::string seconds(std::chrono::milliseconds d) {
   const auto ms = d.count();
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + "s" : std::to_string(ms) + "ms";
-}
-
-// The backend's own words, without c10's backtrace or Gloo's source-file prefix.
-std::string backend_message(const std::exception& e) {
-  std::string what;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    what = c10_error->what_without_backtrace();
-  } else {
-    what = e.what();
-  }
-  if (what.rfind("[", 0) == 0) {
-    const auto close = what.find("] ");
-    if (close != std::string::npos && what.find(".cc:") < close) what = what.substr(close + 2);
-  }
-  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
-  return what;
-}
-
-bool is_connection_loss(const std::string& message) {
-  for (const char* needle : {"closed", "reset", "Connection", "peer", "Broken pipe"}) {
-    if (message.find(needle) != std::string::npos) return true;
-  }
-  return false;
 }
 
 // "float", "long", "bfloat16": c10's names, lower-cased.
@@ -149,13 +130,6 @@ std::string dtype_name(const at::Tensor& t) {
   std::string name = c10::toString(t.scalar_type());
   for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return name;
-}
-
-bool is_timeout(const std::string& message) {
-  for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
-    if (message.find(needle) != std::string::npos) return true;
-  }
-  return false;
 }
 
 std::vector<std::uint8_t> bytes(const std::string& s) {
@@ -295,7 +269,8 @@ void Work::finish_locked(bool diagnose) {
     } catch (const std::exception& e) {
       const std::string message = backend_message(e);
       const std::string head = state_->description + " on " + state_->where();
-      if (is_timeout(message)) {
+      const FailureKind kind = detail::classify_failure(e);
+      if (kind == FailureKind::kTimeout) {
         // Asking the other ranks takes up to a few seconds: wait() does, is_completed() not.
         const std::string missing =
             diagnose && state_->store ? missing_ranks(*state_->store, state_->rank, state_->size,
@@ -312,7 +287,7 @@ void Work::finish_locked(bool diagnose) {
       } else {
         state_->error = std::make_exception_ptr(CommError(
             head + " failed (" + message + ")" +
-            (is_connection_loss(message)
+            (kind == FailureKind::kConnectionLoss
                  ? "; a peer probably exited or lost its network: check the other workers' output"
                  : "")));
       }
@@ -613,7 +588,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     const std::string head = "connecting the collectives of " + where + " (bound to " +
                              (spec.local_host.empty() ? "this host's name" : spec.local_host) +
                              ") ";
-    if (is_timeout(message)) {
+    if (detail::classify_failure(e) == FailureKind::kTimeout) {
       throw TimeoutError(head + "did not complete within " + seconds(options.timeout) + " (" +
                          message + "); a worker is missing or unreachable");
     }
