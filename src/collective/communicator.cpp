@@ -120,6 +120,11 @@ namespace {
 using detail::backend_message;
 using detail::FailureKind;
 
+// Once a peer has failed the group cannot recover in place: every operation says what to do.
+constexpr const char* kRestartAdvice =
+    "; restart the workers (a launcher such as flotilla launch, or the job's scheduler, can "
+    "restart them); BackupAndRestore resumes from the last backup";
+
 std::string seconds(std::chrono::milliseconds d) {
   const auto ms = d.count();
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + "s" : std::to_string(ms) + "ms";
@@ -282,8 +287,8 @@ void Work::finish_locked(bool diagnose) {
         state_->error = std::make_exception_ptr(
             TimeoutError(head + " did not complete within " + seconds(state_->timeout) + " (" +
                          message + ")" + missing +
-                         "; check the other workers' output, or raise the timeout "
-                         "(CommunicationOptions.timeout, --timeout)"));
+                         "; check the other workers' output, or raise "
+                         "CommunicationOptions::timeout"));
       } else {
         state_->error = std::make_exception_ptr(CommError(
             head + " failed (" + message + ")" +
@@ -309,8 +314,7 @@ void Work::wait_for_backend() {
     if (state_->health && state_->health->failed) {
       throw CommError(state_->description + " on " + state_->where() +
                       " cannot complete: " + state_->health->failure_text() +
-                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                      "BackupAndRestore resumes from the last backup");
+                      kRestartAdvice);
     }
     state_->work->wait();
     return;
@@ -329,8 +333,7 @@ void Work::wait_for_backend() {
       if (!health->failure.empty()) {
         throw CommError(state_->description + " on " + state_->where() +
                         " cannot complete: " + health->failure +
-                        "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                        "BackupAndRestore resumes from the last backup");
+                        kRestartAdvice);
       }
       health->cv.wait_for(lock, std::chrono::milliseconds(200));
     }
@@ -430,8 +433,7 @@ struct Communicator::Impl {
     if (health && health->failed) {
       throw CommError(state->description + " on " + state->where() +
                       " cannot start: " + health->failure_text() +
-                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                      "BackupAndRestore resumes from the last backup");
+                      kRestartAdvice);
     }
     return state;
   }
@@ -548,13 +550,14 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   rendezvous.session = detail::new_session();
   if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
       options.heartbeat_timeout <= options.heartbeat_interval) {
-    throw ConfigError("the heartbeat needs 0 < heartbeat_interval < heartbeat_timeout; saw " +
+    throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
+                      "CommunicationOptions::heartbeat_timeout; saw " +
                       seconds(options.heartbeat_interval) + " and " +
                       seconds(options.heartbeat_timeout));
   }
   if (options.cluster_token && options.cluster_token->empty()) {
-    throw ConfigError("the cluster token is empty; set a long random secret (e.g. openssl rand "
-                      "-hex 32) or unset it");
+    throw ConfigError("CommunicationOptions::cluster_token is empty; set a long random secret "
+                      "(e.g. openssl rand -hex 32) or leave it unset");
   }
   std::unique_ptr<detail::RendezvousServer> server;
   if (spec.rank == 0) server = std::make_unique<detail::RendezvousServer>(rendezvous);

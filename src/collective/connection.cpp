@@ -70,7 +70,7 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
       throw TimeoutError(config.name(config.rank) + " could not reach the chief's rendezvous at " +
                          conn->chief_ + " within " + ms_text(config.timeout) + " (" + last_error +
                          "); start the chief, check its address in TF_CONFIG and that this "
-                         "host can reach it, or raise the timeout");
+                         "host can reach it, or raise CommunicationOptions::timeout");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

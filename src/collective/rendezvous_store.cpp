@@ -171,7 +171,7 @@ void RendezvousStore::wait_for_all_ranks() {
                        " of " + std::to_string(config_.world_size) + " joined within " +
                        ms_text(config_.timeout) + "; " + names +
                        " did not join; start every task TF_CONFIG lists, check that each can "
-                       "reach the chief, or raise the timeout");
+                       "reach the chief, or raise CommunicationOptions::timeout");
   }
 }
 

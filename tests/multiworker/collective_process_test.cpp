@@ -89,6 +89,9 @@ TEST(CollectiveProcesses, AMissingWorkerTimesOutTheRendezvousNamingTheChief) {
             std::string::npos)
       << results[0].err;
   EXPECT_NE(results[0].err.find("(rank 1) did not join"), std::string::npos) << results[0].err;
+  EXPECT_NE(results[0].err.find("reach the chief, or raise CommunicationOptions::timeout"),
+            std::string::npos)
+      << results[0].err;
 }
 
 TEST(CollectiveProcesses, AnAbsentChiefTimesOutTheWorker) {
@@ -99,6 +102,9 @@ TEST(CollectiveProcesses, AnAbsentChiefTimesOutTheWorker) {
             std::string::npos)
       << results[0].err;
   EXPECT_NE(results[0].err.find(" within 2 s (Connection refused)"), std::string::npos)
+      << results[0].err;
+  EXPECT_NE(results[0].err.find("host can reach it, or raise CommunicationOptions::timeout"),
+            std::string::npos)
       << results[0].err;
 }
 

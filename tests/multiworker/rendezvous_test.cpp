@@ -314,6 +314,10 @@ TEST(Heartbeat, AStoppedWorkerFailsTheOthersByNameInsteadOfHangingThem) {
                                         std::to_string(r) + " of 3 cannot complete: " +
                                         name_of(ports, 2) + " stopped sending heartbeats for 1 s"))
         << results[r].err;
+    EXPECT_TRUE(has(results[r].err,
+                    "; restart the workers (a launcher such as flotilla launch, or the job's "
+                    "scheduler, can restart them); BackupAndRestore resumes from the last backup"))
+        << results[r].err;
     EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
   }
 }
