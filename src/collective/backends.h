@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <exception>
 #include <string>
 
 namespace flotilla::collective::detail {
@@ -16,6 +17,10 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     int rank, int size,
                                                     const std::string& local_host,
                                                     std::chrono::milliseconds timeout);
+
+// Whether `e` is one of Gloo's transport errors (gloo::IoException): what ProcessGroupGloo's
+// work rethrows, unwrapped, for a timeout and for a closed or failed connection alike.
+bool is_gloo_transport_error(const std::exception& e);
 
 bool nccl_built();
 // NCCL on the current CUDA device; throws ConfigError where NCCL is not built.

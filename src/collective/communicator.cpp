@@ -12,8 +12,12 @@
 #include <mutex>
 #include <thread>
 
+#include "collective/backend_failure.h"
 #include "collective/backends.h"
+#include "collective/heartbeat.h"
 #include "collective/rendezvous.h"
+#include "collective/rendezvous_server.h"
+#include "collective/rendezvous_store.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 
@@ -113,32 +117,17 @@ std::string local_transport(const std::vector<at::Tensor>& tensors) {
 
 namespace {
 
+using detail::backend_message;
+using detail::FailureKind;
+
+// Once a peer has failed the group cannot recover in place: every operation says what to do.
+constexpr const char* kRestartAdvice =
+    "; restart the workers (a launcher such as flotilla launch, or the job's scheduler, can "
+    "restart them); BackupAndRestore resumes from the last backup";
+
 std::string seconds(std::chrono::milliseconds d) {
   const auto ms = d.count();
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + "s" : std::to_string(ms) + "ms";
-}
-
-// The backend's own words, without c10's backtrace or Gloo's source-file prefix.
-std::string backend_message(const std::exception& e) {
-  std::string what;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    what = c10_error->what_without_backtrace();
-  } else {
-    what = e.what();
-  }
-  if (what.rfind("[", 0) == 0) {
-    const auto close = what.find("] ");
-    if (close != std::string::npos && what.find(".cc:") < close) what = what.substr(close + 2);
-  }
-  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
-  return what;
-}
-
-bool is_connection_loss(const std::string& message) {
-  for (const char* needle : {"closed", "reset", "Connection", "peer", "Broken pipe"}) {
-    if (message.find(needle) != std::string::npos) return true;
-  }
-  return false;
 }
 
 // "float", "long", "bfloat16": c10's names, lower-cased.
@@ -146,13 +135,6 @@ std::string dtype_name(const at::Tensor& t) {
   std::string name = c10::toString(t.scalar_type());
   for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return name;
-}
-
-bool is_timeout(const std::string& message) {
-  for (const char* needle : {"Timed out", "timed out", "Timeout", "timeout"}) {
-    if (message.find(needle) != std::string::npos) return true;
-  }
-  return false;
 }
 
 std::vector<std::uint8_t> bytes(const std::string& s) {
@@ -292,7 +274,8 @@ void Work::finish_locked(bool diagnose) {
     } catch (const std::exception& e) {
       const std::string message = backend_message(e);
       const std::string head = state_->description + " on " + state_->where();
-      if (is_timeout(message)) {
+      const FailureKind kind = detail::classify_failure(e);
+      if (kind == FailureKind::kTimeout) {
         // Asking the other ranks takes up to a few seconds: wait() does, is_completed() not.
         const std::string missing =
             diagnose && state_->store ? missing_ranks(*state_->store, state_->rank, state_->size,
@@ -304,12 +287,12 @@ void Work::finish_locked(bool diagnose) {
         state_->error = std::make_exception_ptr(
             TimeoutError(head + " did not complete within " + seconds(state_->timeout) + " (" +
                          message + ")" + missing +
-                         "; check the other workers' output, or raise the timeout "
-                         "(CommunicationOptions.timeout, --timeout)"));
+                         "; check the other workers' output, or raise "
+                         "CommunicationOptions::timeout"));
       } else {
         state_->error = std::make_exception_ptr(CommError(
             head + " failed (" + message + ")" +
-            (is_connection_loss(message)
+            (kind == FailureKind::kConnectionLoss
                  ? "; a peer probably exited or lost its network: check the other workers' output"
                  : "")));
       }
@@ -331,8 +314,7 @@ void Work::wait_for_backend() {
     if (state_->health && state_->health->failed) {
       throw CommError(state_->description + " on " + state_->where() +
                       " cannot complete: " + state_->health->failure_text() +
-                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                      "BackupAndRestore resumes from the last backup");
+                      kRestartAdvice);
     }
     state_->work->wait();
     return;
@@ -351,8 +333,7 @@ void Work::wait_for_backend() {
       if (!health->failure.empty()) {
         throw CommError(state_->description + " on " + state_->where() +
                         " cannot complete: " + health->failure +
-                        "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                        "BackupAndRestore resumes from the last backup");
+                        kRestartAdvice);
       }
       health->cv.wait_for(lock, std::chrono::milliseconds(200));
     }
@@ -452,8 +433,7 @@ struct Communicator::Impl {
     if (health && health->failed) {
       throw CommError(state->description + " on " + state->where() +
                       " cannot start: " + health->failure_text() +
-                      "; restart the job (flotilla launch --max-restarts, or the scheduler); "
-                      "BackupAndRestore resumes from the last backup");
+                      kRestartAdvice);
     }
     return state;
   }
@@ -570,13 +550,14 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   rendezvous.session = detail::new_session();
   if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
       options.heartbeat_timeout <= options.heartbeat_interval) {
-    throw ConfigError("the heartbeat needs 0 < heartbeat_interval < heartbeat_timeout; saw " +
+    throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
+                      "CommunicationOptions::heartbeat_timeout; saw " +
                       seconds(options.heartbeat_interval) + " and " +
                       seconds(options.heartbeat_timeout));
   }
   if (options.cluster_token && options.cluster_token->empty()) {
-    throw ConfigError("the cluster token is empty; set a long random secret (e.g. openssl rand "
-                      "-hex 32) or unset it");
+    throw ConfigError("CommunicationOptions::cluster_token is empty; set a long random secret "
+                      "(e.g. openssl rand -hex 32) or leave it unset");
   }
   std::unique_ptr<detail::RendezvousServer> server;
   if (spec.rank == 0) server = std::make_unique<detail::RendezvousServer>(rendezvous);
@@ -610,7 +591,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     const std::string head = "connecting the collectives of " + where + " (bound to " +
                              (spec.local_host.empty() ? "this host's name" : spec.local_host) +
                              ") ";
-    if (is_timeout(message)) {
+    if (detail::classify_failure(e) == FailureKind::kTimeout) {
       throw TimeoutError(head + "did not complete within " + seconds(options.timeout) + " (" +
                          message + "); a worker is missing or unreachable");
     }

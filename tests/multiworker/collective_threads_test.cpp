@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -148,6 +149,11 @@ TEST(Collectives, AMissingRankTimesOutNamingTheOperation) {
               << message;
           EXPECT_NE(message.find("rank 1 did not arrive (no word from it"), std::string::npos)
               << message;
+          const std::string advice =
+              "; check the other workers' output, or raise CommunicationOptions::timeout";
+          EXPECT_EQ(message.substr(message.size() - std::min(message.size(), advice.size())),
+                    advice)
+              << message;
         }
         (void)start;
       },
@@ -170,6 +176,30 @@ TEST(Collectives, APeerThatLeavesFailsTheCollectiveWithCommError) {
     EXPECT_EQ(message.rfind("all_reduce #1 (sum, 8 x float) on rank 0 of 2 failed (", 0), 0u)
         << message;
     EXPECT_NE(message.find("a peer probably exited"), std::string::npos) << message;
+  }
+}
+
+TEST(Communication, ABadHeartbeatOrAnEmptyTokenIsRefusedNamingTheField) {
+  const auto spec = flotilla::testing::thread_cluster(0, 2);
+  CommunicationOptions options;
+  options.heartbeat_interval = std::chrono::seconds(0);
+  try {
+    Communicator::connect(spec, options);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
+              "CommunicationOptions::heartbeat_timeout; saw 0s and 10s");
+  }
+  options = CommunicationOptions();
+  options.cluster_token = "";
+  try {
+    Communicator::connect(spec, options);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "CommunicationOptions::cluster_token is empty; set a long random secret (e.g. "
+              "openssl rand -hex 32) or leave it unset");
   }
 }
 

@@ -1,10 +1,11 @@
 // A worker process for the cross-process collective tests: joins the cluster in TF_CONFIG (or
 // torchrun variables), checks each collective's result against its closed form, and exits
 //   0 all results right, 1 a wrong result, or flotilla's exit code for an error it raised.
-// Flags: --timeout-ms N; --heartbeat-timeout-ms N; --leave-rank R (rank R exits right after
-// joining, before collectives); --signal-rank R --signal STOP|KILL (rank R sends itself that
-// signal right after joining, while the others go on into an all-reduce). The cluster token
-// comes from FLOTILLA_CLUSTER_TOKEN / FLOTILLA_CLUSTER_TOKEN_FILE, as in flotilla train.
+// Flags: --timeout-ms N; --heartbeat-timeout-ms N; --heartbeat-interval-ms N; --leave-rank R
+// (rank R exits right after joining, before collectives); --signal-rank R --signal STOP|KILL
+// (rank R sends itself that signal right after joining, while the others go on into an
+// all-reduce). The cluster token comes from FLOTILLA_CLUSTER_TOKEN /
+// FLOTILLA_CLUSTER_TOKEN_FILE, as in flotilla train.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,8 @@ int main(int argc, char** argv) {
       options.timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
     } else if (!std::strcmp(argv[i], "--heartbeat-timeout-ms")) {
       options.heartbeat_timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
+    } else if (!std::strcmp(argv[i], "--heartbeat-interval-ms")) {
+      options.heartbeat_interval = std::chrono::milliseconds(std::atoi(argv[i + 1]));
     } else if (!std::strcmp(argv[i], "--leave-rank")) {
       leave_rank = std::atoi(argv[i + 1]);
     } else if (!std::strcmp(argv[i], "--signal-rank")) {

@@ -11,7 +11,9 @@
 #include <memory>
 #include <thread>
 
-#include "collective/rendezvous.h"
+#include "collective/rendezvous_server.h"
+#include "collective/rendezvous_store.h"
+#include "collective/wire.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
@@ -113,29 +115,33 @@ TEST(Rendezvous, AnIntruderWithTheWrongTokenIsRefusedAndCannotStallTheJob) {
   }
 }
 
+// In the two tests below the worker starts first, with a long timeout: it retries until the
+// chief listens, so the chief's own timeout (which it must wait out: nobody else joins) can be
+// short without the worker ever arriving after it.
 TEST(Rendezvous, ATaskWithoutTheTokenIsToldWhatToSetAndTheChiefNamesWhoIsMissing) {
   const auto ports = testing::free_ports(2);
-  auto chief = start(ports, 0, {"--timeout-ms", "4000"}, "token-0123456789abcdef");
-  const auto worker = start(ports, 1, {"--timeout-ms", "4000"})->wait(std::chrono::seconds(60));
-  EXPECT_EQ(worker.exit_code, kExitBadInput) << worker.err;
-  EXPECT_TRUE(has(worker.err, "requires a cluster token and this task has none; set "
-                              "FLOTILLA_CLUSTER_TOKEN"))
-      << worker.err;
+  auto worker = start(ports, 1, {"--timeout-ms", "60000"});
+  auto chief = start(ports, 0, {"--timeout-ms", "2000"}, "token-0123456789abcdef");
+  const auto worker_result = worker->wait(std::chrono::seconds(60));
+  EXPECT_EQ(worker_result.exit_code, kExitBadInput) << worker_result.err;
+  EXPECT_TRUE(has(worker_result.err, "requires a cluster token and this task has none; set "
+                                     "FLOTILLA_CLUSTER_TOKEN"))
+      << worker_result.err;
   const auto chief_result = chief->wait(std::chrono::seconds(60));
   EXPECT_EQ(chief_result.exit_code, kExitComm) << chief_result.err;
-  EXPECT_TRUE(has(chief_result.err, "1 of 2 joined within 4 s; " + name_of(ports, 1) +
+  EXPECT_TRUE(has(chief_result.err, "1 of 2 joined within 2 s; " + name_of(ports, 1) +
                                         " did not join"))
       << chief_result.err;
 }
 
 TEST(Rendezvous, AChiefWithoutTheTokenCannotPassForTheRealOne) {
   const auto ports = testing::free_ports(2);
-  auto chief = start(ports, 0, {"--timeout-ms", "4000"});
-  const auto worker = start(ports, 1, {"--timeout-ms", "4000"}, "token-0123456789abcdef")
-                          ->wait(std::chrono::seconds(60));
-  EXPECT_EQ(worker.exit_code, kExitBadInput) << worker.err;
-  EXPECT_TRUE(has(worker.err, "does not ask for one, so it cannot prove it is the chief"))
-      << worker.err;
+  auto worker = start(ports, 1, {"--timeout-ms", "60000"}, "token-0123456789abcdef");
+  auto chief = start(ports, 0, {"--timeout-ms", "2000"});
+  const auto worker_result = worker->wait(std::chrono::seconds(60));
+  EXPECT_EQ(worker_result.exit_code, kExitBadInput) << worker_result.err;
+  EXPECT_TRUE(has(worker_result.err, "does not ask for one, so it cannot prove it is the chief"))
+      << worker_result.err;
   EXPECT_EQ(chief->wait(std::chrono::seconds(60)).exit_code, kExitComm);
 }
 
@@ -173,6 +179,22 @@ class RawSocket {
   }
   ~RawSocket() { ::close(fd_); }
   bool connected() const { return connected_; }
+  int local_port() const {
+    sockaddr_in addr{};
+    socklen_t len = sizeof addr;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    return ntohs(addr.sin_port);
+  }
+  // Whether the peer still has the connection open, without waiting: reads what has arrived
+  // until nothing is left (open) or the end (closed).
+  bool open_now() {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
+      if (n > 0) continue;
+      return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    }
+  }
   void send(const std::string& bytes) { ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL); }
   // Reads until the peer closes or `limit` passes; true when it closed.
   bool closed_within(std::chrono::seconds limit, std::string* got = nullptr) {
@@ -203,7 +225,12 @@ RendezvousConfig local_config(int rank, int world, int port) {
 }
 
 TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
-  RendezvousServer server(local_config(0, 2, 0));
+  auto server_config = local_config(0, 2, 0);
+  // Shorter than the default 10 s, which the test would otherwise wait out; far longer than
+  // what the real ranks below need on loopback.
+  server_config.join_timeout = std::chrono::seconds(1);
+  ::testing::internal::CaptureStderr(); // the server's log says why it dropped each connection
+  RendezvousServer server(server_config);
   const int port = server.port();
   RawSocket silent("127.0.0.1", port); // connects and never says a word
   ASSERT_TRUE(silent.connected());
@@ -231,8 +258,14 @@ TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
   // A value over the limit is refused before it is sent.
   EXPECT_THROW(rank1->set("big", std::vector<std::uint8_t>(collective::detail::kMaxValueBytes + 1)),
                CommError);
-  // The silent connection is dropped at its handshake deadline, not kept forever.
+  // All of that was served while the silent connection still held its place...
+  EXPECT_TRUE(silent.open_now());
+  // ...which it loses at its join deadline, not kept forever.
   EXPECT_TRUE(silent.closed_within(std::chrono::seconds(30)));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(has(log, "rendezvous: dropped the connection from 127.0.0.1:" +
+                           std::to_string(silent.local_port()) + ": no valid join within 1 s"))
+      << log;
 }
 
 TEST(Rendezvous, TheServerListensOnlyOnTheChiefsAddress) {
@@ -256,13 +289,13 @@ TEST(Rendezvous, AChiefAddressThatIsNotThisHostIsAClearError) {
 }
 
 // Ranks 0 and 1 go into an all-reduce that rank `victim` never joins: it sent itself `signal`
-// after a barrier that follows the rendezvous. The collective timeout (120 s) is far beyond the heartbeat's
-// (3 s), so only the heartbeat can end the wait in time.
+// after a barrier that follows the rendezvous. The collective timeout (120 s) is far beyond the
+// heartbeat's (1 s, pinging every 200 ms), so only the heartbeat can end the wait in time.
 std::vector<ProcessResult> run_with_victim(const std::vector<int>& ports, int victim,
                                            const std::string& signal) {
-  const std::vector<std::string> flags = {"--timeout-ms",  "120000", "--heartbeat-timeout-ms",
-                                          "3000",          "--signal-rank", std::to_string(victim),
-                                          "--signal",      signal};
+  const std::vector<std::string> flags = {
+      "--timeout-ms",  "120000", "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms", "200",
+      "--signal-rank", std::to_string(victim), "--signal", signal};
   std::vector<std::unique_ptr<Process>> procs;
   for (int i = 0; i < 3; ++i) procs.push_back(start(ports, i, flags));
   std::vector<ProcessResult> results(3);
@@ -279,7 +312,11 @@ TEST(Heartbeat, AStoppedWorkerFailsTheOthersByNameInsteadOfHangingThem) {
     EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
     EXPECT_TRUE(has(results[r].err, "all_reduce #2 (sum, 1048579 x float) on rank " +
                                         std::to_string(r) + " of 3 cannot complete: " +
-                                        name_of(ports, 2) + " stopped sending heartbeats for 3 s"))
+                                        name_of(ports, 2) + " stopped sending heartbeats for 1 s"))
+        << results[r].err;
+    EXPECT_TRUE(has(results[r].err,
+                    "; restart the workers (a launcher such as flotilla launch, or the job's "
+                    "scheduler, can restart them); BackupAndRestore resumes from the last backup"))
         << results[r].err;
     EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
   }
@@ -291,7 +328,7 @@ TEST(Heartbeat, AStoppedChiefFailsTheWorkersByName) {
   for (int r = 1; r < 3; ++r) {
     EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
     EXPECT_TRUE(has(results[r].err, name_of(ports, 0) + ", which hosts the rendezvous, stopped "
-                                                        "answering heartbeats for 3 s"))
+                                                        "answering heartbeats for 1 s"))
         << results[r].err;
   }
 }

@@ -1,4 +1,5 @@
 // The only translation unit that includes Gloo: c10d's ProcessGroupGloo over Gloo's TCP pairs.
+#include <gloo/common/error.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "collective/backends.h"
@@ -14,6 +15,10 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                  ? c10d::ProcessGroupGloo::createDefaultDevice()
                                  : c10d::ProcessGroupGloo::createDeviceForHostname(local_host));
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+bool is_gloo_transport_error(const std::exception& e) {
+  return dynamic_cast<const ::gloo::IoException*>(&e) != nullptr;
 }
 
 } // namespace flotilla::collective::detail

@@ -1,0 +1,186 @@
+#include "collective/connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "collective/sockets.h"
+#include "flotilla/error.h"
+
+namespace flotilla::collective::detail {
+
+namespace {
+
+// Starts a connect and waits for it, at most 2 s at a time (the caller retries until its
+// deadline); false with errno set when it failed.
+bool connect_by(int fd, const addrinfo* a, Connection::Clock::time_point deadline) {
+  set_nonblocking(fd);
+  if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) return false;
+    pollfd p{fd, POLLOUT, 0};
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Connection::Clock::now())
+            .count();
+    if (::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left, 0, 2000))) <= 0) {
+      errno = ETIMEDOUT;
+      return false;
+    }
+    int error = 0;
+    socklen_t len = sizeof error;
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
+    if (error != 0) {
+      errno = error;
+      return false;
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+Connection::~Connection() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Role role,
+                                             Clock::time_point deadline) {
+  auto conn = std::make_unique<Connection>();
+  conn->chief_ = config.chief.to_string();
+  std::string last_error;
+  for (;;) {
+    AddrInfo info;
+    resolve(config.chief, info);
+    for (addrinfo* a = info.list; a && conn->fd_ < 0; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      if (connect_by(fd, a, deadline)) {
+        conn->fd_ = fd;
+      } else {
+        last_error = std::strerror(errno);
+        ::close(fd);
+      }
+    }
+    if (conn->fd_ >= 0) break;
+    if (Clock::now() >= deadline) {
+      throw TimeoutError(config.name(config.rank) + " could not reach the chief's rendezvous at " +
+                         conn->chief_ + " within " + ms_text(config.timeout) + " (" + last_error +
+                         "); start the chief, check its address in TF_CONFIG and that this "
+                         "host can reach it, or raise CommunicationOptions::timeout");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  set_nodelay(conn->fd_);
+  conn->handshake(config, role, deadline);
+  return conn;
+}
+
+void Connection::send(const std::string& frame, Clock::time_point deadline) {
+  std::size_t sent = 0;
+  while (sent < frame.size()) {
+    if (!wait_ready(POLLOUT, deadline)) throw_timeout("sending to");
+    const ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw_lost(std::strerror(errno));
+    sent += static_cast<std::size_t>(n);
+  }
+}
+
+std::string Connection::receive(Clock::time_point deadline, std::size_t max) {
+  char head[4];
+  read_exactly(head, 4, deadline);
+  const std::uint32_t n = read_le32(head);
+  if (n > max) {
+    throw CommError("the chief at " + chief_ + " sent a message of " + std::to_string(n) +
+                    " bytes, over the limit of " + std::to_string(max) +
+                    "; is that address really a flotilla chief?");
+  }
+  std::string body(n, '\0');
+  read_exactly(body.data(), n, deadline);
+  return body;
+}
+
+bool Connection::wait_ready(short events, Clock::time_point deadline) {
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd_, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left, 1000)));
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) throw_lost(std::strerror(errno));
+  }
+}
+
+void Connection::read_exactly(char* out, std::size_t n, Clock::time_point deadline) {
+  std::size_t got = 0;
+  while (got < n) {
+    if (!wait_ready(POLLIN, deadline)) throw_timeout("waiting for");
+    const ssize_t r = ::recv(fd_, out + got, n - got, 0);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (r == 0) throw_lost("the connection was closed");
+    if (r < 0) throw_lost(std::strerror(errno));
+    got += static_cast<std::size_t>(r);
+  }
+}
+
+void Connection::throw_timeout(const std::string& what) const {
+  throw TimeoutError("Timed out " + what + " the chief's rendezvous at " + chief_);
+}
+
+void Connection::throw_lost(const std::string& why) const {
+  throw CommError("lost the connection to the chief's rendezvous at " + chief_ + " (" + why +
+                  "): the chief exited, was killed, or is unreachable");
+}
+
+void Connection::handshake(const RendezvousConfig& config, Role role, Clock::time_point deadline) {
+  Hello hello;
+  try {
+    hello = Hello::parse(receive(deadline, kMaxHandshakeFrame));
+  } catch (const WireError&) {
+    throw CommError("the process at " + chief_ +
+                    " does not speak flotilla's rendezvous protocol; check the chief's "
+                    "address and port in TF_CONFIG");
+  }
+  if (hello.auth_required && !config.token) {
+    throw ConfigError("the chief at " + chief_ +
+                      " requires a cluster token and this task has none; set "
+                      "FLOTILLA_CLUSTER_TOKEN (or FLOTILLA_CLUSTER_TOKEN_FILE) as on the chief");
+  }
+  if (!hello.auth_required && config.token) {
+    throw ConfigError("this task has a cluster token but the process at " + chief_ +
+                      " does not ask for one, so it cannot prove it is the chief; give every "
+                      "task the same FLOTILLA_CLUSTER_TOKEN");
+  }
+  JoinRequest join;
+  join.role = role;
+  join.rank = config.rank;
+  join.world = config.world_size;
+  join.session = config.session;
+  join.client_nonce = random_bytes<32>();
+  if (config.token) join.mac = join_mac(*config.token, hello.nonce, join);
+  send(join.frame(), deadline);
+  Welcome welcome;
+  try {
+    welcome = Welcome::parse(receive(deadline));
+  } catch (const WireError& e) {
+    throw CommError("the chief at " + chief_ + " sent a malformed answer (" + e.what() + ")");
+  }
+  if (!welcome.accepted) {
+    throw ConfigError("the chief at " + chief_ + " refused " + config.name(config.rank) + ": " +
+                      welcome.reason);
+  }
+  if (config.token &&
+      (!welcome.has_mac || !equal_secret(welcome.mac, chief_mac(*config.token, hello.nonce,
+                                                                join.client_nonce, config.rank)))) {
+    throw ConfigError("the process at " + chief_ +
+                      " could not prove it holds the cluster token; it is not this "
+                      "cluster's chief (check TF_CONFIG and FLOTILLA_CLUSTER_TOKEN)");
+  }
+}
+
+} // namespace flotilla::collective::detail

@@ -1,0 +1,52 @@
+// Private: a rank's connection to the chief's rendezvous server (see rendezvous.h). A blocking
+// socket, every wait bounded by a deadline; joining runs the handshake of wire.h, so a
+// connection exists only once both sides have proved they hold the cluster token.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "collective/rendezvous.h"
+#include "collective/wire.h"
+
+namespace flotilla::collective::detail {
+
+class Connection {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Connection() = default;
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Connects to the chief, retrying while nobody listens yet, and joins as config.rank in
+  // `role`. TimeoutError when the chief cannot be reached by `deadline`; ConfigError when it
+  // refuses (wrong token, rank taken, another cluster) or cannot prove it is the chief;
+  // CommError when what answers is not a flotilla chief.
+  static std::unique_ptr<Connection> join(const RendezvousConfig& config, Role role,
+                                          Clock::time_point deadline);
+
+  // TimeoutError past `deadline`; CommError when the connection is lost.
+  void send(const std::string& frame, Clock::time_point deadline);
+  // One message; `max` bounds its size before anything is allocated for it.
+  std::string receive(Clock::time_point deadline, std::size_t max = kMaxFrameBytes);
+
+  int fd() const { return fd_; }
+  // "host:port", for messages.
+  const std::string& chief() const { return chief_; }
+
+ private:
+  bool wait_ready(short events, Clock::time_point deadline);
+  void read_exactly(char* out, std::size_t n, Clock::time_point deadline);
+  [[noreturn]] void throw_timeout(const std::string& what) const;
+  [[noreturn]] void throw_lost(const std::string& why) const;
+  void handshake(const RendezvousConfig& config, Role role, Clock::time_point deadline);
+
+  int fd_ = -1;
+  std::string chief_;
+};
+
+} // namespace flotilla::collective::detail

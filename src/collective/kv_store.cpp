@@ -1,0 +1,119 @@
+#include "collective/kv_store.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace flotilla::collective::detail {
+
+namespace {
+const char* const kFull = "the rendezvous store is full";
+} // namespace
+
+KvStore::KvStore(Wake wake, Limits limits) : wake_(std::move(wake)), limits_(limits) {}
+
+void KvStore::set(const std::string& key, Bytes value) {
+  auto it = values_.find(key);
+  const std::size_t old = it == values_.end() ? 0 : key.size() + it->second.size();
+  const std::size_t after = bytes_ - old + key.size() + value.size();
+  if (after > limits_.bytes || (it == values_.end() && values_.size() >= limits_.keys)) {
+    throw KvStoreError(kFull);
+  }
+  bytes_ = after;
+  if (it == values_.end()) {
+    values_.emplace(key, std::move(value));
+  } else {
+    it->second = std::move(value);
+  }
+  wake_completed();
+}
+
+const KvStore::Bytes* KvStore::get(const std::string& key) const {
+  auto it = values_.find(key);
+  return it == values_.end() ? nullptr : &it->second;
+}
+
+std::int64_t KvStore::add(const std::string& key, std::int64_t delta) {
+  std::int64_t value = 0;
+  if (const Bytes* current = get(key)) {
+    try {
+      value = std::stoll(std::string(current->begin(), current->end()));
+    } catch (const std::exception&) {
+      throw KvStoreError("add: the value of \"" + key + "\" is not a number");
+    }
+  }
+  // Wraps around past the int64 range (as two's complement does) instead of overflowing: a
+  // client's delta must not be able to reach undefined behaviour in the chief.
+  value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                    static_cast<std::uint64_t>(delta));
+  const std::string text = std::to_string(value);
+  set(key, Bytes(text.begin(), text.end()));
+  return value;
+}
+
+KvStore::Bytes KvStore::compare_set(const std::string& key, Bytes expected, Bytes desired) {
+  const Bytes* current = get(key);
+  if (current == nullptr) {
+    if (!expected.empty()) return expected;
+  } else if (*current != expected) {
+    return *current;
+  }
+  set(key, desired);
+  return desired;
+}
+
+bool KvStore::erase(const std::string& key) {
+  auto it = values_.find(key);
+  if (it == values_.end()) return false;
+  bytes_ -= key.size() + it->second.size();
+  values_.erase(it);
+  return true;
+}
+
+bool KvStore::contains(const std::vector<std::string>& keys) const {
+  return std::all_of(keys.begin(), keys.end(),
+                     [&](const std::string& k) { return values_.count(k) > 0; });
+}
+
+void KvStore::answer(const Waiter& waiter) const {
+  wake_(waiter, waiter.get ? &values_.at(waiter.keys.front()) : nullptr);
+}
+
+void KvStore::wait(Waiter waiter) {
+  if (contains(waiter.keys)) {
+    answer(waiter);
+  } else {
+    waiters_.push_back(std::move(waiter));
+  }
+}
+
+void KvStore::wake_completed() {
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (contains(it->keys)) {
+      answer(*it);
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::vector<KvStore::Waiter> KvStore::expire(Clock::time_point now) {
+  std::vector<Waiter> expired;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (now < it->deadline) {
+      ++it;
+    } else {
+      expired.push_back(std::move(*it));
+      it = waiters_.erase(it);
+    }
+  }
+  return expired;
+}
+
+void KvStore::forget(int owner) {
+  waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
+                                [&](const Waiter& w) { return w.owner == owner; }),
+                 waiters_.end());
+}
+
+} // namespace flotilla::collective::detail

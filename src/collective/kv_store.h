@@ -1,0 +1,97 @@
+// Private: what the chief's rendezvous store holds and answers, without sockets. c10d::Store's
+// operations (set, get, add, compareSet, deleteKey, check, getNumKeys, wait) with c10d's
+// semantics, over one map; the blocking GETs and WAITs, kept until their keys exist or their
+// deadline passes; and the bounds that keep the store from growing without limit. The server
+// (rendezvous_server.cpp) decodes the requests and sends the answers; this decides them. It is
+// used from the server's one thread and locks nothing.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace flotilla::collective::detail {
+
+// Bounds on the whole store (keys and values together).
+inline constexpr std::size_t kMaxStoreBytes = 256u << 20;
+inline constexpr std::size_t kMaxStoreKeys = 1u << 20;
+
+// An operation the store refuses; what() is the reason the client is told ("the rendezvous
+// store is full", "add: the value of \"k\" is not a number"). The store is unchanged by it.
+struct KvStoreError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct KvStoreLimits {
+  std::size_t bytes = kMaxStoreBytes; // keys and values together
+  std::size_t keys = kMaxStoreKeys;
+};
+
+class KvStore {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Bytes = std::vector<std::uint8_t>;
+
+  // A blocked GET (one key; answered with its value) or WAIT (any number of keys; answered
+  // "present"), kept until every key exists or `deadline` passes.
+  struct Waiter {
+    int owner = 0; // whom to answer: the server's connection id
+    std::vector<std::string> keys;
+    bool get = false;
+    Clock::time_point deadline;
+  };
+  // Answers a waiter whose keys all exist: called from inside the operation that completed it
+  // (or from wait(), when they already did), before that operation returns. `value` is the
+  // GET's value, null for a WAIT. It must not call back into the store.
+  using Wake = std::function<void(const Waiter& waiter, const Bytes* value)>;
+
+  using Limits = KvStoreLimits;
+
+  explicit KvStore(Wake wake, Limits limits = {});
+
+  // Stores `value` under `key`, then answers the waiters that completes. KvStoreError ("the
+  // rendezvous store is full") when it would take the store past its limits.
+  void set(const std::string& key, Bytes value);
+  // The value under `key`, null when there is none; never blocks (see wait()).
+  const Bytes* get(const std::string& key) const;
+  // c10d's add: the decimal integer under `key` (0 when absent) plus `delta`, stored back as
+  // decimal text; returns the sum. KvStoreError when the value there is not a number.
+  std::int64_t add(const std::string& key, std::int64_t delta);
+  // c10d's compareSet: `desired` is stored when the value under `key` equals `expected`, or
+  // when `key` is absent and `expected` is empty. Returns the value under `key` afterwards; for
+  // an absent key with a non-empty `expected`, `expected` itself (and nothing is stored).
+  Bytes compare_set(const std::string& key, Bytes expected, Bytes desired);
+  // c10d's deleteKey: true when `key` existed.
+  bool erase(const std::string& key);
+  // c10d's check: whether every one of `keys` exists.
+  bool contains(const std::vector<std::string>& keys) const;
+  std::size_t num_keys() const { return values_.size(); }
+  // What the limit on bytes counts: each key's and value's size, summed.
+  std::size_t bytes() const { return bytes_; }
+
+  // Answers `waiter` at once (through Wake) when its keys all exist; keeps it otherwise.
+  void wait(Waiter waiter);
+  // Removes and returns the kept waiters whose deadline is at or before `now`, to be told
+  // they timed out, in the order they came.
+  std::vector<Waiter> expire(Clock::time_point now);
+  // Drops the kept waiters of `owner` unanswered (its connection is gone).
+  void forget(int owner);
+  std::size_t num_waiters() const { return waiters_.size(); }
+
+ private:
+  void wake_completed();
+  void answer(const Waiter& waiter) const;
+
+  Wake wake_;
+  Limits limits_;
+  std::map<std::string, Bytes> values_;
+  std::size_t bytes_ = 0;
+  std::vector<Waiter> waiters_; // in arrival order, which is the order they are answered in
+};
+
+} // namespace flotilla::collective::detail

@@ -1,0 +1,536 @@
+#include "collective/rendezvous_server.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "collective/kv_store.h"
+#include "collective/sockets.h"
+#include "collective/wire.h"
+#include "flotilla/error.h"
+#include "flotilla/log.h"
+
+namespace flotilla::collective::detail {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading is dropped
+} // namespace
+
+// Nothing a client sends can block the loop: a slow or silent client only holds its own
+// connection, until its deadline.
+struct RendezvousServer::Impl {
+  struct Conn {
+    int fd = -1;
+    std::string peer;
+    std::string in, out;
+    bool joined = false;
+    bool close_after_flush = false;
+    Clock::time_point join_deadline;
+    Nonce nonce{};
+    int rank = -1;
+    std::uint8_t role = kRoleStore;
+  };
+  struct RankState {
+    bool claimed = false;
+    Session session{};
+    std::string peer;
+    bool heartbeating = false;
+    Clock::time_point last_seen;
+    int heartbeat_conn = -1;
+    bool left = false;
+    std::string failure; // empty: healthy
+  };
+
+  RendezvousConfig config;
+  Logger log;
+  int listen_fd = -1;
+  int port = 0;
+  int wake_read = -1, wake_write = -1;
+  std::thread thread;
+  std::atomic<bool> stopping{false};
+  std::map<int, Conn> conns; // by id; ids are never reused
+  int next_id = 0;
+  KvStore kv{[this](const KvStore::Waiter& w, const Bytes* value) { answer_waiter(w, value); }};
+  std::vector<RankState> ranks;
+
+  ~Impl() {
+    for (auto& [id, c] : conns) ::close(c.fd);
+    for (int fd : {listen_fd, wake_read, wake_write}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  void bind_and_listen() {
+    AddrInfo info;
+    resolve(config.chief, info);
+    std::string last_error = "no address";
+    for (addrinfo* a = info.list; a; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      int one = 1;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+        sockaddr_storage bound{};
+        socklen_t len = sizeof bound;
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+        port = bound.ss_family == AF_INET
+                   ? ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port)
+                   : ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+        listen_fd = fd;
+        set_nonblocking(fd);
+        return;
+      }
+      last_error = std::strerror(errno);
+      const int error = errno;
+      ::close(fd);
+      if (error == EADDRNOTAVAIL) {
+        last_error += " (the chief's TF_CONFIG address is not an address of this host)";
+      }
+    }
+    throw CommError("the chief could not host the rendezvous at " + config.chief.to_string() +
+                    ": " + last_error +
+                    "; give the chief a free port on one of this host's addresses in TF_CONFIG");
+  }
+
+  void queue(Conn& c, const std::string& frame) {
+    c.out += frame;
+    if (c.out.size() > kMaxOutBytes) {
+      log.warn("rendezvous: dropped the connection from " + c.peer +
+               ": it does not read its answers");
+      c.close_after_flush = true;
+      c.out.clear();
+    }
+  }
+
+  void refuse(Conn& c, const std::string& reason) {
+    log.warn("rendezvous: refused " + c.peer + ": " + reason);
+    queue(c, Welcome::refusal(reason).frame());
+    c.close_after_flush = true;
+  }
+
+  void reply_status(Conn& c, Status s, const std::string& error = "") {
+    WireWriter w;
+    w.u8(s);
+    if (s == kFailed) w.str(error.substr(0, kMaxReasonBytes));
+    queue(c, w.frame());
+  }
+
+  void answer_waiter(const KvStore::Waiter& waiter, const Bytes* value) {
+    auto it = conns.find(waiter.owner);
+    if (it == conns.end()) return;
+    if (value) {
+      WireWriter w;
+      w.u8(kOk).bytes(*value);
+      queue(it->second, w.frame());
+    } else {
+      reply_status(it->second, kOk);
+    }
+  }
+
+  void send_pong(Conn& c, bool closing) {
+    Pong pong;
+    pong.closing = closing;
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      if (!ranks[r].failure.empty())
+        pong.failed.emplace_back(static_cast<int>(r), ranks[r].failure);
+    }
+    queue(c, pong.frame());
+  }
+
+  void fail_rank(int r, const std::string& what) {
+    auto& state = ranks[static_cast<std::size_t>(r)];
+    if (!state.failure.empty() || state.left) return;
+    // Not logged here: the chief's own heartbeat hears it like every other rank and says it.
+    state.failure = config.name(r) + " " + what;
+  }
+
+  void handle_join(int id, Conn& c, const std::string& body) {
+    const auto join = JoinRequest::parse(body);
+    if (!join) {
+      refuse(c, "it does not speak flotilla's rendezvous protocol (version 1)");
+      return;
+    }
+    const int rank = join->rank;
+    const int world = join->world;
+    const std::uint8_t role = join->role;
+    // The token first: a process without it learns nothing about the cluster.
+    if (config.token && !equal_secret(join->mac, join_mac(*config.token, c.nonce, *join))) {
+      refuse(c, "wrong or missing cluster token (claiming rank " + std::to_string(rank) +
+                    "); every task needs the same FLOTILLA_CLUSTER_TOKEN");
+      return;
+    }
+    if (world != config.world_size) {
+      refuse(c, "it expects " + std::to_string(world) + " training tasks, the chief " +
+                    std::to_string(config.world_size) +
+                    "; every task must be given the same cluster (TF_CONFIG)");
+      return;
+    }
+    if (rank < 0 || rank >= world || (role != kRoleStore && role != kRoleHeartbeat)) {
+      refuse(c, "it claims rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                    " with role " + std::to_string(role) + ", which does not exist");
+      return;
+    }
+    auto& state = ranks[static_cast<std::size_t>(rank)];
+    const bool same_process = state.claimed && equal_secret(state.session, join->session);
+    if (state.claimed && !same_process) {
+      refuse(c, config.name(rank) + " is already taken by the process at " + state.peer +
+                    "; two tasks were given the same task type and index");
+      return;
+    }
+    if (role == kRoleHeartbeat && (!same_process || state.heartbeating)) {
+      refuse(c, "a heartbeat for " + config.name(rank) + " from a process that has not joined");
+      return;
+    }
+    c.joined = true;
+    c.rank = rank;
+    c.role = role;
+    std::optional<Mac> proof;
+    if (config.token) proof = chief_mac(*config.token, c.nonce, join->client_nonce, rank);
+    queue(c, Welcome::acceptance(proof).frame());
+    if (role == kRoleStore) {
+      state.claimed = true;
+      state.session = join->session;
+      state.peer = c.peer;
+      try {
+        kv.set("flotilla/joined/" + std::to_string(rank), Bytes{'1'});
+      } catch (const KvStoreError& e) {
+        log.warn("rendezvous: could not record that " + config.name(rank) + " joined (" + e.what() +
+                 "); the others will wait for it until their timeout");
+      }
+    } else {
+      state.heartbeating = true;
+      state.heartbeat_conn = id;
+      state.last_seen = Clock::now();
+    }
+  }
+
+  std::vector<std::string> read_keys(WireReader& in) {
+    const std::uint32_t n = in.u32();
+    if (n > kMaxKeysPerRequest) {
+      throw WireError(std::to_string(n) + " keys in one request, over the limit of " +
+                      std::to_string(kMaxKeysPerRequest));
+    }
+    std::vector<std::string> keys;
+    for (std::uint32_t i = 0; i < n; ++i) keys.push_back(in.str(kMaxKeyBytes));
+    return keys;
+  }
+
+  // Decodes one request, lets the store decide it and queues the answer (a waiting GET or WAIT:
+  // when the store wakes it, or at its deadline).
+  void handle_store(int id, Conn& c, WireReader& in) {
+    const std::uint8_t op = in.u8();
+    try {
+      switch (op) {
+      case kSet: {
+        const std::string key = in.str(kMaxKeyBytes);
+        kv.set(key, in.bytes(kMaxValueBytes));
+        reply_status(c, kOk);
+        return;
+      }
+      case kGet:
+      case kWait: {
+        KvStore::Waiter waiter;
+        waiter.owner = id;
+        waiter.get = op == kGet;
+        if (waiter.get) {
+          waiter.keys.push_back(in.str(kMaxKeyBytes));
+        } else {
+          waiter.keys = read_keys(in);
+        }
+        waiter.deadline = Clock::now() + std::chrono::milliseconds(in.u32());
+        kv.wait(std::move(waiter));
+        return;
+      }
+      case kAdd: {
+        const std::string key = in.str(kMaxKeyBytes);
+        const std::int64_t delta = in.i64();
+        const std::int64_t sum = kv.add(key, delta);
+        WireWriter w;
+        w.u8(kOk).i64(sum);
+        queue(c, w.frame());
+        return;
+      }
+      case kCompareSet: {
+        const std::string key = in.str(kMaxKeyBytes);
+        Bytes expected = in.bytes(kMaxValueBytes);
+        Bytes desired = in.bytes(kMaxValueBytes);
+        const Bytes current = kv.compare_set(key, std::move(expected), std::move(desired));
+        WireWriter w;
+        w.u8(kOk).bytes(current);
+        queue(c, w.frame());
+        return;
+      }
+      case kCheck: {
+        const auto keys = read_keys(in);
+        WireWriter w;
+        w.u8(kOk).u8(kv.contains(keys) ? 1 : 0);
+        queue(c, w.frame());
+        return;
+      }
+      case kDelete: {
+        const std::string key = in.str(kMaxKeyBytes);
+        WireWriter w;
+        w.u8(kOk).u8(kv.erase(key) ? 1 : 0);
+        queue(c, w.frame());
+        return;
+      }
+      case kNumKeys: {
+        WireWriter w;
+        w.u8(kOk).i64(static_cast<std::int64_t>(kv.num_keys()));
+        queue(c, w.frame());
+        return;
+      }
+      default:
+        throw WireError("unknown store operation " + std::to_string(op));
+      }
+    } catch (const KvStoreError& e) {
+      reply_status(c, kFailed, e.what());
+    }
+  }
+
+  void handle_heartbeat(Conn& c, WireReader& in) {
+    const std::uint8_t op = in.u8();
+    auto& state = ranks[static_cast<std::size_t>(c.rank)];
+    if (op == kPing) {
+      state.last_seen = Clock::now();
+      send_pong(c, false);
+    } else if (op == kBye) {
+      state.left = true;
+      c.close_after_flush = true;
+    } else {
+      throw WireError("unknown heartbeat message " + std::to_string(op));
+    }
+  }
+
+  void handle_frame(int id, Conn& c, const std::string& body) {
+    if (!c.joined) {
+      handle_join(id, c, body);
+      return;
+    }
+    WireReader in(body);
+    if (c.role == kRoleStore) {
+      handle_store(id, c, in);
+    } else {
+      handle_heartbeat(c, in);
+    }
+  }
+
+  // Consumes the complete messages in c.in; false: drop the connection.
+  bool consume(int id, Conn& c) {
+    while (c.in.size() >= 4 && !c.close_after_flush) {
+      const std::uint32_t n = read_le32(c.in.data());
+      const std::size_t limit = c.joined ? kMaxFrameBytes : kMaxHandshakeFrame;
+      if (n > limit) {
+        log.warn("rendezvous: dropped the connection from " + c.peer + ": a message of " +
+                 std::to_string(n) + " bytes, over the limit of " + std::to_string(limit));
+        return false;
+      }
+      if (c.in.size() < 4 + n) break;
+      const std::string body = c.in.substr(4, n);
+      c.in.erase(0, 4 + n);
+      try {
+        handle_frame(id, c, body);
+      } catch (const WireError& e) {
+        log.warn("rendezvous: dropped the connection from " + c.peer + ": malformed message (" +
+                 e.what() + ")");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void drop(int id) {
+    auto it = conns.find(id);
+    if (it == conns.end()) return;
+    Conn& c = it->second;
+    if (c.joined && c.role == kRoleHeartbeat) {
+      auto& state = ranks[static_cast<std::size_t>(c.rank)];
+      if (state.heartbeat_conn == id && !state.left && !stopping) {
+        fail_rank(c.rank, "lost its connection to the chief (the process exited or was killed)");
+      }
+    }
+    kv.forget(id);
+    ::close(c.fd);
+    conns.erase(it);
+  }
+
+  void accept_all() {
+    for (;;) {
+      sockaddr_storage addr{};
+      socklen_t len = sizeof addr;
+      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;
+      // Each rank holds two connections; the rest of the room is for handshakes in flight.
+      if (conns.size() >= static_cast<std::size_t>(2 * config.world_size + 64)) {
+        log.warn("rendezvous: refused a connection from " + peer_name(addr) +
+                 ": too many connections");
+        ::close(fd);
+        continue;
+      }
+      set_nodelay(fd);
+      Conn c;
+      c.fd = fd;
+      c.peer = peer_name(addr);
+      c.join_deadline = Clock::now() + config.join_timeout;
+      c.nonce = random_bytes<32>();
+      c.out = Hello{config.token.has_value(), c.nonce}.frame();
+      conns.emplace(next_id++, std::move(c));
+    }
+  }
+
+  // The deadlines: waits that timed out, joins not completed in time, silent heartbeats.
+  void tick() {
+    const auto now = Clock::now();
+    for (const auto& waiter : kv.expire(now)) {
+      if (auto conn = conns.find(waiter.owner); conn != conns.end()) {
+        reply_status(conn->second, kTimedOut);
+      }
+    }
+    std::vector<int> late;
+    for (auto& [id, c] : conns) {
+      if (!c.joined && !c.close_after_flush && now > c.join_deadline) late.push_back(id);
+    }
+    for (int id : late) {
+      log.warn("rendezvous: dropped the connection from " + conns[id].peer +
+               ": no valid join within " + ms_text(config.join_timeout));
+      drop(id);
+    }
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      const auto& state = ranks[r];
+      if (state.heartbeating && !state.left && state.failure.empty() &&
+          now - state.last_seen > config.heartbeat_timeout) {
+        fail_rank(static_cast<int>(r), "stopped sending heartbeats for " +
+                                           ms_text(config.heartbeat_timeout) +
+                                           " (stopped, hung, or cut off from the network)");
+      }
+    }
+  }
+
+  void flush(Conn& c, bool& dead) {
+    while (!c.out.empty()) {
+      const ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        c.out.erase(0, static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n < 0 && errno == EINTR) continue;
+      dead = true;
+      return;
+    }
+    if (c.close_after_flush) dead = true;
+  }
+
+  void loop() {
+    std::vector<pollfd> fds;
+    std::vector<int> ids;
+    while (!stopping) {
+      fds.assign({{wake_read, POLLIN, 0}, {listen_fd, POLLIN, 0}});
+      ids.assign({-1, -1});
+      for (auto& [id, c] : conns) {
+        fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+        ids.push_back(id);
+      }
+      const int ready = ::poll(fds.data(), fds.size(), 100);
+      if (ready < 0 && errno != EINTR) {
+        log.error(std::string("rendezvous: poll failed: ") + std::strerror(errno));
+        return;
+      }
+      if (fds[1].revents & POLLIN) accept_all();
+      std::vector<int> dead_ids;
+      for (std::size_t k = 2; k < fds.size(); ++k) {
+        auto it = conns.find(ids[k]);
+        if (it == conns.end()) continue;
+        Conn& c = it->second;
+        bool dead = false;
+        if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) {
+          char buf[65536];
+          const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
+          if (n > 0) {
+            c.in.append(buf, static_cast<std::size_t>(n));
+            dead = !consume(ids[k], c);
+          } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+            dead = true;
+          }
+        }
+        if (!dead) flush(c, dead);
+        if (dead) dead_ids.push_back(ids[k]);
+      }
+      for (int id : dead_ids) drop(id);
+      // Answers queued by another connection's message (a SET waking a GET) go out now.
+      for (auto& [id, c] : conns) {
+        bool dead = false;
+        if (!c.out.empty()) flush(c, dead);
+      }
+      tick();
+    }
+    // Leaving: tell the heartbeats it is a goodbye, not a failure (best effort). Each
+    // connection is half-closed after the message and drained briefly before it is closed: a
+    // socket closed with unread input sends a reset, which could destroy the goodbye in flight.
+    for (auto& [id, c] : conns) {
+      if (c.joined && c.role == kRoleHeartbeat) {
+        send_pong(c, /*closing=*/true);
+        bool dead = false;
+        flush(c, dead);
+      }
+      ::shutdown(c.fd, SHUT_WR);
+    }
+    const auto until = Clock::now() + std::chrono::milliseconds(300);
+    std::set<int> open;
+    for (auto& [id, c] : conns) open.insert(id);
+    while (!open.empty() && Clock::now() < until) {
+      std::vector<pollfd> fds;
+      std::vector<int> which;
+      for (int id : open) {
+        fds.push_back({conns[id].fd, POLLIN, 0});
+        which.push_back(id);
+      }
+      if (::poll(fds.data(), fds.size(), 50) <= 0) continue;
+      for (std::size_t k = 0; k < fds.size(); ++k) {
+        if (!fds[k].revents) continue;
+        char buf[4096];
+        if (::recv(fds[k].fd, buf, sizeof buf, 0) <= 0) open.erase(which[k]);
+      }
+    }
+  }
+};
+
+RendezvousServer::RendezvousServer(const RendezvousConfig& config)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->config = config;
+  impl_->log = Logger(config.rank, config.world_size);
+  impl_->ranks.resize(static_cast<std::size_t>(config.world_size));
+  impl_->bind_and_listen();
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw Error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  }
+  impl_->wake_read = fds[0];
+  impl_->wake_write = fds[1];
+  impl_->thread = std::thread([impl = impl_.get()] { impl->loop(); });
+}
+
+RendezvousServer::~RendezvousServer() {
+  impl_->stopping = true;
+  const char byte = 1;
+  [[maybe_unused]] auto n = ::write(impl_->wake_write, &byte, 1);
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+int RendezvousServer::port() const {
+  return impl_->port;
+}
+
+} // namespace flotilla::collective::detail

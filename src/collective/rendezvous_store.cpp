@@ -1,0 +1,178 @@
+#include "collective/rendezvous_store.h"
+
+#include <algorithm>
+
+#include "collective/connection.h"
+#include "collective/wire.h"
+#include "flotilla/error.h"
+
+namespace flotilla::collective::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void check_key(const std::string& key) {
+  if (key.size() > kMaxKeyBytes) {
+    throw CommError("a rendezvous key of " + std::to_string(key.size()) +
+                    " bytes is over the limit of " + std::to_string(kMaxKeyBytes));
+  }
+}
+
+void check_value(const Bytes& value) {
+  if (value.size() > kMaxValueBytes) {
+    throw CommError("a rendezvous value of " + std::to_string(value.size()) +
+                    " bytes is over the limit of " + std::to_string(kMaxValueBytes));
+  }
+}
+
+std::uint32_t wire_ms(std::chrono::milliseconds d) {
+  return static_cast<std::uint32_t>(std::clamp<std::int64_t>(d.count(), 0, 0x7fffffff));
+}
+
+} // namespace
+
+RendezvousStore::RendezvousStore(const RendezvousConfig& config)
+    : c10d::Store(config.timeout), config_(config) {
+  connection_ = Connection::join(config_, kRoleStore, Clock::now() + config_.timeout);
+}
+
+RendezvousStore::~RendezvousStore() = default;
+
+c10::intrusive_ptr<c10d::Store> RendezvousStore::clone() {
+  // Same process, same session: the chief accepts a second connection for this rank.
+  return c10::make_intrusive<RendezvousStore>(config_);
+}
+
+Bytes RendezvousStore::request(const std::string& frame, std::chrono::milliseconds wait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // The chief answers a blocking request at its own deadline; allow for the trip.
+  const auto deadline = Clock::now() + wait + std::chrono::seconds(5);
+  connection_->send(frame, deadline);
+  const std::string body = connection_->receive(deadline);
+  WireReader in(body);
+  try {
+    const std::uint8_t status = in.u8();
+    if (status == kTimedOut) {
+      throw TimeoutError("Timed out after " + ms_text(wait) +
+                         " waiting for keys in the chief's rendezvous store at " +
+                         connection_->chief());
+    }
+    if (status == kFailed) {
+      throw CommError("the chief's rendezvous store at " + connection_->chief() +
+                      " failed a request: " + in.str(kMaxReasonBytes));
+    }
+    return {body.begin() + 1, body.end()};
+  } catch (const WireError& e) {
+    throw CommError("the chief at " + connection_->chief() + " sent a malformed answer (" +
+                    e.what() + ")");
+  }
+}
+
+void RendezvousStore::set(const std::string& key, const Bytes& value) {
+  check_key(key);
+  check_value(value);
+  WireWriter w;
+  w.u8(kSet).str(key).bytes(value);
+  request(w.frame(), std::chrono::milliseconds(0));
+}
+
+Bytes RendezvousStore::compareSet(const std::string& key, const Bytes& expected,
+                                  const Bytes& desired) {
+  check_key(key);
+  check_value(expected);
+  check_value(desired);
+  WireWriter w;
+  w.u8(kCompareSet).str(key).bytes(expected).bytes(desired);
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  WireReader in(answer.data(), answer.size());
+  return in.bytes(kMaxValueBytes);
+}
+
+Bytes RendezvousStore::get(const std::string& key) {
+  check_key(key);
+  WireWriter w;
+  w.u8(kGet).str(key).u32(wire_ms(timeout_));
+  const Bytes answer = request(w.frame(), timeout_);
+  WireReader in(answer.data(), answer.size());
+  return in.bytes(kMaxValueBytes);
+}
+
+std::int64_t RendezvousStore::add(const std::string& key, std::int64_t value) {
+  check_key(key);
+  WireWriter w;
+  w.u8(kAdd).str(key).i64(value);
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  WireReader in(answer.data(), answer.size());
+  return in.i64();
+}
+
+bool RendezvousStore::deleteKey(const std::string& key) {
+  check_key(key);
+  WireWriter w;
+  w.u8(kDelete).str(key);
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  return !answer.empty() && answer[0] != 0;
+}
+
+bool RendezvousStore::check(const std::vector<std::string>& keys) {
+  WireWriter w;
+  w.u8(kCheck).u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) check_key(k), w.str(k);
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  return !answer.empty() && answer[0] != 0;
+}
+
+std::int64_t RendezvousStore::getNumKeys() {
+  WireWriter w;
+  w.u8(kNumKeys);
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  WireReader in(answer.data(), answer.size());
+  return in.i64();
+}
+
+void RendezvousStore::wait(const std::vector<std::string>& keys) {
+  wait(keys, timeout_);
+}
+
+void RendezvousStore::wait(const std::vector<std::string>& keys,
+                           const std::chrono::milliseconds& timeout) {
+  if (keys.size() > kMaxKeysPerRequest) {
+    throw CommError("waiting for " + std::to_string(keys.size()) +
+                    " rendezvous keys at once is over the limit of " +
+                    std::to_string(kMaxKeysPerRequest));
+  }
+  WireWriter w;
+  w.u8(kWait).u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) check_key(k), w.str(k);
+  w.u32(wire_ms(timeout));
+  request(w.frame(), timeout);
+}
+
+void RendezvousStore::wait_for_all_ranks() {
+  std::vector<std::string> keys;
+  for (int r = 0; r < config_.world_size; ++r) {
+    keys.push_back("flotilla/joined/" + std::to_string(r));
+  }
+  try {
+    wait(keys, config_.timeout);
+  } catch (const TimeoutError&) {
+    std::vector<std::string> missing;
+    for (int r = 0; r < config_.world_size; ++r) {
+      if (!check({keys[static_cast<std::size_t>(r)]})) missing.push_back(config_.name(r));
+    }
+    std::string names;
+    for (std::size_t i = 0; i < missing.size(); ++i) {
+      names += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + missing[i];
+    }
+    throw TimeoutError(config_.name(config_.rank) + ": rendezvous with the chief at " +
+                       config_.chief.to_string() + ": " +
+                       std::to_string(config_.world_size - static_cast<int>(missing.size())) +
+                       " of " + std::to_string(config_.world_size) + " joined within " +
+                       ms_text(config_.timeout) + "; " + names +
+                       " did not join; start every task TF_CONFIG lists, check that each can "
+                       "reach the chief, or raise CommunicationOptions::timeout");
+  }
+}
+
+} // namespace flotilla::collective::detail

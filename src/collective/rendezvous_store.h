@@ -1,0 +1,54 @@
+// Private: a rank's view of the chief's rendezvous store (see rendezvous.h), as the c10d::Store
+// through which Gloo and NCCL exchange their addresses. Each operation is one request and one
+// answer on the rank's Connection; the semantics are the chief's KvStore's.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collective/rendezvous.h"
+
+namespace flotilla::collective::detail {
+
+class Connection;
+
+// Construction connects (retrying while the chief is not up yet, until the timeout),
+// authenticates and claims config.rank; a refusal (wrong token, rank taken, another cluster) is
+// a ConfigError. A key or value over the protocol's bounds is refused before it is sent
+// (CommError); a wait past its timeout is a TimeoutError.
+class RendezvousStore : public c10d::Store {
+ public:
+  explicit RendezvousStore(const RendezvousConfig& config);
+  ~RendezvousStore() override;
+
+  c10::intrusive_ptr<c10d::Store> clone() override;
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) override;
+  std::vector<std::uint8_t> compareSet(const std::string& key,
+                                       const std::vector<std::uint8_t>& expected,
+                                       const std::vector<std::uint8_t>& desired) override;
+  std::vector<std::uint8_t> get(const std::string& key) override;
+  std::int64_t add(const std::string& key, std::int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  std::int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
+
+  // Blocks until every rank has joined; TimeoutError naming the ranks that did not.
+  void wait_for_all_ranks();
+
+ private:
+  std::vector<std::uint8_t> request(const std::string& frame, std::chrono::milliseconds wait);
+  RendezvousConfig config_;
+  std::mutex mutex_; // one request at a time on the connection
+  std::unique_ptr<Connection> connection_;
+};
+
+} // namespace flotilla::collective::detail

@@ -1,0 +1,147 @@
+// The rendezvous protocol's bytes, written out by hand: the handshake's messages, what each
+// HMAC covers, and the pong, so a change to any of them (which old and new processes would no
+// longer agree on) fails here first.
+#include "collective/wire.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "flotilla/base/hashes.h"
+
+namespace flotilla::collective::detail {
+namespace {
+
+std::string le32(std::uint32_t v) {
+  return {static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
+          static_cast<char>(v >> 24)};
+}
+
+template <std::size_t N> std::array<std::uint8_t, N> counting(std::uint8_t from) {
+  std::array<std::uint8_t, N> out{};
+  for (std::size_t i = 0; i < N; ++i) out[i] = static_cast<std::uint8_t>(from + i);
+  return out;
+}
+
+template <std::size_t N> std::string raw(const std::array<std::uint8_t, N>& a) {
+  return {a.begin(), a.end()};
+}
+
+std::string framed(const std::string& body) {
+  return le32(static_cast<std::uint32_t>(body.size())) + body;
+}
+
+const std::string kMagicBytes = "VRLF"; // 0x464c5256, little-endian
+
+TEST(Wire, TheHelloIsTheMagicTheVersionTheAuthFlagAndTheNonce) {
+  const Nonce nonce = counting<32>(1);
+  const Hello hello{true, nonce};
+  EXPECT_EQ(hello.frame(), framed(kMagicBytes + "\x01" + "\x01" + raw(nonce)));
+  const std::string body = hello.frame().substr(4);
+  const Hello back = Hello::parse(body);
+  EXPECT_TRUE(back.auth_required);
+  EXPECT_EQ(back.nonce, nonce);
+  EXPECT_FALSE(Hello::parse(Hello{false, nonce}.frame().substr(4)).auth_required);
+  EXPECT_THROW(Hello::parse("GET / HTTP/1.1"), WireError);
+  EXPECT_THROW(Hello::parse(kMagicBytes + "\x02" + "\x01" + raw(nonce)), WireError); // version 2
+  EXPECT_THROW(Hello::parse(body.substr(0, 20)), WireError);
+}
+
+TEST(Wire, AJoinRequestCarriesTheClaimAndTheProofInAFixedLayout) {
+  JoinRequest join;
+  join.role = kRoleHeartbeat;
+  join.rank = 2;
+  join.world = 258;
+  join.session = counting<16>(100);
+  join.client_nonce = counting<32>(50);
+  join.mac = counting<32>(200);
+  const std::string body = kMagicBytes + "\x01" + "\x01" + le32(2) + le32(258) + raw(join.session) +
+                           raw(join.client_nonce) + raw(join.mac);
+  EXPECT_EQ(join.frame(), framed(body));
+  const auto back = JoinRequest::parse(body);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->role, kRoleHeartbeat);
+  EXPECT_EQ(back->rank, 2);
+  EXPECT_EQ(back->world, 258);
+  EXPECT_EQ(back->session, join.session);
+  EXPECT_EQ(back->client_nonce, join.client_nonce);
+  EXPECT_EQ(back->mac, join.mac);
+  // Another protocol is told so (nullopt); flotilla's cut short or padded is malformed.
+  EXPECT_FALSE(JoinRequest::parse("GET / HT").has_value());
+  EXPECT_THROW(JoinRequest::parse(body.substr(0, body.size() - 1)), WireError);
+  try {
+    JoinRequest::parse(body + "x");
+    FAIL() << "no error";
+  } catch (const WireError& e) {
+    EXPECT_EQ(std::string(e.what()), "trailing bytes after the join message");
+  }
+}
+
+TEST(Wire, AWelcomeIsARefusalWithAReasonOrAnAcceptanceWithTheChiefsProof) {
+  const auto refusal = Welcome::refusal("rank 1 is taken");
+  EXPECT_EQ(refusal.frame(), framed(std::string("\x01") + le32(15) + "rank 1 is taken" + '\0'));
+  const auto refused = Welcome::parse(refusal.frame().substr(4));
+  EXPECT_FALSE(refused.accepted);
+  EXPECT_EQ(refused.reason, "rank 1 is taken");
+  // A reason is cut to kMaxReasonBytes before it is sent.
+  EXPECT_EQ(Welcome::refusal(std::string(5000, 'r')).reason.size(), kMaxReasonBytes);
+
+  const Mac mac = counting<32>(7);
+  EXPECT_EQ(Welcome::acceptance(mac).frame(),
+            framed(std::string("\0", 1) + le32(0) + "\x01" + raw(mac)));
+  const auto accepted = Welcome::parse(Welcome::acceptance(mac).frame().substr(4));
+  EXPECT_TRUE(accepted.accepted);
+  EXPECT_TRUE(accepted.has_mac);
+  EXPECT_EQ(accepted.mac, mac);
+  // Without a token: the flag is 0 and the proof's place holds zeros.
+  EXPECT_EQ(Welcome::acceptance(std::nullopt).frame(),
+            framed(std::string("\0", 1) + le32(0) + std::string("\0", 1) + std::string(32, '\0')));
+  // An acceptance without its proof is malformed.
+  EXPECT_THROW(Welcome::parse(std::string("\0", 1) + le32(0) + "\x01"), WireError);
+}
+
+TEST(Wire, EachHmacCoversBothNoncesAndWhatItVouchesFor) {
+  const std::string token = "token-0123456789";
+  const Nonce server = counting<32>(1);
+  JoinRequest join;
+  join.role = kRoleStore;
+  join.rank = 3;
+  join.world = 4;
+  join.session = counting<16>(90);
+  join.client_nonce = counting<32>(40);
+  const std::string join_input =
+      framed(le32(16) + "flotilla join v1" + raw(server) + raw(join.client_nonce) + le32(3) +
+             le32(4) + std::string("\0", 1) + raw(join.session));
+  EXPECT_EQ(join_mac(token, server, join), base::hmac_sha256(token, join_input));
+  const std::string chief_input =
+      framed(le32(17) + "flotilla chief v1" + raw(join.client_nonce) + raw(server) + le32(3));
+  EXPECT_EQ(chief_mac(token, server, join.client_nonce, 3), base::hmac_sha256(token, chief_input));
+  // A proof made for one claim or one connection does not fit another.
+  JoinRequest other = join;
+  other.rank = 2;
+  EXPECT_NE(join_mac(token, server, other), join_mac(token, server, join));
+  EXPECT_NE(join_mac(token, counting<32>(2), join), join_mac(token, server, join));
+  EXPECT_NE(chief_mac(token, server, join.client_nonce, 2),
+            chief_mac(token, server, join.client_nonce, 3));
+}
+
+TEST(Wire, APongListsTheFailedRanksAndIsBoundedByTheGroupsSize) {
+  Pong pong;
+  pong.closing = true;
+  pong.failed = {{2, "worker 1 died"}, {0, "chief hung"}};
+  const std::string body = std::string("\x01") + le32(2) + le32(2) + le32(13) + "worker 1 died" +
+                           le32(0) + le32(10) + "chief hung";
+  EXPECT_EQ(pong.frame(), framed(body));
+  const Pong back = Pong::parse(body, 3);
+  EXPECT_TRUE(back.closing);
+  EXPECT_EQ(back.failed, pong.failed);
+  try {
+    Pong::parse(body, 1);
+    FAIL() << "no error";
+  } catch (const WireError& e) {
+    EXPECT_EQ(std::string(e.what()), "2 failed ranks in a group of 1");
+  }
+}
+
+} // namespace
+} // namespace flotilla::collective::detail
