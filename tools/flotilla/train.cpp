@@ -5,7 +5,6 @@
 
 
 #include <fstream>
-#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/base/system.h"
@@ -17,11 +16,10 @@
 #include "flotilla/error.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
-#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/train/callbacks.h"
-#include "flotilla/train/event_file.h"
 #include "flotilla/train/model.h"
 #include "flotilla/train/schedules.h"
+#include "flotilla/train/sidecar_evaluator.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 
@@ -224,71 +222,43 @@ data::Dataset test_source_of(const TrainArgs& a) {
   return data::fashion_mnist(a.data_dir, data::Split::kTest);
 }
 
-// TF's SidecarEvaluator: the evaluator task trains nothing and joins no collective. It watches
-// the chief's checkpoint directory, evaluates each new checkpoint on the test split, writes its
-// own TensorBoard scalars (<tensorboard-dir>/evaluation) and metrics lines, and exits after the
-// checkpoint of the last epoch.
+// The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
+// checkpoint directory, with its own TensorBoard scalars (<tensorboard-dir>/evaluation) and
+// metrics lines; it ends after the checkpoint of the last epoch.
 int run_evaluator(const TrainArgs& a, const data::Dataset& test_source) {
   if (a.checkpoint_dir.empty()) {
     throw ConfigError("this task is the evaluator (TF_CONFIG task.type \"evaluator\"): it "
                       "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
                       "as the chief's");
   }
-  strategy::MirroredStrategy strategy; // this process alone
-  auto net = models::make_model(a.model);
-  train::Model model(strategy, net);
-  model.compile({});
   const auto test = test_source.batch(a.batch_per_replica * 4).map([](data::Element e) {
     return data::Element{data::normalize_images(e[0]), e[1]};
   });
-  std::optional<train::EventFileWriter> events;
-  if (!a.tensorboard_dir.empty()) events.emplace(fs::path(a.tensorboard_dir) / "evaluation");
-  const checkpoint::CheckpointManager manager(a.checkpoint_dir);
-  const auto patience = std::chrono::duration<double>(a.timeout_s);
-  auto last_new = std::chrono::steady_clock::now();
-  std::optional<fs::path> done;
+  strategy::MirroredStrategy strategy; // this process alone
+  train::Model model(strategy, models::make_model(a.model));
+  model.compile({});
+  train::SidecarEvaluatorOptions options;
+  options.checkpoint_dir = a.checkpoint_dir;
+  if (!a.tensorboard_dir.empty()) options.log_dir = fs::path(a.tensorboard_dir) / "evaluation";
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  options.last_epoch = a.epochs;
+  options.on_result = [&a](const train::SidecarResult& r) {
+    std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
+                r.checkpoint.filename().c_str(), static_cast<long long>(r.epoch),
+                static_cast<long long>(r.step), r.result.loss(), r.result.at("accuracy"));
+    std::fflush(stdout);
+    if (!a.metrics_json.empty()) {
+      append_json_line(a.metrics_json, {{"evaluator_checkpoint", r.checkpoint.filename().string()},
+                                        {"epoch", r.epoch},
+                                        {"step", r.step},
+                                        {"eval_loss", r.result.loss()},
+                                        {"eval_accuracy", r.result.at("accuracy")}});
+    }
+  };
   std::printf("Evaluator: watching %s for checkpoints\n", a.checkpoint_dir.c_str());
   std::fflush(stdout);
-  while (true) {
-    std::optional<fs::path> latest;
-    try {
-      latest = manager.latest();
-    } catch (const CheckpointError&) {
-      // The chief is replacing the pointer file: look again shortly.
-    }
-    if (!latest || latest == done) {
-      if (std::chrono::steady_clock::now() - last_new > patience) {
-        throw TimeoutError("evaluator: no new checkpoint in " + a.checkpoint_dir + " for " +
-                           std::to_string(a.timeout_s) + " s (--timeout); is the chief running "
-                           "with the same --checkpoint-dir?");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      continue;
-    }
-    const checkpoint::CheckpointData saved = checkpoint::read_checkpoint(*latest);
-    checkpoint::load_model_state(*net, saved.model, latest->string());
-    const train::EvalResult result = model.evaluate(test);
-    std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
-                latest->filename().c_str(), static_cast<long long>(saved.epoch),
-                static_cast<long long>(saved.step), result.loss(), result.at("accuracy"));
-    std::fflush(stdout);
-    if (events) {
-      for (const auto& [key, value] : result.values.items()) {
-        events->scalar("epoch_" + key, value, saved.epoch);
-      }
-      events->flush();
-    }
-    if (!a.metrics_json.empty()) {
-      append_json_line(a.metrics_json, {{"evaluator_checkpoint", latest->filename().string()},
-                                        {"epoch", saved.epoch},
-                                        {"step", saved.step},
-                                        {"eval_loss", result.loss()},
-                                        {"eval_accuracy", result.at("accuracy")}});
-    }
-    done = latest;
-    last_new = std::chrono::steady_clock::now();
-    if (saved.epoch >= a.epochs) return kExitOk; // the final checkpoint
-  }
+  train::SidecarEvaluator(model, test, options).start();
+  return kExitOk;
 }
 
 int run(const TrainArgs& a) {
