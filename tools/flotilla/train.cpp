@@ -21,6 +21,7 @@
 #include "flotilla/train/sidecar_evaluator.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla::tools {
 namespace {
@@ -469,6 +470,8 @@ profile::ProfilerOptions profiler_options(const TrainArgs& a, const Recipe& reci
   profiling.report = a.report;
   profiling.doctor = !a.no_doctor && verbose != train::Verbosity::kSilent;
   profiling.command = a.command;
+  // The doctor's warmup advice is an epoch's steps; --warmup-epochs counts epochs.
+  profiling.findings_format = cli_findings_format(input.steps_per_epoch);
   profile::RecipeFacts& facts = profiling.recipe;
   facts.model = a.model;
   facts.batch_per_replica = a.batch_per_replica;
