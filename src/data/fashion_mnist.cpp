@@ -16,7 +16,7 @@ std::string find_file(const std::string& dir, const std::string& stem) {
     if (fs::exists(candidate)) return candidate.string();
   }
   throw DataError(dir + ": has no " + stem + ".gz (nor " + stem +
-                  "); point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "
+                  "); point data::fashion_mnist at the Fashion-MNIST IDX files, or on Debian install the "
                   "dataset-fashion-mnist package (" +
                   kFashionMnistDir + ")");
 }

@@ -97,8 +97,8 @@ void Profiler::on_train_begin() {
   const collective::Agreement tracing = collective::agree(model().strategy().communicator(), mine);
   if (tracing.all != tracing.any) {
     throw ConfigError("the Profiler's trace path is set on some workers and not on others; give "
-                      "every worker a ProfilerOptions::trace (--trace), or none: the timeline is "
-                      "gathered from all of them");
+                      "every worker a ProfilerOptions::trace, or none: the timeline is gathered "
+                      "from all of them");
   }
   model().set_step_tracing(mine, options_.max_traced_steps);
 }

@@ -922,8 +922,8 @@ std::string render_html_report(const RunSummary& run, const std::vector<Finding>
 void write_html_report(const std::filesystem::path& path, const RunSummary& run,
                        const std::vector<Finding>& findings, const FindingFormat& format) {
   if (path.empty()) {
-    throw ConfigError("the HTML report needs a file name (saw an empty path); pass --report "
-                      "FILE.html");
+    throw ConfigError("the HTML report needs a file name (saw an empty path); give "
+                      "profile::write_html_report a path such as report.html");
   }
   base::write_file_atomic(path, render_html_report(run, findings, format));
 }

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "flotilla/error.h"
+#include "flotilla/log.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/sidecar_evaluator.h"
 #include "support/subprocess.h"
@@ -134,6 +135,18 @@ TEST(Flags, TheDoctorsFindingsAsTheCliShowsThem) {
   EXPECT_EQ(profile::format_recommendation(f),
             "CosineDecayOptions::warmup_steps = 30: a linear warmup over the first epoch "
             "(train::CosineDecay)");
+}
+
+TEST(Flags, TheLogRewriteHookShowsTheFlagOnLogLines) {
+  set_log_rewrite(with_flags);
+  ::testing::internal::CaptureStderr();
+  Logger(0, 2).warn("the input ran out; set FitOptions::steps_per_epoch");
+  set_log_rewrite({});
+  Logger(0, 2).warn("as written: FitOptions::steps_per_epoch");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, "[worker 0/2] warning: the input ran out; set FitOptions::steps_per_epoch "
+                 "(--steps-per-epoch)\n"
+                 "[worker 0/2] warning: as written: FitOptions::steps_per_epoch\n");
 }
 
 } // namespace
