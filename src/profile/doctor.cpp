@@ -1,8 +1,8 @@
 #include "flotilla/profile/doctor.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cctype>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 
@@ -175,8 +175,8 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
       f.gain = half_compute;
       f.evidence += ": this GPU predates native bfloat16 (sm_80), so bfloat16 runs slowly";
       f.settings = {policy("mixed_float16")};
-      f.recommendation = std::string("tensor cores; dynamic loss scaling is applied (") +
-                         kFastestPolicy + ")";
+      f.recommendation =
+          std::string("tensor cores; dynamic loss scaling is applied (") + kFastestPolicy + ")";
     } else if (is_fp16 && !r.loss_scaling) {
       f.status = Status::kConsider;
       f.evidence += ", without loss scaling: small float16 gradients underflow to zero";
@@ -279,7 +279,8 @@ Finding batch_size(const RunSummary& run, const std::vector<PhaseTimes>& workers
   if (r.batch_per_replica <= 0) {
     f.status = Status::kUnknown;
     f.evidence = "the batch was not recorded";
-    f.recommendation = "search the largest batch that fits " + model + " (profile::search_max_batch)";
+    f.recommendation =
+        "search the largest batch that fits " + model + " (profile::search_max_batch)";
     return f;
   }
   if (memory_known && r.peak_memory_bytes > r.memory_budget_bytes) {
@@ -378,7 +379,8 @@ Finding learning_rate(const RunSummary& run) {
                   "x the base batch, the rate is not";
     f.settings = {{"OptimizerOptions::learning_rate",
                    num(r.base_lr * static_cast<double>(r.global_batch) / r.base_batch)}};
-    f.recommendation = "the base rate scaled linearly with the global batch (train::linear_scaling)";
+    f.recommendation =
+        "the base rate scaled linearly with the global batch (train::linear_scaling)";
     return f;
   }
   // A large rate from the first update diverges (Goyal et al.'s gradual warmup): large means a
@@ -553,11 +555,11 @@ std::vector<Finding> diagnose(const RunSummary& run) {
 std::string to_string(const Setting& setting) {
   // The name before the last "::": a namespace (lowercase) holds a function, a type a field.
   const auto last = setting.option.rfind("::");
-  const auto before = last == std::string::npos ? std::string::npos
-                                                : setting.option.rfind("::", last - 1);
+  const auto before =
+      last == std::string::npos ? std::string::npos : setting.option.rfind("::", last - 1);
   const std::size_t scope = before == std::string::npos || last == 0 ? 0 : before + 2;
-  const bool function = last == std::string::npos || std::islower(static_cast<unsigned char>(
-                                                          setting.option[scope])) != 0;
+  const bool function = last == std::string::npos ||
+                        std::islower(static_cast<unsigned char>(setting.option[scope])) != 0;
   return function ? setting.option + "(" + setting.value + ")"
                   : setting.option + " = " + setting.value;
 }

@@ -153,9 +153,9 @@ void check_devices(const std::vector<torch::Device>& devices) {
     if (!d.is_cuda()) continue;
     const int index = d.has_index() ? d.index() : 0;
     if (index >= cuda_devices()) {
-      throw ConfigError("device " + d.str() + " was asked for, but " + visible_text() +
-                        (cuda_devices() == 0 ? "; use the CPU (strategy::parse_devices(\"cpu\"))"
-                                             : ""));
+      throw ConfigError(
+          "device " + d.str() + " was asked for, but " + visible_text() +
+          (cuda_devices() == 0 ? "; use the CPU (strategy::parse_devices(\"cpu\"))" : ""));
     }
     if (!seen.insert(index).second) {
       throw ConfigError("device " + d.str() +

@@ -98,9 +98,9 @@ TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {
 TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
-  const auto r = run_process(
-      {kCli, "train", "--checkpoint-dir", dir.path(), "--timeout", "0.1"},
-      {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
+  const auto r =
+      run_process({kCli, "train", "--checkpoint-dir", dir.path(), "--timeout", "0.1"},
+                  {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
                         "task": {"type": "evaluator"}})"}});
   EXPECT_EQ(r.exit_code, kExitComm) << r.err;
   EXPECT_EQ(line_count(r.err), 1u) << r.err;

@@ -56,14 +56,13 @@ std::vector<Finding> diagnose(const RunSummary& run);
 // How settings and the API names in a recommendation are shown. By default in API terms; a
 // program with options of its own shows those (the flotilla CLI: "--precision mixed_bfloat16").
 struct FindingFormat {
-  std::function<std::string(const Setting&)> setting; // empty: to_string(setting)
+  std::function<std::string(const Setting&)> setting;  // empty: to_string(setting)
   std::function<std::string(const std::string&)> text; // the recommendation; empty: as written
 };
 // A finding's settings and recommendation on one line: "<setting>, <setting>: <text>"; empty
 // when it has neither.
 std::string format_recommendation(const Finding& finding, const FindingFormat& format = {});
 // The short text report: a heading line and one line (plus one for the recommendation) per item.
-std::string format_findings(const std::vector<Finding>& findings,
-                            const FindingFormat& format = {});
+std::string format_findings(const std::vector<Finding>& findings, const FindingFormat& format = {});
 
 } // namespace flotilla::profile

@@ -349,7 +349,7 @@ TEST(Doctor, CommunicationFollowsTheExposedShare) {
   EXPECT_EQ(f.status, Status::kAct);
   EXPECT_TRUE(contains(f.evidence, "0.0% hidden")) << f.evidence;
   EXPECT_EQ(f.settings, (std::vector<Setting>{{"CommunicationOptions::overlap", "true"},
-                                               {"CommunicationOptions::compression", "bf16"}}))
+                                              {"CommunicationOptions::compression", "bf16"}}))
       << advice(f);
   EXPECT_TRUE(contains(f.recommendation, "profile::predict")) << f.recommendation;
 

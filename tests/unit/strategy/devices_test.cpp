@@ -50,8 +50,9 @@ TEST(Devices, ListsThatCannotWorkAreRefusedWithWhatIsVisible) {
             std::string::npos)
       << error;
   if (gpus() == 0) {
-    EXPECT_NE(config_error([] { parse_devices("cuda"); })
-                  .find("use the CPU (strategy::parse_devices(\"cpu\"))"),
+    EXPECT_NE(config_error([] {
+                parse_devices("cuda");
+              }).find("use the CPU (strategy::parse_devices(\"cpu\"))"),
               std::string::npos);
     EXPECT_EQ(config_error([] { default_devices(0); }), ""); // one CPU replica
   }
