@@ -3,6 +3,7 @@
 // lines: the chief prints those itself, untagged.
 #pragma once
 
+#include <functional>
 #include <string>
 
 namespace flotilla {
@@ -24,5 +25,12 @@ class Logger {
  private:
   std::string tag_;
 };
+
+// A rewrite of every log line's message before it is written, for a program that shows the
+// library's API names its own way: the flotilla CLI follows each name with its flag
+// ("FitOptions::steps_per_epoch (--steps-per-epoch)"), as it does on its error lines. Process-wide,
+// like the mixed-precision policy: set it once at start-up, before other threads log. Empty (the
+// default): messages as written.
+void set_log_rewrite(std::function<std::string(const std::string&)> rewrite);
 
 } // namespace flotilla

@@ -57,7 +57,7 @@ std::optional<std::string> cluster_token(const Environment& env,
                                          const std::optional<std::filesystem::path>& file) {
   const auto variable = env.get("FLOTILLA_CLUSTER_TOKEN");
   std::optional<std::filesystem::path> path = file;
-  std::string source = "--cluster-token-file";
+  std::string source = "the file given to cluster::cluster_token";
   if (!path) {
     if (const auto from_env = env.get("FLOTILLA_CLUSTER_TOKEN_FILE")) {
       path = *from_env;

@@ -15,10 +15,11 @@ std::string find_file(const std::string& dir, const std::string& stem) {
     const fs::path candidate = fs::path(dir) / (stem + suffix);
     if (fs::exists(candidate)) return candidate.string();
   }
-  throw DataError(dir + ": has no " + stem + ".gz (nor " + stem +
-                  "); point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "
-                  "dataset-fashion-mnist package (" +
-                  kFashionMnistDir + ")");
+  throw DataError(
+      dir + ": has no " + stem + ".gz (nor " + stem +
+      "); point data::fashion_mnist at the Fashion-MNIST IDX files, or on Debian install the "
+      "dataset-fashion-mnist package (" +
+      kFashionMnistDir + ")");
 }
 
 } // namespace

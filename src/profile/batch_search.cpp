@@ -44,8 +44,8 @@ std::int64_t status_field(const char* key) {
   const std::int64_t v = proc_kib_field("/proc/self/status", key);
   if (v < 0) {
     throw ConfigError(std::string("/proc/self/status has no ") + key +
-                      " line; measuring a step's "
-                      "peak memory needs Linux's /proc; give the batch with --batch-per-replica");
+                      " line; measuring a step's peak memory needs Linux's /proc; choose the "
+                      "batch per replica yourself (RecipeFacts::batch_per_replica)");
   }
   return v;
 }
@@ -231,13 +231,14 @@ FitsFn step_probe(const StepProbeOptions& options) {
     if (options.memory_budget_bytes <= 0) {
       throw ConfigError("a CPU batch search needs a memory budget; saw " +
                         std::to_string(options.memory_budget_bytes) +
-                        " bytes; give one, e.g. --memory-budget 8GiB");
+                        " bytes; set StepProbeOptions::memory_budget_bytes, e.g. to 8 GiB");
     }
     return [options, policy](std::int64_t batch) { return cpu_probe(options, policy, batch); };
   }
   if (options.device == "cuda") {
     if (!cuda_available()) {
-      throw ConfigError("device \"cuda\": LibTorch sees no CUDA device here; use --device cpu");
+      throw ConfigError("device \"cuda\": LibTorch sees no CUDA device here; set "
+                        "StepProbeOptions::device to \"cpu\"");
     }
     return [options, policy](std::int64_t batch) { return cuda_probe(options, policy, batch); };
   }
@@ -264,16 +265,16 @@ void reset_resident_peak() {
   out.flush();
   if (!out) {
     throw ConfigError("cannot write /proc/self/clear_refs to reset the resident-memory peak "
-                      "(Linux 4.0+ allows it); measure on Linux, or give the batch with "
-                      "--batch-per-replica");
+                      "(Linux 4.0+ allows it); measure on Linux, or choose the batch per replica "
+                      "yourself (RecipeFacts::batch_per_replica)");
   }
 }
 
 std::int64_t default_memory_budget(int local_workers, double safety) {
   const std::int64_t available = proc_kib_field("/proc/meminfo", "MemAvailable");
   if (available <= 0) {
-    throw ConfigError("/proc/meminfo gives no MemAvailable to size a memory budget from; give "
-                      "one, e.g. --memory-budget 8GiB");
+    throw ConfigError("/proc/meminfo gives no MemAvailable to size a memory budget from; set "
+                      "StepProbeOptions::memory_budget_bytes, e.g. to 8 GiB");
   }
   return static_cast<std::int64_t>(static_cast<double>(available) / std::max(1, local_workers) *
                                    safety);

@@ -1,6 +1,7 @@
 #include "flotilla/profile/doctor.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -45,6 +46,13 @@ std::string num(std::int64_t v) {
   return std::to_string(v);
 }
 
+// Advice that names the policy to set as a Setting of its own; this says where it comes from.
+constexpr const char* kFastestPolicy = "the policy train::fastest_policy picks for the device";
+
+Setting policy(const char* name) {
+  return {"train::set_global_policy", name};
+}
+
 bool on_cuda(const RecipeFacts& r) {
   return r.device.rfind("cuda", 0) == 0;
 }
@@ -81,7 +89,7 @@ Finding input_pipeline(const RunSummary& run, const std::vector<PhaseTimes>& wor
   if (!has_steps(workers)) {
     f.status = Status::kUnknown;
     f.evidence = "no step phases were recorded";
-    f.recommendation = "run with flotilla train --profile-json FILE (flotilla doctor does)";
+    f.recommendation = "record a profile of the run (ProfilerOptions::summary)";
     return f;
   }
   double worst = 0;
@@ -117,17 +125,17 @@ Finding input_pipeline(const RunSummary& run, const std::vector<PhaseTimes>& wor
                            plan.find("prefetch") != std::string::npos;
   std::vector<std::string> steps;
   if (!chain_known || plan.find("parallel=1)") != std::string::npos) {
-    steps.push_back("parallel map (.map(fn, data::kAutotune))");
+    steps.push_back("parallel map (Dataset::map(fn, data::kAutotune))");
   }
   if (!chain_known || plan.find("prefetch") == std::string::npos) {
-    steps.push_back("prefetch (.prefetch(data::kAutotune))");
+    steps.push_back("prefetch (Dataset::prefetch(data::kAutotune))");
   }
   if (!chain_known || plan.find("cache") == std::string::npos) {
-    steps.push_back("cache the decoded data (--cache memory, or .cache())");
+    steps.push_back("cache the decoded data in memory (Dataset::cache())");
   }
-  steps.push_back("more pipeline threads (data::Options::private_threadpool_size, or fewer "
-                  "--threads for the step)");
-  steps.push_back("fewer or cheaper augmentation ops (without --augment if it is on)");
+  steps.push_back("more pipeline threads (data::Options::private_threadpool_size), or fewer "
+                  "for the step (torch::set_num_threads)");
+  steps.push_back("fewer or cheaper augmentation ops");
   if (!chain_known) f.recommendation = "where not done yet: ";
   f.recommendation += steps[0];
   for (std::size_t i = 1; i < steps.size(); ++i) f.recommendation += "; " + steps[i];
@@ -150,32 +158,33 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
   if (!is_float32 && !is_fp16 && !is_bf16) {
     f.status = Status::kUnknown;
     f.evidence = "precision \"" + r.precision + "\" is not one flotilla knows";
-    f.recommendation = "--precision auto";
+    f.recommendation = kFastestPolicy;
     return f;
   }
   if (on_cuda(r)) {
     if (is_float32) {
       f.status = Status::kAct;
       f.gain = half_compute;
-      f.recommendation =
-          r.hardware_bf16
-              ? "--precision mixed_bfloat16 (tensor cores, no loss scaling needed; or "
-                "mixed_float16), i.e. train::set_global_policy(\"mixed_bfloat16\")"
-              : "--precision mixed_float16 (tensor cores; dynamic loss scaling is applied), "
-                "i.e. train::set_global_policy(\"mixed_float16\")";
+      f.settings = {policy(r.hardware_bf16 ? "mixed_bfloat16" : "mixed_float16")};
+      f.recommendation = r.hardware_bf16
+                             ? "tensor cores, no loss scaling needed (mixed_float16 works too)"
+                             : "tensor cores; dynamic loss scaling is applied";
       f.evidence += ": float32 leaves the GPU's tensor cores idle";
     } else if (is_bf16 && !r.hardware_bf16) {
       f.status = Status::kAct;
       f.gain = half_compute;
       f.evidence += ": this GPU predates native bfloat16 (sm_80), so bfloat16 runs slowly";
-      f.recommendation = "--precision mixed_float16 (tensor cores; dynamic loss scaling is "
-                         "applied), or --precision auto";
+      f.settings = {policy("mixed_float16")};
+      f.recommendation =
+          std::string("tensor cores; dynamic loss scaling is applied (") + kFastestPolicy + ")";
     } else if (is_fp16 && !r.loss_scaling) {
       f.status = Status::kConsider;
       f.evidence += ", without loss scaling: small float16 gradients underflow to zero";
-      f.recommendation = "keep the dynamic loss scale on (the default for mixed_float16), or "
-                         "--precision mixed_bfloat16" +
-                         std::string(r.hardware_bf16 ? "" : " on an sm_80+ GPU");
+      f.settings = {policy("mixed_bfloat16")};
+      f.recommendation = std::string("needs no loss scale") +
+                         (r.hardware_bf16 ? "" : " (on an sm_80+ GPU)") +
+                         "; or keep the dynamic loss scale on (CompileOptions::loss_scale unset: "
+                         "the default for mixed_float16)";
     } else {
       f.status = Status::kGood;
       f.evidence += ": reduced precision on hardware built for it";
@@ -185,7 +194,7 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
   if (!on_cpu(r)) {
     f.status = Status::kUnknown;
     f.evidence += ": not a device the doctor knows";
-    f.recommendation = "--precision auto";
+    f.recommendation = kFastestPolicy;
     return f;
   }
   if (is_float32) {
@@ -193,7 +202,8 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
       f.status = Status::kAct;
       f.gain = half_compute;
       f.evidence += ": this CPU computes bfloat16 natively (AVX512-BF16/AMX)";
-      f.recommendation = "--precision mixed_bfloat16 (or --precision auto)";
+      f.settings = {policy("mixed_bfloat16")};
+      f.recommendation = kFastestPolicy;
     } else {
       f.status = Status::kGood;
       f.evidence += ": the right choice, since this CPU has no AVX512-BF16/AMX and bfloat16 "
@@ -208,8 +218,8 @@ Finding mixed_precision(const RecipeFacts& r, const std::vector<PhaseTimes>& wor
     f.evidence += is_fp16 ? ": a CPU has no fast float16 arithmetic"
                           : ": this CPU has no AVX512-BF16/AMX, so bfloat16 is emulated and "
                             "slower than float32";
-    f.recommendation = r.hardware_bf16 ? "--precision mixed_bfloat16 (or --precision auto)"
-                                       : "--precision float32 (or --precision auto)";
+    f.settings = {policy(r.hardware_bf16 ? "mixed_bfloat16" : "float32")};
+    f.recommendation = kFastestPolicy;
   }
   return f;
 }
@@ -226,8 +236,9 @@ Finding compiled_step(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
                              : "on the CPU the step is compiled C++ already; the CUDA-graph step "
                                "is for CUDA replicas" +
                                    std::string(r.jit_compile ? ", so the flag has no effect" : "");
-    f.recommendation = on_cuda(r) ? "one GPU per worker (--devices cuda:N, a worker per GPU) "
-                                    "and --jit-compile, where the batch shapes are fixed"
+    if (on_cuda(r)) f.settings = {{"CompileOptions::jit_compile", "true"}};
+    f.recommendation = on_cuda(r) ? "with one GPU per worker (strategy::parse_devices(\"cuda:N\"), "
+                                    "a worker per GPU), where the batch shapes are fixed"
                                   : "none available on the CPU";
     return f;
   }
@@ -241,7 +252,8 @@ Finding compiled_step(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
   // A CUDA graph removes the per-kernel launch cost; for small models that is a good part of
   // forward + backward. A conservative fifth of it.
   f.gain = 0.2 * compute_share(workers);
-  f.recommendation = "--jit-compile (train::CompileOptions::jit_compile = true)";
+  f.settings = {{"CompileOptions::jit_compile", "true"}};
+  f.recommendation = "the step's forward, backward and all-reduce replayed as a CUDA graph";
   return f;
 }
 
@@ -267,14 +279,16 @@ Finding batch_size(const RunSummary& run, const std::vector<PhaseTimes>& workers
   if (r.batch_per_replica <= 0) {
     f.status = Status::kUnknown;
     f.evidence = "the batch was not recorded";
-    f.recommendation = "flotilla tune --max-batch --model " + model;
+    f.recommendation =
+        "search the largest batch that fits " + model + " (profile::search_max_batch)";
     return f;
   }
   if (memory_known && r.peak_memory_bytes > r.memory_budget_bytes) {
     f.status = Status::kAct;
     f.evidence += ": over the budget";
-    f.recommendation = "lower --batch-per-replica (flotilla tune --max-batch --model " + model +
-                       " finds the largest that fits)";
+    f.recommendation = "lower the batch per replica (RecipeFacts::batch_per_replica): "
+                       "profile::search_max_batch finds the largest that fits " +
+                       model;
     return f;
   }
   if (r.max_batch_per_replica <= 0) {
@@ -286,8 +300,9 @@ Finding batch_size(const RunSummary& run, const std::vector<PhaseTimes>& workers
       f.status = Status::kUnknown;
       f.evidence += "; the largest batch that fits was not searched";
     }
-    f.recommendation = "flotilla tune --max-batch --model " + model +
-                       " (then --batch-per-replica N with the learning rate scaled linearly)";
+    f.recommendation = "search the largest batch that fits " + model +
+                       " (profile::search_max_batch), then train at that batch per replica "
+                       "(RecipeFacts::batch_per_replica) with the learning rate scaled linearly";
     return f;
   }
   const std::int64_t max = r.max_batch_per_replica;
@@ -295,7 +310,8 @@ Finding batch_size(const RunSummary& run, const std::vector<PhaseTimes>& workers
   if (r.batch_per_replica > max) {
     f.status = Status::kAct;
     f.evidence += ": above what fits";
-    f.recommendation = "--batch-per-replica " + num(max) + " or less";
+    f.settings = {{"RecipeFacts::batch_per_replica", num(max)}};
+    f.recommendation = "or less: the largest batch per replica that fits";
     return f;
   }
   const double used = static_cast<double>(r.batch_per_replica) / static_cast<double>(max);
@@ -307,11 +323,10 @@ Finding batch_size(const RunSummary& run, const std::vector<PhaseTimes>& workers
   f.status = Status::kAct;
   f.gain = fixed * (1 - used);
   const double factor = 1 / used;
-  f.recommendation = "--batch-per-replica " + num(max) +
-                     " with linear LR scaling (--lr-scaling "
-                     "linear: peak rate x " +
+  f.settings = {{"RecipeFacts::batch_per_replica", num(max)}};
+  f.recommendation = "with the learning rate scaled linearly (train::linear_scaling: peak rate x " +
                      (factor < 10 ? format("%.2g", factor) : format("%.0f", factor)) +
-                     ") and a warmup (--warmup-epochs 1)";
+                     ") and a warmup (CosineDecayOptions::warmup_steps)";
   const std::int64_t replicas =
       r.global_batch > 0 ? std::max<std::int64_t>(1, r.global_batch / r.batch_per_replica)
                          : std::max(1, r.workers) * std::max(1, r.replicas_per_worker);
@@ -330,7 +345,8 @@ Finding learning_rate(const RunSummary& run) {
   if (r.peak_lr <= 0 || r.lr_scaling.empty()) {
     f.status = Status::kUnknown;
     f.evidence = "the learning rate and its scaling were not recorded";
-    f.recommendation = "--lr-scaling linear --base-lr R --base-batch B";
+    f.recommendation = "scale a base rate tuned for a base batch linearly with the global batch "
+                       "(train::linear_scaling)";
     return f;
   }
   const bool base_known = r.base_lr > 0 && r.base_batch > 0 && r.global_batch > 0;
@@ -352,9 +368,8 @@ Finding learning_rate(const RunSummary& run) {
       f.status = Status::kAct;
       f.evidence += ": linear scaling gives " + num(r.base_lr) + " x " + num(r.global_batch) +
                     " / " + num(r.base_batch) + " = " + num(expected) + ", not " + num(r.peak_lr);
-      f.recommendation = "peak rate " + num(expected) +
-                         " (train::linear_scaling(base_lr, "
-                         "global_batch, base_batch))";
+      f.settings = {{"OptimizerOptions::learning_rate", num(expected)}};
+      f.recommendation = "the peak rate linear scaling gives (train::linear_scaling)";
       return f;
     }
   } else if (r.lr_scaling == "none" && base_known && r.global_batch > r.base_batch) {
@@ -362,8 +377,10 @@ Finding learning_rate(const RunSummary& run) {
     f.evidence += ": the global batch " + num(r.global_batch) + " is " +
                   format("%.3g", static_cast<double>(r.global_batch) / r.base_batch) +
                   "x the base batch, the rate is not";
-    f.recommendation = "--lr-scaling linear (peak " +
-                       num(r.base_lr * static_cast<double>(r.global_batch) / r.base_batch) + ")";
+    f.settings = {{"OptimizerOptions::learning_rate",
+                   num(r.base_lr * static_cast<double>(r.global_batch) / r.base_batch)}};
+    f.recommendation =
+        "the base rate scaled linearly with the global batch (train::linear_scaling)";
     return f;
   }
   // A large rate from the first update diverges (Goyal et al.'s gradual warmup): large means a
@@ -375,16 +392,21 @@ Finding learning_rate(const RunSummary& run) {
   if (large && several_epochs && r.warmup_steps == 0) {
     f.status = Status::kAct;
     f.evidence += ": a large batch starts at the full rate";
-    f.recommendation = r.schedule == "cosine"
-                           ? "--warmup-epochs 1 (linear warmup to the peak, as the recipe does)"
-                           : "--schedule cosine --warmup-epochs 1 (warmup comes with the cosine "
-                             "schedule)";
+    // An epoch of warmup: as many updates as the first epoch's steps (the run does not record
+    // gradient accumulation, which would make it fewer).
+    f.settings = {{"CosineDecayOptions::warmup_steps",
+                   num(first_epoch_steps > 0 ? first_epoch_steps : r.total_steps)}};
+    f.recommendation =
+        r.schedule == "cosine"
+            ? "a linear warmup to the peak over the first epoch, as the recipe does"
+            : "a linear warmup over the first epoch, which comes with a cosine schedule "
+              "(train::CosineDecay)";
     return f;
   }
   if (r.total_steps > 0 && r.warmup_steps * 2 > r.total_steps) {
     f.status = Status::kConsider;
     f.evidence += ": warmup takes over half of the run";
-    f.recommendation = "fewer --warmup-epochs, or train longer";
+    f.recommendation = "fewer warmup steps (CosineDecayOptions::warmup_steps), or train longer";
     return f;
   }
   f.status = Status::kGood;
@@ -398,7 +420,7 @@ Finding threads(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
   if (r.threads_per_worker <= 0 || r.cores <= 0) {
     f.status = Status::kUnknown;
     f.evidence = "threads or cores were not recorded";
-    f.recommendation = "--threads 0 (cores / workers on this machine)";
+    f.recommendation = "this machine's cores shared among its workers (torch::set_num_threads)";
     return f;
   }
   const int local = std::max(1, r.local_workers);
@@ -413,14 +435,15 @@ Finding threads(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
     f.evidence += ": oversubscribed, threads wait for each other";
     // Time-sliced threads lose roughly the excess share of the compute.
     f.gain = compute_share(workers) * (1 - static_cast<double>(r.cores) / used);
-    f.recommendation = "--threads " + std::to_string(fair) + " (or 0: cores / workers)";
+    f.settings = {{"torch::set_num_threads", std::to_string(fair)}};
+    f.recommendation = "this machine's cores shared among its workers";
   } else if (r.threads_per_worker < fair) {
     f.status = Status::kConsider;
     f.evidence += ": " + num(static_cast<std::int64_t>(r.cores - used)) + " core(s) idle";
     f.gain = compute_share(workers) * (1 - static_cast<double>(used) / r.cores) * 0.5;
-    f.recommendation = "--threads " + std::to_string(fair) +
-                       " (or 0: cores / workers), unless "
-                       "the idle cores are kept for the input pipeline";
+    f.settings = {{"torch::set_num_threads", std::to_string(fair)}};
+    f.recommendation = "this machine's cores shared among its workers, unless the idle cores are "
+                       "kept for the input pipeline";
   } else {
     f.status = Status::kGood;
   }
@@ -439,7 +462,7 @@ Finding communication(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
   if (!has_steps(workers)) {
     f.status = Status::kUnknown;
     f.evidence = "no step phases were recorded";
-    f.recommendation = "run with flotilla train --profile-json FILE (flotilla doctor does)";
+    f.recommendation = "record a profile of the run (ProfilerOptions::summary)";
     return f;
   }
   const double exposed = worst_share(workers, {Phase::kAllReduce});
@@ -458,20 +481,23 @@ Finding communication(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
   f.status = exposed >= 0.20 ? Status::kAct : Status::kConsider;
   std::vector<std::string> steps;
   if (!r.overlap) {
-    steps.push_back("overlap the all-reduces with backward (without --no-overlap)");
+    f.settings.push_back({"CommunicationOptions::overlap", "true"});
+    steps.push_back("overlap the all-reduces with backward");
     f.gain = exposed * 0.5;
   } else if (r.buckets <= 1 && r.gradient_bytes > 0) {
     // One bucket can only start when backward is over: smaller ones start during it.
-    steps.push_back("smaller buckets so all-reduces start during backward (--bytes-per-pack " +
-                    num(std::max<std::int64_t>(r.gradient_bytes / 4, 1)) +
-                    ", a quarter of the gradient; flotilla plan finds the best size for a link)");
+    f.settings.push_back({"CommunicationOptions::bytes_per_pack",
+                          num(std::max<std::int64_t>(r.gradient_bytes / 4, 1))});
+    steps.push_back("smaller buckets, a quarter of the gradient, so all-reduces start during "
+                    "backward (profile::best_bucket finds the best size for a link)");
     f.gain = exposed * 0.5;
   }
   if (r.compression == "none" || r.compression.empty()) {
-    steps.push_back("--compression bf16 (or fp16): half the bytes on the wire");
+    f.settings.push_back({"CommunicationOptions::compression", "bf16"});
+    steps.push_back("half the bytes on the wire (fp16 works too)");
     f.gain = std::max(f.gain, exposed * 0.5);
   }
-  steps.push_back("flotilla plan --profile FILE for whether more workers still pay");
+  steps.push_back("profile::predict on this run's profile says whether more workers still pay");
   f.recommendation = steps[0];
   for (std::size_t i = 1; i < steps.size(); ++i) f.recommendation += "; " + steps[i];
   return f;
@@ -526,13 +552,38 @@ std::vector<Finding> diagnose(const RunSummary& run) {
   return findings;
 }
 
-std::string format_findings(const std::vector<Finding>& findings) {
+std::string to_string(const Setting& setting) {
+  // The name before the last "::": a namespace (lowercase) holds a function, a type a field.
+  const auto last = setting.option.rfind("::");
+  const auto before =
+      last == std::string::npos ? std::string::npos : setting.option.rfind("::", last - 1);
+  const std::size_t scope = before == std::string::npos || last == 0 ? 0 : before + 2;
+  const bool function = last == std::string::npos ||
+                        std::islower(static_cast<unsigned char>(setting.option[scope])) != 0;
+  return function ? setting.option + "(" + setting.value + ")"
+                  : setting.option + " = " + setting.value;
+}
+
+std::string format_recommendation(const Finding& finding, const FindingFormat& format) {
+  std::string out;
+  for (const auto& s : finding.settings) {
+    out += (out.empty() ? "" : ", ") + (format.setting ? format.setting(s) : to_string(s));
+  }
+  if (!finding.recommendation.empty()) {
+    out += (out.empty() ? "" : ": ") +
+           (format.text ? format.text(finding.recommendation) : finding.recommendation);
+  }
+  return out;
+}
+
+std::string format_findings(const std::vector<Finding>& findings, const FindingFormat& format) {
   std::string out = "Recipe doctor (most valuable first):\n";
   if (findings.empty()) return out + "  nothing to check\n";
   for (const auto& f : findings) {
     out += std::string("  [") + to_string(f.status) + "] " + f.item + ": " + f.evidence + "\n";
-    if (!f.recommendation.empty()) {
-      out += "        -> " + f.recommendation;
+    const std::string recommendation = format_recommendation(f, format);
+    if (!recommendation.empty()) {
+      out += "        -> " + recommendation;
       if (f.gain >= 0.005 && f.status != Status::kGood) {
         out += " (up to ~" + percent(f.gain) + " of step time)";
       }

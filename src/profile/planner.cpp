@@ -127,23 +127,25 @@ StepProfile step_profile(const RunSummary& run, const std::string& where) {
     throw ConfigError(
         where + " was measured with " + std::to_string(workers) +
         " workers; the planner needs one worker's step alone (its compute without anyone "
-        "else's communication). Make one without TF_CONFIG: flotilla train --model " +
-        (r.model.empty() ? std::string("MODEL") : r.model) +
-        (r.batch_per_replica > 0 ? " --batch-per-replica " + std::to_string(r.batch_per_replica)
+        "else's communication). Record one worker alone (no TF_CONFIG: a MirroredStrategy) "
+        "training " +
+        (r.model.empty() ? std::string("the same model") : "the model " + r.model) +
+        (r.batch_per_replica > 0 ? " at " + std::to_string(r.batch_per_replica) +
+                                       " per replica (RecipeFacts::batch_per_replica)"
                                  : std::string()) +
-        " --epochs 2 --profile-json run.json");
+        " for 2 epochs (FitOptions::epochs), with its profile written (ProfilerOptions::summary)");
   }
   if (phases.empty() || phases[0].steps <= 0) {
     throw ConfigError(where +
                       (run.epochs.empty() ? std::string(" has no epochs")
                                           : std::string(" has 0 measured steps")) +
                       "; the planner needs a profile of at least one step: train an epoch or "
-                      "more with --profile-json");
+                      "more with its profile written (ProfilerOptions::summary)");
   }
   if (r.gradient_bytes <= 0) {
     throw ConfigError(where + ": recipe.gradient_bytes is " + std::to_string(r.gradient_bytes) +
-                      "; the planner needs the bytes one step all-reduces. Write the file with "
-                      "this version's flotilla train --profile-json");
+                      "; the planner needs the bytes one step all-reduces. Write the file again "
+                      "with this version (ProfilerOptions::summary)");
   }
   const auto& p = phases[0];
   const double steps = static_cast<double>(p.steps);

@@ -97,8 +97,8 @@ void Profiler::on_train_begin() {
   const collective::Agreement tracing = collective::agree(model().strategy().communicator(), mine);
   if (tracing.all != tracing.any) {
     throw ConfigError("the Profiler's trace path is set on some workers and not on others; give "
-                      "every worker a ProfilerOptions::trace (--trace), or none: the timeline is "
-                      "gathered from all of them");
+                      "every worker a ProfilerOptions::trace, or none: the timeline is gathered "
+                      "from all of them");
   }
   model().set_step_tracing(mine, options_.max_traced_steps);
 }
@@ -168,9 +168,10 @@ void Profiler::on_train_end() {
   };
   write("run profile", options_.summary, [&] { write_run_summary(options_.summary, summary_); });
   const auto findings = diagnose(summary_);
-  write("report", options_.report, [&] { write_html_report(options_.report, summary_, findings); });
+  write("report", options_.report,
+        [&] { write_html_report(options_.report, summary_, findings, options_.findings_format); });
   if (options_.doctor && options_.out) {
-    std::fprintf(options_.out, "%s", format_findings(findings).c_str());
+    std::fprintf(options_.out, "%s", format_findings(findings, options_.findings_format).c_str());
     std::fflush(options_.out);
   }
 }

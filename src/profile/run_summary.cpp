@@ -25,7 +25,7 @@ void read_field(const nlohmann::json& object, const char* key, T& out, const std
   } catch (const nlohmann::json::exception&) {
     throw ConfigError(where + ": field \"" + key + "\" has the wrong type (" + it->type_name() +
                       ": " + it->dump().substr(0, 60) +
-                      "); is this a flotilla --profile-json file?");
+                      "); is this a run profile written by ProfilerOptions::summary?");
   }
 }
 
@@ -34,8 +34,7 @@ const nlohmann::json& require(const nlohmann::json& object, const char* key,
   auto it = object.find(key);
   if (it == object.end()) {
     throw ConfigError(where + ": no \"" + key +
-                      "\" field; write the file with flotilla train "
-                      "--profile-json");
+                      "\" field; write the file with ProfilerOptions::summary");
   }
   return *it;
 }
@@ -125,7 +124,7 @@ RunSummary run_summary_from_json(const nlohmann::json& j, const std::string& whe
   read_field(j, "schema", schema, where);
   if (schema != kSchema) {
     throw ConfigError(where + ": schema \"" + schema + "\", expected \"" + kSchema +
-                      "\"; write the file with this version's flotilla train --profile-json");
+                      "\"; write the file again with this version (ProfilerOptions::summary)");
   }
   RunSummary s;
   read_field(j, "command", s.command, where);
@@ -164,7 +163,7 @@ RunSummary read_run_summary(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) {
     throw ConfigError("cannot read the run profile " + path.string() +
-                      "; write one with flotilla train --profile-json " + path.string());
+                      "; write one first (ProfilerOptions::summary)");
   }
   nlohmann::json j;
   try {

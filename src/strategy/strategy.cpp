@@ -66,7 +66,8 @@ std::vector<torch::Device> default_devices(int replicas) {
   if (replicas > gpus) {
     throw ConfigError(std::to_string(replicas) + " replicas per worker asked for, but " +
                       visible_text() + "; ask for at most " + std::to_string(gpus) +
-                      ", or list CPU devices (--devices cpu,cpu,...) for CPU replicas");
+                      ", or list CPU devices for CPU replicas (strategy::parse_devices(\"cpu,cpu,"
+                      "...\"))");
   }
   auto devices = visible_devices();
   if (replicas > 0) devices.resize(static_cast<std::size_t>(replicas), devices.front());
@@ -97,7 +98,7 @@ std::vector<torch::Device> parse_devices(const std::string& text) {
   if (text == "cuda" || text == "gpu") {
     if (cuda_devices() == 0) {
       throw ConfigError("devices \"" + text + "\" asked for every GPU, but " + visible_text() +
-                        "; use --devices cpu");
+                        "; use the CPU (strategy::parse_devices(\"cpu\"))");
     }
     return visible_devices();
   }
@@ -152,8 +153,9 @@ void check_devices(const std::vector<torch::Device>& devices) {
     if (!d.is_cuda()) continue;
     const int index = d.has_index() ? d.index() : 0;
     if (index >= cuda_devices()) {
-      throw ConfigError("device " + d.str() + " was asked for, but " + visible_text() +
-                        (cuda_devices() == 0 ? "; use the CPU (--devices cpu)" : ""));
+      throw ConfigError(
+          "device " + d.str() + " was asked for, but " + visible_text() +
+          (cuda_devices() == 0 ? "; use the CPU (strategy::parse_devices(\"cpu\"))" : ""));
     }
     if (!seen.insert(index).second) {
       throw ConfigError("device " + d.str() +

@@ -1,10 +1,13 @@
 // The flotilla CLI as a user runs it: tf-config output, bad flags and bad configuration.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
 #include "support/subprocess.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla {
 namespace {
@@ -87,8 +90,58 @@ TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {
   EXPECT_EQ(
       r.err,
       "flotilla train: error: /nonexistent: has no train-images-idx3-ubyte.gz (nor "
-      "train-images-idx3-ubyte); point --data-dir at the Fashion-MNIST IDX files, or on "
+      "train-images-idx3-ubyte); point data::fashion_mnist (--data-dir) at the Fashion-MNIST "
+      "IDX files, or on "
       "Debian install the dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)\n");
+}
+
+TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  const auto r =
+      run_process({kCli, "train", "--checkpoint-dir", dir.path(), "--timeout", "0.1"},
+                  {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:2"]},
+                        "task": {"type": "evaluator"}})"}});
+  EXPECT_EQ(r.exit_code, kExitComm) << r.err;
+  EXPECT_EQ(line_count(r.err), 1u) << r.err;
+  // The library names its option; the CLI's line adds the flag that sets it.
+  EXPECT_NE(r.err.find("flotilla train: error: SidecarEvaluator: no new checkpoint in " +
+                       dir.path() + " for 0.1 s (SidecarEvaluatorOptions::timeout, --timeout)"),
+            std::string::npos)
+      << r.err;
+}
+
+// The table's flags are the CLI's: each one a subcommand's --help lists.
+TEST(TrainCommand, EveryFlagOfTheApiTableIsAFlagOfTheCli) {
+  auto help_of = [](const std::string& sub) {
+    const auto r = run_process({kCli, sub, "--help"});
+    EXPECT_EQ(r.exit_code, 0) << sub << " " << r.err;
+    return r.out;
+  };
+  std::string every_help;
+  for (const char* sub : {"train", "launch", "tune", "doctor", "plan"}) every_help += help_of(sub);
+  auto listed = [](const std::string& help, const std::string& flag) {
+    for (auto at = help.find(flag); at != std::string::npos; at = help.find(flag, at + 1)) {
+      const char next = at + flag.size() < help.size() ? help[at + flag.size()] : ' ';
+      if (!std::isalnum(static_cast<unsigned char>(next)) && next != '-') return true;
+    }
+    return false;
+  };
+  for (const auto& entry : tools::flag_table()) {
+    // "--schedule cosine": the flag; "flotilla tune --max-batch": that subcommand's flags.
+    std::istringstream words(entry.flag);
+    std::string word, help = every_help;
+    words >> word;
+    if (word == "flotilla") {
+      words >> word;
+      help = help_of(word);
+      EXPECT_NE(help.find("Usage:"), std::string::npos) << entry.api << ": no command " << word;
+      if (!(words >> word)) continue;
+    }
+    do {
+      if (word.rfind("--", 0) == 0) EXPECT_TRUE(listed(help, word)) << entry.api << " -> " << word;
+    } while (words >> word);
+  }
 }
 
 } // namespace

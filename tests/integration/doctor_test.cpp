@@ -74,6 +74,13 @@ TEST(DoctorCommand, DiagnosesARecordedRun) {
   }
   EXPECT_TRUE(contains(r.out, "[ok] communication: all-reduce wait 1.0% of step time, 90% hidden"))
       << r.out;
+  // The doctor's API names, each with the flag that sets it.
+  for (const char* shown : {"cache the decoded data in memory (Dataset::cache(), --cache)",
+                            "or fewer for the step (torch::set_num_threads, --threads)",
+                            "(profile::search_max_batch, flotilla tune --max-batch)",
+                            "(RecipeFacts::batch_per_replica, --batch-per-replica)"}) {
+    EXPECT_TRUE(contains(r.out, shown)) << shown << "\n" << r.out;
+  }
 }
 
 TEST(DoctorCommand, MaxBatchFillsTheLargestBatchThatFits) {
@@ -91,7 +98,13 @@ TEST(DoctorCommand, MaxBatchFillsTheLargestBatchThatFits) {
   EXPECT_GE(max_batch, 512);
   EXPECT_EQ(max_batch % 8, 0);
   EXPECT_TRUE(contains(r.out, "[act] batch size: 64 per replica")) << r.out;
-  EXPECT_TRUE(contains(r.out, "-> --batch-per-replica " + std::to_string(max_batch))) << r.out;
+  // The setting as its flag, the advice's API names with theirs.
+  EXPECT_TRUE(contains(r.out, "-> --batch-per-replica " + std::to_string(max_batch) +
+                                  ": with the learning rate scaled linearly "
+                                  "(train::linear_scaling (--lr-scaling linear): peak rate x "))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "and a warmup (CosineDecayOptions::warmup_steps, --warmup-epochs)"))
+      << r.out;
 }
 
 TEST(DoctorCommand, BadUseIsOneLineAndExitCode2) {

@@ -78,18 +78,21 @@ CnnResult train_cnn(train::Policy policy) {
   };
   constexpr std::int64_t kTrain = 12000;
   constexpr std::int64_t kTest = 5000;
-  const auto train_ds = data::Dataset::from_tensor_slices({train_images.images.narrow(0, 0, kTrain),
-                                                           train_images.labels.narrow(0, 0, kTrain)})
-                            .shuffle(kTrain, 7)
-                            .batch(128, true)
-                            .map(normalize);
-  const auto test_ds =
-      data::Dataset::from_tensor_slices({test_images.images.narrow(0, 0, kTest),
-                                         test_images.labels.narrow(0, 0, kTest)})
-          .batch(500)
-          .map(normalize);
   std::vector<CnnResult> results(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    // Each worker builds its own pipeline, as each process would: a Dataset numbers its passes,
+    // so ranks sharing one would shuffle differently, whichever began its pass first.
+    const auto train_ds =
+        data::Dataset::from_tensor_slices(
+            {train_images.images.narrow(0, 0, kTrain), train_images.labels.narrow(0, 0, kTrain)})
+            .shuffle(kTrain, 7)
+            .batch(128, true)
+            .map(normalize);
+    const auto test_ds =
+        data::Dataset::from_tensor_slices({test_images.images.narrow(0, 0, kTest),
+                                           test_images.labels.narrow(0, 0, kTest)})
+            .batch(500)
+            .map(normalize);
     strategy::Strategy s(thread_cluster(rank, 2), comm);
     auto net = s.scope([] {
       std::lock_guard<std::mutex> lock(build_mutex);

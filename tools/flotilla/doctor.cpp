@@ -27,6 +27,7 @@
 #include "flotilla/profile/doctor.h"
 #include "flotilla/profile/run_summary.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 extern char** environ;
 
@@ -239,7 +240,11 @@ int run(const DoctorArgs& a) {
     summary.recipe.max_batch_per_replica = search->max_batch;
     summary.recipe.memory_budget_bytes = search->budget;
   }
-  std::cout << "\n" << profile::format_findings(profile::diagnose(summary));
+  // The doctor's warmup advice is an epoch of updates, counted as the first epoch's steps.
+  const std::int64_t updates_per_epoch = summary.epochs.empty() ? 0 : summary.epochs.front().steps;
+  std::cout << "\n"
+            << profile::format_findings(profile::diagnose(summary),
+                                        cli_findings_format(updates_per_epoch));
   std::cout.flush();
   return kExitOk;
 }

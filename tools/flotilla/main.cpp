@@ -5,10 +5,14 @@
 #include <iostream>
 
 #include "flotilla/error.h"
+#include "flotilla/log.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 int main(int argc, char** argv) {
   using namespace flotilla;
+  // The library's messages name API fields; a CLI user is told the flag beside each.
+  set_log_rewrite(tools::with_flags);
   CLI::App app{"flotilla: synchronous data-parallel training for LibTorch models, configured by "
                "TF_CONFIG like TensorFlow's MultiWorkerMirroredStrategy"};
   app.name("flotilla");
@@ -33,14 +37,16 @@ int main(int argc, char** argv) {
     try {
       return command.run();
     } catch (const Preempted& e) { // not an error: the job is to be started again
-      std::cerr << "flotilla " << command.app->get_name() << ": " << e.what() << "\n";
+      std::cerr << "flotilla " << command.app->get_name() << ": " << tools::with_flags(e.what())
+                << "\n";
       return kExitPreempted;
     } catch (const c10::Error& e) { // LibTorch's own: its message, not its backtrace
       std::cerr << "flotilla " << command.app->get_name()
                 << ": error: " << e.what_without_backtrace() << "\n";
       return kExitFailure;
     } catch (const std::exception& e) {
-      std::cerr << "flotilla " << command.app->get_name() << ": error: " << e.what() << "\n";
+      std::cerr << "flotilla " << command.app->get_name()
+                << ": error: " << tools::with_flags(e.what()) << "\n";
       return exit_code(e);
     }
   }

@@ -1,11 +1,8 @@
 // `flotilla train`: one worker of a data-parallel training job. The cluster comes from
 // TF_CONFIG (or torchrun variables, or nothing: one worker alone); start one per task, or let
 // `flotilla launch` start them on this machine.
-#include <unistd.h>
-
 
 #include <fstream>
-#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/base/system.h"
@@ -17,13 +14,13 @@
 #include "flotilla/error.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
-#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/train/callbacks.h"
-#include "flotilla/train/event_file.h"
 #include "flotilla/train/model.h"
 #include "flotilla/train/schedules.h"
+#include "flotilla/train/sidecar_evaluator.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla::tools {
 namespace {
@@ -220,250 +217,224 @@ std::string device_list(const std::vector<torch::Device>& devices) {
   return out;
 }
 
-data::Dataset test_source_of(const TrainArgs& a) {
-  return data::fashion_mnist(a.data_dir, data::Split::kTest);
-}
-
-// TF's SidecarEvaluator: the evaluator task trains nothing and joins no collective. It watches
-// the chief's checkpoint directory, evaluates each new checkpoint on the test split, writes its
-// own TensorBoard scalars (<tensorboard-dir>/evaluation) and metrics lines, and exits after the
-// checkpoint of the last epoch.
-int run_evaluator(const TrainArgs& a, const data::Dataset& test_source) {
-  if (a.checkpoint_dir.empty()) {
-    throw ConfigError("this task is the evaluator (TF_CONFIG task.type \"evaluator\"): it "
-                      "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
-                      "as the chief's");
-  }
-  strategy::MirroredStrategy strategy; // this process alone
-  auto net = models::make_model(a.model);
-  train::Model model(strategy, net);
-  model.compile({});
-  const auto test = test_source.batch(a.batch_per_replica * 4).map([](data::Element e) {
-    return data::Element{data::normalize_images(e[0]), e[1]};
-  });
-  std::optional<train::EventFileWriter> events;
-  if (!a.tensorboard_dir.empty()) events.emplace(fs::path(a.tensorboard_dir) / "evaluation");
-  const checkpoint::CheckpointManager manager(a.checkpoint_dir);
-  const auto patience = std::chrono::duration<double>(a.timeout_s);
-  auto last_new = std::chrono::steady_clock::now();
-  std::optional<fs::path> done;
-  std::printf("Evaluator: watching %s for checkpoints\n", a.checkpoint_dir.c_str());
-  std::fflush(stdout);
-  while (true) {
-    std::optional<fs::path> latest;
-    try {
-      latest = manager.latest();
-    } catch (const CheckpointError&) {
-      // The chief is replacing the pointer file: look again shortly.
-    }
-    if (!latest || latest == done) {
-      if (std::chrono::steady_clock::now() - last_new > patience) {
-        throw TimeoutError("evaluator: no new checkpoint in " + a.checkpoint_dir + " for " +
-                           std::to_string(a.timeout_s) + " s (--timeout); is the chief running "
-                           "with the same --checkpoint-dir?");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      continue;
-    }
-    const checkpoint::CheckpointData saved = checkpoint::read_checkpoint(*latest);
-    checkpoint::load_model_state(*net, saved.model, latest->string());
-    const train::EvalResult result = model.evaluate(test);
-    std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
-                latest->filename().c_str(), static_cast<long long>(saved.epoch),
-                static_cast<long long>(saved.step), result.loss(), result.at("accuracy"));
-    std::fflush(stdout);
-    if (events) {
-      for (const auto& [key, value] : result.values.items()) {
-        events->scalar("epoch_" + key, value, saved.epoch);
-      }
-      events->flush();
-    }
-    if (!a.metrics_json.empty()) {
-      append_json_line(a.metrics_json, {{"evaluator_checkpoint", latest->filename().string()},
-                                        {"epoch", saved.epoch},
-                                        {"step", saved.step},
-                                        {"eval_loss", result.loss()},
-                                        {"eval_accuracy", result.at("accuracy")}});
-    }
-    done = latest;
-    last_new = std::chrono::steady_clock::now();
-    if (saved.epoch >= a.epochs) return kExitOk; // the final checkpoint
-  }
-}
-
-int run(const TrainArgs& a) {
-  const auto env = cluster::Environment::from_process();
-  const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
+// Only Fashion-MNIST so far.
+void check_dataset(const TrainArgs& a) {
   if (a.dataset != "fashion-mnist") {
     throw ConfigError("--dataset \"" + a.dataset + "\" is not available; use fashion-mnist");
   }
-  const int threads =
-      a.threads > 0 ? a.threads : std::max(1, base::available_cores() / cluster::local_world_size(env));
-  torch::set_num_threads(threads);
+}
 
+// --threads 0: this machine's cores shared among the workers on it.
+int threads_per_worker(const TrainArgs& a, const cluster::Environment& env) {
+  return a.threads > 0 ? a.threads
+                       : std::max(1, base::available_cores() / cluster::local_world_size(env));
+}
+
+collective::CommunicationOptions communication_options(const TrainArgs& a,
+                                                       const cluster::Environment& env) {
   collective::CommunicationOptions comm;
   comm.implementation = collective::parse_implementation(a.implementation);
   comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
   comm.cluster_token = cluster::cluster_token(
-      env, a.cluster_token_file.empty() ? std::nullopt
-                                        : std::optional<std::filesystem::path>(a.cluster_token_file));
+      env,
+      a.cluster_token_file.empty() ? std::nullopt : std::optional<fs::path>(a.cluster_token_file));
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
+  return comm;
+}
 
-  if (spec.is_evaluator()) return run_evaluator(a, test_source_of(a));
-  const bool write_metrics = spec.is_chief() && !a.metrics_json.empty();
-  if (write_metrics && !std::ofstream(a.metrics_json, std::ios::app)) {
-    // Found before joining, not after an epoch of training.
-    throw ConfigError("cannot append to --metrics-json file " + a.metrics_json +
+// Found before joining, not after an epoch of training.
+void check_metrics_file(const std::string& path) {
+  if (!std::ofstream(path, std::ios::app)) {
+    throw ConfigError("cannot append to --metrics-json file " + path +
                       "; check that its directory exists and is writable");
   }
-  // Load (and validate) the data before joining, so a bad path fails fast on every worker.
-  data::Dataset train_source = data::fashion_mnist(a.data_dir, data::Split::kTrain);
-  const data::Dataset test_source = test_source_of(a);
+}
 
-  // Before joining, so a bad device list fails this worker at once.
+struct Sources {
+  data::Dataset train;
+  data::Dataset test;
+};
+
+// Loaded (and validated) before joining, so a bad path fails fast on every worker.
+Sources load_sources(const TrainArgs& a) {
+  return {data::fashion_mnist(a.data_dir, data::Split::kTrain),
+          data::fashion_mnist(a.data_dir, data::Split::kTest)};
+}
+
+// Each worker's replica devices: --devices as given, or --replicas-per-worker of them; by
+// default several workers on one host (flotilla launch, torchrun, Slurm) split its GPUs. Before
+// joining, so a bad device list fails this worker at once.
+std::vector<torch::Device> replica_devices(const TrainArgs& a, const cluster::Environment& env) {
   if (a.devices != "auto" && a.replicas_per_worker > 0) {
     throw ConfigError("--devices " + a.devices + " and --replicas-per-worker " +
                       std::to_string(a.replicas_per_worker) +
                       " both choose the replicas; give one of them");
   }
-  // auto: several workers on one host (flotilla launch, torchrun, Slurm) split its GPUs.
   const int local_workers = cluster::local_world_size(env);
-  const std::vector<torch::Device> devices =
-      a.devices != "auto" ? strategy::parse_devices(a.devices)
-      : a.replicas_per_worker == 0 && local_workers > 1
-          ? strategy::local_share_of_devices(cluster::local_rank(env), local_workers)
-          : strategy::default_devices(a.replicas_per_worker);
-  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
-  const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
-  if (strategy.is_chief()) {
-    strategy.log().info(
-        "MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) + " worker(s), " +
-        std::to_string(strategy.num_replicas_in_sync()) + " replica(s) in sync, global batch " +
-        std::to_string(global_batch) + " (" + std::to_string(a.batch_per_replica) +
-        " per replica), replicas on " + device_list(devices) + ", " + std::to_string(threads) +
-        " thread(s) per worker; cluster from " +
-        spec.source + (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
+  if (a.devices != "auto") return strategy::parse_devices(a.devices);
+  if (a.replicas_per_worker == 0 && local_workers > 1) {
+    return strategy::local_share_of_devices(cluster::local_rank(env), local_workers);
   }
+  return strategy::default_devices(a.replicas_per_worker);
+}
 
-  // The seeds' recipe: shuffle -> batch(drop_remainder) -> map(AUTOTUNE) -> prefetch(AUTOTUNE),
-  // distributed so that each worker preprocesses only its own slice of every global batch.
+void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
+                  const cluster::ClusterSpec& spec, const std::vector<torch::Device>& devices,
+                  int threads, std::int64_t global_batch) {
+  strategy.log().info("MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) +
+                      " worker(s), " + std::to_string(strategy.num_replicas_in_sync()) +
+                      " replica(s) in sync, global batch " + std::to_string(global_batch) + " (" +
+                      std::to_string(a.batch_per_replica) + " per replica), replicas on " +
+                      device_list(devices) + ", " + std::to_string(threads) +
+                      " thread(s) per worker; cluster from " + spec.source +
+                      (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
+}
+
+data::Element normalized(data::Element e) {
+  return data::Element{data::normalize_images(e[0]), e[1]};
+}
+
+// The seeds' recipe: [cache ->] shuffle -> [repeat ->] batch(drop_remainder) -> map(AUTOTUNE),
+// each batch normalized and, with --augment, flipped and cropped.
+data::Dataset training_batches(const TrainArgs& a, data::Dataset source,
+                               std::int64_t global_batch) {
   if (a.cache == "memory") {
-    train_source = train_source.cache();
+    source = source.cache();
   } else if (a.cache != "none") {
-    train_source = train_source.cache(a.cache);
+    source = source.cache(a.cache);
   }
-  const bool augment = a.augment;
-  // Elements reach preprocess as (positions, images, labels, seed): the positions (from
+  // With --steps-per-epoch, epochs are step counts over an endless, reshuffled stream (Keras's
+  // steps_per_epoch with repeat()); without, an epoch is one pass.
+  data::Dataset shuffled = source.shuffle(a.shuffle_buffer, a.seed);
+  if (a.steps_per_epoch > 0) shuffled = shuffled.repeat();
+  // Without augmentation there is nothing to key: no positions, no per-epoch seed (enumerate
+  // makes a tensor per image, measurable when the pipeline shares the cores with training).
+  if (!a.augment) return shuffled.batch(global_batch, true).map(normalized, data::kAutotune);
+  // Elements reach augment as (positions, images, labels, seed): the positions (from
   // enumerate) key each image's augmentation, so an image is flipped and cropped the same way
   // whether its batch is split across 1 worker or 8; the seed (Dataset::random) changes each
   // epoch. Stateless: reproducible and resumable.
-  auto preprocess = [augment](data::Element e) {
-    torch::Tensor images = e[1];
-    if (augment) {
-      const auto seed = static_cast<std::uint64_t>(e[3].item<std::int64_t>());
-      images = data::image::random_flip_left_right(images, seed, e[0]);
-      images = data::image::random_crop_with_padding(images, 2, seed ^ 0x5bd1e995u, e[0]);
-    }
+  auto augment = [](data::Element e) {
+    const auto seed = static_cast<std::uint64_t>(e[3].item<std::int64_t>());
+    torch::Tensor images = data::image::random_flip_left_right(e[1], seed, e[0]);
+    images = data::image::random_crop_with_padding(images, 2, seed ^ 0x5bd1e995u, e[0]);
     return data::Element{data::normalize_images(images), e[2]};
   };
-  // With --steps-per-epoch, epochs are step counts over an endless, reshuffled stream (Keras's
-  // steps_per_epoch with repeat()); without, an epoch is one pass.
-  data::Dataset shuffled = train_source.shuffle(a.shuffle_buffer, a.seed);
-  if (a.steps_per_epoch > 0) shuffled = shuffled.repeat();
-  // The pipeline's threads share this worker's cores with training, not the whole machine.
-  data::Options pipeline_options;
-  pipeline_options.private_threadpool_size = threads;
-  // Without augmentation there is nothing to key: no positions, no per-epoch seed (enumerate
-  // makes a tensor per image, measurable when the pipeline shares the cores with training).
-  const data::Dataset batches =
-      augment ? data::Dataset::zip({shuffled.enumerate().batch(global_batch, true),
-                                    data::Dataset::random(a.seed)})
-                    .map(preprocess, data::kAutotune)
-              : shuffled.batch(global_batch, true)
-                    .map(
-                        [](data::Element e) {
-                          return data::Element{data::normalize_images(e[0]), e[1]};
-                        },
-                        data::kAutotune);
-  // On a GPU the last stage copies each batch from pinned memory while the step before it runs.
-  const data::Dataset to_device = devices.front().is_cuda()
-                                      ? batches.prefetch(data::kAutotune)
-                                            .prefetch_to_device(devices.front())
-                                      : batches.prefetch(data::kAutotune);
-  const auto train_set =
-      data::distribute_dataset(to_device.with_options(pipeline_options), strategy.input_context());
-  // Evaluation (and --validation) batches: every element counted once, the last batch short.
-  const data::Dataset test_batches = test_source.batch(global_batch)
-                                         .map(
-                                             [](data::Element e) {
-                                               return data::Element{
-                                                   data::normalize_images(e[0]), e[1]};
-                                             },
-                                             data::kAutotune)
-                                         .prefetch(data::kAutotune)
-                                         .with_options(pipeline_options);
+  return data::Dataset::zip(
+             {shuffled.enumerate().batch(global_batch, true), data::Dataset::random(a.seed)})
+      .map(augment, data::kAutotune);
+}
 
-  const std::int64_t steps_per_epoch =
-      a.steps_per_epoch > 0 ? a.steps_per_epoch : train_set.cardinality();
-  if (steps_per_epoch < 1) {
+struct Input {
+  data::DistributedDataset train; // this worker's slice of every global batch
+  data::Dataset test;             // evaluation (and --validation) batches
+  std::int64_t steps_per_epoch;
+};
+
+// Distributed so that each worker preprocesses only its own slice of every global batch; on a
+// GPU the last stage copies each batch from pinned memory while the step before it runs.
+Input input_pipeline(const TrainArgs& a, const Sources& sources, const strategy::Strategy& strategy,
+                     const torch::Device& device, int threads, std::int64_t global_batch) {
+  // The pipeline's threads share this worker's cores with training, not the whole machine.
+  data::Options options;
+  options.private_threadpool_size = threads;
+  const data::Dataset batches =
+      training_batches(a, sources.train, global_batch).prefetch(data::kAutotune);
+  const data::Dataset to_device = device.is_cuda() ? batches.prefetch_to_device(device) : batches;
+  auto train = data::distribute_dataset(to_device.with_options(options), strategy.input_context());
+  // Every element counted once, the last batch short.
+  data::Dataset test = sources.test.batch(global_batch)
+                           .map(normalized, data::kAutotune)
+                           .prefetch(data::kAutotune)
+                           .with_options(options);
+  const std::int64_t steps = a.steps_per_epoch > 0 ? a.steps_per_epoch : train.cardinality();
+  if (steps < 1) {
     throw ConfigError("the global batch " + std::to_string(global_batch) +
                       " is larger than the training set; lower --batch-per-replica");
   }
+  return {std::move(train), std::move(test), steps};
+}
 
-  // The recipe, item by item (the seeds' list): each is on by default where it helps here.
-  const Recipe recipe = make_recipe(a, global_batch, steps_per_epoch, devices.front());
-  train::set_global_policy(recipe.policy);
-  torch::manual_seed(a.seed);
-  auto net = strategy.scope([&] { return models::make_model(a.model); });
-  train::Model model(strategy, net);
+// The chain as input_pipeline() builds it, in Dataset::plan()'s words, for the doctor's input
+// check.
+std::string input_chain(const TrainArgs& a, std::int64_t global_batch, const Input& input) {
+  return a.dataset + (a.cache != "none" ? " -> cache(" + a.cache + ")" : std::string()) +
+         " -> shuffle(" + std::to_string(a.shuffle_buffer) + ")" +
+         (a.steps_per_epoch > 0 ? " -> repeat()" : "") + " -> batch(" +
+         std::to_string(global_batch) + ") -> map(parallel=autotune" +
+         (a.augment ? ", augment" : "") + ") -> prefetch(autotune); " + input.train.plan();
+}
+
+train::CompileOptions compile_options(const TrainArgs& a, const Recipe& recipe) {
   train::CompileOptions compile;
   compile.optimizer = recipe.optimizer;
   compile.loss.label_smoothing = a.label_smoothing;
   compile.jit_compile = a.jit_compile;
   compile.steps_per_execution = a.steps_per_execution;
   compile.gradient_accumulation_steps = a.accumulation_steps;
-  model.compile(compile);
-  if (strategy.is_chief()) {
-    for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
-    strategy.log().info("input: " + train_set.plan());
-    strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
-                        (comm.overlap ? "on" : "off") + ", compression " +
-                        std::string(collective::to_string(comm.compression)));
-  }
+  return compile;
+}
 
+void log_recipe(const strategy::Strategy& strategy, const Recipe& recipe, const Input& input,
+                const train::Model& model, const collective::CommunicationOptions& comm) {
+  for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
+  strategy.log().info("input: " + input.train.plan());
+  strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
+                      (comm.overlap ? "on" : "off") + ", compression " +
+                      std::string(collective::to_string(comm.compression)));
+}
+
+// --verbose auto: the library's rule (train::resolve_verbosity: a bar on a terminal, else a line
+// per epoch), where FLOTILLA_TERMINAL says the output reaches a terminal through flotilla launch.
+train::Verbosity verbosity(const TrainArgs& a, const cluster::Environment& env) {
+  if (a.verbose != "auto") return static_cast<train::Verbosity>(std::stoi(a.verbose));
+  return train::resolve_verbosity(env.get("FLOTILLA_TERMINAL") ? train::Verbosity::kProgressBar
+                                                               : train::Verbosity::kAuto);
+}
+
+// Everything but the callbacks.
+train::FitOptions fit_options(const TrainArgs& a, const cluster::Environment& env,
+                              const Input& input) {
   train::FitOptions fit;
   fit.epochs = a.epochs;
   if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
-  if (a.validation) fit.validation_data = test_batches;
-  if (a.verbose == "auto") {
-    const bool terminal = ::isatty(STDOUT_FILENO) || env.get("FLOTILLA_TERMINAL");
-    fit.verbose = terminal ? train::Verbosity::kProgressBar : train::Verbosity::kOneLinePerEpoch;
-  } else {
-    fit.verbose = static_cast<train::Verbosity>(std::stoi(a.verbose));
-  }
+  if (a.validation) fit.validation_data = input.test;
+  fit.verbose = verbosity(a, env);
+  return fit;
+}
+
+// Backups, checkpoints, TensorBoard, the CSV log and TerminateOnNaN, as the flags ask.
+std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
+  std::vector<std::shared_ptr<train::Callback>> out;
   if (!a.backup_dir.empty()) {
     train::BackupOptions backup{a.backup_dir, a.backup_freq, true};
     backup.preemption_check_interval =
         std::chrono::milliseconds(static_cast<std::int64_t>(a.preemption_check_ms));
-    fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(backup));
+    out.push_back(std::make_shared<train::BackupAndRestore>(backup));
   }
   if (!a.checkpoint_dir.empty()) {
     train::ModelCheckpointOptions checkpoints;
     checkpoints.filepath = a.checkpoint_dir;
     checkpoints.max_to_keep = a.max_to_keep;
-    fit.callbacks.push_back(std::make_shared<train::ModelCheckpoint>(checkpoints));
+    out.push_back(std::make_shared<train::ModelCheckpoint>(checkpoints));
   }
   if (!a.tensorboard_dir.empty()) {
-    fit.callbacks.push_back(
+    out.push_back(
         std::make_shared<train::TensorBoard>(train::TensorBoardOptions{a.tensorboard_dir, 0}));
   }
-  if (!a.csv_log.empty()) fit.callbacks.push_back(std::make_shared<train::CSVLogger>(a.csv_log));
-  fit.callbacks.push_back(std::make_shared<train::TerminateOnNaN>());
+  if (!a.csv_log.empty()) out.push_back(std::make_shared<train::CSVLogger>(a.csv_log));
+  out.push_back(std::make_shared<train::TerminateOnNaN>());
+  return out;
+}
+
+// The chief's --metrics-json line per epoch.
+std::shared_ptr<train::Callback> metrics_lines(const std::string& path, train::Model& model,
+                                               std::int64_t global_batch, train::Policy policy) {
   auto metrics = std::make_shared<train::LambdaCallback>();
-  metrics->epoch_end = [&](int, train::EpochLogs& logs) {
-    if (!write_metrics) return;
+  metrics->epoch_end = [path, &model, global_batch, policy](int, train::EpochLogs& logs) {
+    const strategy::Strategy& strategy = model.strategy();
     nlohmann::ordered_json line = {{"epoch", logs.epoch}};
     for (const auto& [key, value] : logs.values.items()) line[key] = value;
     line.update({{"samples_per_s", logs.samples_per_s},
@@ -482,16 +453,24 @@ int run(const TrainArgs& a) {
                  {"workers", strategy.num_workers()},
                  {"replicas_in_sync", strategy.num_replicas_in_sync()},
                  {"global_batch", global_batch},
-                 {"precision", train::to_string(recipe.policy)}});
-    append_json_line(a.metrics_json, line);
+                 {"precision", train::to_string(policy)}});
+    append_json_line(path, line);
   };
-  fit.callbacks.push_back(metrics);
+  return metrics;
+}
+
+profile::ProfilerOptions profiler_options(const TrainArgs& a, const Recipe& recipe,
+                                          std::int64_t global_batch, int threads,
+                                          const cluster::Environment& env, const Input& input,
+                                          train::Verbosity verbose) {
   profile::ProfilerOptions profiling;
   profiling.trace = a.trace;
   profiling.summary = a.profile_json;
   profiling.report = a.report;
-  profiling.doctor = !a.no_doctor && fit.verbose != train::Verbosity::kSilent;
+  profiling.doctor = !a.no_doctor && verbose != train::Verbosity::kSilent;
   profiling.command = a.command;
+  // The doctor's warmup advice is an epoch's steps; --warmup-epochs counts epochs.
+  profiling.findings_format = cli_findings_format(input.steps_per_epoch);
   profile::RecipeFacts& facts = profiling.recipe;
   facts.model = a.model;
   facts.batch_per_replica = a.batch_per_replica;
@@ -506,27 +485,100 @@ int run(const TrainArgs& a) {
   facts.threads_per_worker = threads;
   facts.cores = base::available_cores();
   facts.local_workers = cluster::local_world_size(env);
-  // The chain as built above, in Dataset::plan()'s words, for the doctor's input check.
-  facts.input_pipeline =
-      a.dataset + (a.cache != "none" ? " -> cache(" + a.cache + ")" : std::string()) +
-      " -> shuffle(" + std::to_string(a.shuffle_buffer) + ")" +
-      (a.steps_per_epoch > 0 ? " -> repeat()" : "") + " -> batch(" +
-      std::to_string(global_batch) + ") -> map(parallel=autotune" +
-      (a.augment ? ", augment" : "") + ") -> prefetch(autotune); " + train_set.plan();
-  fit.callbacks.push_back(std::make_shared<profile::Profiler>(profiling));
-  model.fit(train_set, fit);
+  facts.input_pipeline = input_chain(a, global_batch, input);
+  return profiling;
+}
 
-  const train::EvalResult test = model.evaluate(test_batches);
-  if (strategy.is_chief()) {
-    std::printf("Test: loss: %.4f - accuracy: %.4f (%lld samples)\n", test.loss(),
-                test.at("accuracy"), static_cast<long long>(test.samples));
-    std::fflush(stdout);
-    if (write_metrics) {
-      append_json_line(a.metrics_json, {{"test_loss", test.loss()},
-                                        {"test_accuracy", test.at("accuracy")},
-                                        {"test_samples", test.samples}});
-    }
+// Evaluation on the test split (every worker takes part); the chief prints it and, with
+// `metrics_json`, appends it there.
+void evaluate_on_test(train::Model& model, const data::Dataset& test,
+                      const std::string& metrics_json) {
+  const train::EvalResult result = model.evaluate(test);
+  if (!model.strategy().is_chief()) return;
+  std::printf("Test: loss: %.4f - accuracy: %.4f (%lld samples)\n", result.loss(),
+              result.at("accuracy"), static_cast<long long>(result.samples));
+  std::fflush(stdout);
+  if (!metrics_json.empty()) {
+    append_json_line(metrics_json, {{"test_loss", result.loss()},
+                                    {"test_accuracy", result.at("accuracy")},
+                                    {"test_samples", result.samples}});
   }
+}
+
+// The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
+// checkpoint directory, with its own TensorBoard scalars (<tensorboard-dir>/evaluation) and
+// metrics lines; it ends after the checkpoint of the last epoch.
+int run_evaluator(const TrainArgs& a) {
+  if (a.checkpoint_dir.empty()) {
+    throw ConfigError("this task is the evaluator (TF_CONFIG task.type \"evaluator\"): it "
+                      "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
+                      "as the chief's");
+  }
+  const data::Dataset test = data::fashion_mnist(a.data_dir, data::Split::kTest)
+                                 .batch(a.batch_per_replica * 4)
+                                 .map(normalized);
+  strategy::MirroredStrategy strategy; // this process alone
+  train::Model model(strategy, models::make_model(a.model));
+  model.compile({});
+  train::SidecarEvaluatorOptions options;
+  options.checkpoint_dir = a.checkpoint_dir;
+  if (!a.tensorboard_dir.empty()) options.log_dir = fs::path(a.tensorboard_dir) / "evaluation";
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  options.last_epoch = a.epochs;
+  options.on_result = [&a](const train::SidecarResult& r) {
+    std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
+                r.checkpoint.filename().c_str(), static_cast<long long>(r.epoch),
+                static_cast<long long>(r.step), r.result.loss(), r.result.at("accuracy"));
+    std::fflush(stdout);
+    if (!a.metrics_json.empty()) {
+      append_json_line(a.metrics_json, {{"evaluator_checkpoint", r.checkpoint.filename().string()},
+                                        {"epoch", r.epoch},
+                                        {"step", r.step},
+                                        {"eval_loss", r.result.loss()},
+                                        {"eval_accuracy", r.result.at("accuracy")}});
+    }
+  };
+  std::printf("Evaluator: watching %s for checkpoints\n", a.checkpoint_dir.c_str());
+  std::fflush(stdout);
+  train::SidecarEvaluator(model, test, options).start();
+  return kExitOk;
+}
+
+int run(const TrainArgs& a) {
+  const auto env = cluster::Environment::from_process();
+  const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
+  check_dataset(a);
+  const int threads = threads_per_worker(a, env);
+  torch::set_num_threads(threads);
+  const collective::CommunicationOptions comm = communication_options(a, env);
+  if (spec.is_evaluator()) return run_evaluator(a);
+  const std::string metrics_json = spec.is_chief() ? a.metrics_json : "";
+  if (!metrics_json.empty()) check_metrics_file(metrics_json);
+  const Sources sources = load_sources(a);
+  const std::vector<torch::Device> devices = replica_devices(a, env);
+
+  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
+  const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
+  if (strategy.is_chief()) log_strategy(strategy, a, spec, devices, threads, global_batch);
+  const Input input = input_pipeline(a, sources, strategy, devices.front(), threads, global_batch);
+  // The recipe, item by item (the seeds' list): each is on by default where it helps here.
+  const Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
+  train::set_global_policy(recipe.policy);
+  torch::manual_seed(a.seed);
+  auto net = strategy.scope([&] { return models::make_model(a.model); });
+  train::Model model(strategy, net);
+  model.compile(compile_options(a, recipe));
+  if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm);
+
+  train::FitOptions fit = fit_options(a, env, input);
+  fit.callbacks = callbacks(a);
+  if (!metrics_json.empty()) {
+    fit.callbacks.push_back(metrics_lines(metrics_json, model, global_batch, recipe.policy));
+  }
+  fit.callbacks.push_back(std::make_shared<profile::Profiler>(
+      profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose)));
+  model.fit(input.train, fit);
+  evaluate_on_test(model, input.test, metrics_json);
   return kExitOk;
 }
 

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <string>
 
+#include "flotilla/profile/doctor.h"
 #include "flotilla/profile/run_summary.h"
 #include "flotilla/train/callbacks.h"
 
@@ -30,6 +31,10 @@ struct ProfilerOptions {
   RecipeFacts recipe;
   std::string command;     // how the run was started, for the report
   std::FILE* out = stdout; // where the doctor prints
+  // How the doctor's settings and advice are shown, printed and in the report: API terms
+  // ("CompileOptions::jit_compile = true") unless a program shows its own options (the CLI's
+  // flags).
+  FindingFormat findings_format;
 };
 
 class Profiler : public train::Callback {

@@ -20,11 +20,14 @@
 namespace flotilla::profile {
 
 // The whole page. Missing or non-finite values are left out (a chart with nothing finite says
-// so), never written as "nan" into the markup.
-std::string render_html_report(const RunSummary& run, const std::vector<Finding>& findings);
+// so), never written as "nan" into the markup. The findings' settings and recommendations are
+// shown as `format` shows them (format_recommendation): in API terms by default, as its flags
+// for a program that passes its own (the CLI does).
+std::string render_html_report(const RunSummary& run, const std::vector<Finding>& findings,
+                               const FindingFormat& format = {});
 
 // render_html_report() written whole-or-nothing (temporary file, then rename).
 void write_html_report(const std::filesystem::path& path, const RunSummary& run,
-                       const std::vector<Finding>& findings);
+                       const std::vector<Finding>& findings, const FindingFormat& format = {});
 
 } // namespace flotilla::profile

@@ -74,8 +74,8 @@ TEST_F(ClusterToken, MissingEmptyOrAmbiguousSourcesAreClearErrors) {
   EXPECT_NE(error_of(Environment(), empty).find("is empty or unreadable"), std::string::npos);
   const auto file = write("token", "x", 0600);
   EXPECT_NE(error_of(env({{"FLOTILLA_CLUSTER_TOKEN", "y"}}), file)
-                .find("both FLOTILLA_CLUSTER_TOKEN and a token file (--cluster-token-file) are "
-                      "set; keep one of them"),
+                .find("both FLOTILLA_CLUSTER_TOKEN and a token file (the file given to "
+                      "cluster::cluster_token) are set; keep one of them"),
             std::string::npos);
   EXPECT_NE(error_of(Environment(), dir_).find("is not a regular file"), std::string::npos);
 }

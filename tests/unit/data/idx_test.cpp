@@ -139,7 +139,7 @@ TEST(FashionMnist, MissingDirectorySaysWhatToInstall) {
   } catch (const DataError& e) {
     EXPECT_EQ(std::string(e.what()),
               "/nonexistent: has no t10k-images-idx3-ubyte.gz (nor t10k-images-idx3-ubyte); "
-              "point --data-dir at the Fashion-MNIST IDX files, or on Debian install the "
+              "point data::fashion_mnist at the Fashion-MNIST IDX files, or on Debian install the "
               "dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)");
   }
 }

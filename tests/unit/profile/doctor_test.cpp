@@ -83,6 +83,16 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+bool has_setting(const Finding& f, const std::string& option, const std::string& value) {
+  return std::find(f.settings.begin(), f.settings.end(), Setting{option, value}) !=
+         f.settings.end();
+}
+
+// For failure messages: what the finding advises, in API terms.
+std::string advice(const Finding& f) {
+  return format_recommendation(f);
+}
+
 TEST(Doctor, OneFindingPerRecipeItemAllOkForAHealthyRun) {
   const auto findings = diagnose(healthy());
   std::vector<std::string> items;
@@ -137,15 +147,17 @@ TEST(Doctor, InputPipelineTakesTheWorstWorkerAndTheRemediesItLacks) {
   // A pipeline that already caches and prefetches is not told to.
   run.recipe.input_pipeline = "DATA: cache(memory) -> batch(256) -> map(parallel=-1) -> prefetch";
   f = item(run, "input pipeline");
-  EXPECT_FALSE(contains(f.recommendation, "--cache memory")) << f.recommendation;
-  EXPECT_FALSE(contains(f.recommendation, ".prefetch(")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, "Dataset::cache()")) << f.recommendation;
+  EXPECT_FALSE(contains(f.recommendation, "Dataset::prefetch(")) << f.recommendation;
   EXPECT_TRUE(contains(f.recommendation, "pipeline threads")) << f.recommendation;
   EXPECT_FALSE(contains(f.recommendation, "where not done yet")) << f.recommendation;
   run.recipe.input_pipeline = "DATA: batch(256) -> map(parallel=1)";
   f = item(run, "input pipeline");
   EXPECT_EQ(f.recommendation.rfind("parallel map", 0), 0u) << f.recommendation;
   EXPECT_TRUE(contains(f.recommendation, "parallel map")) << f.recommendation;
-  EXPECT_TRUE(contains(f.recommendation, "--cache memory")) << f.recommendation;
+  EXPECT_TRUE(contains(f.recommendation, "cache the decoded data in memory (Dataset::cache())"))
+      << f.recommendation;
+  EXPECT_TRUE(f.settings.empty()) << advice(f); // remedies in the code, not options
 }
 
 TEST(Doctor, MixedPrecisionMatchesTheHardware) {
@@ -154,11 +166,14 @@ TEST(Doctor, MixedPrecisionMatchesTheHardware) {
   EXPECT_EQ(f.status, Status::kGood);
   EXPECT_TRUE(contains(f.evidence, "no AVX512-BF16/AMX")) << f.evidence;
   EXPECT_TRUE(f.recommendation.empty());
+  EXPECT_TRUE(f.settings.empty());
 
   run.recipe.precision = "mixed_bfloat16"; // on the same CPU: emulated, slower
   f = item(run, "mixed precision");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--precision float32")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"train::set_global_policy", "float32"}}))
+      << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "train::fastest_policy")) << f.recommendation;
   EXPECT_NEAR(f.gain, 0.5 * 0.8 * 0.99, 1e-9); // half of forward + backward
 
   run.recipe.hardware_bf16 = true; // a CPU with AMX: now bf16 is right ...
@@ -167,20 +182,22 @@ TEST(Doctor, MixedPrecisionMatchesTheHardware) {
   run.recipe.precision = "float32"; // ... and float32 is not
   f = item(run, "mixed precision");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_bfloat16")) << f.recommendation;
+  EXPECT_TRUE(has_setting(f, "train::set_global_policy", "mixed_bfloat16")) << advice(f);
 
   run.recipe.device = "cuda:0 (NVIDIA H200)";
   run.recipe.hardware_fp16 = true;
   f = item(run, "mixed precision");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_")) << f.recommendation;
+  ASSERT_EQ(f.settings.size(), 1u) << advice(f);
+  EXPECT_EQ(f.settings[0].option, "train::set_global_policy");
+  EXPECT_EQ(f.settings[0].value.rfind("mixed_", 0), 0u) << advice(f);
   run.recipe.precision = "mixed_bfloat16";
   EXPECT_EQ(item(run, "mixed precision").status, Status::kGood);
   run.recipe.hardware_bf16 = false; // a GPU before sm_80 (V100, T4): bfloat16 is the wrong pick
   f = item(run, "mixed precision");
   EXPECT_EQ(f.status, Status::kAct);
   EXPECT_TRUE(contains(f.evidence, "predates native bfloat16")) << f.evidence;
-  EXPECT_TRUE(contains(f.recommendation, "--precision mixed_float16")) << f.recommendation;
+  EXPECT_TRUE(has_setting(f, "train::set_global_policy", "mixed_float16")) << advice(f);
 }
 
 TEST(Doctor, CompiledStepSaysPlainlyThatTheCpuHasNone) {
@@ -197,7 +214,7 @@ TEST(Doctor, CompiledStepSaysPlainlyThatTheCpuHasNone) {
   run.recipe.jit_compile = false;
   f = item(run, "compiled step");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--jit-compile")) << f.recommendation;
+  EXPECT_TRUE(has_setting(f, "CompileOptions::jit_compile", "true")) << advice(f);
 }
 
 TEST(Doctor, BatchSizeAgainstTheLargestThatFits) {
@@ -209,7 +226,8 @@ TEST(Doctor, BatchSizeAgainstTheLargestThatFits) {
   run.recipe.max_batch_per_replica = 4096;
   f = item(run, "batch size");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--batch-per-replica 4096 with linear LR scaling"))
+  EXPECT_TRUE(has_setting(f, "RecipeFacts::batch_per_replica", "4096")) << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "with the learning rate scaled linearly"))
       << f.recommendation;
   EXPECT_TRUE(contains(f.recommendation, "x 16) and a warmup")) << f.recommendation;
   EXPECT_FALSE(contains(f.recommendation, "~8k")) << f.recommendation;
@@ -221,14 +239,16 @@ TEST(Doctor, BatchSizeAgainstTheLargestThatFits) {
   run.recipe.batch_per_replica = 5000;
   f = item(run, "batch size");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--batch-per-replica 4096 or less")) << f.recommendation;
+  EXPECT_TRUE(has_setting(f, "RecipeFacts::batch_per_replica", "4096")) << advice(f);
+  EXPECT_EQ(f.recommendation.rfind("or less", 0), 0u) << f.recommendation;
 
   run.recipe.batch_per_replica = 256;
   run.recipe.max_batch_per_replica = 0; // not searched
   run.recipe.peak_memory_bytes = 6LL << 30;
   f = item(run, "batch size");
   EXPECT_EQ(f.status, Status::kUnknown);
-  EXPECT_TRUE(contains(f.recommendation, "flotilla tune --max-batch --model mlp"))
+  EXPECT_TRUE(contains(f.recommendation, "the largest batch that fits mlp "
+                                         "(profile::search_max_batch)"))
       << f.recommendation;
   run.recipe.peak_memory_bytes = 1LL << 30; // an eighth of the budget
   EXPECT_EQ(item(run, "batch size").status, Status::kConsider);
@@ -255,13 +275,17 @@ TEST(Doctor, LearningRateChecksLinearScalingAndWarmup) {
   EXPECT_EQ(f.status, Status::kAct);
   EXPECT_TRUE(contains(f.evidence, "linear scaling gives 0.02 x 256 / 32 = 0.16, not 0.2"))
       << f.evidence;
-  EXPECT_TRUE(contains(f.recommendation, "peak rate 0.16")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"OptimizerOptions::learning_rate", "0.16"}}))
+      << advice(f);
 
   run.recipe.peak_lr = 0.16;
   run.recipe.warmup_steps = 0; // a batch 8x the base one, two epochs, no warmup
   f = item(run, "learning rate");
   EXPECT_EQ(f.status, Status::kAct);
-  EXPECT_TRUE(contains(f.recommendation, "--warmup-epochs 1")) << f.recommendation;
+  // An epoch's worth: the first epoch's 100 steps.
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"CosineDecayOptions::warmup_steps", "100"}}))
+      << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "over the first epoch")) << f.recommendation;
   RunSummary one_epoch = run; // the same, in a single epoch: flotilla train warms up only past one
   one_epoch.epochs.erase(one_epoch.epochs.begin());
   one_epoch.epochs.front().steps = one_epoch.recipe.total_steps;
@@ -275,7 +299,11 @@ TEST(Doctor, LearningRateChecksLinearScalingAndWarmup) {
   run.recipe.peak_lr = 0.02;
   f = item(run, "learning rate");
   EXPECT_EQ(f.status, Status::kConsider);
-  EXPECT_TRUE(contains(f.recommendation, "--lr-scaling linear (peak 0.04)")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"OptimizerOptions::learning_rate", "0.04"}}))
+      << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "scaled linearly with the global batch "
+                                         "(train::linear_scaling)"))
+      << f.recommendation;
 }
 
 TEST(Doctor, ThreadsAgainstCores) {
@@ -286,7 +314,7 @@ TEST(Doctor, ThreadsAgainstCores) {
   EXPECT_EQ(f.status, Status::kAct);
   EXPECT_TRUE(contains(f.evidence, "2 thread(s) x 2 worker(s) on this machine = 4 for 2 core(s)"))
       << f.evidence;
-  EXPECT_TRUE(contains(f.recommendation, "--threads 1")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"torch::set_num_threads", "1"}})) << advice(f);
   run.recipe.local_workers = 1;
   run.recipe.threads_per_worker = 3; // one more than the cores
   EXPECT_EQ(item(run, "threads per worker").status, Status::kAct);
@@ -294,7 +322,7 @@ TEST(Doctor, ThreadsAgainstCores) {
   run.recipe.cores = 8;
   f = item(run, "threads per worker");
   EXPECT_EQ(f.status, Status::kConsider);
-  EXPECT_TRUE(contains(f.recommendation, "--threads 8")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"torch::set_num_threads", "8"}})) << advice(f);
   run.recipe.local_workers = 3; // 2 threads is already the fair share of 8 cores among 3
   EXPECT_EQ(item(run, "threads per worker").status, Status::kGood);
 }
@@ -320,15 +348,18 @@ TEST(Doctor, CommunicationFollowsTheExposedShare) {
   f = item(run, "communication");
   EXPECT_EQ(f.status, Status::kAct);
   EXPECT_TRUE(contains(f.evidence, "0.0% hidden")) << f.evidence;
-  EXPECT_TRUE(contains(f.recommendation, "without --no-overlap")) << f.recommendation;
-  EXPECT_TRUE(contains(f.recommendation, "--compression bf16")) << f.recommendation;
-  EXPECT_TRUE(contains(f.recommendation, "flotilla plan")) << f.recommendation;
+  EXPECT_EQ(f.settings, (std::vector<Setting>{{"CommunicationOptions::overlap", "true"},
+                                              {"CommunicationOptions::compression", "bf16"}}))
+      << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "profile::predict")) << f.recommendation;
 
   run.recipe.overlap = true;
   run.recipe.compression = "bf16";
   f = item(run, "communication");
-  EXPECT_TRUE(contains(f.recommendation, "--bytes-per-pack 262144")) << f.recommendation;
-  EXPECT_FALSE(contains(f.recommendation, "--compression")) << f.recommendation;
+  EXPECT_TRUE(has_setting(f, "CommunicationOptions::bytes_per_pack", "262144")) << advice(f);
+  for (const auto& s : f.settings) {
+    EXPECT_NE(s.option, "CommunicationOptions::compression") << advice(f);
+  }
 }
 
 TEST(Doctor, MostValuableFirst) {
@@ -368,8 +399,12 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
   EXPECT_EQ(all[0], "Recipe doctor (most valuable first):");
   EXPECT_EQ(all[1], "  [act] input pipeline: 31% of step time waiting for input (highly "
                     "input-bound)");
-  EXPECT_EQ(all[2].rfind("        -> ", 0), 0u) << all[2];
-  EXPECT_TRUE(contains(all[2], "(up to ~31% of step time)")) << all[2];
+  EXPECT_EQ(all[2], "        -> where not done yet: parallel map (Dataset::map(fn, "
+                    "data::kAutotune)); prefetch (Dataset::prefetch(data::kAutotune)); cache the "
+                    "decoded data in memory (Dataset::cache()); more pipeline threads "
+                    "(data::Options::private_threadpool_size), or fewer for the step "
+                    "(torch::set_num_threads); fewer or cheaper augmentation ops (up to ~31% of "
+                    "step time)");
   // Every item once; "ok" items carry no recommendation line.
   for (const char* name : {"input pipeline", "mixed precision", "compiled step", "batch size",
                            "learning rate", "threads per worker", "communication"}) {
@@ -386,6 +421,52 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
   EXPECT_EQ(all.size(), 1u + 7u + 2u);
   EXPECT_TRUE(contains(text, "  [ok] mixed precision: float32 on cpu")) << text;
   EXPECT_EQ(format_findings({}), "Recipe doctor (most valuable first):\n  nothing to check\n");
+}
+
+TEST(Doctor, SettingsShowInApiTermsOrAsTheCallersFormatSaysWhereItSaysSo) {
+  EXPECT_EQ(to_string(Setting{"CompileOptions::jit_compile", "true"}),
+            "CompileOptions::jit_compile = true");
+  EXPECT_EQ(to_string(Setting{"data::Options::private_threadpool_size", "2"}),
+            "data::Options::private_threadpool_size = 2");
+  EXPECT_EQ(to_string(Setting{"train::set_global_policy", "mixed_bfloat16"}),
+            "train::set_global_policy(mixed_bfloat16)");
+  EXPECT_EQ(to_string(Setting{"torch::set_num_threads", "4"}), "torch::set_num_threads(4)");
+
+  RunSummary run = healthy();
+  run.recipe.local_workers = 2; // oversubscribed: one setting and a reason
+  run.recipe.overlap = false;   // two settings and three steps
+  run.recipe.workers = 2;
+  run.recipe.gradient_bytes = 1 << 20;
+  set_steady(run, {phases(0.01, 0.30, 0.30), phases(0.01, 0.30, 0.30)});
+  const auto findings = diagnose(run);
+  const std::string text = format_findings(findings);
+  EXPECT_TRUE(contains(text, "        -> torch::set_num_threads(1): this machine's cores shared "
+                             "among its workers (up to ~"))
+      << text;
+  EXPECT_TRUE(contains(text, "        -> CommunicationOptions::overlap = true, "
+                             "CommunicationOptions::compression = bf16: overlap the all-reduces "
+                             "with backward; half the bytes on the wire (fp16 works too); "
+                             "profile::predict on this run's profile says whether more workers "
+                             "still pay (up to ~"))
+      << text;
+
+  // A program's own rendering: each setting through one function, the words through another.
+  FindingFormat flags;
+  flags.setting = [](const Setting& s) { return "<" + s.option + "=" + s.value + ">"; };
+  flags.text = [](const std::string& t) { return "[" + t + "]"; };
+  const Finding threads = find(findings, "threads per worker");
+  EXPECT_EQ(format_recommendation(threads, flags),
+            "<torch::set_num_threads=1>: [this machine's cores shared among its workers]");
+  EXPECT_EQ(format_recommendation(find(findings, "mixed precision"), flags), ""); // ok: nothing
+  const std::string rendered = format_findings(findings, flags);
+  EXPECT_TRUE(contains(rendered, "        -> <CommunicationOptions::overlap=true>, "
+                                 "<CommunicationOptions::compression=bf16>: [overlap the "))
+      << rendered;
+  // No setting left in API terms on a recommendation line (evidence lines may say " = ").
+  std::istringstream lines(rendered);
+  for (std::string line; std::getline(lines, line);) {
+    if (contains(line, "->")) EXPECT_FALSE(contains(line, " = ")) << line;
+  }
 }
 
 } // namespace

@@ -316,10 +316,11 @@ TEST(Planner, StepProfileRefusesAMultiWorkerRun) {
   run.epochs.back().workers.push_back(run.epochs.back().workers[0]);
   const auto message = message_of([&] { step_profile(run, "run.json"); });
   EXPECT_NE(message.find("run.json was measured with 2 workers"), std::string::npos) << message;
-  EXPECT_NE(message.find("flotilla train --model mlp-wide --batch-per-replica 64"),
+  EXPECT_NE(message.find("Record one worker alone (no TF_CONFIG: a MirroredStrategy) training the "
+                         "model mlp-wide at 64 per replica (RecipeFacts::batch_per_replica)"),
             std::string::npos)
       << message;
-  EXPECT_NE(message.find("--profile-json"), std::string::npos) << message;
+  EXPECT_NE(message.find("(ProfilerOptions::summary)"), std::string::npos) << message;
 }
 
 TEST(Planner, StepProfileNeedsGradientBytesAndSteps) {

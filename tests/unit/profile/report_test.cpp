@@ -174,6 +174,26 @@ TEST(HtmlReport, EscapesTheCommandModelAndFindings) {
   EXPECT_EQ(count(html, "<span class=\"badge ok\">ok</span>"), 1);
 }
 
+TEST(HtmlReport, SettingsShowInApiTermsOrAsTheCallersFormat) {
+  auto with_settings = findings();
+  with_settings[0].recommendation = "tensor cores <idle>";
+  with_settings[0].settings = {{"train::set_global_policy", "mixed_bfloat16"},
+                               {"CompileOptions::jit_compile", "true"}};
+  const std::string api = render_html_report(two_workers_three_epochs(), with_settings);
+  EXPECT_NE(api.find("<td>train::set_global_policy(mixed_bfloat16), CompileOptions::jit_compile = "
+                     "true: tensor cores &lt;idle&gt;"),
+            std::string::npos)
+      << api;
+  FindingFormat flags;
+  flags.setting = [](const Setting& s) { return "--" + s.value + " <flag>"; };
+  const std::string cli = render_html_report(two_workers_three_epochs(), with_settings, flags);
+  EXPECT_NE(cli.find("<td>--mixed_bfloat16 &lt;flag&gt;, --true &lt;flag&gt;: tensor cores "
+                     "&lt;idle&gt;"),
+            std::string::npos)
+      << cli;
+  EXPECT_EQ(cli.find("train::set_global_policy"), std::string::npos);
+}
+
 TEST(HtmlReport, OneSeriesPerCurveWithItsFinitePoints) {
   const std::string html = render_html_report(two_workers_three_epochs(), findings());
   EXPECT_EQ(series_points(chart_svg(html, "loss")),

@@ -50,7 +50,10 @@ TEST(Devices, ListsThatCannotWorkAreRefusedWithWhatIsVisible) {
             std::string::npos)
       << error;
   if (gpus() == 0) {
-    EXPECT_NE(config_error([] { parse_devices("cuda"); }).find("--devices cpu"), std::string::npos);
+    EXPECT_NE(config_error([] {
+                parse_devices("cuda");
+              }).find("use the CPU (strategy::parse_devices(\"cpu\"))"),
+              std::string::npos);
     EXPECT_EQ(config_error([] { default_devices(0); }), ""); // one CPU replica
   }
   EXPECT_NE(config_error([] { parse_devices("tpu:0"); }).find("\"tpu:0\""), std::string::npos);

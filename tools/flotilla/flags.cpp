@@ -1,0 +1,183 @@
+#include "tools/flotilla/flags.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace flotilla::tools {
+
+namespace {
+
+using Form = FlagFor::Form;
+
+bool identifier_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// Past a call's balanced parentheses at `at` (quoted text may hold any character); `at` itself
+// when there is no call, or when it is not closed.
+std::size_t past_call(const std::string& text, std::size_t at) {
+  if (at >= text.size() || text[at] != '(') return at;
+  int depth = 0;
+  bool quoted = false;
+  for (std::size_t i = at; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quoted) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == '(') {
+      ++depth;
+    } else if (c == ')' && --depth == 0) {
+      return i + 1;
+    }
+  }
+  return at;
+}
+
+// The table entry whose API name starts at `at` as a whole name, if any.
+const FlagFor* name_at(const std::string& text, std::size_t at) {
+  // A name starts a word, or follows a namespace ("train::CompileOptions::jit_compile").
+  if (at > 0 && identifier_char(text[at - 1])) return nullptr;
+  for (const auto& entry : flag_table()) {
+    const std::string_view api = entry.api;
+    if (text.compare(at, api.size(), api) != 0) continue;
+    const std::size_t end = at + api.size();
+    if (end < text.size() && identifier_char(text[end])) continue; // a longer name
+    return &entry;
+  }
+  return nullptr;
+}
+
+} // namespace
+
+const std::vector<FlagFor>& flag_table() {
+  // flotilla train's, unless a command is named; tune's and doctor's for the batch search.
+  static const std::vector<FlagFor> table = {
+      // train: Model::compile and fit, the recipe's functions, the callbacks
+      {"FitOptions::epochs", "--epochs"},
+      {"FitOptions::steps_per_epoch", "--steps-per-epoch"},
+      {"FitOptions::validation_data", "--validation", Form::kSwitch},
+      {"FitOptions::verbose", "--verbose"},
+      {"CompileOptions::jit_compile", "--jit-compile", Form::kSwitch},
+      {"CompileOptions::steps_per_execution", "--steps-per-execution"},
+      {"CompileOptions::gradient_accumulation_steps", "--accumulation-steps"},
+      {"LossOptions::label_smoothing", "--label-smoothing"},
+      {"OptimizerOptions::kind", "--optimizer"},
+      {"OptimizerOptions::learning_rate", "--lr"},
+      {"OptimizerOptions::momentum", "--momentum"},
+      {"CosineDecayOptions::warmup_steps", "--warmup-epochs", Form::kEpochs},
+      {"train::CosineDecay", "--schedule cosine"},
+      {"train::linear_scaling", "--lr-scaling linear"},
+      {"train::set_global_policy", "--precision"},
+      {"train::fastest_policy", "--precision auto"},
+      {"ModelCheckpointOptions::filepath", "--checkpoint-dir"},
+      {"ModelCheckpointOptions::max_to_keep", "--max-to-keep"},
+      {"BackupOptions::backup_dir", "--backup-dir"},
+      {"BackupOptions::save_freq", "--backup-freq"},
+      {"BackupOptions::preemption_check_interval", "--preemption-check-ms"},
+      {"TensorBoardOptions::log_dir", "--tensorboard-dir"},
+      {"train::CSVLogger", "--csv-log"},
+      {"SidecarEvaluatorOptions::checkpoint_dir", "--checkpoint-dir"},
+      {"SidecarEvaluatorOptions::log_dir", "--tensorboard-dir"},
+      {"SidecarEvaluatorOptions::timeout", "--timeout"},
+      {"SidecarEvaluatorOptions::last_epoch", "--epochs"},
+      // collective, cluster, strategy
+      {"CommunicationOptions::implementation", "--implementation"},
+      {"CommunicationOptions::timeout", "--timeout"},
+      {"CommunicationOptions::bytes_per_pack", "--bytes-per-pack"},
+      {"CommunicationOptions::overlap", "--no-overlap", Form::kNegatedSwitch},
+      {"CommunicationOptions::compression", "--compression"},
+      {"CommunicationOptions::cluster_token", "--cluster-token-file"},
+      {"cluster::cluster_token", "--cluster-token-file"},
+      {"strategy::parse_devices", "--devices"},
+      {"strategy::default_devices", "--replicas-per-worker"},
+      // data, and the step's threads
+      {"data::fashion_mnist", "--data-dir"},
+      {"Dataset::cache", "--cache"},
+      {"Dataset::shuffle", "--shuffle-buffer"},
+      {"torch::set_num_threads", "--threads"},
+      // profile
+      {"RecipeFacts::batch_per_replica", "--batch-per-replica"},
+      {"ProfilerOptions::trace", "--trace"},
+      {"ProfilerOptions::summary", "--profile-json"},
+      {"ProfilerOptions::report", "--report"},
+      {"ProfilerOptions::doctor", "--no-doctor", Form::kNegatedSwitch},
+      {"StepProbeOptions::memory_budget_bytes", "--memory-budget"},
+      {"StepProbeOptions::device", "--device"},
+      {"profile::search_max_batch", "flotilla tune --max-batch"},
+      {"profile::best_bucket", "flotilla plan"},
+      {"profile::predict", "flotilla plan --profile"},
+  };
+  return table;
+}
+
+const FlagFor* flag_for(std::string_view api) {
+  for (const auto& entry : flag_table()) {
+    if (api == entry.api) return &entry;
+  }
+  return nullptr;
+}
+
+std::string with_flags(const std::string& message) {
+  std::string out;
+  std::size_t copied = 0;
+  for (std::size_t at = 0; at < message.size(); ++at) {
+    const FlagFor* entry = name_at(message, at);
+    if (!entry) continue;
+    const std::size_t end = past_call(message, at + std::string_view(entry->api).size());
+    const std::string flag = entry->flag;
+    out.append(message, copied, end - copied);
+    copied = end;
+    at = end - 1;
+    if (message.compare(end, flag.size() + 2, " (" + flag) == 0 ||
+        message.compare(end, flag.size() + 2, ", " + flag) == 0) {
+      continue; // already said
+    }
+    out += end < message.size() && message[end] == ')' ? ", " + flag : " (" + flag + ")";
+  }
+  out.append(message, copied, std::string::npos);
+  return out;
+}
+
+std::string setting_as_flag(const profile::Setting& setting, std::int64_t updates_per_epoch) {
+  const FlagFor* entry = flag_for(setting.option);
+  if (!entry) return profile::to_string(setting);
+  const std::string flag = entry->flag;
+  const std::string& value = setting.value;
+  switch (entry->form) {
+  case Form::kValue:
+    return value.empty() ? flag : flag + " " + value;
+  case Form::kSwitch:
+    if (value == "true") return flag;
+    if (value == "false") return "without " + flag;
+    break;
+  case Form::kNegatedSwitch:
+    if (value == "true") return "without " + flag;
+    if (value == "false") return flag;
+    break;
+  case Form::kEpochs: {
+    char* parsed_to = nullptr;
+    const double updates = std::strtod(value.c_str(), &parsed_to);
+    if (updates_per_epoch <= 0 || value.empty() || *parsed_to != '\0') break;
+    char epochs[32];
+    std::snprintf(epochs, sizeof epochs, "%g", updates / static_cast<double>(updates_per_epoch));
+    return flag + " " + epochs;
+  }
+  }
+  return profile::to_string(setting); // a value the flag cannot say
+}
+
+profile::FindingFormat cli_findings_format(std::int64_t updates_per_epoch) {
+  profile::FindingFormat format;
+  format.setting = [updates_per_epoch](const profile::Setting& s) {
+    return setting_as_flag(s, updates_per_epoch);
+  };
+  format.text = with_flags;
+  return format;
+}
+
+} // namespace flotilla::tools
