@@ -14,7 +14,9 @@ Model& Callback::model() const {
   return *model_;
 }
 
-bool Callback::is_chief() const { return model().strategy().is_chief(); }
+bool Callback::is_chief() const {
+  return model().strategy().is_chief();
+}
 
 Verbosity resolve_verbosity(Verbosity verbose, std::FILE* out) {
   if (verbose != Verbosity::kAuto) return verbose;
@@ -38,8 +40,8 @@ CallbackNeeds CallbackList::needs() const {
     all.finite_check = all.finite_check || n.finite_check;
     all.shows_progress = all.shows_progress || n.shows_progress;
     if (n.preemption_check) {
-      all.preemption_check = std::min(all.preemption_check.value_or(*n.preemption_check),
-                                      *n.preemption_check);
+      all.preemption_check =
+          std::min(all.preemption_check.value_or(*n.preemption_check), *n.preemption_check);
     }
   }
   return all;

@@ -42,9 +42,9 @@ std::string format_filepath(const std::string& pattern, int epoch, const Logs& l
                         ", ...)");
     }
     // A Python format spec's common forms: [0][width](d|f|e|g) with an optional .precision.
-    const bool ok = spec.empty() || (spec.find_first_not_of("0123456789.dfeg") ==
-                                         std::string::npos &&
-                                     std::string("dfeg").find(spec.back()) != std::string::npos);
+    const bool ok =
+        spec.empty() || (spec.find_first_not_of("0123456789.dfeg") == std::string::npos &&
+                         std::string("dfeg").find(spec.back()) != std::string::npos);
     if (!ok) {
       throw ConfigError("filepath \"" + pattern + "\": format \"" + spec +
                         "\" is not supported; use forms like 02d, .4f, e or g");
@@ -72,18 +72,21 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
   if (options_.filepath.empty()) throw ConfigError("ModelCheckpoint needs a filepath");
   if (options_.save_freq < 0) {
     throw ConfigError("ModelCheckpoint save_freq must be 0 (every epoch) or a number of "
-                      "updates; saw " + std::to_string(options_.save_freq));
+                      "updates; saw " +
+                      std::to_string(options_.save_freq));
   }
   if (options_.save_best_only && options_.save_freq > 0) {
     // Batch logs are each worker's own running means: workers could disagree on "best" and so
     // on whether to take part in the (collective) save.
     throw ConfigError("ModelCheckpoint: save_best_only compares epoch logs, which are global; "
-                      "with save_freq " + std::to_string(options_.save_freq) +
+                      "with save_freq " +
+                      std::to_string(options_.save_freq) +
                       " it would compare each worker's own batch logs. Use save_freq 0");
   }
   if (options_.save_weights_only && fs::path(options_.filepath).extension() != ".safetensors") {
     throw ConfigError("ModelCheckpoint with save_weights_only writes safetensors: end filepath "
-                      "with .safetensors; saw \"" + options_.filepath + "\"");
+                      "with .safetensors; saw \"" +
+                      options_.filepath + "\"");
   }
 }
 
@@ -107,15 +110,15 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
   if (options_.save_weights_only) {
-    checkpoint::save_model(strategy.communicator(), model().module(), path.parent_path().empty() ? "." :
-                                                           path.parent_path(),
+    checkpoint::save_model(strategy.communicator(), model().module(),
+                           path.parent_path().empty() ? "." : path.parent_path(),
                            path.filename().string(),
                            {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}});
   } else {
     checkpoint::CheckpointManager manager(path, options_.max_to_keep);
-    const std::int64_t number =
-        options_.save_freq == 0 ? epoch_1based : model().iterations();
-    saved_.push_back(manager.save(strategy.communicator(), strategy.log(), checkpoint_data(model()), number));
+    const std::int64_t number = options_.save_freq == 0 ? epoch_1based : model().iterations();
+    saved_.push_back(
+        manager.save(strategy.communicator(), strategy.log(), checkpoint_data(model()), number));
     return;
   }
   saved_.push_back(path);
@@ -140,7 +143,8 @@ BackupAndRestore::BackupAndRestore(BackupOptions options) : options_(std::move(o
   if (options_.backup_dir.empty()) throw ConfigError("BackupAndRestore needs a backup_dir");
   if (options_.save_freq < 0) {
     throw ConfigError("BackupAndRestore save_freq must be 0 (every epoch) or a number of "
-                      "updates; saw " + std::to_string(options_.save_freq));
+                      "updates; saw " +
+                      std::to_string(options_.save_freq));
   }
 }
 
@@ -215,7 +219,9 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
   }
 }
 
-void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) { backup(); }
+void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) {
+  backup();
+}
 
 void BackupAndRestore::on_train_end() {
   // Only a fit that ran to its end removes the backup (one that stopped early was asked to).

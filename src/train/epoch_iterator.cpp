@@ -11,8 +11,8 @@ EpochIterator::EpochIterator(const data::DistributedDataset& data,
     : data_(data), steps_per_epoch_(steps_per_epoch), workers_(workers) {
   const std::int64_t known = data.cardinality();
   // Equal on every worker: a known length, or endless (repeat()) everywhere.
-  agreed_ = collective::same_value(workers, known) &&
-            (known >= 0 || known == data::kInfiniteCardinality);
+  agreed_ =
+      collective::same_value(workers, known) && (known >= 0 || known == data::kInfiniteCardinality);
   if (agreed_ && known == data::kInfiniteCardinality && !steps_per_epoch) {
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions::steps_per_epoch");

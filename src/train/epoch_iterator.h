@@ -24,7 +24,9 @@ class EpochIterator {
   // Steps in every epoch, when known in advance (Keras's params["steps"]); 0 otherwise.
   std::int64_t known_steps() const { return known_steps_; }
   // The first epoch continues the pass saved at `position` (a backup's).
-  void resume_at(const data::IteratorState& position) { pass_.emplace(data_.make_iterator(position)); }
+  void resume_at(const data::IteratorState& position) {
+    pass_.emplace(data_.make_iterator(position));
+  }
   // Before each epoch: a new pass unless one continues (see above).
   void begin_epoch(bool first);
   // Whether step `step_in_epoch` (0-based) of this epoch is to run: with steps_per_epoch, up to

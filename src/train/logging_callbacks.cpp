@@ -23,7 +23,8 @@ TensorBoard::TensorBoard(TensorBoardOptions options) : options_(std::move(option
   if (options_.log_dir.empty()) throw ConfigError("TensorBoard needs a log_dir");
   if (options_.update_freq < 0) {
     throw ConfigError("TensorBoard update_freq must be 0 (per epoch) or a number of updates; "
-                      "saw " + std::to_string(options_.update_freq));
+                      "saw " +
+                      std::to_string(options_.update_freq));
   }
 }
 
@@ -56,7 +57,9 @@ void TensorBoard::on_epoch_end(int epoch, EpochLogs& logs) {
   writers_->validation.flush();
 }
 
-void TensorBoard::on_train_end() { writers_.reset(); }
+void TensorBoard::on_train_end() {
+  writers_.reset();
+}
 
 // ---------------------------------------------------------------------------------------------
 // CSVLogger

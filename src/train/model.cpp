@@ -116,7 +116,8 @@ std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accu
   if (!strategy.devices().front().is_cuda()) {
     return "on the CPU the step is compiled C++ already; a CUDA graph needs CUDA replicas";
   }
-  if (!detail::cuda_graphs_built()) return "this flotilla was built against a LibTorch without CUDA";
+  if (!detail::cuda_graphs_built())
+    return "this flotilla was built against a LibTorch without CUDA";
   if (strategy.replicas_per_worker() > 1) {
     return "a graph over several GPUs per worker is not captured yet: use one GPU per worker "
            "(one worker per GPU) for a captured step";
@@ -207,8 +208,7 @@ std::vector<double> to_host(const torch::Tensor& sums) {
 }
 
 // Logs from loss and metric sums whose last element is the example count.
-void set_means(Logs& logs, const std::vector<Metric>& metrics, const double* sums,
-               double count) {
+void set_means(Logs& logs, const std::vector<Metric>& metrics, const double* sums, double count) {
   logs.set("loss", sums[0] / count);
   for (std::size_t m = 0; m < metrics.size(); ++m) logs.set(metrics[m].name, sums[m + 1] / count);
 }
@@ -311,7 +311,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   }
   const CallbackNeeds needs = callbacks.needs();
   check_finite_ = needs.finite_check;
-  callbacks.set_model(this, TrainParams{options.epochs, input.known_steps(), callbacks.verbosity()});
+  callbacks.set_model(this,
+                      TrainParams{options.epochs, input.known_steps(), callbacks.verbosity()});
 
   stop_training = false;
   epoch_index_ = options.initial_epoch;
@@ -385,8 +386,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
 
 std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t first_step,
                                           detail::EpochIterator& input, CallbackList& callbacks,
-                                          const FitOptions& options,
-                                          detail::PreemptionVote* vote) {
+                                          const FitOptions& options, detail::PreemptionVote* vote) {
   input.begin_epoch(first);
   epoch_index_ = epoch;
   step_in_epoch_ = first_step;
@@ -654,9 +654,9 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
       reducer_->finish();
       return sums;
     };
-    const auto sums =
-        captured_->replay(parts[0], scale / share, body, [&] { reducer_->abort_step(); }, *timer_,
-                          strategy_.is_chief() ? &strategy_.log() : nullptr);
+    const auto sums = captured_->replay(
+        parts[0], scale / share, body, [&] { reducer_->abort_step(); }, *timer_,
+        strategy_.is_chief() ? &strategy_.log() : nullptr);
     if (sums) {
       apply_update();
       return *sums;

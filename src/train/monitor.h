@@ -14,7 +14,8 @@ inline bool maximizes(MonitorMode mode, const std::string& monitor) {
   return monitor.find("acc") != std::string::npos || monitor.find("auc") != std::string::npos;
 }
 
-inline bool improved(double value, std::optional<double> best, bool maximize, double min_delta = 0) {
+inline bool improved(double value, std::optional<double> best, bool maximize,
+                     double min_delta = 0) {
   if (!best) return true;
   return maximize ? value - min_delta > *best : value + min_delta < *best;
 }

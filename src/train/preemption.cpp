@@ -19,7 +19,9 @@ constexpr std::int64_t kMaxVoteEvery = 1000;
 std::atomic<bool> g_preemption_requested{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 
-extern "C" void on_sigterm(int) { g_preemption_requested.store(true); }
+extern "C" void on_sigterm(int) {
+  g_preemption_requested.store(true);
+}
 
 std::mutex g_handler_mutex;
 int g_handler_users = 0;
@@ -27,9 +29,13 @@ struct sigaction g_previous_sigterm {};
 
 } // namespace
 
-void request_preemption() noexcept { g_preemption_requested.store(true); }
+void request_preemption() noexcept {
+  g_preemption_requested.store(true);
+}
 
-bool preemption_requested() noexcept { return g_preemption_requested.load(); }
+bool preemption_requested() noexcept {
+  return g_preemption_requested.load();
+}
 
 namespace detail {
 
@@ -48,7 +54,9 @@ SigtermLatch::~SigtermLatch() {
   if (--g_handler_users == 0) ::sigaction(SIGTERM, &g_previous_sigterm, nullptr);
 }
 
-void clear_preemption_request() noexcept { g_preemption_requested.store(false); }
+void clear_preemption_request() noexcept {
+  g_preemption_requested.store(false);
+}
 
 PreemptionVote::PreemptionVote(collective::Communicator& workers,
                                std::chrono::milliseconds interval,

@@ -24,9 +24,9 @@ std::string format_logs(const Logs& logs) {
   char buf[96];
   for (const auto& [key, value] : logs.items()) {
     const bool tiny = value != 0 && std::fabs(value) < 1e-3;
-    std::snprintf(buf, sizeof buf, tiny || key.find("learning_rate") != std::string::npos
-                                       ? " - %s: %.4g"
-                                       : " - %s: %.4f",
+    std::snprintf(buf, sizeof buf,
+                  tiny || key.find("learning_rate") != std::string::npos ? " - %s: %.4g"
+                                                                         : " - %s: %.4f",
                   key.c_str(), value);
     text += buf;
   }
@@ -41,9 +41,8 @@ std::string phase_summary(const EpochLogs& logs) {
   const double per_step = 1000.0 / static_cast<double>(p.steps);
   char buf[160];
   const double share = p.input_share();
-  std::snprintf(buf, sizeof buf, "step %.1f ms: input %.2f (%.1f%%, %s)",
-                p.step_seconds * per_step, p[Phase::kInput] * per_step, 100.0 * share,
-                to_string(classify_input_bound(share)));
+  std::snprintf(buf, sizeof buf, "step %.1f ms: input %.2f (%.1f%%, %s)", p.step_seconds * per_step,
+                p[Phase::kInput] * per_step, 100.0 * share, to_string(classify_input_bound(share)));
   std::string text = buf;
   for (Phase phase : {Phase::kCopy, Phase::kForward, Phase::kBackward, Phase::kAllReduce,
                       Phase::kOptimizer, Phase::kMetrics, Phase::kCallbacks}) {
@@ -141,8 +140,8 @@ CallbackNeeds ProgressBar::needs() const {
 void ProgressBar::on_train_begin() {
   const Verbosity verbose =
       resolve_verbosity(verbose_ == Verbosity::kAuto ? params().verbose : verbose_, out_);
-  progress_.emplace(is_chief() && verbose != Verbosity::kSilent,
-                    verbose == Verbosity::kProgressBar, out_);
+  progress_.emplace(is_chief() && verbose != Verbosity::kSilent, verbose == Verbosity::kProgressBar,
+                    out_);
 }
 
 void ProgressBar::on_epoch_begin(int epoch) {
@@ -153,6 +152,8 @@ void ProgressBar::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   progress_->step(batch + 1, logs);
 }
 
-void ProgressBar::on_epoch_end(int epoch, EpochLogs& logs) { progress_->end_epoch(logs); }
+void ProgressBar::on_epoch_end(int epoch, EpochLogs& logs) {
+  progress_->end_epoch(logs);
+}
 
 } // namespace flotilla::train

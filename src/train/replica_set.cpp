@@ -108,9 +108,9 @@ void ReplicaSet::copy_first_to_others() {
     const auto theirs = module(r).parameters();
     const auto their_buffers = module(r).buffers();
     if (theirs.size() != params.size() || their_buffers.size() != buffers.size()) {
-      throw ConfigError("the model now has " + std::to_string(params.size()) +
-                        " parameters and " + std::to_string(buffers.size()) +
-                        " buffers, its replicas " + std::to_string(theirs.size()) + " and " +
+      throw ConfigError("the model now has " + std::to_string(params.size()) + " parameters and " +
+                        std::to_string(buffers.size()) + " buffers, its replicas " +
+                        std::to_string(theirs.size()) + " and " +
                         std::to_string(their_buffers.size()) +
                         " (changed after compile()); call compile() again");
     }

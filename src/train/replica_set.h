@@ -26,7 +26,9 @@ class ReplicaSet {
 
   int size() const { return static_cast<int>(replicas_.size()); }
   torch::nn::Module& module(int r) const { return *replicas_[static_cast<std::size_t>(r)].first; }
-  const Model::Forward& forward(int r) const { return replicas_[static_cast<std::size_t>(r)].second; }
+  const Model::Forward& forward(int r) const {
+    return replicas_[static_cast<std::size_t>(r)].second;
+  }
   const torch::Device& device(int r) const { return devices_[static_cast<std::size_t>(r)]; }
   const std::vector<torch::Device>& devices() const { return devices_; }
   std::vector<std::shared_ptr<torch::nn::Module>> modules() const;

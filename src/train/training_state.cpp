@@ -28,9 +28,7 @@ std::string to_hex(const torch::Tensor& bytes) {
 torch::Tensor from_hex(const std::string& hex) {
   torch::Tensor out = torch::empty({static_cast<std::int64_t>(hex.size() / 2)}, torch::kUInt8);
   auto* p = out.data_ptr<std::uint8_t>();
-  auto nibble = [](char c) {
-    return static_cast<std::uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10);
-  };
+  auto nibble = [](char c) { return static_cast<std::uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10); };
   for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
     p[i / 2] = static_cast<std::uint8_t>(nibble(hex[i]) << 4 | nibble(hex[i + 1]));
   }

@@ -166,8 +166,8 @@ int supervise(const char* self, const std::string& results, double timeout_s,
       }
     }
     scan(results, running, ended);
-    const bool clean = !timed_out && WIFEXITED(status) &&
-                       (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 1);
+    const bool clean =
+        !timed_out && WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 1);
     if (clean || running.empty()) {
       if (!clean) { // not any test's failure, but a failure: the whole run fails
         std::fprintf(stderr, "batch: child %d of %s ended between tests (wait status %d); see %s\n",
@@ -178,15 +178,14 @@ int supervise(const char* self, const std::string& results, double timeout_s,
     }
     // The child died in `running` (or overran the timeout): record it, go on with the rest.
     std::ostringstream block;
-    block << "| " << (timed_out ? "the test ran past the " + std::to_string(static_cast<int>(timeout_s)) +
-                                      " s per-test timeout and was stopped"
-                                : WIFSIGNALED(status)
-                                      ? "the test process died of signal " +
-                                            std::to_string(WTERMSIG(status)) + " (" +
-                                            strsignal(WTERMSIG(status)) + ") during this test"
-                                      : "the test process exited with status " +
-                                            std::to_string(WEXITSTATUS(status)) +
-                                            " during this test")
+    block << "| "
+          << (timed_out ? "the test ran past the " + std::to_string(static_cast<int>(timeout_s)) +
+                              " s per-test timeout and was stopped"
+              : WIFSIGNALED(status)
+                  ? "the test process died of signal " + std::to_string(WTERMSIG(status)) + " (" +
+                        strsignal(WTERMSIG(status)) + ") during this test"
+                  : "the test process exited with status " + std::to_string(WEXITSTATUS(status)) +
+                        " during this test")
           << "; the suite's output is in " << log << "\n"
           << "END " << running << (timed_out ? " TIMEOUT " : " CRASHED ") << "0\n";
     append(results, block.str());

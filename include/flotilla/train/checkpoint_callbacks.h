@@ -51,7 +51,7 @@ class ModelCheckpoint : public Callback {
 
 struct BackupOptions {
   std::filesystem::path backup_dir;
-  std::int64_t save_freq = 0;  // 0: at every epoch end; N: also every N optimizer updates
+  std::int64_t save_freq = 0;    // 0: at every epoch end; N: also every N optimizer updates
   bool delete_checkpoint = true; // remove the backup after a fit that completes
   // TF's PreemptionCheckpointHandler (preemption.h): during fit, SIGTERM to any one worker makes
   // every worker save a backup at the same step and leave fit with Preempted.

@@ -134,12 +134,11 @@ class Model {
   // for several replicas per worker.
   template <class Holder>
   Model(strategy::Strategy& strategy, Holder holder)
-      : Model(strategy, holder.ptr(), forward_of(holder.ptr()),
-              [holder]() -> Replica {
-                using Impl = typename Holder::ContainedType;
-                auto copy = std::dynamic_pointer_cast<Impl>(holder->clone());
-                return {copy, forward_of(copy)};
-              }) {}
+      : Model(strategy, holder.ptr(), forward_of(holder.ptr()), [holder]() -> Replica {
+          using Impl = typename Holder::ContainedType;
+          auto copy = std::dynamic_pointer_cast<Impl>(holder->clone());
+          return {copy, forward_of(copy)};
+        }) {}
   // `clone` makes another replica (needed only with replicas_per_worker > 1).
   Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward,
         std::function<Replica()> clone = {});
@@ -245,7 +244,7 @@ class Model {
   std::optional<LossScale> loss_scale_;
   // Where training stands.
   std::int64_t iterations_ = 0;
-  int epoch_index_ = 0;                          // during fit: the epoch in progress (0-based)
+  int epoch_index_ = 0; // during fit: the epoch in progress (0-based)
   std::int64_t step_in_epoch_ = 0;
   std::optional<TrainingState> resume_;          // for the next fit (restore_training_state)
   const detail::EpochIterator* input_ = nullptr; // during fit: the training input

@@ -25,7 +25,7 @@ struct TrainingState {
   int epoch = 0;                  // epochs completed
   std::int64_t step_in_epoch = 0; // steps of the current epoch done (0 at an epoch boundary)
   std::optional<data::IteratorState> iterator; // the training input's position
-  double loss_scale = 0;          // 0: no loss scaling
+  double loss_scale = 0;                       // 0: no loss scaling
   std::int64_t loss_scale_good_steps = 0;
 };
 
