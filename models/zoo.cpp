@@ -2,13 +2,17 @@
 
 #include <torch/nn.h>
 
+#include <cmath>
+
 #include "flotilla/error.h"
+#include "flotilla/train/sync_batchnorm.h"
 
 namespace flotilla::models {
 namespace nn = torch::nn;
 
 const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> kNames = {"mlp", "mlp-wide", "cnn"};
+  static const std::vector<std::string> kNames = {"mlp",      "mlp-wide", "cnn",
+                                                  "resnet20", "resnet18", "vit-tiny"};
   return kNames;
 }
 
@@ -26,12 +30,190 @@ nn::Sequential cnn() {
                         nn::ReLU(), nn::Linear(128, 10));
 }
 
+// ReLU(body(x) + shortcut(x)); no shortcut is the identity. A module of its own (not a
+// Sequential) because of the sum, and ReplaceableChildren so convert_sync_batchnorm reaches the
+// BatchNorms inside.
+class ResidualImpl : public nn::Cloneable<ResidualImpl>, public train::ReplaceableChildren {
+ public:
+  ResidualImpl(nn::Sequential body, nn::Sequential shortcut)
+      : body_(std::move(body)), shortcut_(std::move(shortcut)) {
+    register_module("body", body_);
+    if (shortcut_) register_module("shortcut", shortcut_);
+  }
+  // For clone(): the copy gets its own submodules (clone() then copies the values in).
+  void reset() override {
+    body_ = register_module("body", copy_of(body_));
+    if (shortcut_) shortcut_ = register_module("shortcut", copy_of(shortcut_));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::relu(body_->forward(x) + (shortcut_ ? shortcut_->forward(x) : x));
+  }
+  void replace_child(const std::string& name,
+                     const std::shared_ptr<nn::Module>& module) override {
+    auto seq = std::dynamic_pointer_cast<nn::SequentialImpl>(module);
+    if (!seq) throw ConfigError("Residual's \"" + name + "\" must stay a Sequential");
+    (name == "body" ? body_ : shortcut_) = replace_module(name, nn::Sequential(seq));
+  }
+
+ private:
+  static nn::Sequential copy_of(const nn::Sequential& m) {
+    return nn::Sequential(std::dynamic_pointer_cast<nn::SequentialImpl>(m->clone()));
+  }
+  nn::Sequential body_;
+  nn::Sequential shortcut_{nullptr};
+};
+TORCH_MODULE(Residual);
+
+nn::Conv2d conv(std::int64_t in, std::int64_t out, std::int64_t kernel, std::int64_t stride) {
+  return nn::Conv2d(
+      nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false));
+}
+
+// He et al.'s basic block: two 3×3 convs with BatchNorm; a 1×1 projection where the shape changes.
+Residual basic_block(std::int64_t in, std::int64_t out, std::int64_t stride) {
+  nn::Sequential body(conv(in, out, 3, stride), nn::BatchNorm2d(out), nn::ReLU(),
+                      conv(out, out, 3, 1), nn::BatchNorm2d(out));
+  nn::Sequential shortcut{nullptr};
+  if (stride != 1 || in != out) shortcut = nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out));
+  return Residual(body, shortcut);
+}
+
+nn::Sequential resnet(std::int64_t stem, const std::vector<std::int64_t>& widths,
+                      std::int64_t blocks_per_stage) {
+  nn::Sequential net(conv(1, stem, 3, 1), nn::BatchNorm2d(stem), nn::ReLU());
+  std::int64_t in = stem;
+  for (std::size_t s = 0; s < widths.size(); ++s) {
+    for (std::int64_t b = 0; b < blocks_per_stage; ++b) {
+      net->push_back(basic_block(in, widths[s], s > 0 && b == 0 ? 2 : 1));
+      in = widths[s];
+    }
+  }
+  net->push_back(nn::AdaptiveAvgPool2d(1));
+  net->push_back(nn::Flatten());
+  net->push_back(nn::Linear(in, 10));
+  return net;
+}
+
+constexpr std::int64_t kVitWidth = 192;
+constexpr std::int64_t kVitHeads = 3;
+constexpr double kVitDropout = 0.1;
+constexpr double kVitLayerNormEps = 1e-6;
+
+nn::LayerNorm vit_layer_norm() {
+  return nn::LayerNorm(nn::LayerNormOptions({kVitWidth}).eps(kVitLayerNormEps));
+}
+
+// Patches (a 4×4 stride-4 conv) to tokens, the class token first, plus position embeddings.
+class PatchEmbeddingImpl : public nn::Cloneable<PatchEmbeddingImpl> {
+ public:
+  PatchEmbeddingImpl() { reset(); }
+  void reset() override {
+    projection_ =
+        register_module("projection", nn::Conv2d(nn::Conv2dOptions(1, kVitWidth, 4).stride(4)));
+    class_token_ = register_parameter("class_token", torch::zeros({1, 1, kVitWidth}));
+    positions_ = register_parameter("position_embedding", torch::randn({1, 50, kVitWidth}) * 0.02);
+    dropout_ = register_module("dropout", nn::Dropout(kVitDropout));
+  }
+  torch::Tensor forward(const torch::Tensor& images) {
+    const torch::Tensor patches = projection_->forward(images).flatten(2).transpose(1, 2);
+    const torch::Tensor tokens =
+        torch::cat({class_token_.expand({patches.size(0), 1, kVitWidth}).to(patches.dtype()),
+                    patches},
+                   1);
+    return dropout_->forward(tokens + positions_.to(tokens.dtype()));
+  }
+
+ private:
+  nn::Conv2d projection_{nullptr};
+  torch::Tensor class_token_, positions_;
+  nn::Dropout dropout_{nullptr};
+};
+TORCH_MODULE(PatchEmbedding);
+
+// Multi-head self-attention over [N, L, E] through scaled_dot_product_attention (its fused
+// kernels), with PyTorch MultiheadAttention's parameters: one QKV projection, one output.
+class SelfAttentionImpl : public nn::Cloneable<SelfAttentionImpl> {
+ public:
+  SelfAttentionImpl() { reset(); }
+  void reset() override {
+    qkv_ = register_module("qkv", nn::Linear(kVitWidth, 3 * kVitWidth));
+    out_ = register_module("out", nn::Linear(kVitWidth, kVitWidth));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const std::int64_t n = x.size(0), l = x.size(1);
+    const auto qkv =
+        qkv_->forward(x).view({n, l, 3, kVitHeads, kVitWidth / kVitHeads}).permute({2, 0, 3, 1, 4});
+    const torch::Tensor attended =
+        at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]); // [N, H, L, D]
+    return out_->forward(attended.transpose(1, 2).reshape({n, l, kVitWidth}));
+  }
+
+ private:
+  nn::Linear qkv_{nullptr}, out_{nullptr};
+};
+TORCH_MODULE(SelfAttention);
+
+// x + attention(LN(x)); x + MLP(LN(x)).
+class EncoderBlockImpl : public nn::Cloneable<EncoderBlockImpl> {
+ public:
+  EncoderBlockImpl() { reset(); }
+  void reset() override {
+    norm1_ = register_module("norm1", vit_layer_norm());
+    attention_ = register_module("attention", SelfAttention());
+    dropout_ = register_module("dropout", nn::Dropout(kVitDropout));
+    norm2_ = register_module("norm2", vit_layer_norm());
+    mlp_ = register_module(
+        "mlp", nn::Sequential(nn::Linear(kVitWidth, 4 * kVitWidth),
+                              nn::GELU(), nn::Dropout(kVitDropout),
+                              nn::Linear(4 * kVitWidth, kVitWidth), nn::Dropout(kVitDropout)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor y = x + dropout_->forward(attention_->forward(norm1_->forward(x)));
+    return y + mlp_->forward(norm2_->forward(y));
+  }
+
+ private:
+  nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
+  SelfAttention attention_{nullptr};
+  nn::Dropout dropout_{nullptr};
+  nn::Sequential mlp_{nullptr};
+};
+TORCH_MODULE(EncoderBlock);
+
+// The final LayerNorm, then the class token's logits.
+class ClassTokenHeadImpl : public nn::Cloneable<ClassTokenHeadImpl> {
+ public:
+  ClassTokenHeadImpl() { reset(); }
+  void reset() override {
+    norm_ = register_module("norm", vit_layer_norm());
+    linear_ = register_module("linear", nn::Linear(kVitWidth, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    return linear_->forward(norm_->forward(tokens).select(1, 0));
+  }
+
+ private:
+  nn::LayerNorm norm_{nullptr};
+  nn::Linear linear_{nullptr};
+};
+TORCH_MODULE(ClassTokenHead);
+
+nn::Sequential vit_tiny() {
+  nn::Sequential net{PatchEmbedding()};
+  for (int i = 0; i < 6; ++i) net->push_back(EncoderBlock());
+  net->push_back(ClassTokenHead());
+  return net;
+}
+
 } // namespace
 
 nn::Sequential make_model(const std::string& name) {
   if (name == "mlp") return mlp(256);
   if (name == "mlp-wide") return mlp(2048);
   if (name == "cnn") return cnn();
+  if (name == "resnet20") return resnet(16, {16, 32, 64}, 3);
+  if (name == "resnet18") return resnet(64, {64, 128, 256, 512}, 2);
+  if (name == "vit-tiny") return vit_tiny();
   std::string known;
   for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw ConfigError("model \"" + name + "\" is not built in; use one of: " + known);

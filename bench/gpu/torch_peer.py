@@ -120,7 +120,8 @@ def run_one(args, device, mode, precision_flag):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="cnn", choices=["mlp", "mlp-wide", "cnn"])
+    parser.add_argument("--model", default="cnn",
+                        choices=["mlp", "mlp-wide", "cnn", "resnet20", "resnet18", "vit-tiny"])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--modes", default="eager,compile",

@@ -37,4 +37,86 @@ def make_torch_model(name):
         return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Flatten(), nn.Linear(3136, 128), nn.ReLU(), nn.Linear(128, 10))
-    raise SystemExit(f"unknown model {name!r}; use mlp, mlp-wide or cnn")
+    if name == "resnet20":
+        return _torch_resnet((16, 32, 64), blocks=3)
+    if name == "resnet18":
+        return _torch_resnet((64, 128, 256, 512), blocks=2)
+    if name == "vit-tiny":
+        return _torch_vit()
+    raise SystemExit(
+        f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
+
+
+def _torch_resnet(widths, blocks):
+    """A ResNet of BasicBlocks for 28x28 images: a 3x3 stem (no max-pool), one stage per width
+    (the first block of each later stage has stride 2), projection shortcuts (1x1 conv + BN)
+    where the shape changes, global average pooling. (16, 32, 64) x 3 is He et al.'s CIFAR
+    ResNet-20; (64, 128, 256, 512) x 2 is ResNet-18's layout."""
+    from torch import nn
+
+    def conv_bn(cin, cout, kernel, stride):
+        return [nn.Conv2d(cin, cout, kernel, stride, padding=kernel // 2, bias=False),
+                nn.BatchNorm2d(cout, eps=1e-5, momentum=0.1)]
+
+    class BasicBlock(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(*conv_bn(cin, cout, 3, stride), nn.ReLU(),
+                                      *conv_bn(cout, cout, 3, 1))
+            self.shortcut = (nn.Identity() if stride == 1 and cin == cout
+                             else nn.Sequential(*conv_bn(cin, cout, 1, stride)))
+            self.relu = nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.body(x) + self.shortcut(x))
+
+    layers, cin = [*conv_bn(1, widths[0], 3, 1), nn.ReLU()], widths[0]
+    for stage, width in enumerate(widths):
+        for block in range(blocks):
+            layers.append(BasicBlock(cin, width, 2 if stage > 0 and block == 0 else 1))
+            cin = width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
+
+
+def _torch_vit(width=192, depth=6, heads=3, mlp=768, patch=4, dropout=0.1):
+    """ViT-Tiny's width, heads and MLP at depth 6 for 28x28 images: 4x4 patches (49 tokens) and
+    a class token, pre-norm blocks, no dropout inside the attention, LayerNorm eps 1e-6 (set:
+    torch's default is 1e-5, Keras' 1e-3)."""
+    import torch
+    from torch import nn
+
+    class EncoderBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(width, eps=1e-6)
+            self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+            self.drop = nn.Dropout(dropout)
+            self.norm2 = nn.LayerNorm(width, eps=1e-6)
+            self.mlp = nn.Sequential(nn.Linear(width, mlp), nn.GELU(), nn.Dropout(dropout),
+                                     nn.Linear(mlp, width), nn.Dropout(dropout))
+
+        def forward(self, x):
+            h = self.norm1(x)
+            # need_weights=False, as nn.TransformerEncoderLayer: no averaged weights to build.
+            x = x + self.drop(self.attention(h, h, h, need_weights=False)[0])
+            return x + self.mlp(self.norm2(x))
+
+    class ViT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patches = nn.Conv2d(1, width, patch, stride=patch)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+            tokens = (28 // patch) ** 2 + 1
+            self.position = nn.Parameter(nn.init.normal_(torch.empty(1, tokens, width), std=0.02))
+            self.drop = nn.Dropout(dropout)
+            self.blocks = nn.Sequential(*[EncoderBlock() for _ in range(depth)])
+            self.norm = nn.LayerNorm(width, eps=1e-6)
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x):
+            x = self.patches(x).flatten(2).transpose(1, 2)  # [N, 49, width]
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+            x = self.norm(self.blocks(self.drop(x + self.position)))
+            return self.head(x[:, 0])
+
+    return ViT()

@@ -33,6 +33,12 @@ SHUFFLE_BUFFER = 10000  # flotilla's default --shuffle-buffer
 def make_model(name):
     """The same layers as flotilla's models/zoo.cpp, channels-last."""
     layers = keras.layers
+    if name == "resnet20":
+        return make_resnet((16, 32, 64), blocks=3)
+    if name == "resnet18":
+        return make_resnet((64, 128, 256, 512), blocks=2)
+    if name == "vit-tiny":
+        return make_vit()
     if name in ("mlp", "mlp-wide"):
         hidden = 256 if name == "mlp" else 2048
         body = [layers.Flatten(), layers.Dense(hidden, activation="relu"),
@@ -42,8 +48,71 @@ def make_model(name):
                 layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),
                 layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dense(10)]
     else:
-        raise SystemExit(f"unknown model {name!r}; use mlp, mlp-wide or cnn")
+        raise SystemExit(
+            f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
     return keras.Sequential([keras.Input((28, 28, 1))] + body)
+
+
+def make_resnet(widths, blocks):
+    """common.py's _torch_resnet in Keras: the same convolutions, BatchNorms (momentum 0.9 here
+    is torch's 0.1) and projection shortcuts. Padding "same": for the stride-2 3x3 convolutions
+    on an even size (28 -> 14, 14 -> 7) TF pads 0 before and 1 after where torch pads 1 and 1:
+    the same shapes and work, fine for a throughput twin, not for comparing activations."""
+    layers = keras.layers
+
+    def conv_bn(x, filters, kernel, stride):
+        x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False)(x)
+        return layers.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+
+    inputs = keras.Input((28, 28, 1))
+    x = layers.ReLU()(conv_bn(inputs, widths[0], 3, 1))
+    for stage, width in enumerate(widths):
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            body = conv_bn(layers.ReLU()(conv_bn(x, width, 3, stride)), width, 3, 1)
+            shortcut = x if stride == 1 and x.shape[-1] == width else conv_bn(x, width, 1, stride)
+            x = layers.ReLU()(layers.Add()([body, shortcut]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+class ClassTokenAndPosition(keras.layers.Layer):
+    """Prepends a learned class token (zeros at first) to [N, T, D] tokens and adds a learned
+    position embedding (normal, std 0.02) to the T + 1: Keras has no layer for either."""
+
+    def build(self, input_shape):
+        _, tokens, width = input_shape
+        self.cls_token = self.add_weight(name="cls_token", shape=(1, 1, width),
+                                         initializer="zeros")
+        self.position = self.add_weight(
+            name="position", shape=(1, tokens + 1, width),
+            initializer=keras.initializers.RandomNormal(stddev=0.02))
+        super().build(input_shape)
+
+    def call(self, x):
+        cls = tf.broadcast_to(self.cls_token, [tf.shape(x)[0], 1, x.shape[-1]])
+        return tf.concat([cls, x], axis=1) + self.position
+
+
+def make_vit(width=192, depth=6, heads=3, mlp=768, patch=4, dropout=0.1):
+    """common.py's _torch_vit in Keras: the same patches, class token, pre-norm blocks (no
+    dropout inside the attention) and head; exact GELU; LayerNorm epsilon 1e-6 (set: Keras'
+    default is 1e-3)."""
+    layers = keras.layers
+    inputs = keras.Input((28, 28, 1))
+    x = layers.Conv2D(width, patch, strides=patch)(inputs)  # [N, 7, 7, width]
+    x = layers.Reshape(((28 // patch) ** 2, width))(x)
+    x = layers.Dropout(dropout)(ClassTokenAndPosition()(x))
+    for _ in range(depth):
+        h = layers.LayerNormalization(epsilon=1e-6)(x)
+        h = layers.MultiHeadAttention(num_heads=heads, key_dim=width // heads)(h, h)
+        x = layers.Add()([x, layers.Dropout(dropout)(h)])
+        h = layers.LayerNormalization(epsilon=1e-6)(x)
+        h = layers.Dense(mlp, activation=keras.activations.gelu)(h)  # approximate=False
+        h = layers.Dense(width)(layers.Dropout(dropout)(h))
+        x = layers.Add()([x, layers.Dropout(dropout)(h)])
+    x = layers.LayerNormalization(epsilon=1e-6)(x)
+    return keras.Model(inputs, layers.Dense(10)(x[:, 0]))
 
 
 class EpochTimer(keras.callbacks.Callback):

@@ -7,10 +7,6 @@
 namespace flotilla::data::detail {
 namespace {
 
-std::int64_t known(std::int64_t c) {
-  return c >= 0 ? c : -1;
-}
-
 // --- map (one call at a time) ---
 
 class MapStage : public UnaryStage {

@@ -110,6 +110,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
   if (options_.save_weights_only) {
+    model().mirror_buffers();
     checkpoint::save_model(strategy.communicator(), model().module(),
                            path.parent_path().empty() ? "." : path.parent_path(),
                            path.filename().string(),

@@ -1,7 +1,9 @@
 // Private: fit's passes over the training input (Keras 3's EpochIterator). Every step is a
 // collective, so every worker must take the same number of steps: when each knows its pass
 // length and they agree, that is enough; otherwise every step first asks all workers whether they
-// still have a batch (what tf.distribute does for uneven input). A new pass starts each epoch,
+// still have a batch and how many rows (tf.distribute's get-next-as-optional for uneven input:
+// every batch of every worker is trained on, and a worker whose input has ended joins the step
+// with an empty batch). A new pass starts each epoch,
 // unless steps_per_epoch makes one pass run across epochs (Keras's steps_per_epoch with
 // repeat()), or a resume continues a saved one.
 #pragma once
@@ -34,8 +36,14 @@ class EpochIterator {
   bool wants_step(std::int64_t step_in_epoch) const {
     return !steps_per_epoch_ || step_in_epoch < *steps_per_epoch_;
   }
-  // The next batch, or nullopt where the epoch ends for every worker.
+  // The next batch, or nullopt where the epoch ends for every worker. With uneven input, an
+  // empty batch (zero rows) where only this worker's input has ended.
   std::optional<data::ReplicaBatch> next();
+  // Empty batches this worker has taken part with in this epoch.
+  std::int64_t empty_batches() const { return empty_batches_; }
+  // Whether the last empty batch had no shape to copy (this worker had no batch yet in this
+  // fit): a model whose every replica must run its forward cannot use it.
+  bool empty_without_shape() const { return empty_without_shape_; }
   // The input ended before steps_per_epoch x epochs steps (fit stops early, with a warning).
   bool ran_out() const { return ran_out_; }
   // The input's position, for a backup (see Model::training_state); nullopt before the first
@@ -50,6 +58,9 @@ class EpochIterator {
   std::int64_t known_steps_ = 0;
   std::optional<data::DistributedIterator> pass_;
   bool ran_out_ = false;
+  data::Element empty_; // the last batch's components with zero rows
+  bool empty_without_shape_ = false;
+  std::int64_t empty_batches_ = 0;
 };
 
 } // namespace flotilla::train::detail

@@ -12,6 +12,7 @@
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
+#include "flotilla/train/sync_batchnorm.h"
 #include "train/captured_step.h"
 #include "train/epoch_iterator.h"
 #include "train/preemption.h"
@@ -82,6 +83,11 @@ const strategy::GradientReducer& Model::gradient_reducer() const {
 const CompileOptions& Model::compile_options() const {
   require_compiled("compile_options");
   return *options_;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> Model::local_replicas() const {
+  require_compiled("local_replicas");
+  return replicas_->modules();
 }
 
 torch::optim::Optimizer& Model::optimizer() {
@@ -231,8 +237,18 @@ void Model::compile(const CompileOptions& options) {
   replicas_.reset();
   replicas_ = std::make_unique<detail::ReplicaSet>(strategy_.devices(), Replica{module_, forward_},
                                                    clone_, options.optimizer);
-  const std::string why_no_graph =
-      why_no_captured_step(strategy_, options.gradient_accumulation_steps);
+  // Each replica's SyncBatchNorm layers meet the others through its own context.
+  replica_contexts_ =
+      strategy::make_replica_contexts(strategy_.communicator(), replicas_->size());
+  for (int r = replicas_->size() - 1; r >= 0; --r) {
+    sync_batchnorm_layers_ = bind_sync_batchnorm(replicas_->module(r), replica_contexts_[r]);
+  }
+  buffers_dirty_ = false; // the replicas are copies of the model
+  std::string why_no_graph = why_no_captured_step(strategy_, options.gradient_accumulation_steps);
+  if (why_no_graph.empty() && sync_batchnorm_layers_ > 0) {
+    why_no_graph = "SyncBatchNorm reduces its statistics through the host between kernels, which "
+                   "a CUDA graph cannot capture";
+  }
   if (options.jit_compile && why_no_graph.empty()) {
     captured_ = std::make_unique<detail::CapturedStep>(replicas_->device(0));
   }
@@ -380,6 +396,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     detail::clear_preemption_request();
   }
   preemption_requested_ = false;
+  mirror_buffers(); // a fit that stopped inside an epoch
   callbacks.on_train_end();
   return history;
 }
@@ -411,6 +428,12 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
       break;
     }
     timer_->mark(Phase::kInput);
+    if (sync_batchnorm_layers_ > 0 && input.empty_without_shape() &&
+        batch->element[0].size(0) == 0) {
+      throw DataError("this worker's input had no batch in this fit while other workers' had, "
+                      "and the model's SyncBatchNorm layers need a batch of the right shape to "
+                      "take part in each step; give every worker at least one batch");
+    }
     if (step_in_epoch_ % every == 0) {
       callbacks.on_train_batch_begin(step_in_epoch_);
       timer_->mark(Phase::kCallbacks);
@@ -474,6 +497,7 @@ void Model::finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
                          CallbackList& callbacks) {
   step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
   epoch_index_ = epoch + 1;
+  mirror_buffers(); // validation and the callbacks read them
   if (validation && (epoch + 1) % options.validation_freq == 0) {
     const EvalResult val = evaluate_impl(*validation);
     for (const auto& [key, value] : val.values.items()) logs.values.set("val_" + key, value);
@@ -485,6 +509,7 @@ void Model::finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
 }
 
 void Model::preempt(CallbackList& callbacks) {
+  mirror_buffers(); // the backup holds them
   const std::string where = callbacks.on_preemption();
   const TrainingState state = training_state();
   preemption_requested_ = false;
@@ -545,6 +570,8 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
                             (p.is_contiguous() ? "" : c10::str(" strides ", p.strides())));
   }
   fields.emplace_back("parameter count", std::to_string(index));
+  // Each SyncBatchNorm layer is a collective of the forward and backward passes.
+  fields.emplace_back("SyncBatchNorm layers", std::to_string(sync_batchnorm_layers_));
   strategy_.check_consistency(fields);
 }
 
@@ -633,6 +660,7 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   const double share =
       static_cast<double>(batch.global_batch_size) / strategy_.num_replicas_in_sync();
   const double scale = loss_scale_ ? loss_scale_->scale() : 1.0;
+  buffers_dirty_ = true;
   if (captured_ && parts[0][1].size(0) > 0 && captured_->warmed_up()) {
     // What an eager step does between the copy and the optimizer, for the graph to record.
     auto body = [&](const data::Element& e, const torch::Tensor& loss_factor) {
@@ -668,12 +696,13 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
   const bool sync = micro + 1 == accumulation;
   reducer_->prepare(sync);
   std::vector<torch::Tensor> results(static_cast<std::size_t>(num_replicas));
-  auto replica_step = [&](int r) {
+  auto replica_body = [&](int r) {
     const data::Element& e = parts[r];
     const torch::Tensor& labels = e[1];
-    // An empty slice (a short last batch over many replicas) runs no forward — a batch
-    // norm could not — but still joins the reduction, with no gradients of its own.
-    if (labels.size(0) == 0) return;
+    // An empty slice (a short last batch over many replicas, a worker whose input ended) runs
+    // no forward — a batch norm could not — but still joins the reduction, with no gradients of
+    // its own. With SyncBatchNorm it does run: its layers are collectives every replica joins.
+    if (labels.size(0) == 0 && sync_batchnorm_layers_ == 0) return;
     torch::Tensor outputs;
     {
       AutocastGuard autocast(policy_, e[0].device().type());
@@ -692,6 +721,17 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
     torch::NoGradGuard no_grad;
     results[r] = batch_sums(per_example.detach(), outputs.detach(), labels);
     if (r == 0) timer_->mark(Phase::kMetrics);
+  };
+  auto replica_step = [&](int r) {
+    try {
+      replica_body(r);
+    } catch (const std::exception& e) {
+      // The other replicas may be waiting for this one inside a SyncBatchNorm layer.
+      for (const auto& context : replica_contexts_) {
+        context.abort("replica " + std::to_string(r) + " of this worker failed: " + e.what());
+      }
+      throw;
+    }
   };
   try {
     replicas_->run(replica_step);
@@ -724,7 +764,15 @@ EvalResult Model::evaluate(const data::Dataset& data) {
 
 EvalResult Model::evaluate(const data::DistributedDataset& data) {
   require_compiled("evaluate");
+  mirror_buffers();
   return evaluate_impl(data);
+}
+
+void Model::mirror_buffers() {
+  require_compiled("mirror_buffers");
+  if (!buffers_dirty_) return;
+  buffers_dirty_ = false;
+  replicas_->mirror_buffers(strategy_.communicator());
 }
 
 EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
@@ -764,6 +812,71 @@ EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
     result.values.set(metrics_[m].name, g[static_cast<std::int64_t>(m) + 1] / denominator);
   }
   return result;
+}
+
+torch::Tensor Model::predict(const data::Dataset& data) {
+  return predict(data::distribute_dataset(data, strategy_.input_context()));
+}
+
+torch::Tensor Model::predict(const data::DistributedDataset& data) {
+  require_compiled("predict");
+  mirror_buffers();
+  torch::NoGradGuard no_grad;
+  module().eval();
+  const torch::Device device = replicas_->device(0);
+  std::vector<torch::Tensor> outputs; // this worker's, float32 on the CPU
+  std::vector<std::int64_t> rows;     // per batch
+  auto pass = data.make_iterator();
+  while (auto batch = pass.next()) {
+    if (batch->element.empty()) throw DataError("predict: a batch has no components");
+    const torch::Tensor features = on_device(batch->element[0], device);
+    rows.push_back(features.dim() > 0 ? features.size(0) : 0);
+    if (rows.back() == 0) continue; // this worker's share of a short last batch
+    torch::Tensor y;
+    {
+      AutocastGuard autocast(policy_, device.type());
+      y = forward_(features);
+    }
+    outputs.push_back(y.to(torch::kCPU, torch::kFloat32).contiguous());
+  }
+  const torch::Tensor mine = outputs.empty() ? torch::empty({0}) : torch::cat(outputs);
+  auto& workers = strategy_.communicator();
+  if (workers.size() == 1) return mine;
+  // Every worker's outputs and rows per batch, then each batch's rows in worker order.
+  const auto flat = collective::all_gather_uneven(workers, mine.reshape({-1}));
+  const auto counts = collective::all_gather_uneven(workers, torch::tensor(rows, torch::kLong));
+  std::vector<std::int64_t> row_shape;
+  std::int64_t total_rows = 0;
+  for (const auto& c : counts) total_rows += c.sum().item<std::int64_t>();
+  if (outputs.empty()) {
+    // This worker has no row to learn the outputs' shape from: take another worker's, which
+    // sent its shape along as the flat size per row (outputs [rows, ...] flatten the same way).
+    for (std::size_t w = 0; w < flat.size(); ++w) {
+      const std::int64_t n = counts[w].sum().item<std::int64_t>();
+      if (n > 0) row_shape = {flat[w].numel() / n};
+    }
+  } else {
+    row_shape = mine.sizes().slice(1).vec();
+  }
+  if (total_rows == 0) return mine;
+  std::int64_t row_numel = 1;
+  for (const auto d : row_shape) row_numel *= d;
+  std::vector<std::int64_t> full_shape = {-1};
+  full_shape.insert(full_shape.end(), row_shape.begin(), row_shape.end());
+  std::vector<torch::Tensor> ordered;
+  std::vector<std::int64_t> cursor(flat.size(), 0);
+  std::int64_t batches = 0;
+  for (const auto& c : counts) batches = std::max(batches, c.numel());
+  for (std::int64_t b = 0; b < batches; ++b) {
+    for (std::size_t w = 0; w < flat.size(); ++w) {
+      if (b >= counts[w].numel()) continue;
+      const std::int64_t n = counts[w][b].item<std::int64_t>();
+      if (n == 0) continue;
+      ordered.push_back(flat[w].narrow(0, cursor[w] * row_numel, n * row_numel));
+      cursor[w] += n;
+    }
+  }
+  return torch::cat(ordered).view(full_shape);
 }
 
 torch::Tensor Model::predict(const torch::Tensor& features) {

@@ -1,6 +1,7 @@
 #include "train/replica_set.h"
 
 #include <condition_variable>
+#include <map>
 #include <mutex>
 
 #include "flotilla/base/thread_pool.h"
@@ -116,6 +117,48 @@ void ReplicaSet::copy_first_to_others() {
     }
     for (std::size_t k = 0; k < params.size(); ++k) theirs[k].copy_(params[k]);
     for (std::size_t k = 0; k < buffers.size(); ++k) their_buffers[k].copy_(buffers[k]);
+  }
+}
+
+void ReplicaSet::mirror_buffers(collective::Communicator& workers) {
+  if (size() == 1 && workers.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  std::vector<std::vector<torch::Tensor>> buffers;
+  for (int r = 0; r < size(); ++r) buffers.push_back(module(r).buffers());
+  // One flat tensor per dtype, on replica 0's device.
+  std::map<torch::ScalarType, std::vector<std::size_t>> groups;
+  for (std::size_t k = 0; k < buffers[0].size(); ++k) {
+    if (buffers[0][k].defined()) groups[buffers[0][k].scalar_type()].push_back(k);
+  }
+  const double replicas = static_cast<double>(size()) * workers.size();
+  for (const auto& [dtype, indices] : groups) {
+    const bool floating = c10::isFloatingType(dtype);
+    auto flat_of = [&](int r) {
+      std::vector<torch::Tensor> parts;
+      for (const std::size_t k : indices) parts.push_back(buffers[r][k].reshape({-1}));
+      return torch::cat(parts).to(device(0));
+    };
+    torch::Tensor flat = flat_of(0);
+    for (int r = 1; r < size(); ++r) {
+      if (floating) {
+        flat.add_(flat_of(r));
+      } else {
+        flat = torch::maximum(flat, flat_of(r));
+      }
+    }
+    if (workers.size() > 1) {
+      workers.all_reduce(flat, floating ? collective::ReduceOp::kSum : collective::ReduceOp::kMax)
+          .wait();
+    }
+    if (floating) flat.div_(replicas);
+    for (int r = 0; r < size(); ++r) {
+      std::int64_t offset = 0;
+      for (const std::size_t k : indices) {
+        torch::Tensor& b = buffers[r][k];
+        b.copy_(flat.narrow(0, offset, b.numel()).view_as(b));
+        offset += b.numel();
+      }
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "flotilla/collective/communicator.h"
 #include "flotilla/train/model.h"
 
 namespace flotilla::train::detail {
@@ -41,6 +42,10 @@ class ReplicaSet {
   // compile() (a checkpoint, a backup, a user's edit) reach every replica. ConfigError when the
   // model's tensors changed since compile().
   void copy_first_to_others();
+  // Every replica's buffers become the mean over every replica of every worker (`workers`):
+  // floating ones averaged, integer ones (num_batches_tracked) the largest. One all-reduce per
+  // kind of buffer; every worker calls it. Bit-identical everywhere afterwards.
+  void mirror_buffers(collective::Communicator& workers);
   void set_training(bool training);
   // Every replica's optimizer steps at `learning_rate`.
   void step(double learning_rate);

@@ -73,6 +73,7 @@ TrainingState training_state_from_json(const json& j, const fs::path& where) {
 }
 
 checkpoint::CheckpointData checkpoint_data(Model& model) {
+  model.mirror_buffers(); // the replicas' mean, as every worker will read them
   checkpoint::CheckpointData data;
   data.model = checkpoint::model_state(model.module());
   data.optimizer = checkpoint::optimizer_state(model.optimizer());

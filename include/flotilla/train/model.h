@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "flotilla/data/distribute.h"
+#include "flotilla/strategy/replica_context.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/losses.h"
 #include "flotilla/train/mixed_precision.h"
@@ -155,9 +156,27 @@ class Model {
   // global across workers.
   EvalResult evaluate(const data::Dataset& data);
   EvalResult evaluate(const data::DistributedDataset& data);
+  // The model's outputs for `features` (this worker alone; no collective).
   torch::Tensor predict(const torch::Tensor& features);
+  // Keras's predict over a dataset of (features[, ...]) batches, across workers like evaluate():
+  // each worker runs its share of every batch, and every worker returns the outputs of every
+  // element, in the dataset's order (with FILE sharding or per-worker pipelines: batch by batch,
+  // each batch's outputs in worker order). A collective.
+  torch::Tensor predict(const data::Dataset& data);
+  torch::Tensor predict(const data::DistributedDataset& data);
+  // The buffers (BatchNorm's running statistics) as TF keeps them: each replica updates its own
+  // from its own batches, and where they are read they are the mean over every replica of every
+  // worker (TF's ON_READ variables with MEAN aggregation). fit() does this at every epoch's end,
+  // before a checkpoint or backup is written and before it returns; evaluate() and predict()
+  // before they run. A callback of your own that reads buffers mid-epoch calls it first, on every
+  // worker (a collective). No-op when nothing trained since the last time; integer buffers
+  // (num_batches_tracked) take the largest value.
+  void mirror_buffers();
 
   torch::nn::Module& module() { return *module_; }
+  // This worker's replicas of the module (after compile), the model itself first (TF's
+  // experimental_local_results of a mirrored model).
+  std::vector<std::shared_ptr<torch::nn::Module>> local_replicas() const;
   strategy::Strategy& strategy() { return strategy_; }
   const CompileOptions& compile_options() const;
   Policy policy() const { return policy_; }
@@ -239,6 +258,9 @@ class Model {
   std::unique_ptr<detail::ReplicaSet> replicas_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
   std::unique_ptr<detail::CapturedStep> captured_;
+  std::vector<strategy::ReplicaContext> replica_contexts_; // one per replica (SyncBatchNorm)
+  int sync_batchnorm_layers_ = 0;                         // per replica
+  bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored
   std::vector<Metric> metrics_;
   Policy policy_ = Policy::kFloat32;
   std::optional<LossScale> loss_scale_;

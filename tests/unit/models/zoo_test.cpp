@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "flotilla/error.h"
+#include "flotilla/train/sync_batchnorm.h"
 #include "models/zoo.h"
 
 namespace flotilla::models {
@@ -18,6 +19,10 @@ TEST(Zoo, ShapesMatchWhatPeersBuild) {
       {"mlp", 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10},
       {"mlp-wide", 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10},
       {"cnn", (32 * 9 + 32) + (64 * 32 * 9 + 64) + (3136 * 128 + 128) + (128 * 10 + 10)},
+      // The same layers' counts in PyTorch and Keras (bench/peers): an independent build.
+      {"resnet20", 272186},
+      {"resnet18", 11172810},
+      {"vit-tiny", 2684554},
   };
   for (const auto& name : model_names()) {
     auto m = make_model(name);
@@ -27,13 +32,50 @@ TEST(Zoo, ShapesMatchWhatPeersBuild) {
   }
 }
 
+TEST(Zoo, TheResNetsConvertToSyncBatchNormWithTheirNamesAndValues) {
+  torch::manual_seed(3);
+  auto net = make_model("resnet20");
+  // Running statistics away from their initial values, so the copy is checked.
+  net->train();
+  net->forward(torch::randn({8, 1, 28, 28}) * 2 + 1);
+  net->eval();
+  const auto x = torch::randn({4, 1, 28, 28});
+  const auto before = net->forward(x);
+  const auto names_before = net->named_parameters().keys();
+  const auto buffers_before = net->named_buffers();
+
+  auto sync = train::convert_sync_batchnorm(net);
+  int converted = 0;
+  for (const auto& m : sync->modules()) {
+    EXPECT_EQ(dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get()), nullptr);
+    if (dynamic_cast<train::SyncBatchNormImpl*>(m.get())) ++converted;
+  }
+  EXPECT_EQ(converted, 21); // the stem's, two per block (9), two projection shortcuts
+  EXPECT_EQ(sync->named_parameters().keys(), names_before);
+  const auto buffers_after = sync->named_buffers();
+  ASSERT_EQ(buffers_after.size(), buffers_before.size());
+  for (const auto& b : buffers_before) {
+    EXPECT_TRUE(torch::equal(buffers_after[b.key()], b.value())) << b.key();
+  }
+  EXPECT_TRUE(torch::equal(sync->forward(x), before)); // evaluation: the same BatchNorm
+
+  // A replica's copy is its own: its parameters and buffers are not the original's.
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(sync->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(torch::equal(copy->forward(x), before));
+  torch::NoGradGuard no_grad;
+  for (auto& p : copy->parameters()) p.zero_();
+  EXPECT_TRUE(torch::equal(sync->forward(x), before));
+}
+
 TEST(Zoo, UnknownModelListsTheKnownOnes) {
   try {
     make_model("resnet");
     FAIL();
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "model \"resnet\" is not built in; use one of: mlp, mlp-wide, cnn");
+              "model \"resnet\" is not built in; use one of: mlp, mlp-wide, cnn, resnet20, "
+              "resnet18, vit-tiny");
   }
 }
 
