@@ -17,7 +17,9 @@
 # The TF peer uses tf-keras (Keras 2): Keras 3's fit fails under MWMS (keras-team/keras#20585).
 #
 # Usage: bench/peers.sh [RUNS=1]
-#   env: MODELS="mlp mlp-wide cnn"  BATCHES="128 512" (global)  STEPS=S (all configurations)
+#   env: MODELS="mlp mlp-wide cnn" (also resnet20, vit-tiny, resnet18)  BATCHES="128 512" (global)
+#        STEPS=S (all configurations)
+#        PRECISION=auto|float32 (flotilla's --precision; the peers train in float32)
 #        FLOTILLA=build/flotilla  PYTHON=.venv/bin/python  TIMEOUT=600 (seconds, per process)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
 #        BASELINE=path/to/another/flotilla: that build too, alternating with FLOTILLA in the same
@@ -39,6 +41,8 @@ WORKERS=2
 THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
 TF_KERAS_VERSION=2.21.0
 BASELINE=${BASELINE:-}
+PRECISION=${PRECISION:-auto}
+machine=$(bench/machine.sh)
 PEERS=${PEERS-pytorch-ddp tf-mwms}
 
 tmp=$(mktemp -d)
@@ -73,7 +77,13 @@ steps_for() {  # model, global batch
     mlp-wide:512) echo 30 ;;
     cnn:128) echo 80 ;;
     cnn:512) echo 30 ;;
-    *) fail "unknown model $1 (use mlp, mlp-wide, cnn)" ;;
+    resnet20:128) echo 24 ;;
+    resnet20:512) echo 8 ;;
+    vit-tiny:128) echo 16 ;;
+    vit-tiny:512) echo 5 ;;
+    resnet18:128) echo 4 ;;
+    resnet18:512) echo 2 ;;
+    *) fail "unknown model $1 (use mlp, mlp-wide, cnn, resnet20, vit-tiny, resnet18)" ;;
   esac
 }
 
@@ -126,7 +136,8 @@ run_flotilla() {  # model, global batch, steps, run[, binary] -> samples/s on st
   local log="$tmp/$name-$1-$2-$4.log" metrics="$tmp/$name-$1-$2-$4.json"
   local cmd=("$binary" launch --workers "$WORKERS" -- flotilla train --model "$model"
     --data-dir "$DATA_DIR" --batch-per-replica $((batch / WORKERS)) --steps-per-epoch "$steps"
-    --epochs 2 --lr 0.04 --momentum 0.9 --metrics-json "$metrics" --verbose 0)
+    --epochs 2 --lr 0.04 --momentum 0.9 --metrics-json "$metrics" --verbose 0
+    --precision "$PRECISION")
   for _ in $(seq 30); do [ -x "$binary" ] && break; sleep 2; done  # may be being relinked
   start "$log" env -u OMP_NUM_THREADS "${cmd[@]}"
   wait_all "${cmd[*]}" "$started"
@@ -227,8 +238,8 @@ for model in $MODELS; do
         pytorch-ddp) version=$(cat "$tmp/version-ddp") ;;
         tf-mwms) version=$(cat "$tmp/version-tf") ;;
       esac
-      printf '{"bench":"peers","system":"%s","model":"%s","global_batch":%d,"metric":"samples_per_s","value":%.1f,"runs":%d,"version":"%s"}\n' \
-        "$system" "$model" "$batch" "${value[$system]}" "$RUNS" "$version"
+      printf '{"bench":"peers","system":"%s","model":"%s","global_batch":%d,"metric":"samples_per_s","value":%.1f,"runs":%d,"version":"%s","machine":%s}\n' \
+        "$system" "$model" "$batch" "${value[$system]}" "$RUNS" "$version" "$machine"
     done
     ratios=""
     for system in "${systems[@]:1}"; do
@@ -240,8 +251,8 @@ for model in $MODELS; do
       ratios+=$(awk -v k="$key" -v f="${value[flotilla]}" -v p="${value[$system]}" \
         'BEGIN { printf ",\"%s\":%.3f", k, f / p }')
     done
-    printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s"%s,"of":"flotilla/peer"}\n' \
-      "$model" "$batch" "$ratios"
+    printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s"%s,"of":"flotilla/peer","precision":"%s","machine":%s}\n' \
+      "$model" "$batch" "$ratios" "$PRECISION" "$machine"
     unset value
   done
 done

@@ -208,8 +208,8 @@ int main(int argc, char** argv) {
   Args a;
   CLI::App app{"flotilla training throughput on one device (bench/gpu)"};
   app.name("gpu_train_bench");
-  app.add_option("--model", a.model, "mlp, mlp-wide or cnn")
-      ->check(CLI::IsMember({"mlp", "mlp-wide", "cnn"}))
+  app.add_option("--model", a.model, "a model of the zoo (models/zoo.h)")
+      ->check(CLI::IsMember(models::model_names()))
       ->capture_default_str();
   app.add_option("--batch", a.batch, "Per-replica batch")->capture_default_str();
   app.add_option("--precision", a.precision, "float32, mixed_bfloat16 or mixed_float16")

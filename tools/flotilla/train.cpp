@@ -18,6 +18,7 @@
 #include "flotilla/train/model.h"
 #include "flotilla/train/schedules.h"
 #include "flotilla/train/sidecar_evaluator.h"
+#include "flotilla/train/sync_batchnorm.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -42,9 +43,11 @@ struct TrainArgs {
   std::string schedule = "cosine";
   double warmup_epochs = -1; // -1: one epoch when training for more than one
   double momentum = 0.9;
+  double weight_decay = -1; // -1: the optimizer's default (0; AdamW 0.004)
   double label_smoothing = 0;
   std::string precision = "auto";
   bool jit_compile = false;
+  bool sync_batchnorm = false;
   int steps_per_execution = 1;
   std::uint64_t seed = 42;
   std::string checkpoint_dir;
@@ -159,6 +162,7 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   } else if (r.optimizer.kind == train::OptimizerKind::kAdamW) {
     r.optimizer.weight_decay = 0.004;
   }
+  if (a.weight_decay >= 0) r.optimizer.weight_decay = a.weight_decay;
   // Warmup + cosine decay over the whole run, per optimizer update.
   const std::int64_t total = steps_per_epoch * a.epochs / a.accumulation_steps;
   const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
@@ -507,6 +511,12 @@ void evaluate_on_test(train::Model& model, const data::Dataset& test,
 
 // The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
 // checkpoint directory, with its own TensorBoard scalars (<tensorboard-dir>/evaluation) and
+// The zoo's model, its BatchNorms synchronised with --sync-batchnorm.
+torch::nn::Sequential build_model(const TrainArgs& a) {
+  auto net = models::make_model(a.model);
+  return a.sync_batchnorm ? train::convert_sync_batchnorm(net) : net;
+}
+
 // metrics lines; it ends after the checkpoint of the last epoch.
 int run_evaluator(const TrainArgs& a) {
   if (a.checkpoint_dir.empty()) {
@@ -518,7 +528,7 @@ int run_evaluator(const TrainArgs& a) {
                                  .batch(a.batch_per_replica * 4)
                                  .map(normalized);
   strategy::MirroredStrategy strategy; // this process alone
-  train::Model model(strategy, models::make_model(a.model));
+  train::Model model(strategy, build_model(a));
   model.compile({});
   train::SidecarEvaluatorOptions options;
   options.checkpoint_dir = a.checkpoint_dir;
@@ -565,7 +575,7 @@ int run(const TrainArgs& a) {
   const Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
   torch::manual_seed(a.seed);
-  auto net = strategy.scope([&] { return models::make_model(a.model); });
+  auto net = strategy.scope([&] { return build_model(a); });
   train::Model model(strategy, net);
   model.compile(compile_options(a, recipe));
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm);
@@ -588,8 +598,8 @@ Command add_train(CLI::App& parent) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* app = parent.add_subcommand(
       "train", "Train a built-in model as one worker of the cluster in TF_CONFIG (or alone)");
-  app->add_option("--model", args->model, "mlp, mlp-wide or cnn")
-      ->check(CLI::IsMember({"mlp", "mlp-wide", "cnn"}))
+  app->add_option("--model", args->model, "mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
+      ->check(CLI::IsMember(models::model_names()))
       ->capture_default_str();
   app->add_option("--dataset", args->dataset, "Dataset name")
       ->check(CLI::IsMember({"fashion-mnist"}))
@@ -631,6 +641,9 @@ Command add_train(CLI::App& parent) {
   app->add_option("--momentum", args->momentum, "SGD momentum")
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
+  app->add_option("--weight-decay", args->weight_decay,
+                  "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
+      ->check(CLI::Range(0.0, 1.0));
   app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
@@ -639,6 +652,9 @@ Command add_train(CLI::App& parent) {
                   "mixed_float16 or mixed_bfloat16")
       ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
       ->capture_default_str();
+  app->add_flag("--sync-batchnorm", args->sync_batchnorm,
+                "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
+                "and workers (train::convert_sync_batchnorm)");
   app->add_flag("--jit-compile", args->jit_compile, "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
   app->add_option("--steps-per-execution", args->steps_per_execution,
                   "Steps between batch-level callbacks and progress updates")

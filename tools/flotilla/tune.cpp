@@ -163,8 +163,8 @@ Command add_tune(CLI::App& parent) {
       "tune", "Find the largest batch per replica that fits in memory (--max-batch)");
   app->add_flag("--max-batch", args->max_batch,
                 "Search the largest per-replica batch whose training step fits");
-  app->add_option("--model", args->model, "mlp, mlp-wide or cnn")
-      ->check(CLI::IsMember({"mlp", "mlp-wide", "cnn"}))
+  app->add_option("--model", args->model, "mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
+      ->check(CLI::IsMember(models::model_names()))
       ->capture_default_str();
   app->add_option("--precision", args->precision,
                   "auto (as flotilla train decides), float32, mixed_float16 or mixed_bfloat16")

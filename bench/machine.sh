@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The machine a benchmark ran on, as a JSON object for its lines: the CPU model, the vector
+# extensions that decide which kernels LibTorch's and TF's oneDNN pick (AVX2, AVX-512, its BF16
+# and VNNI forms, AMX), and the cores. Ratios between stacks depend on these: a CNN that is
+# 1.4x TF on one CPU can be 0.65x on another.
+# Usage: bench/machine.sh  ->  {"cpu":"AMD EPYC 9R14","isa":"avx2,avx512f,avx512_bf16","cores":2}
+set -euo pipefail
+cpu=$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo | sed 's/  */ /g; s/"//g')
+flags=" $(awk -F': ' '/^flags/ {print $2; exit}' /proc/cpuinfo) "
+isa=""
+for f in avx2 avx512f avx512_bf16 avx512_vnni avx512_fp16 amx_bf16 amx_int8; do
+  case "$flags" in *" $f "*) isa+="${isa:+,}$f" ;; esac
+done
+printf '{"cpu":"%s","isa":"%s","cores":%d}\n' "${cpu:-unknown}" "$isa" "$(nproc)"
