@@ -24,6 +24,8 @@
 # Usage: bench/link.sh [STEPS=30] [RUNS=1] [WORKERS=2]      (make bench-link)
 #   The positional arguments may also be given as environment variables of those names.
 #   CONFIGS="overlap no-overlap"  only these configurations (default: all in the table)
+#   MODEL=mlp-wide BATCH=64       the zoo model and batch per replica (resnet18, vit-tiny, ...)
+#   PRECISION=auto                flotilla train's --precision
 #   RATE=1gbit                    the tbf rate of every link
 #   FLOTILLA=build/flotilla       the binary (copied once, so a relink mid-bench changes nothing)
 #   RUN_TIMEOUT=900               seconds one training run may take before it is killed
@@ -38,18 +40,21 @@ RATE=${RATE:-1gbit}
 LINK_MB=${LINK_MB:-50}
 RUN_TIMEOUT=${RUN_TIMEOUT:-900}
 FLOTILLA=${FLOTILLA:-$ROOT/${BUILD_DIR:-build}/flotilla}
-MODEL=mlp-wide
+MODEL=${MODEL:-mlp-wide}
+BATCH=${BATCH:-64}   # per replica
 # Gradient bucket size for every configuration. At the default 25 MiB all 23 MB of mlp-wide's
 # gradients form one bucket, which can only start when backward ends: nothing to overlap. At
 # 4 MiB the last layers' buckets start while the first layer's gradients are still computed.
 export PACK=${PACK:-4194304}
+export BATCH MACHINE=$(bench/machine.sh)
 
 # The configurations: name -> extra `flotilla train` flags.
-config_names=(overlap no-overlap overlap+fp16)
+config_names=(overlap no-overlap overlap+fp16 overlap+bf16)
 declare -A config_flags=(
   [overlap]=""
   [no-overlap]="--no-overlap"
   [overlap+fp16]="--compression fp16"
+  [overlap+bf16]="--compression bf16"
 )
 
 log() { echo "bench/link: $*" >&2; }
@@ -191,10 +196,12 @@ def report(tmp, workers, link, model, configs):
                 "comm_hidden_share": median([r.get("comm_hidden_share") for r in runs], 3),
                 "comm_seconds": median([r.get("comm_seconds") for r in runs], 3),
                 "comm_exposed_seconds": median([r.get("comm_exposed_seconds") for r in runs], 3),
-                "runs": len(runs)}
+                "runs": len(runs), "batch_per_replica": int(os.environ.get("BATCH", "64")),
+                "machine": json.loads(os.environ.get("MACHINE", "null"))}
         step[name] = line["value"]
         print(json.dumps(line, separators=(",", ":")))
-    for a, b in (("no-overlap", "overlap"), ("overlap", "overlap+fp16")):
+    for a, b in (("no-overlap", "overlap"), ("overlap", "overlap+fp16"),
+                 ("overlap", "overlap+bf16")):
         if step.get(a) and step.get(b):
             print(json.dumps({"bench": "link", "metric": "step_ms",
                               "ratio": round(step[a] / step[b], 3), "of": f"{a}/{b}"},
@@ -330,8 +337,9 @@ run_config() {  # name run -> appends one result line to $tmp/result-<name>.json
     fi
     ip netns exec "$prefix-$i" env TF_CONFIG="{\"cluster\":$c,\"task\":$task}" \
       OMP_NUM_THREADS="$threads" \
-      timeout --kill-after=10 "$RUN_TIMEOUT" "$bin" train --model "$MODEL" --batch-per-replica 64 \
+      timeout --kill-after=10 "$RUN_TIMEOUT" "$bin" train --model "$MODEL" --batch-per-replica "$BATCH" \
       --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --metrics-json "$metrics" --timeout 120 \
+      --precision "${PRECISION:-auto}" \
       --threads "$threads" --bytes-per-pack "$PACK" "${extra[@]}" >"$tmp/$tag-$i.log" 2>&1 &
     pids+=($!)
   done

@@ -54,7 +54,8 @@ LATENCY=${LATENCY:-20us}
 PER_COLLECTIVE_US=${PER_COLLECTIVE_US:-75}
 NICE=${NICE:--15}
 FLOTILLA=${FLOTILLA:-$ROOT/${BUILD_DIR:-build}/flotilla}
-MODEL=mlp-wide
+MODEL=${MODEL:-mlp-wide}
+BATCH=${BATCH:-64}   # per replica
 
 log() { echo "bench/plan: $*" >&2; }
 die() {
@@ -114,7 +115,7 @@ profile() { # n out
   pids=()
   for i in $(seq 0 $((n - 1))); do
     nice -n "$NICE" env -u TF_CONFIG OMP_NUM_THREADS=1 "$bin" train --model "$MODEL" \
-      --batch-per-replica 64 --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --threads 1 \
+      --batch-per-replica "$BATCH" --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --threads 1 \
       --bytes-per-pack "$PACK" "${extra[@]}" --profile-json "$out.$i" >"$out.$i.log" 2>&1 &
     pids+=($!)
   done

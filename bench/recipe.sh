@@ -15,7 +15,7 @@ FLOTILLA=${FLOTILLA:-build/flotilla}
 MODEL=${MODEL:-cnn}
 case $MODEL in
   cnn) default_epochs=10; default_precision=float32; default_extra="" ;;
-  resnet20) default_epochs=15; default_precision=auto; default_extra="--augment --weight-decay 5e-4" ;;
+  resnet20) default_epochs=15; default_precision=auto; default_extra="--augment --weight-decay 5e-4 --validation" ;;
   *) default_epochs=10; default_precision=auto; default_extra="" ;;
 esac
 EPOCHS=${1:-$default_epochs}
@@ -54,6 +54,8 @@ print(json.dumps({"bench": "recipe", "model": model, "precision": precision, "ep
                   "global_batch": 256, "test_accuracy": test["test_accuracy"],
                   "train_accuracy_by_epoch": [round(l["accuracy"], 4) for l in epochs_rows],
                   "train_loss_by_epoch": [round(l["loss"], 4) for l in epochs_rows],
+                  "val_accuracy_by_epoch": [round(l["val_accuracy"], 4) for l in epochs_rows
+                                            if "val_accuracy" in l],
                   "median_samples_per_s": round(sps, 1), "wall_seconds": wall,
                   "machine": machine}))
 bf16 = [l for l in lines("bf16") if "epoch" in l][-1]

@@ -210,9 +210,13 @@ std::optional<ReplicaBatch> DistributedIterator::next() {
     throw;
   }
   if (!e) return std::nullopt;
+  // Without recorded sizes, each worker's batch is its whole share of the step (split over its
+  // replicas), so the global batch is that times the workers (not the replicas: with several
+  // replicas per worker that would count each row once per replica). fit replaces it by the
+  // true sum of rows where the workers' batches may differ (uneven input).
   const std::int64_t global =
       sizes_ ? sizes_->pop()
-             : (e->empty() || e->front().dim() == 0 ? 0 : e->front().size(0)) * replicas_;
+             : (e->empty() || e->front().dim() == 0 ? 0 : e->front().size(0)) * workers_;
   return ReplicaBatch{std::move(*e), global};
 }
 
@@ -220,14 +224,14 @@ DistributedIterator DistributedDataset::make_iterator() const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
   return DistributedIterator(
       detail::make_iterator(per_worker_.node(), sizes, nullptr, original_.node()), sizes,
-      context_.num_replicas_in_sync);
+      context_.num_input_pipelines);
 }
 
 DistributedIterator DistributedDataset::make_iterator(const IteratorState& state) const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
   return DistributedIterator(
       detail::make_iterator(per_worker_.node(), sizes, &state, original_.node()), sizes,
-      context_.num_replicas_in_sync);
+      context_.num_input_pipelines);
 }
 
 DistributedDataset distribute_dataset(const Dataset& dataset,

@@ -22,7 +22,6 @@ EpochIterator::EpochIterator(const data::DistributedDataset& data,
 
 void EpochIterator::begin_epoch(bool first) {
   if (!pass_ || (!steps_per_epoch_ && !first)) pass_.emplace(data_.make_iterator());
-  empty_batches_ = 0;
 }
 
 std::optional<data::ReplicaBatch> EpochIterator::next() {
@@ -35,27 +34,30 @@ std::optional<data::ReplicaBatch> EpochIterator::next() {
   // batch; one that has none takes part with an empty batch, and the step's global batch is the
   // rows every worker really has, so an empty batch weighs nothing in the means.
   const std::int64_t rows = batch ? batch->element.at(0).size(0) : 0;
-  torch::Tensor votes = torch::tensor({std::int64_t{batch ? 1 : 0}, rows}, torch::kLong);
+  // Without a batch of its own yet, a worker's empty batch has no shape to copy.
+  const bool shapeless = !batch && empty_.empty();
+  torch::Tensor votes = torch::tensor(
+      {std::int64_t{batch ? 1 : 0}, rows, std::int64_t{shapeless ? 1 : 0}}, torch::kLong);
   workers_.all_reduce(votes, collective::ReduceOp::kSum).wait();
   const std::int64_t workers_with_batch = votes[0].item<std::int64_t>();
   if (workers_with_batch == 0) {
     ran_out_ = steps_per_epoch_.has_value();
     return std::nullopt;
   }
+  shapeless_anywhere_ = votes[2].item<std::int64_t>() > 0;
   if (batch) {
-    empty_without_shape_ = false;
     empty_.clear();
-    for (const auto& component : batch->element) empty_.push_back(component.narrow(0, 0, 0));
-  } else {
-    if (empty_.empty()) {
-      // No shape to copy yet: components of zero rows (a model without SyncBatchNorm runs no
-      // forward on them).
-      empty_ = {torch::empty({0}), torch::empty({0}, torch::kLong)};
-      empty_without_shape_ = true;
+    for (const auto& component : batch->element) {
+      auto shape = component.sizes().vec();
+      if (!shape.empty()) shape[0] = 0;
+      empty_.push_back(torch::empty(shape, component.options())); // not a view: no storage kept
     }
+  } else {
     batch.emplace();
-    batch->element = empty_;
-    ++empty_batches_;
+    // No shape to copy yet: components of zero rows (a model without SyncBatchNorm runs no
+    // forward on them).
+    batch->element =
+        shapeless ? data::Element{torch::empty({0}), torch::empty({0}, torch::kLong)} : empty_;
   }
   batch->global_batch_size = votes[1].item<std::int64_t>();
   return batch;

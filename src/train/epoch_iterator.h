@@ -39,11 +39,10 @@ class EpochIterator {
   // The next batch, or nullopt where the epoch ends for every worker. With uneven input, an
   // empty batch (zero rows) where only this worker's input has ended.
   std::optional<data::ReplicaBatch> next();
-  // Empty batches this worker has taken part with in this epoch.
-  std::int64_t empty_batches() const { return empty_batches_; }
-  // Whether the last empty batch had no shape to copy (this worker had no batch yet in this
-  // fit): a model whose every replica must run its forward cannot use it.
-  bool empty_without_shape() const { return empty_without_shape_; }
+  // Whether, at the last step, some worker had no batch yet in this fit and took part with
+  // components of no shape (the same on every worker): a model whose every replica must run its
+  // forward cannot use that step.
+  bool shapeless_empty_batch_anywhere() const { return shapeless_anywhere_; }
   // The input ended before steps_per_epoch x epochs steps (fit stops early, with a warning).
   bool ran_out() const { return ran_out_; }
   // The input's position, for a backup (see Model::training_state); nullopt before the first
@@ -59,8 +58,7 @@ class EpochIterator {
   std::optional<data::DistributedIterator> pass_;
   bool ran_out_ = false;
   data::Element empty_; // the last batch's components with zero rows
-  bool empty_without_shape_ = false;
-  std::int64_t empty_batches_ = 0;
+  bool shapeless_anywhere_ = false;
 };
 
 } // namespace flotilla::train::detail

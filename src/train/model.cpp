@@ -428,11 +428,11 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
       break;
     }
     timer_->mark(Phase::kInput);
-    if (sync_batchnorm_layers_ > 0 && input.empty_without_shape() &&
-        batch->element[0].size(0) == 0) {
-      throw DataError("this worker's input had no batch in this fit while other workers' had, "
-                      "and the model's SyncBatchNorm layers need a batch of the right shape to "
-                      "take part in each step; give every worker at least one batch");
+    if (sync_batchnorm_layers_ > 0 && input.shapeless_empty_batch_anywhere()) {
+      // Known to every worker at the same step (the input's vote), so all stop together.
+      throw DataError("a worker's input had no batch in this fit while other workers' had, and "
+                      "the model's SyncBatchNorm layers need a batch of the right shape on "
+                      "every replica at every step; give every worker at least one batch");
     }
     if (step_in_epoch_ % every == 0) {
       callbacks.on_train_batch_begin(step_in_epoch_);
@@ -451,13 +451,13 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     bool batch_ended = false;
     if (step_in_epoch_ % every == 0 ||
         (options.steps_per_epoch && step_in_epoch_ == *options.steps_per_epoch)) {
+      // Every worker calls them at the same steps (their saves are collectives), even one whose
+      // own rows so far are none (uneven input): its running means are then zeros.
       const std::vector<double> totals = to_host(epoch_sums);
-      if (totals.back() > 0) {
-        Logs running;
-        set_means(running, metrics_, totals.data(), totals.back());
-        callbacks.on_train_batch_end(step_in_epoch_ - 1, running);
-        batch_ended = true;
-      }
+      Logs running;
+      set_means(running, metrics_, totals.data(), std::max(1.0, totals.back()));
+      callbacks.on_train_batch_end(step_in_epoch_ - 1, running);
+      batch_ended = true;
     }
     // Stop for preemption only where a resume continues exactly: after an optimizer update (not
     // inside an accumulation group), and not at an epoch's last step (a backup there would resume
@@ -775,10 +775,19 @@ void Model::mirror_buffers() {
   replicas_->mirror_buffers(strategy_.communicator());
 }
 
+namespace {
+// Evaluation mode for a while, then the mode the module had (a callback may evaluate mid-epoch).
+struct EvalMode {
+  explicit EvalMode(torch::nn::Module& m) : module(m), was_training(m.is_training()) { m.eval(); }
+  ~EvalMode() { module.train(was_training); }
+  torch::nn::Module& module;
+  bool was_training;
+};
+} // namespace
+
 EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
   torch::NoGradGuard no_grad;
-  auto& net = module();
-  net.eval();
+  EvalMode eval_mode(module());
   const torch::Device device = replicas_->device(0); // the model itself is replica 0
   torch::Tensor sums = torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
                                     torch::TensorOptions().dtype(torch::kFloat64).device(device));
@@ -822,7 +831,7 @@ torch::Tensor Model::predict(const data::DistributedDataset& data) {
   require_compiled("predict");
   mirror_buffers();
   torch::NoGradGuard no_grad;
-  module().eval();
+  EvalMode eval_mode(module());
   const torch::Device device = replicas_->device(0);
   std::vector<torch::Tensor> outputs; // this worker's, float32 on the CPU
   std::vector<std::int64_t> rows;     // per batch
@@ -845,20 +854,21 @@ torch::Tensor Model::predict(const data::DistributedDataset& data) {
   // Every worker's outputs and rows per batch, then each batch's rows in worker order.
   const auto flat = collective::all_gather_uneven(workers, mine.reshape({-1}));
   const auto counts = collective::all_gather_uneven(workers, torch::tensor(rows, torch::kLong));
-  std::vector<std::int64_t> row_shape;
+  // A row's shape, from a worker that has one (this one may have predicted nothing).
+  const auto shapes = collective::all_gather_uneven(
+      workers, outputs.empty() ? torch::empty({0}, torch::kLong)
+                               : torch::tensor(mine.sizes().slice(1).vec(), torch::kLong));
   std::int64_t total_rows = 0;
   for (const auto& c : counts) total_rows += c.sum().item<std::int64_t>();
-  if (outputs.empty()) {
-    // This worker has no row to learn the outputs' shape from: take another worker's, which
-    // sent its shape along as the flat size per row (outputs [rows, ...] flatten the same way).
-    for (std::size_t w = 0; w < flat.size(); ++w) {
-      const std::int64_t n = counts[w].sum().item<std::int64_t>();
-      if (n > 0) row_shape = {flat[w].numel() / n};
-    }
-  } else {
-    row_shape = mine.sizes().slice(1).vec();
-  }
   if (total_rows == 0) return mine;
+  std::vector<std::int64_t> row_shape;
+  for (std::size_t w = 0; w < flat.size(); ++w) {
+    if (counts[w].sum().item<std::int64_t>() > 0) {
+      row_shape.assign(shapes[w].data_ptr<std::int64_t>(),
+                       shapes[w].data_ptr<std::int64_t>() + shapes[w].numel());
+      break;
+    }
+  }
   std::int64_t row_numel = 1;
   for (const auto d : row_shape) row_numel *= d;
   std::vector<std::int64_t> full_shape = {-1};
@@ -881,7 +891,7 @@ torch::Tensor Model::predict(const data::DistributedDataset& data) {
 
 torch::Tensor Model::predict(const torch::Tensor& features) {
   torch::NoGradGuard no_grad;
-  module().eval();
+  EvalMode eval_mode(module());
   const torch::Device device = replicas_ ? replicas_->device(0) : features.device();
   AutocastGuard autocast(policy_, device.type());
   const torch::Tensor outputs = forward_(on_device(features, device));

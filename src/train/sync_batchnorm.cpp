@@ -96,7 +96,12 @@ convert_sequential(const std::shared_ptr<torch::nn::SequentialImpl>& seq, const 
     }
   }
   if (!changed) return seq;
+  // The container's mode, without changing any layer's own (a frozen BatchNorm stays in eval;
+  // the modules around it are shared with the original).
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> modes;
+  for (const auto& m : rebuilt->modules(/*include_self=*/false)) modes.emplace_back(m, m->is_training());
   rebuilt->train(seq->is_training());
+  for (const auto& [m, training] : modes) m->train(training);
   return rebuilt;
 }
 

@@ -509,14 +509,20 @@ void evaluate_on_test(train::Model& model, const data::Dataset& test,
   }
 }
 
-// The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
-// checkpoint directory, with its own TensorBoard scalars (<tensorboard-dir>/evaluation) and
-// The zoo's model, its BatchNorms synchronised with --sync-batchnorm.
-torch::nn::Sequential build_model(const TrainArgs& a) {
+// The zoo's model, its BatchNorms synchronised with --sync-batchnorm (`log`: where to say that a
+// model without BatchNorm has nothing to synchronise).
+torch::nn::Sequential build_model(const TrainArgs& a, const Logger* log = nullptr) {
   auto net = models::make_model(a.model);
-  return a.sync_batchnorm ? train::convert_sync_batchnorm(net) : net;
+  if (!a.sync_batchnorm) return net;
+  auto converted = train::convert_sync_batchnorm(net);
+  if (converted.ptr() == net.ptr() && log) {
+    log->warn("--sync-batchnorm: " + a.model + " has no BatchNorm; nothing to synchronise");
+  }
+  return converted;
 }
 
+// The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
+// checkpoint directory, with its own TensorBoard scalars (<tensorboard-dir>/evaluation) and
 // metrics lines; it ends after the checkpoint of the last epoch.
 int run_evaluator(const TrainArgs& a) {
   if (a.checkpoint_dir.empty()) {
@@ -575,7 +581,8 @@ int run(const TrainArgs& a) {
   const Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
   torch::manual_seed(a.seed);
-  auto net = strategy.scope([&] { return build_model(a); });
+  auto net = strategy.scope(
+      [&] { return build_model(a, strategy.is_chief() ? &strategy.log() : nullptr); });
   train::Model model(strategy, net);
   model.compile(compile_options(a, recipe));
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm);

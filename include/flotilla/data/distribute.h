@@ -37,11 +37,11 @@ class DistributedIterator {
  private:
   friend class DistributedDataset;
   DistributedIterator(Iterator iterator, std::shared_ptr<detail::BatchSizes> sizes,
-                      std::int64_t replicas)
-      : iterator_(std::move(iterator)), sizes_(std::move(sizes)), replicas_(replicas) {}
+                      std::int64_t workers)
+      : iterator_(std::move(iterator)), sizes_(std::move(sizes)), workers_(workers) {}
   Iterator iterator_;
-  std::shared_ptr<detail::BatchSizes> sizes_; // null: sizes are per-replica size × replicas
-  std::int64_t replicas_;
+  std::shared_ptr<detail::BatchSizes> sizes_; // null: sizes are this worker's batch × workers
+  std::int64_t workers_;
 };
 
 class DistributedDataset {
