@@ -10,36 +10,6 @@
 namespace flotilla::train {
 namespace {
 
-// The gradient of a cross-replica sum is the cross-replica sum of the gradients: every replica's
-// loss depends on every replica's contribution.
-struct CrossReplicaSumBackward : torch::autograd::Node {
-  strategy::ReplicaContext context;
-  std::vector<std::int64_t> sizes;
-  torch::TensorOptions options;
-
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    // An output no loss depends on still joins the reduction: the others wait for it.
-    const torch::Tensor grad = grads[0].defined() ? grads[0] : torch::zeros(sizes, options);
-    return {context.all_reduce_sum(grad)};
-  }
-  std::string name() const override { return "CrossReplicaSumBackward"; }
-};
-
-torch::Tensor cross_replica_sum(const strategy::ReplicaContext& context, const torch::Tensor& x) {
-  if (context.alone()) return x;
-  torch::Tensor out = context.all_reduce_sum(x.detach());
-  if (torch::GradMode::is_enabled() && x.requires_grad()) {
-    auto node = std::shared_ptr<CrossReplicaSumBackward>(new CrossReplicaSumBackward(),
-                                                         torch::autograd::deleteNode);
-    node->context = context;
-    node->sizes = x.sizes().vec();
-    node->options = x.options();
-    node->set_next_edges(torch::autograd::collect_next_edges(x));
-    torch::autograd::set_history(out, node);
-  }
-  return out;
-}
-
 bool is_batchnorm(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) ||
          dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) ||
@@ -187,6 +157,62 @@ void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
          << ", track_running_stats=" << options.track_running_stats() << ")";
 }
 
+namespace {
+
+// SyncBatchNorm's backward with the global batch's statistics: LibTorch's fused BatchNorm
+// backward (in evaluation form, with the global mean and variance) gives the local Σdy,
+// Σdy·(x-μ)·invstd and dy·invstd·γ in one pass; the first two are summed over every replica,
+// and the input gradient gets the global means' correction, an affine function of x per
+// channel. The weight and bias gradients stay local: the gradient engine averages them.
+struct SyncBatchNormBackward : torch::autograd::Node {
+  strategy::ReplicaContext context;
+  torch::Tensor input, weight, mean, var, invstd; // weight: ones where the layer has none
+  double count = 0, eps = 0;
+  bool has_weight = false, has_bias = false;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const std::int64_t c = mean.size(0);
+    torch::Tensor grad_input, grad_weight, grad_bias;
+    torch::Tensor local; // Σdy, Σdy·(x-μ) (float64)
+    if (input.numel() == 0) {
+      // No rows on this replica (the fused kernel cannot take an empty batch): it still joins.
+      grad_input = torch::zeros_like(input);
+      grad_weight = torch::zeros_like(weight);
+      grad_bias = torch::zeros_like(weight);
+      local = torch::zeros({2 * c}, weight.options().dtype(torch::kDouble));
+    } else {
+      const torch::Tensor dy = grads[0].defined() ? grads[0] : torch::zeros_like(input);
+      std::tie(grad_input, grad_weight, grad_bias) = at::native_batch_norm_backward(
+          dy, input, weight, mean, var, {}, {}, /*train=*/false, eps, {true, true, true});
+      local = torch::cat({grad_bias.to(torch::kDouble), (grad_weight / invstd).to(torch::kDouble)});
+    }
+    const torch::Tensor global = context.alone() ? local : context.all_reduce_sum(local);
+    const torch::Tensor mean_dy = (global.narrow(0, 0, c) / count).to(torch::kFloat);
+    const torch::Tensor mean_dy_xmu = (global.narrow(0, c, c) / count).to(torch::kFloat);
+    if (input.numel() > 0) {
+      // grad_input = γ·invstd·(dy - mean(dy) - (x-μ)·invstd²·mean(dy·(x-μ))) = the local term
+      // + a·x + b per channel.
+      const torch::Tensor k = weight * invstd;
+      const torch::Tensor a = -k * invstd.square() * mean_dy_xmu;
+      const torch::Tensor b = -k * mean_dy - a * mean;
+      std::vector<std::int64_t> shape(static_cast<std::size_t>(input.dim()), 1);
+      shape[1] = c;
+      grad_input = (grad_input.to(torch::kFloat) + input.to(torch::kFloat) * a.view(shape) +
+                    b.view(shape))
+                       .to(input.scalar_type());
+    }
+    return {grad_input, has_weight ? grad_weight : torch::Tensor(),
+            has_bias ? grad_bias : torch::Tensor()};
+  }
+  std::string name() const override { return "SyncBatchNormBackward"; }
+  void release_variables() override {
+    input.reset();
+    weight.reset();
+  }
+};
+
+} // namespace
+
 torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   const std::int64_t c = options.num_features();
   if (input.dim() < 2 || input.size(1) != c) {
@@ -200,16 +226,28 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   }
   std::vector<std::int64_t> dims = {0};
   for (std::int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
-  // The statistics in float32 whatever the input (autocast's bfloat16), accumulated in float64:
-  // E[x²] - E[x]² over a global batch is exact enough there.
-  const torch::Tensor x = input.scalar_type() == torch::kDouble ? input : input.to(torch::kFloat);
-  const double local_count = c == 0 ? 0.0 : static_cast<double>(input.numel() / c);
-  const torch::Tensor local = torch::cat(
-      {x.sum(dims, false, torch::kDouble), x.square().sum(dims, false, torch::kDouble),
-       torch::full({1}, local_count, x.options().dtype(torch::kDouble))});
-  // Evaluation without running statistics normalises each replica's batch alone: evaluate()
-  // runs one replica, which must not wait for the others.
-  const torch::Tensor global = is_training() ? cross_replica_sum(context_, local) : local;
+  const torch::TensorOptions stats =
+      (weight.defined() ? weight.options() : input.options().dtype(torch::kFloat))
+          .requires_grad(false);
+  torch::Tensor global;
+  {
+    torch::NoGradGuard no_grad;
+    // This replica's mean and variance (one fused pass, in float32 whatever autocast gave), as
+    // sums n·mean and n·(var + mean²) in float64, with n; summed over every replica.
+    const double n = static_cast<double>(input.numel() / c);
+    torch::Tensor local = torch::zeros({2 * c + 1}, stats.dtype(torch::kDouble));
+    if (n > 0) {
+      const auto [var_l, mean_l] =
+          torch::var_mean(input.to(torch::kFloat), dims, /*correction=*/0, /*keepdim=*/false);
+      const torch::Tensor m = mean_l.to(torch::kDouble);
+      local.narrow(0, 0, c).copy_(m * n);
+      local.narrow(0, c, c).copy_((var_l.to(torch::kDouble) + m.square()) * n);
+      local[2 * c] = n;
+    }
+    // Evaluation without running statistics normalises each replica's batch alone: evaluate()
+    // runs one replica, which must not wait for the others.
+    global = is_training() && !context_.alone() ? context_.all_reduce_sum(local) : local;
+  }
   const double count = global[2 * c].item<double>();
   if (count <= 1) {
     throw ConfigError("SyncBatchNorm: expected more than 1 value per channel in training; the "
@@ -217,8 +255,10 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                       std::to_string(static_cast<std::int64_t>(count)) +
                       " (input on this replica " + c10::str(input.sizes()) + ")");
   }
-  const torch::Tensor mean = global.narrow(0, 0, c) / count;
-  const torch::Tensor var = (global.narrow(0, c, c) / count - mean.square()).clamp_min(0);
+  const torch::Tensor mean64 = global.narrow(0, 0, c) / count;
+  const torch::Tensor var64 = (global.narrow(0, c, c) / count - mean64.square()).clamp_min(0);
+  const torch::Tensor mean = mean64.to(stats.dtype());
+  const torch::Tensor var = var64.to(stats.dtype());
   if (is_training() && options.track_running_stats()) {
     torch::NoGradGuard no_grad;
     num_batches_tracked.add_(1);
@@ -226,19 +266,38 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                               ? *options.momentum()
                               : 1.0 / static_cast<double>(num_batches_tracked.item<std::int64_t>());
     running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype()), factor);
-    running_var.mul_(1 - factor).add_((var * (count / (count - 1))).to(running_var.dtype()),
+    running_var.mul_(1 - factor).add_((var64 * (count / (count - 1))).to(running_var.dtype()),
                                       factor);
   }
-  std::vector<std::int64_t> shape(static_cast<std::size_t>(input.dim()), 1);
-  shape[1] = c;
-  torch::Tensor scale = (var + options.eps()).rsqrt().to(x.scalar_type());
-  torch::Tensor shift = -mean.to(x.scalar_type()) * scale;
-  if (weight.defined()) {
-    scale = scale * weight.to(x.scalar_type());
-    shift = shift * weight.to(x.scalar_type());
+  const torch::Tensor gamma = weight.defined() ? weight : torch::ones({c}, stats);
+  torch::Tensor output;
+  {
+    torch::NoGradGuard no_grad;
+    output = input.numel() == 0
+                 ? torch::empty_like(input)
+                 : torch::batch_norm(input, gamma, bias, mean, var, /*training=*/false, 0.0,
+                                     options.eps(), /*cudnn_enabled=*/true);
   }
-  if (bias.defined()) shift = shift + bias.to(x.scalar_type());
-  return (x * scale.view(shape) + shift.view(shape)).to(input.scalar_type());
+  const bool needs_grad = torch::GradMode::is_enabled() &&
+                          (input.requires_grad() || (weight.defined() && weight.requires_grad()) ||
+                           (bias.defined() && bias.requires_grad()));
+  if (needs_grad) {
+    auto node = std::shared_ptr<SyncBatchNormBackward>(new SyncBatchNormBackward(),
+                                                       torch::autograd::deleteNode);
+    node->context = is_training() ? context_ : strategy::ReplicaContext();
+    node->input = input.detach();
+    node->weight = gamma.detach();
+    node->mean = mean;
+    node->var = var;
+    node->invstd = (var + options.eps()).rsqrt();
+    node->count = count;
+    node->eps = options.eps();
+    node->has_weight = weight.defined();
+    node->has_bias = bias.defined();
+    node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+    torch::autograd::set_history(output, node);
+  }
+  return output;
 }
 
 torch::nn::Sequential convert_sync_batchnorm(const torch::nn::Sequential& module) {

@@ -7,8 +7,8 @@
 //
 //   auto net = strategy.scope([] { return train::convert_sync_batchnorm(make_resnet()); });
 //
-// Each training forward costs one small all-reduce per layer (2C + 1 values), and each backward
-// one more (2C + 1): latency, not bandwidth. An empty slice (a short last batch over many
+// Each training forward costs one small blocking all-reduce per layer (2C + 1 values), and each
+// backward one more (2C): latency, not bandwidth, but 2 per layer per step (bench/batchnorm.sh). An empty slice (a short last batch over many
 // replicas, a worker whose input ran out) still takes part, with zero elements.
 #pragma once
 
