@@ -7,6 +7,9 @@
 # ratios from 1 MiB up.
 # Usage: bench/allreduce.sh [ROUNDS=7] [MAX_BYTES=268435456]   env: PROCESSES="2 3"
 set -euo pipefail
+# Every JSON line names the machine: the script runs again through bench/machine.sh --tag.
+[ -n "${BENCH_TAGGED:-}" ] || { BENCH_TAGGED=1 "$(readlink -f "$0")" "$@" |
+  "$(dirname "$(readlink -f "$0")")/machine.sh" --tag; exit "${PIPESTATUS[0]}"; }
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 ROUNDS=${1:-7}

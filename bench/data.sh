@@ -7,6 +7,9 @@
 # input-bound share of the 2-worker CNN training (time waiting for data / step time).
 # Usage: bench/data.sh [RUNS=3] [EPOCHS=2]
 set -euo pipefail
+# Every JSON line names the machine: the script runs again through bench/machine.sh --tag.
+[ -n "${BENCH_TAGGED:-}" ] || { BENCH_TAGGED=1 "$(readlink -f "$0")" "$@" |
+  "$(dirname "$(readlink -f "$0")")/machine.sh" --tag; exit "${PIPESTATUS[0]}"; }
 cd "$(dirname "$0")/.."
 RUNS=${1:-3}
 EPOCHS=${2:-2}

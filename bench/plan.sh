@@ -41,6 +41,9 @@
 #   NICE=-15              niceness of every training process (0: as started)
 #   FLOTILLA=build/flotilla
 set -euo pipefail
+# Every JSON line names the machine: the script runs again through bench/machine.sh --tag.
+[ -n "${BENCH_TAGGED:-}" ] || { BENCH_TAGGED=1 "$(readlink -f "$0")" "$@" |
+  "$(dirname "$(readlink -f "$0")")/machine.sh" --tag; exit "${PIPESTATUS[0]}"; }
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 

@@ -6,6 +6,9 @@
 # ms per step of the chief, from --metrics-json) and the overhead ratio traced / untraced.
 # Usage: bench/profile.sh [STEPS=200] [RUNS=5]   (make bench-profile)
 set -euo pipefail
+# Every JSON line names the machine: the script runs again through bench/machine.sh --tag.
+[ -n "${BENCH_TAGGED:-}" ] || { BENCH_TAGGED=1 "$(readlink -f "$0")" "$@" |
+  "$(dirname "$(readlink -f "$0")")/machine.sh" --tag; exit "${PIPESTATUS[0]}"; }
 cd "$(dirname "$0")/.."
 FLOTILLA=${FLOTILLA:-build/flotilla}
 STEPS=${1:-200}

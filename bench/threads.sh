@@ -5,6 +5,9 @@
 # alike; prints one JSON line per configuration: the median samples/s and the ratio to default.
 # Usage: bench/threads.sh [STEPS=300] [RUNS=3]   (make bench-threads)
 set -euo pipefail
+# Every JSON line names the machine: the script runs again through bench/machine.sh --tag.
+[ -n "${BENCH_TAGGED:-}" ] || { BENCH_TAGGED=1 "$(readlink -f "$0")" "$@" |
+  "$(dirname "$(readlink -f "$0")")/machine.sh" --tag; exit "${PIPESTATUS[0]}"; }
 cd "$(dirname "$0")/.."
 FLOTILLA=${FLOTILLA:-build/flotilla}
 STEPS=${1:-300}
