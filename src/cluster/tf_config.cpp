@@ -1,6 +1,8 @@
 // TF_CONFIG parsing with TensorFlow's rules for MultiWorkerMirroredStrategy: at most one chief
 // and one evaluator, the chief is the "chief" task or else worker 0, the evaluator trains with
-// nobody, and parameter servers are refused.
+// nobody, and parameter servers are refused. As TF does, it also takes what launchers write: an
+// index as a numeric string, no cluster at all (this machine alone), "master" for the chief (AI
+// Platform Training without useChiefInTfConfig), and keys of their own ("job", "trial", ...).
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -74,7 +76,7 @@ TaskType parse_task_type(const json& task, const json& cluster) {
   } else if (name == "ps") {
     throw error("task.type is \"ps\": " + std::string(kNoPs));
   } else if (name == "master") {
-    throw error("task.type \"master\" is the deprecated name of the chief; use \"chief\"");
+    type = TaskType::kChief; // the seed's and AI Platform's name of the chief
   } else {
     throw error("task.type \"" + name +
                 "\" is not a task type; use \"chief\", \"worker\" or \"evaluator\"");
@@ -90,13 +92,26 @@ TaskType parse_task_type(const json& task, const json& cluster) {
   return type;
 }
 
+// An integer, or a string of one ("1": TF applies int()).
+long long integer_of(const json& value) {
+  if (value.is_number_integer()) return value.get<long long>();
+  if (value.is_string()) {
+    const std::string text = value.get<std::string>();
+    std::size_t used = 0;
+    try {
+      const long long n = std::stoll(text, &used);
+      if (used == text.size()) return n;
+    } catch (const std::exception&) {
+    }
+  }
+  throw error("task.index must be an integer (or a string of one, as TF's int() takes); saw " +
+              type_name(value));
+}
+
 int parse_task_index(const json& task, const std::string& type_name_, size_t count) {
   auto it = task.find("index");
   if (it == task.end()) return 0; // TensorFlow's default
-  if (!it->is_number_integer()) {
-    throw error("task.index must be an integer; saw " + type_name(*it));
-  }
-  const auto index = it->get<long long>();
+  const auto index = integer_of(*it);
   const std::string range = count == 1 ? "use 0" : "use 0 to " + std::to_string(count - 1);
   if (index < 0) {
     throw error("task.index is " + std::to_string(index) + "; an index counts from 0: " + range +
@@ -129,19 +144,37 @@ ClusterSpec parse_tf_config(std::string_view text) {
     throw error("must be a JSON object; saw " + type_name(doc) + "; " + kExample);
   }
   auto cluster_it = doc.find("cluster");
-  if (cluster_it == doc.end()) {
-    throw error("has no \"cluster\"; list the tasks' addresses, " + std::string(kExample) +
-                ", or unset TF_CONFIG to train on this machine alone");
+  if (cluster_it == doc.end() || (cluster_it->is_object() && cluster_it->empty())) {
+    // TF_CONFIG={} (or no cluster): TF trains on this machine alone.
+    ClusterSpec alone;
+    alone.source = "TF_CONFIG without a cluster: this machine alone";
+    alone.task = {TaskType::kWorker, 0};
+    alone.rendezvous = Address{"127.0.0.1", 0}; // a group of one needs no network
+    alone.local_host = "127.0.0.1";
+    return alone;
   }
-  const json& cluster = *cluster_it;
+  json cluster = *cluster_it;
   if (!cluster.is_object()) {
     throw error("cluster must be an object of task lists; saw " + type_name(cluster));
+  }
+  std::vector<std::string> notes;
+  if (cluster.contains("master")) {
+    if (cluster.contains("chief")) {
+      throw error("cluster lists both \"chief\" and \"master\" (the chief's deprecated name); "
+                  "keep one");
+    }
+    cluster["chief"] = cluster["master"];
+    cluster.erase("master");
+    notes.push_back("TF_CONFIG: \"master\" is the deprecated name of the chief (AI Platform "
+                    "Training writes it unless the job sets useChiefInTfConfig); it is the chief");
+  }
+  json task_json = doc.contains("task") ? doc["task"] : json();
+  if (task_json.is_object() && task_json.value("type", json()) == "master") {
+    task_json["type"] = "chief";
   }
   for (const auto& [name, value] : cluster.items()) {
     if (name == "ps") {
       if (!value.empty()) throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
-    } else if (name == "master") {
-      throw error("cluster.master is the deprecated name of the chief; rename it \"chief\"");
     } else if (name != "chief" && name != "worker" && name != "evaluator") {
       throw error("cluster has unknown task type \"" + name +
                   "\"; use \"chief\", \"worker\" and \"evaluator\"");
@@ -150,6 +183,7 @@ ClusterSpec parse_tf_config(std::string_view text) {
 
   ClusterSpec spec;
   spec.source = "TF_CONFIG";
+  spec.notes = notes;
   spec.chief = parse_job(cluster, "chief");
   spec.worker = parse_job(cluster, "worker");
   spec.evaluator = parse_job(cluster, "evaluator");
@@ -175,22 +209,22 @@ ClusterSpec parse_tf_config(std::string_view text) {
   check_unique(spec.worker, "worker");
   check_unique(spec.evaluator, "evaluator");
 
-  auto task_it = doc.find("task");
+  auto task_it = task_json.is_null() ? doc.end() : doc.find("task");
   if (task_it == doc.end()) {
     throw error(
         "has no \"task\"; add \"task\": {\"type\": \"worker\", \"index\": i} to say which task "
         "this process is");
   }
-  if (!task_it->is_object()) {
+  if (!task_json.is_object()) {
     throw error("task must be an object like {\"type\": \"worker\", \"index\": 0}; saw " +
-                type_name(*task_it));
+                type_name(task_json));
   }
-  spec.task.type = parse_task_type(*task_it, cluster);
+  spec.task.type = parse_task_type(task_json, cluster);
   const std::string type = std::string(to_string(spec.task.type));
   const auto& job = spec.task.type == TaskType::kChief    ? spec.chief
                     : spec.task.type == TaskType::kWorker ? spec.worker
                                                           : spec.evaluator;
-  spec.task.index = parse_task_index(*task_it, type, job.size());
+  spec.task.index = parse_task_index(task_json, type, job.size());
 
   for (const char* key : {"rpc_layer", "environment"}) {
     auto it = doc.find(key);

@@ -294,6 +294,7 @@ void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
                       device_list(devices) + ", " + std::to_string(threads) +
                       " thread(s) per worker; cluster from " + spec.source +
                       (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
+  for (const auto& note : spec.notes) strategy.log().info(note);
 }
 
 data::Element normalized(data::Element e) {

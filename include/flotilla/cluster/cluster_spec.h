@@ -48,6 +48,9 @@ struct ClusterSpec {
   std::string local_host; // this task's own host (to bind collectives to); "" when unknown
   // "TF_CONFIG", "torchrun environment", "Slurm environment" or "single worker".
   std::string source;
+  // What the resolver accepted with a remark the user should see once (TF_CONFIG's deprecated
+  // "master"); the CLI logs them.
+  std::vector<std::string> notes;
 
   bool is_chief() const { return rank == 0; }
   bool is_evaluator() const { return task.type == TaskType::kEvaluator; }

@@ -135,8 +135,13 @@ const BadCase kBadCases[] = {
      "TF_CONFIG task.index is -1; an index counts from 0: use 0 to 1 for the 2 \"worker\" "
      "addresses"},
     {"IndexNotInteger",
-     R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}})",
-     "TF_CONFIG task.index must be an integer; saw the string \"0\""},
+     R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "one"}})",
+     "TF_CONFIG task.index must be an integer (or a string of one, as TF's int() takes); saw the "
+     "string \"one\""},
+    {"IndexFloat",
+     R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0.5}})",
+     "TF_CONFIG task.index must be an integer (or a string of one, as TF's int() takes); saw the "
+     "number 0.5"},
     {"DuplicateAddress",
      R"({"cluster": {"chief": ["a:1"], "worker": ["b:2", "a:1"]}, "task": {"type": "chief"}})",
      "TF_CONFIG address \"a:1\" appears twice (cluster.chief[0] and cluster.worker[1]); every "
@@ -164,14 +169,10 @@ const BadCase kBadCases[] = {
      R"({"cluster": {"worker": ["c:3"], "evaluator": ["a:1", "b:2"]}, "task": {"type": "worker"}})",
      "TF_CONFIG cluster.evaluator lists 2 addresses (\"a:1\", \"b:2\"); a cluster has at most one "
      "evaluator: keep one; the others cannot join training"},
-    {"EmptyCluster", R"({"cluster": {}, "task": {"type": "worker", "index": 0}})",
+    {"OnlyAnEvaluator", R"({"cluster": {"evaluator": ["e:1"]}, "task": {"type": "evaluator"}})",
      "TF_CONFIG cluster is empty: it lists no \"chief\" or \"worker\" address; e.g. {\"cluster\": "
      "{\"worker\": [\"host1:2222\", \"host2:2222\"]}, \"task\": {\"type\": \"worker\", \"index\": "
      "0}}"},
-    {"MissingCluster", R"({"task": {"type": "worker", "index": 0}})",
-     "TF_CONFIG has no \"cluster\"; list the tasks' addresses, e.g. {\"cluster\": {\"worker\": "
-     "[\"host1:2222\", \"host2:2222\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}, or unset "
-     "TF_CONFIG to train on this machine alone"},
     {"TaskTypeAbsentFromCluster", R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "chief"}})",
      "TF_CONFIG task.type is \"chief\" but cluster has no \"chief\" addresses; add them to "
      "cluster or use a type it lists (\"worker\")"},
@@ -190,8 +191,10 @@ const BadCase kBadCases[] = {
      R"({"cluster": {"worker": ["a:1"], "trainer": ["b:2"]}, "task": {"type": "worker"}})",
      "TF_CONFIG cluster has unknown task type \"trainer\"; use \"chief\", \"worker\" and "
      "\"evaluator\""},
-    {"Master", R"({"cluster": {"master": ["a:1"]}, "task": {"type": "master"}})",
-     "TF_CONFIG cluster.master is the deprecated name of the chief; rename it \"chief\""},
+    {"ChiefAndMaster",
+     R"({"cluster": {"chief": ["a:1"], "master": ["b:2"]}, "task": {"type": "chief"}})",
+     "TF_CONFIG cluster lists both \"chief\" and \"master\" (the chief's deprecated name); keep "
+     "one"},
     {"MissingTaskType", R"({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}})",
      "TF_CONFIG task has no \"type\"; set it to \"chief\", \"worker\" or \"evaluator\""},
     {"TaskNotObject", R"({"cluster": {"worker": ["a:1"]}, "task": "worker"})",
@@ -207,6 +210,68 @@ const BadCase kBadCases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Table, TfConfigErrors, ::testing::ValuesIn(kBadCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// TF_CONFIGs as launchers write them (shapes from their documentation), which TF accepts.
+TEST(TfConfigFromLaunchers, KubeflowTfJobWithChiefWorkersEvaluatorAndDnsNames) {
+  const char* kTfJob =
+      R"({"cluster":{"chief":["mnist-chief-0.kubeflow.svc:2222"],)"
+      R"("evaluator":["mnist-evaluator-0.kubeflow.svc:2222"],)"
+      R"("worker":["mnist-worker-0.kubeflow.svc:2222","mnist-worker-1.kubeflow.svc:2222"]},)"
+      R"("task":{"type":"worker","index":1},"environment":"cloud"})";
+  const auto spec = parse_tf_config(kTfJob);
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.rank, 2);
+  EXPECT_EQ(spec.rendezvous.to_string(), "mnist-chief-0.kubeflow.svc:2222");
+  EXPECT_EQ(spec.local_host, "mnist-worker-1.kubeflow.svc");
+  EXPECT_EQ(spec.environment, "cloud");
+  EXPECT_TRUE(spec.notes.empty());
+}
+
+TEST(TfConfigFromLaunchers, VertexAiWithItsJobStringAndANumericStringIndex) {
+  const char* kVertex =
+      R"({"cluster":{"chief":["cmle-training-workerpool0-ab12cd-0:2222"],)"
+      R"("worker":["cmle-training-workerpool1-ab12cd-0:2222",)"
+      R"("cmle-training-workerpool1-ab12cd-1:2222"]},"environment":"cloud",)"
+      R"("task":{"type":"worker","index":"1","trial":"3"},)"
+      R"("job":"{\"python_module\":\"\",\"package_uris\":[],\"job_args\":[]}"})";
+  const auto spec = parse_tf_config(kVertex);
+  EXPECT_EQ(spec.task.index, 1);
+  EXPECT_EQ(spec.rank, 2);
+  EXPECT_EQ(spec.world_size, 3);
+}
+
+TEST(TfConfigFromLaunchers, AiPlatformTrainingMasterIsTheChiefWithANote) {
+  const std::string cluster =
+      R"("cluster":{"master":["cmle-training-master-5a8f-0:2222"],)"
+      R"("worker":["cmle-training-worker-5a8f-0:2222","cmle-training-worker-5a8f-1:2222"]},)"
+      R"("environment":"cloud","job":{"scale_tier":"CUSTOM","master_type":"n1-standard-8",)"
+      R"("worker_type":"n1-standard-8","worker_count":"2","region":"us-central1"},)";
+  const auto master = parse_tf_config(
+      "{" + cluster + R"("task":{"type":"master","index":0,"cloud":"a1b2c3","trial":"1"}})");
+  EXPECT_TRUE(master.is_chief());
+  EXPECT_EQ(master.task.type, TaskType::kChief);
+  EXPECT_EQ(master.world_size, 3);
+  EXPECT_EQ(master.rendezvous.to_string(), "cmle-training-master-5a8f-0:2222");
+  ASSERT_EQ(master.notes.size(), 1u);
+  EXPECT_NE(master.notes[0].find("\"master\" is the deprecated name of the chief"),
+            std::string::npos);
+  const auto worker = parse_tf_config("{" + cluster + R"("task":{"type":"worker","index":1}})");
+  EXPECT_EQ(worker.rank, 2);
+  // What flotilla writes back names it the chief.
+  EXPECT_NE(to_tf_config(master).find("\"chief\""), std::string::npos);
+}
+
+TEST(TfConfigFromLaunchers, NoClusterIsThisMachineAlone) {
+  for (const char* text : {"{}", R"({"task": {"type": "worker", "index": 0}})",
+                           R"({"cluster": {}, "task": {"type": "worker", "index": 0}})",
+                           R"({"cluster": {}, "environment": "cloud"})"}) {
+    const auto spec = parse_tf_config(text);
+    EXPECT_EQ(spec.world_size, 1) << text;
+    EXPECT_EQ(spec.rank, 0) << text;
+    EXPECT_TRUE(spec.is_chief()) << text;
+    EXPECT_EQ(spec.source, "TF_CONFIG without a cluster: this machine alone") << text;
+  }
+}
 
 TEST(Address, ParsesHostAndPortAndNamesTheFieldInErrors) {
   const Address a = parse_address("10.0.0.2:2222", "X");
