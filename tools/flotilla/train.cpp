@@ -534,10 +534,19 @@ int run_evaluator(const TrainArgs& a) {
   const data::Dataset test = data::fashion_mnist(a.data_dir, data::Split::kTest)
                                  .batch(a.batch_per_replica * 4)
                                  .map(normalized);
-  strategy::MirroredStrategy strategy; // this process alone
+  // This process alone, on the first of --devices (evaluation runs one replica).
+  const std::vector<torch::Device> devices =
+      a.devices == "auto" ? strategy::default_devices() : strategy::parse_devices(a.devices);
+  strategy::MirroredStrategy strategy(std::vector<torch::Device>{devices.front()});
   train::Model model(strategy, build_model(a));
-  model.compile({});
   train::SidecarEvaluatorOptions options;
+  // --precision given: every checkpoint is evaluated under it; auto: under the policy each
+  // checkpoint was trained in (its manifest says), as the chief measured it.
+  if (a.precision != "auto") {
+    train::set_global_policy(train::parse_policy(a.precision));
+    options.use_checkpoint_policy = false;
+  }
+  model.compile({});
   options.checkpoint_dir = a.checkpoint_dir;
   if (!a.tensorboard_dir.empty()) options.log_dir = fs::path(a.tensorboard_dir) / "evaluation";
   options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
