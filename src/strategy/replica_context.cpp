@@ -97,7 +97,7 @@ int ReplicaContext::num_replicas_in_sync() const {
 }
 
 torch::Tensor ReplicaContext::all_reduce_sum(const torch::Tensor& value) const {
-  if (!group_) return value.detach().clone();
+  if (!group_) return value;
   return group_->all_reduce_sum(local_, value);
 }
 

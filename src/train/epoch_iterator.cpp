@@ -39,19 +39,14 @@ std::optional<data::ReplicaBatch> EpochIterator::next() {
   torch::Tensor votes = torch::tensor(
       {std::int64_t{batch ? 1 : 0}, rows, std::int64_t{shapeless ? 1 : 0}}, torch::kLong);
   workers_.all_reduce(votes, collective::ReduceOp::kSum).wait();
-  const std::int64_t workers_with_batch = votes[0].item<std::int64_t>();
-  if (workers_with_batch == 0) {
+  const std::int64_t* summed = votes.data_ptr<std::int64_t>();
+  if (summed[0] == 0) { // no worker has a batch
     ran_out_ = steps_per_epoch_.has_value();
     return std::nullopt;
   }
-  shapeless_anywhere_ = votes[2].item<std::int64_t>() > 0;
+  shapeless_anywhere_ = summed[2] > 0;
   if (batch) {
-    empty_.clear();
-    for (const auto& component : batch->element) {
-      auto shape = component.sizes().vec();
-      if (!shape.empty()) shape[0] = 0;
-      empty_.push_back(torch::empty(shape, component.options())); // not a view: no storage kept
-    }
+    remember_layout(batch->element);
   } else {
     batch.emplace();
     // No shape to copy yet: components of zero rows (a model without SyncBatchNorm runs no
@@ -59,8 +54,26 @@ std::optional<data::ReplicaBatch> EpochIterator::next() {
     batch->element =
         shapeless ? data::Element{torch::empty({0}), torch::empty({0}, torch::kLong)} : empty_;
   }
-  batch->global_batch_size = votes[1].item<std::int64_t>();
+  batch->global_batch_size = summed[1];
   return batch;
+}
+
+void EpochIterator::remember_layout(const data::Element& element) {
+  // Rebuilt only when the layout changes (a batch's rows aside), not for every batch.
+  bool same = empty_.size() == element.size();
+  for (std::size_t i = 0; same && i < element.size(); ++i) {
+    const torch::Tensor& e = empty_[i];
+    const torch::Tensor& c = element[i];
+    same = e.dim() == c.dim() && e.scalar_type() == c.scalar_type() && e.device() == c.device() &&
+           (c.dim() == 0 || e.sizes().slice(1) == c.sizes().slice(1));
+  }
+  if (same) return;
+  empty_.clear();
+  for (const auto& component : element) {
+    auto shape = component.sizes().vec();
+    if (!shape.empty()) shape[0] = 0;
+    empty_.push_back(torch::empty(shape, component.options())); // not a view: no storage kept
+  }
 }
 
 std::optional<data::IteratorState> EpochIterator::position(std::int64_t step_in_epoch) const {

@@ -57,7 +57,9 @@ class EpochIterator {
   std::int64_t known_steps_ = 0;
   std::optional<data::DistributedIterator> pass_;
   bool ran_out_ = false;
-  data::Element empty_; // the last batch's components with zero rows
+  // Keeps empty_ shaped like `element` (zero rows).
+  void remember_layout(const data::Element& element);
+  data::Element empty_; // components with zero rows, shaped like the last batch's
   bool shapeless_anywhere_ = false;
 };
 

@@ -5,7 +5,9 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "flotilla/base/system.h"
@@ -240,8 +242,9 @@ void Model::compile(const CompileOptions& options) {
   // Each replica's SyncBatchNorm layers meet the others through its own context.
   replica_contexts_ =
       strategy::make_replica_contexts(strategy_.communicator(), replicas_->size());
-  for (int r = replicas_->size() - 1; r >= 0; --r) {
-    sync_batchnorm_layers_ = bind_sync_batchnorm(replicas_->module(r), replica_contexts_[r]);
+  for (int r = 0; r < replicas_->size(); ++r) {
+    const int layers = bind_sync_batchnorm(replicas_->module(r), replica_contexts_[r]);
+    if (r == 0) sync_batchnorm_layers_ = layers; // the replicas are copies: the same count
   }
   buffers_dirty_ = false; // the replicas are copies of the model
   std::string why_no_graph = why_no_captured_step(strategy_, options.gradient_accumulation_steps);
@@ -858,32 +861,31 @@ torch::Tensor Model::predict(const data::DistributedDataset& data) {
   const auto shapes = collective::all_gather_uneven(
       workers, outputs.empty() ? torch::empty({0}, torch::kLong)
                                : torch::tensor(mine.sizes().slice(1).vec(), torch::kLong));
-  std::int64_t total_rows = 0;
-  for (const auto& c : counts) total_rows += c.sum().item<std::int64_t>();
-  if (total_rows == 0) return mine;
-  std::vector<std::int64_t> row_shape;
-  for (std::size_t w = 0; w < flat.size(); ++w) {
-    if (counts[w].sum().item<std::int64_t>() > 0) {
-      row_shape.assign(shapes[w].data_ptr<std::int64_t>(),
-                       shapes[w].data_ptr<std::int64_t>() + shapes[w].numel());
-      break;
+  // Worker w's rows per batch (host integers), then each batch's rows in worker order.
+  std::vector<std::vector<std::int64_t>> rows_of;
+  std::vector<std::int64_t> full_shape;
+  std::int64_t batches = 0;
+  for (std::size_t w = 0; w < counts.size(); ++w) {
+    const std::int64_t* r = counts[w].data_ptr<std::int64_t>();
+    rows_of.emplace_back(r, r + counts[w].numel());
+    batches = std::max(batches, counts[w].numel());
+    if (full_shape.empty() && std::accumulate(rows_of[w].begin(), rows_of[w].end(), 0LL) > 0) {
+      const std::int64_t* d = shapes[w].data_ptr<std::int64_t>();
+      full_shape.assign({-1});
+      full_shape.insert(full_shape.end(), d, d + shapes[w].numel());
     }
   }
-  std::int64_t row_numel = 1;
-  for (const auto d : row_shape) row_numel *= d;
-  std::vector<std::int64_t> full_shape = {-1};
-  full_shape.insert(full_shape.end(), row_shape.begin(), row_shape.end());
+  if (full_shape.empty()) return mine; // no worker predicted anything
+  const std::int64_t row_numel = std::accumulate(full_shape.begin() + 1, full_shape.end(), 1LL,
+                                                 std::multiplies<std::int64_t>());
   std::vector<torch::Tensor> ordered;
   std::vector<std::int64_t> cursor(flat.size(), 0);
-  std::int64_t batches = 0;
-  for (const auto& c : counts) batches = std::max(batches, c.numel());
   for (std::int64_t b = 0; b < batches; ++b) {
     for (std::size_t w = 0; w < flat.size(); ++w) {
-      if (b >= counts[w].numel()) continue;
-      const std::int64_t n = counts[w][b].item<std::int64_t>();
-      if (n == 0) continue;
-      ordered.push_back(flat[w].narrow(0, cursor[w] * row_numel, n * row_numel));
-      cursor[w] += n;
+      const auto& r = rows_of[w];
+      if (b >= static_cast<std::int64_t>(r.size()) || r[b] == 0) continue;
+      ordered.push_back(flat[w].narrow(0, cursor[w] * row_numel, r[b] * row_numel));
+      cursor[w] += r[b];
     }
   }
   return torch::cat(ordered).view(full_shape);

@@ -186,7 +186,7 @@ struct SyncBatchNormBackward : torch::autograd::Node {
           dy, input, weight, mean, var, {}, {}, /*train=*/false, eps, {true, true, true});
       local = torch::cat({grad_bias.to(torch::kDouble), (grad_weight / invstd).to(torch::kDouble)});
     }
-    const torch::Tensor global = context.alone() ? local : context.all_reduce_sum(local);
+    const torch::Tensor global = context.all_reduce_sum(local);
     const torch::Tensor mean_dy = (global.narrow(0, 0, c) / count).to(torch::kFloat);
     const torch::Tensor mean_dy_xmu = (global.narrow(0, c, c) / count).to(torch::kFloat);
     if (input.numel() > 0) {
@@ -246,7 +246,7 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
     }
     // Evaluation without running statistics normalises each replica's batch alone: evaluate()
     // runs one replica, which must not wait for the others.
-    global = is_training() && !context_.alone() ? context_.all_reduce_sum(local) : local;
+    global = is_training() ? context_.all_reduce_sum(local) : local;
   }
   const double count = global[2 * c].item<double>();
   if (count <= 1) {

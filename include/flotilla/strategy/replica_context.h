@@ -23,13 +23,13 @@ class LocalReplicas;
 
 class ReplicaContext {
  public:
-  // A replica alone: all_reduce_sum() returns its input.
+  // A replica alone: all_reduce_sum() returns its input, with no copy.
   ReplicaContext() = default;
 
   int replica_id_in_sync_group() const; // worker index × replicas per worker + local index
   int num_replicas_in_sync() const;
-  bool alone() const { return !group_; }
-  // The sum of `value` over every replica of every worker, on value's device (a new tensor).
+  // The sum of `value` over every replica of every worker, on value's device (a new tensor;
+  // `value` itself for a replica alone).
   // Blocks until every replica has called it; CommError when another replica of this worker
   // failed (abort()) or a worker did, TimeoutError after CommunicationOptions::timeout.
   torch::Tensor all_reduce_sum(const torch::Tensor& value) const;
