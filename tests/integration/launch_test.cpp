@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,7 @@
 #include "flotilla/error.h"
 #include "support/paths.h"
 #include "support/subprocess.h"
+#include "support/tensorboard.h"
 
 namespace flotilla {
 namespace {
@@ -326,6 +328,68 @@ TEST(Launch, TheEvaluatorEvaluatesTheChiefsFinalCheckpoint) {
   }
   EXPECT_EQ(evaluator, chief);
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/tb/evaluation"));
+}
+
+// Modules scripted by the venv's torch (tests/fixtures/torchscript_reference.py) into `dir`.
+bool make_torchscript_modules(const std::string& dir) {
+  return run_process({testing::test_python(),
+                      testing::source_dir() + "/tests/fixtures/torchscript_reference.py", "make",
+                      dir})
+             .exit_code == 0;
+}
+
+// A model from Python, as --model PATH: two workers train it, checkpoints and all, and the
+// evaluator evaluates the same weights from the chief's checkpoint.
+TEST(Launch, TwoWorkersTrainATorchScriptModuleAndTheEvaluatorEvaluatesIt) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  ASSERT_TRUE(make_torchscript_modules(dir.path())) << "the test venv's torch cannot script";
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
+                              "train", "--model", dir.path() + "/bn.pt", "--epochs", "1",
+                              "--steps-per-epoch", "40", "--lr", "0.05", "--checkpoint-dir",
+                              dir.path() + "/ckpt", "--metrics-json", metrics});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  double chief = -1, evaluator = -2;
+  for (const auto& line : lines_of(testing::read_file(metrics))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("test_accuracy")) chief = j["test_accuracy"];
+    if (j.contains("eval_accuracy")) evaluator = j["eval_accuracy"];
+  }
+  EXPECT_GT(chief, 0.6) << r.out; // 40 steps of batch 64 reach ~0.75
+  EXPECT_EQ(evaluator, chief) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/ckpt/ckpt-1/model.safetensors"));
+}
+
+// A module that cannot take the data fails each worker alone, before it joins: every worker
+// prints one line and exits 2, none waits for the other (each runs here by itself).
+TEST(TrainCommand, ATorchScriptModuleThatRejectsTheDataIsOneLineAndExit2OnEveryWorker) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  ASSERT_TRUE(make_torchscript_modules(dir.path())) << "the test venv's torch cannot script";
+  const std::string model = dir.path() + "/rgb.pt";
+  for (int index = 0; index < 2; ++index) {
+    const std::string tf_config =
+        R"({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": )" +
+        std::to_string(index) + "}}";
+    const auto r = run_process({kCli, "train", "--model", model}, {{"TF_CONFIG", tf_config}},
+                               std::chrono::seconds(60));
+    EXPECT_EQ(r.exit_code, kExitBadInput) << r.out << r.err;
+    EXPECT_EQ(r.err.rfind("flotilla train: error: " + model +
+                              ": forward failed on a batch of shape [2, 1, 28, 28] Float: RuntimeError: Given "
+                              "groups=1, weight of size [8, 3, 3, 3], expected input[2, 1, 28, "
+                              "28] to have 3 channels, but got 1 channels instead\n",
+                          0),
+              0u)
+        << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  const std::string text = dir.path() + "/model.pt";
+  std::ofstream(text) << "not a module";
+  const auto r = run_process({kCli, "train", "--model", text});
+  EXPECT_EQ(r.exit_code, kExitBadInput);
+  EXPECT_EQ(r.err.rfind("flotilla train: error: " + text + " is not a TorchScript module (", 0), 0u)
+      << r.err;
 }
 
 // The seed's two programs, briefly: 2 workers, a few steps each.

@@ -2,7 +2,9 @@
 // TF_CONFIG (or torchrun variables, or nothing: one worker alone); start one per task, or let
 // `flotilla launch` start them on this machine.
 
+#include <algorithm>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/base/system.h"
@@ -19,6 +21,7 @@
 #include "flotilla/train/schedules.h"
 #include "flotilla/train/sidecar_evaluator.h"
 #include "flotilla/train/sync_batchnorm.h"
+#include "flotilla/train/torchscript.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -510,9 +513,14 @@ void evaluate_on_test(train::Model& model, const data::Dataset& test,
   }
 }
 
+bool is_zoo_model(const std::string& model) {
+  const auto& names = models::model_names();
+  return std::find(names.begin(), names.end(), model) != names.end();
+}
+
 // The zoo's model, its BatchNorms synchronised with --sync-batchnorm (`log`: where to say that a
 // model without BatchNorm has nothing to synchronise).
-torch::nn::Sequential build_model(const TrainArgs& a, const Logger* log = nullptr) {
+torch::nn::Sequential build_zoo_model(const TrainArgs& a, const Logger* log = nullptr) {
   auto net = models::make_model(a.model);
   if (!a.sync_batchnorm) return net;
   auto converted = train::convert_sync_batchnorm(net);
@@ -520,6 +528,32 @@ torch::nn::Sequential build_model(const TrainArgs& a, const Logger* log = nullpt
     log->warn("--sync-batchnorm: " + a.model + " has no BatchNorm; nothing to synchronise");
   }
   return converted;
+}
+
+// --model PATH: a TorchScript module, loaded and run once on two of `source`'s elements, as
+// training will see them, before this worker joins: a file that is not a module, or a forward
+// that fails on the data, is one line and exit 2 on every worker, and no collective waits.
+train::TorchScriptModule load_script_model(const TrainArgs& a, const data::Dataset& source) {
+  if (a.sync_batchnorm) {
+    throw ConfigError("--sync-batchnorm does not apply to a TorchScript model (" + a.model +
+                      "): its BatchNorms are compiled into its graph; train without it (the "
+                      "statistics are still averaged over the replicas at every epoch's end)");
+  }
+  train::TorchScriptModule script = train::load_torchscript(a.model);
+  const std::optional<data::Element> sample = source.take(2).batch(2).map(normalized)
+                                                  .make_iterator().next();
+  if (sample) train::check_forward(script, (*sample)[0]);
+  return script;
+}
+
+// The model --model names, built in the strategy's scope (a TorchScript module: `script`, loaded
+// before joining).
+std::unique_ptr<train::Model> make_model(strategy::Strategy& strategy, const TrainArgs& a,
+                                         const train::TorchScriptModule& script) {
+  if (script) return std::make_unique<train::Model>(strategy, script);
+  auto net = strategy.scope(
+      [&] { return build_zoo_model(a, strategy.is_chief() ? &strategy.log() : nullptr); });
+  return std::make_unique<train::Model>(strategy, net);
 }
 
 // The evaluator task (TF_CONFIG task.type "evaluator"): TF's SidecarEvaluator on the chief's
@@ -531,14 +565,16 @@ int run_evaluator(const TrainArgs& a) {
                       "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
                       "as the chief's");
   }
-  const data::Dataset test = data::fashion_mnist(a.data_dir, data::Split::kTest)
-                                 .batch(a.batch_per_replica * 4)
-                                 .map(normalized);
+  const data::Dataset source = load_sources(a).test;
+  const data::Dataset test = source.batch(a.batch_per_replica * 4).map(normalized);
   // This process alone, on the first of --devices (evaluation runs one replica).
   const std::vector<torch::Device> devices =
       a.devices == "auto" ? strategy::default_devices() : strategy::parse_devices(a.devices);
   strategy::MirroredStrategy strategy(std::vector<torch::Device>{devices.front()});
-  train::Model model(strategy, build_model(a));
+  const train::TorchScriptModule script =
+      is_zoo_model(a.model) ? train::TorchScriptModule(nullptr) : load_script_model(a, source);
+  const std::unique_ptr<train::Model> owned = make_model(strategy, a, script);
+  train::Model& model = *owned;
   train::SidecarEvaluatorOptions options;
   // --precision given: every checkpoint is evaluated under it; auto: under the policy each
   // checkpoint was trained in (its manifest says), as the chief measured it.
@@ -581,6 +617,9 @@ int run(const TrainArgs& a) {
   const std::string metrics_json = spec.is_chief() ? a.metrics_json : "";
   if (!metrics_json.empty()) check_metrics_file(metrics_json);
   const Sources sources = load_sources(a);
+  const train::TorchScriptModule script = is_zoo_model(a.model)
+                                              ? train::TorchScriptModule(nullptr)
+                                              : load_script_model(a, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
@@ -591,9 +630,8 @@ int run(const TrainArgs& a) {
   const Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
   torch::manual_seed(a.seed);
-  auto net = strategy.scope(
-      [&] { return build_model(a, strategy.is_chief() ? &strategy.log() : nullptr); });
-  train::Model model(strategy, net);
+  const std::unique_ptr<train::Model> owned = make_model(strategy, a, script);
+  train::Model& model = *owned;
   model.compile(compile_options(a, recipe));
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm);
 
@@ -615,8 +653,10 @@ Command add_train(CLI::App& parent) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* app = parent.add_subcommand(
       "train", "Train a built-in model as one worker of the cluster in TF_CONFIG (or alone)");
-  app->add_option("--model", args->model, "mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
-      ->check(CLI::IsMember(models::model_names()))
+  app->add_option("--model", args->model,
+                  "mlp, mlp-wide, cnn, resnet20, resnet18, vit-tiny, or the path of a TorchScript "
+                  "module (torch.jit.script(model).save(\"model.pt\"))")
+      ->check(CLI::IsMember(models::model_names()) | CLI::ExistingFile)
       ->capture_default_str();
   app->add_option("--dataset", args->dataset, "Dataset name")
       ->check(CLI::IsMember({"fashion-mnist"}))

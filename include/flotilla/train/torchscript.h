@@ -1,0 +1,60 @@
+// Models defined in Python: a TorchScript module (torch.jit.script or torch.jit.trace, saved with
+// torch.jit.save) as a torch::nn::Module that Model trains like any other — replicas, mirrored
+// buffers, checkpoints and resume — under the module's own parameter and buffer names, so a
+// checkpoint's model.safetensors loads straight into the original nn.Module with load_state_dict.
+//
+// Why TorchScript: LibTorch 2.11 trains nothing else that Python exports. torch.export's programs
+// reach C++ only through AOTInductor (torch/csrc/inductor/aoti_runner, aoti_package), whose
+// runners map input tensors to output tensors with no autograd: inference only. In Python:
+//   scripted = torch.jit.script(model)   # or torch.jit.trace(model, example_batch)
+//   scripted.save("model.pt")
+//
+// The forward runs op by op (the graph executor's optimisations off, on the calling thread only),
+// as eager PyTorch runs it: its gradients are eager PyTorch's, autocast applies as it does to any
+// LibTorch module, and no profiling runs make the first steps differ from the later ones.
+// SyncBatchNorm does not apply: a TorchScript module's BatchNorms are compiled into its graph and
+// cannot be replaced from C++; their statistics are still mirrored (Model::mirror_buffers).
+#pragma once
+
+#include <torch/csrc/jit/api/module.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+
+namespace flotilla::train {
+
+class TorchScriptModuleImpl : public torch::nn::Module {
+ public:
+  // `source`: where it came from (a path), for messages. ConfigError when its forward does not
+  // take exactly one input.
+  explicit TorchScriptModuleImpl(torch::jit::Module module, std::string source = "");
+
+  // ConfigError naming the source when forward returns anything but one tensor; torch's own
+  // errors pass through as they are (see check_forward for a clear first-batch check).
+  torch::Tensor forward(const torch::Tensor& x);
+  void train(bool on = true) override;
+  // A deep copy (its own parameters and buffers), for another replica.
+  std::shared_ptr<torch::nn::Module>
+  clone(const std::optional<torch::Device>& device = std::nullopt) const override;
+
+  torch::jit::Module& script() { return script_; }
+  const std::string& source() const { return source_; }
+
+ private:
+  torch::jit::Module script_;
+  std::string source_;
+};
+TORCH_MODULE(TorchScriptModule);
+
+// torch::jit::load onto the CPU. ConfigError (one line: the path, what it is, torch's message)
+// for a missing file or one that is not a TorchScript module.
+TorchScriptModule load_torchscript(const std::string& path);
+
+// Runs forward once on `sample` in training mode (no gradients; buffers and mode restored) so that a model that
+// cannot take the input fails before training starts, on every worker alike, rather than inside
+// a step while the other workers wait in a collective. ConfigError naming the source, the
+// sample's shape and dtype, and torch's own message.
+void check_forward(TorchScriptModule& module, const torch::Tensor& sample);
+
+} // namespace flotilla::train
