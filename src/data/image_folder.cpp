@@ -1,0 +1,399 @@
+// image_dataset_from_directory: Keras's file index (class folders, walk order, numpy's shuffle,
+// the validation split), a shardable file source, and JPEG/PNG decoding.
+#include "flotilla/data/image_folder.h"
+
+#include <setjmp.h>
+// jpeglib.h needs size_t and FILE declared first.
+#include <cstdio>
+#include <jpeglib.h>
+#include <png.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "data/stages.h"
+#include "flotilla/data/tfrecord.h"
+
+namespace flotilla::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+// --- Keras's index ---
+
+bool has_image_extension(const std::string& name) {
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (const char* ext : {".bmp", ".gif", ".jpeg", ".jpg", ".png"}) {
+    const std::size_t n = std::strlen(ext);
+    if (lower.size() >= n && lower.compare(lower.size() - n, n, ext) == 0) return true;
+  }
+  return false;
+}
+
+// os.walk(top, followlinks=follow_links), its (root, files) pairs sorted by root, then each
+// root's files sorted: Keras's iter_valid_files.
+void walk(const std::string& root, bool follow_links, std::vector<std::pair<std::string,
+          std::vector<std::string>>>& out) {
+  std::vector<std::string> files, dirs;
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code kind;
+    if (it->is_directory(kind)) { // follows a link, as os.walk's isdir does
+      if (!it->is_symlink(kind) || follow_links) dirs.push_back(root + "/" + name);
+    } else {
+      files.push_back(name);
+    }
+  }
+  out.emplace_back(root, std::move(files));
+  for (const auto& d : dirs) walk(d, follow_links, out);
+}
+
+struct Index {
+  std::vector<std::string> class_names;
+  std::vector<std::string> paths;
+  std::vector<std::int64_t> labels;
+};
+
+Index index_directory(const std::string& directory, const ImageFolderOptions& o) {
+  std::error_code ec;
+  if (!fs::is_directory(directory, ec)) {
+    throw ConfigError("image_dataset_from_directory: " + directory +
+                      " is not a directory; give the folder that holds one sub-folder per class");
+  }
+  std::vector<std::string> subdirs;
+  for (fs::directory_iterator it(directory, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code kind;
+    if (it->is_directory(kind) && name[0] != '.') subdirs.push_back(name);
+  }
+  std::sort(subdirs.begin(), subdirs.end());
+  Index index;
+  index.class_names = subdirs;
+  if (!o.class_names.empty()) {
+    for (const auto& c : o.class_names) {
+      if (std::find(subdirs.begin(), subdirs.end(), c) == subdirs.end()) {
+        std::string found;
+        for (const auto& s : subdirs) found += (found.empty() ? "" : ", ") + s;
+        throw ConfigError("ImageFolderOptions::class_names has \"" + c + "\", which is not a "
+                          "sub-folder of " + directory + " (its sub-folders: " + found + ")");
+      }
+    }
+    index.class_names = o.class_names;
+  }
+  for (std::size_t c = 0; c < index.class_names.size(); ++c) {
+    std::vector<std::pair<std::string, std::vector<std::string>>> roots;
+    walk(directory + "/" + index.class_names[c], o.follow_links, roots);
+    std::sort(roots.begin(), roots.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [root, files] : roots) {
+      std::sort(files.begin(), files.end());
+      for (const auto& f : files) {
+        if (!has_image_extension(f)) continue;
+        index.paths.push_back(root + "/" + f);
+        index.labels.push_back(static_cast<std::int64_t>(c));
+      }
+    }
+  }
+  return index;
+}
+
+// numpy's legacy RandomState(seed).shuffle: MT19937 seeded with init_genrand(seed) (std::mt19937's
+// seeding), and for i = n-1 .. 1 a swap with j drawn uniformly from [0, i] by masked rejection
+// (random_interval).
+template <class T> void numpy_shuffle(std::vector<T>& v, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (std::size_t i = v.size(); i-- > 1;) {
+    std::uint64_t mask = i;
+    for (int s = 1; s < 64; s <<= 1) mask |= mask >> s;
+    std::uint64_t j;
+    do {
+      j = i <= 0xffffffffu ? (rng() & mask)
+                           : ((static_cast<std::uint64_t>(rng()) << 32 | rng()) & mask);
+    } while (j > i);
+    std::swap(v[i], v[j]);
+  }
+}
+
+// --- the file source: (path, label) in order; FILE sharding splits paths and labels alike ---
+
+class ImageFilesStage : public detail::Stage {
+ public:
+  ImageFilesStage(std::vector<std::string> files, std::vector<std::int64_t> labels)
+      : Stage("ImageFiles"), files_(std::move(files)), labels_(std::move(labels)) {}
+  std::int64_t skip(std::int64_t n) override {
+    const std::int64_t moved =
+        std::min<std::int64_t>(n, static_cast<std::int64_t>(files_.size()) - position_);
+    position_ += moved;
+    return moved;
+  }
+
+ protected:
+  std::optional<Element> produce() override {
+    if (position_ >= static_cast<std::int64_t>(files_.size())) return std::nullopt;
+    const auto k = static_cast<std::size_t>(position_++);
+    return Element{string_tensor(files_[k]), torch::scalar_tensor(labels_[k], torch::kInt64)};
+  }
+
+ private:
+  std::vector<std::string> files_;
+  std::vector<std::int64_t> labels_;
+  std::int64_t position_ = 0;
+};
+
+class ImageFilesNode : public detail::FileSourceNode {
+ public:
+  ImageFilesNode(std::vector<std::string> files, std::vector<std::int64_t> labels,
+                 const Options& options)
+      : FileSourceNode(std::move(files), options), labels_(std::move(labels)) {}
+  std::unique_ptr<detail::Stage> make_iterator(const detail::IteratorContext&) const override {
+    return std::make_unique<ImageFilesStage>(files_, labels_);
+  }
+  std::int64_t cardinality() const override { return static_cast<std::int64_t>(files_.size()); }
+  std::string describe() const override {
+    std::string labels;
+    for (auto l : labels_) labels += std::to_string(l) + ",";
+    return "image_files(" + describe_files() + "|" + labels + ")";
+  }
+  detail::NodePtr shard_files(std::int64_t n, std::int64_t i) const override {
+    if (static_cast<std::int64_t>(files_.size()) < n) return nullptr;
+    std::vector<std::string> files;
+    std::vector<std::int64_t> labels;
+    for (auto k = static_cast<std::size_t>(i); k < files_.size(); k += static_cast<std::size_t>(n)) {
+      files.push_back(files_[k]);
+      labels.push_back(labels_[k]);
+    }
+    return std::make_shared<ImageFilesNode>(std::move(files), std::move(labels), options());
+  }
+  detail::NodePtr with_files(std::vector<std::string>) const override {
+    return nullptr; // sharded by shard_files, with the labels
+  }
+
+ private:
+  std::vector<std::int64_t> labels_;
+};
+
+// --- decoding ---
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(path + ": cannot open the image (" + std::strerror(errno) + ")");
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+// libjpeg reports errors through a callback that must not return: longjmp back to the setjmp in
+// the function that called it. Those functions hold no C++ object with a destructor.
+struct JpegErrors {
+  jpeg_error_mgr pub;
+  jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+
+extern "C" void jpeg_fail(j_common_ptr cinfo) {
+  auto* errors = reinterpret_cast<JpegErrors*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, errors->message);
+  longjmp(errors->jump, 1);
+}
+
+// A corrupt-data warning (level -1: premature end of data, bad Huffman code, ...) is an error:
+// libjpeg would fill the rest of the image with grey and go on.
+extern "C" void jpeg_warn(j_common_ptr cinfo, int level) {
+  if (level < 0) jpeg_fail(cinfo);
+}
+
+struct Jpeg {
+  jpeg_decompress_struct cinfo;
+  JpegErrors errors;
+};
+
+bool jpeg_start(Jpeg* j, const unsigned char* data, unsigned long size, bool gray) {
+  j->cinfo.err = jpeg_std_error(&j->errors.pub);
+  j->errors.pub.error_exit = jpeg_fail;
+  j->errors.pub.emit_message = jpeg_warn;
+  j->errors.message[0] = '\0';
+  if (setjmp(j->errors.jump)) return false;
+  jpeg_create_decompress(&j->cinfo);
+  jpeg_mem_src(&j->cinfo, data, size);
+  jpeg_read_header(&j->cinfo, TRUE);
+  j->cinfo.out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
+  j->cinfo.dct_method = JDCT_ISLOW;
+  j->cinfo.do_fancy_upsampling = TRUE;
+  jpeg_start_decompress(&j->cinfo);
+  return true;
+}
+
+bool jpeg_rows(Jpeg* j, unsigned char* out) {
+  if (setjmp(j->errors.jump)) return false;
+  const std::size_t stride = j->cinfo.output_width * j->cinfo.output_components;
+  while (j->cinfo.output_scanline < j->cinfo.output_height) {
+    JSAMPROW row = out + j->cinfo.output_scanline * stride;
+    jpeg_read_scanlines(&j->cinfo, &row, 1);
+  }
+  jpeg_finish_decompress(&j->cinfo);
+  return true;
+}
+
+torch::Tensor decode_jpeg(const std::string& bytes, const std::string& path, ColorMode mode) {
+  Jpeg j{};
+  const bool gray = mode == ColorMode::kGrayscale;
+  torch::Tensor hwc;
+  bool ok = jpeg_start(&j, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), gray);
+  if (ok) {
+    hwc = torch::empty({static_cast<std::int64_t>(j.cinfo.output_height),
+                        static_cast<std::int64_t>(j.cinfo.output_width),
+                        static_cast<std::int64_t>(j.cinfo.output_components)},
+                       torch::kUInt8);
+    ok = jpeg_rows(&j, hwc.data_ptr<std::uint8_t>());
+  }
+  const std::string message = j.errors.message;
+  jpeg_destroy_decompress(&j.cinfo);
+  if (!ok) throw DataError(path + ": corrupt or truncated JPEG (libjpeg: " + message + ")");
+  return hwc.permute({2, 0, 1}).contiguous();
+}
+
+torch::Tensor decode_png(const std::string& bytes, const std::string& path, ColorMode mode) {
+  png_image image{};
+  image.version = PNG_IMAGE_VERSION;
+  if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size())) {
+    const std::string message = image.message;
+    png_image_free(&image);
+    throw DataError(path + ": corrupt PNG (libpng: " + message + ")");
+  }
+  image.format = mode == ColorMode::kGrayscale ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
+  const std::int64_t channels = mode == ColorMode::kGrayscale ? 1 : 3;
+  torch::Tensor hwc = torch::empty({static_cast<std::int64_t>(image.height),
+                                    static_cast<std::int64_t>(image.width), channels},
+                                   torch::kUInt8);
+  if (!png_image_finish_read(&image, nullptr, hwc.data_ptr<std::uint8_t>(), 0, nullptr)) {
+    const std::string message = image.message;
+    png_image_free(&image);
+    throw DataError(path + ": corrupt or truncated PNG (libpng: " + message + ")");
+  }
+  return hwc.permute({2, 0, 1}).contiguous();
+}
+
+} // namespace
+
+torch::Tensor decode_image(const std::string& path, ColorMode mode) {
+  const std::string bytes = read_bytes(path);
+  auto starts = [&](const char* magic, std::size_t n) {
+    return bytes.size() >= n && std::memcmp(bytes.data(), magic, n) == 0;
+  };
+  if (starts("\xFF\xD8\xFF", 3)) return decode_jpeg(bytes, path, mode);
+  if (starts("\x89PNG\r\n\x1A\n", 8)) return decode_png(bytes, path, mode);
+  const char* kind = starts("GIF8", 4) ? "a GIF image" : starts("BM", 2) ? "a BMP image" : nullptr;
+  if (kind) {
+    throw DataError(path + ": " + kind + "; flotilla decodes JPEG and PNG only (convert it, or "
+                           "move it out of the image folder)");
+  }
+  throw DataError(path + ": not a JPEG or PNG image (" + std::to_string(bytes.size()) +
+                  " bytes" + (bytes.empty() ? ", empty" : "") + "); remove or replace it");
+}
+
+torch::Tensor resize_bilinear(const torch::Tensor& image, std::int64_t height, std::int64_t width) {
+  if (image.dim() != 3) {
+    throw ConfigError("resize_bilinear: expected an image [C, H, W]; saw " +
+                      std::to_string(image.dim()) + " dimensions");
+  }
+  const torch::Tensor f = image.to(torch::kFloat32);
+  if (image.size(1) == height && image.size(2) == width) return f;
+  namespace F = torch::nn::functional;
+  return F::interpolate(f.unsqueeze(0), F::InterpolateFuncOptions()
+                                            .size(std::vector<std::int64_t>{height, width})
+                                            .mode(torch::kBilinear)
+                                            .align_corners(false)
+                                            .antialias(false))
+      .squeeze(0);
+}
+
+ImageFolder image_dataset_from_directory(const std::string& directory,
+                                         const ImageFolderOptions& o) {
+  const std::string where = "image_dataset_from_directory(" + directory + "): ";
+  if (o.validation_split != 0 && !(o.validation_split > 0 && o.validation_split < 1)) {
+    throw ConfigError(where + "ImageFolderOptions::validation_split must be in (0, 1); saw " +
+                      std::to_string(o.validation_split));
+  }
+  if ((o.validation_split != 0) != !o.subset.empty()) {
+    throw ConfigError(where + "give ImageFolderOptions::validation_split and ::subset together "
+                              "(subset \"" + o.subset + "\", validation_split " +
+                      std::to_string(o.validation_split) + ")");
+  }
+  if (!o.subset.empty() && o.subset != "training" && o.subset != "validation") {
+    throw ConfigError(where + "ImageFolderOptions::subset must be \"training\" or \"validation\"; "
+                              "saw \"" + o.subset + "\"");
+  }
+  if (o.validation_split != 0 && o.shuffle && !o.seed) {
+    throw ConfigError(where + "a validation split of shuffled files needs ImageFolderOptions::seed, "
+                              "the same for both subsets, or they overlap");
+  }
+  if (o.image_size[0] < 1 || o.image_size[1] < 1) {
+    throw ConfigError(where + "ImageFolderOptions::image_size must be positive; saw " +
+                      std::to_string(o.image_size[0]) + "x" + std::to_string(o.image_size[1]));
+  }
+  if (o.dtype != torch::kFloat32 && o.dtype != torch::kUInt8) {
+    throw ConfigError(where + "ImageFolderOptions::dtype must be float32 or uint8");
+  }
+  if (o.batch_size < 0) {
+    throw ConfigError(where + "ImageFolderOptions::batch_size must be positive, or 0 for none");
+  }
+  Index index = index_directory(directory, o);
+  if (index.class_names.empty()) {
+    throw ConfigError(where + "no sub-folders; put each class's images in a folder of its own");
+  }
+  if (index.paths.empty()) {
+    throw ConfigError(where + "no images (.bmp, .gif, .jpeg, .jpg or .png) in its " +
+                      std::to_string(index.class_names.size()) + " class folder(s)");
+  }
+  // Keras draws a seed when none is given; so do we (the order then differs from run to run).
+  const std::uint64_t seed = o.seed ? *o.seed : std::random_device{}() % 1000000;
+  if (o.shuffle) {
+    numpy_shuffle(index.paths, static_cast<std::uint32_t>(seed));
+    numpy_shuffle(index.labels, static_cast<std::uint32_t>(seed));
+  }
+  if (o.validation_split != 0) {
+    const auto n = static_cast<std::int64_t>(index.paths.size());
+    const auto validation = static_cast<std::int64_t>(o.validation_split * static_cast<double>(n));
+    if (validation < 1 || validation >= n) {
+      throw ConfigError(where + "validation_split " + std::to_string(o.validation_split) + " of " +
+                        std::to_string(n) + " files leaves an empty subset; change the split");
+    }
+    const bool training = o.subset == "training";
+    const std::size_t from = training ? 0 : static_cast<std::size_t>(n - validation);
+    const std::size_t to = training ? static_cast<std::size_t>(n - validation) : index.paths.size();
+    index.paths = {index.paths.begin() + from, index.paths.begin() + to};
+    index.labels = {index.labels.begin() + from, index.labels.begin() + to};
+  }
+
+  const Dataset files(std::make_shared<ImageFilesNode>(index.paths, index.labels, Options{}));
+  const ColorMode mode = o.color_mode;
+  const std::int64_t height = o.image_size[0], width = o.image_size[1];
+  const torch::Dtype dtype = o.dtype;
+  MapFn load = [mode, height, width, dtype](Element e) {
+    const torch::Tensor pixels = decode_image(to_string(e[0]), mode);
+    torch::Tensor image;
+    if (pixels.size(1) == height && pixels.size(2) == width) {
+      image = dtype == torch::kUInt8 ? pixels : pixels.to(torch::kFloat32);
+    } else {
+      image = resize_bilinear(pixels, height, width);
+      if (dtype == torch::kUInt8) image = image.round().clamp(0, 255).to(torch::kUInt8);
+    }
+    return Element{image, e[1]};
+  };
+  Dataset d = files;
+  if (o.shuffle) d = d.shuffle(o.batch_size > 0 ? o.batch_size * 8 : 1024, seed);
+  d = d.map(load, kAutotune);
+  if (o.batch_size > 0) d = d.batch(o.batch_size);
+  return ImageFolder{d.prefetch(kAutotune), index.class_names, index.paths, index.labels, files,
+                     load};
+}
+
+} // namespace flotilla::data
