@@ -116,7 +116,7 @@ TorchScriptModule load_torchscript(const std::string& path) {
   return TorchScriptModule(std::move(module), path);
 }
 
-void check_forward(TorchScriptModule& module, const torch::Tensor& sample) {
+torch::Tensor check_forward(TorchScriptModule& module, const torch::Tensor& sample) {
   // In the mode training will run it, but leaving no trace: BatchNorm's running statistics
   // (a forward in training mode updates them) are put back as they were.
   torch::NoGradGuard no_grad;
@@ -128,8 +128,9 @@ void check_forward(TorchScriptModule& module, const torch::Tensor& sample) {
     module->train(training);
   };
   module->train(true);
+  torch::Tensor out;
   try {
-    module->forward(sample);
+    out = module->forward(sample);
   } catch (const Error&) { // flotilla's own (a forward that returns no tensor): as it is
     restore();
     throw;
@@ -141,6 +142,7 @@ void check_forward(TorchScriptModule& module, const torch::Tensor& sample) {
                       one_line(c10 ? c10->what_without_backtrace() : e.what()));
   }
   restore();
+  return out;
 }
 
 } // namespace flotilla::train

@@ -392,6 +392,60 @@ TEST(TrainCommand, ATorchScriptModuleThatRejectsTheDataIsOneLineAndExit2OnEveryW
       << r.err;
 }
 
+// Fashion-MNIST's first `limit` images of each split as PNG class folders under `dir`.
+bool write_image_folders(const std::string& dir, int limit) {
+  return run_process({testing::test_python(),
+                      testing::source_dir() + "/scripts/fashion_mnist_images.py", "write", dir,
+                      "--limit", std::to_string(limit)})
+             .exit_code == 0;
+}
+
+// Images as files: two workers each decode their own half of the files (FILE sharding), the
+// evaluator measures the chief's checkpoint on the same validation subset.
+TEST(Launch, TwoWorkersTrainOnAnImageFolderAndTheEvaluatorEvaluatesIt) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  ASSERT_TRUE(write_image_folders(dir.path() + "/images", 2000)) << "no Pillow in the test venv";
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
+                              "train", "--model", "mlp", "--dataset", "image-folder",
+                              "--data-dir", dir.path() + "/images/train", "--validation-split",
+                              "0.25", "--epochs", "2", "--lr", "0.05", "--checkpoint-dir",
+                              dir.path() + "/ckpt", "--metrics-json", metrics});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("input: FILE: worker 0 of 2 reads its 750 of 1500 files"), std::string::npos)
+      << r.err;
+  double chief = -1, evaluator = -2;
+  std::int64_t tested = 0;
+  for (const auto& line : lines_of(testing::read_file(metrics))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("test_accuracy")) {
+      chief = j["test_accuracy"];
+      tested = j["test_samples"];
+    }
+    if (j.contains("eval_accuracy") && j["epoch"] == 2) evaluator = j["eval_accuracy"];
+  }
+  EXPECT_EQ(tested, 500); // the validation subset: int(0.25 x 2000)
+  EXPECT_GT(chief, 0.6) << r.out;
+  EXPECT_EQ(evaluator, chief) << r.out;
+}
+
+// Nothing trains on garbage: a truncated image stops the job with exit 2, naming the file.
+TEST(Launch, ACorruptImageStopsTrainingNamingTheFile) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::TempDir dir;
+  ASSERT_TRUE(write_image_folders(dir.path(), 200)) << "no Pillow in the test venv";
+  const std::string bad = dir.path() + "/train/3_dress/99999.png";
+  const std::string bytes = testing::read_file(dir.path() + "/train/0_tshirt_top/00001.png");
+  std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train",
+                              "--model", "mlp", "--dataset", "image-folder", "--data-dir",
+                              dir.path(), "--batch-per-replica", "8"});
+  EXPECT_EQ(r.exit_code, kExitBadInput) << r.out << r.err;
+  EXPECT_NE(r.err.find(bad + ": corrupt or truncated PNG (libpng: "), std::string::npos)
+      << r.err;
+}
+
 // The seed's two programs, briefly: 2 workers, a few steps each.
 TEST(Examples, TheSeedProgramsRunOnTwoWorkers) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";

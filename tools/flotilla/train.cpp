@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/base/system.h"
@@ -13,6 +14,7 @@
 #include "flotilla/data/distribute.h"
 #include "flotilla/data/fashion_mnist.h"
 #include "flotilla/data/image.h"
+#include "flotilla/data/image_folder.h"
 #include "flotilla/error.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
@@ -34,6 +36,10 @@ struct TrainArgs {
   std::string model = "cnn";
   std::string dataset = "fashion-mnist";
   std::string data_dir = data::kFashionMnistDir;
+  // --dataset image-folder: DIR/train and DIR/test class folders, or DIR's own split.
+  double validation_split = 0;
+  std::vector<std::int64_t> image_size = {28, 28};
+  std::string color_mode = "grayscale";
   int epochs = 1;
   std::int64_t steps_per_epoch = 0; // 0: the whole dataset
   std::int64_t batch_per_replica = 32;
@@ -226,8 +232,13 @@ std::string device_list(const std::vector<torch::Device>& devices) {
 
 // Only Fashion-MNIST so far.
 void check_dataset(const TrainArgs& a) {
-  if (a.dataset != "fashion-mnist") {
-    throw ConfigError("--dataset \"" + a.dataset + "\" is not available; use fashion-mnist");
+  if (a.dataset != "fashion-mnist" && a.dataset != "image-folder") {
+    throw ConfigError("--dataset \"" + a.dataset +
+                      "\" is not available; use fashion-mnist or image-folder");
+  }
+  if (a.dataset == "fashion-mnist" && a.validation_split != 0) {
+    throw ConfigError("--validation-split splits an image folder; Fashion-MNIST has its own "
+                      "test split (use --dataset image-folder)");
   }
 }
 
@@ -259,15 +270,65 @@ void check_metrics_file(const std::string& path) {
   }
 }
 
+// The training and test elements, (image uint8 [C, H, W], label int64); for an image folder,
+// (path, label) elements that `decode` turns into those, so that the pipeline shuffles and shards
+// paths and each worker decodes only its own files.
 struct Sources {
   data::Dataset train;
   data::Dataset test;
+  data::MapFn decode;           // empty: the elements are images already
+  std::int64_t classes = 10;
+  std::vector<std::int64_t> shape = {1, 28, 28}; // an image's
 };
+
+data::Dataset decoded(const Sources& s, const data::Dataset& d) {
+  return s.decode ? d.map(s.decode, data::kAutotune) : d;
+}
+
+Sources image_folder_sources(const TrainArgs& a) {
+  if (a.data_dir == data::kFashionMnistDir) {
+    throw ConfigError("--dataset image-folder reads class folders: give --data-dir DIR with "
+                      "DIR/train/<class>/... and DIR/test/<class>/... (or DIR/<class>/... and "
+                      "--validation-split); scripts/fashion_mnist_images.py writes Fashion-MNIST "
+                      "so");
+  }
+  data::ImageFolderOptions o;
+  o.color_mode = a.color_mode == "rgb" ? data::ColorMode::kRgb : data::ColorMode::kGrayscale;
+  o.image_size = {a.image_size.front(), a.image_size.back()};
+  o.batch_size = 0;
+  o.seed = static_cast<std::uint64_t>(a.seed);
+  o.dtype = torch::kUInt8; // normalised per batch, as Fashion-MNIST's bytes are
+  auto folder = [&](const std::string& dir, const std::string& subset) {
+    o.validation_split = subset.empty() ? 0 : a.validation_split;
+    o.subset = subset;
+    return data::image_dataset_from_directory(dir, o);
+  };
+  const bool split = a.validation_split > 0;
+  const fs::path root(a.data_dir);
+  if (!split && !(fs::is_directory(root / "train") && fs::is_directory(root / "test"))) {
+    throw ConfigError("--data-dir " + a.data_dir + " has no train/ and test/ folders; give a "
+                      "directory that has them, or split its class folders with "
+                      "--validation-split");
+  }
+  const data::ImageFolder train = split ? folder(a.data_dir, "training")
+                                        : folder((root / "train").string(), "");
+  const data::ImageFolder test = split ? folder(a.data_dir, "validation")
+                                       : folder((root / "test").string(), "");
+  if (test.class_names != train.class_names) {
+    throw ConfigError("--data-dir " + a.data_dir + ": test/ has " +
+                      std::to_string(test.class_names.size()) + " class folder(s), train/ " +
+                      std::to_string(train.class_names.size()) +
+                      "; give both the same class folders");
+  }
+  return {train.files, test.files, train.load, static_cast<std::int64_t>(train.class_names.size()),
+          {o.color_mode == data::ColorMode::kRgb ? 3 : 1, o.image_size[0], o.image_size[1]}};
+}
 
 // Loaded (and validated) before joining, so a bad path fails fast on every worker.
 Sources load_sources(const TrainArgs& a) {
+  if (a.dataset == "image-folder") return image_folder_sources(a);
   return {data::fashion_mnist(a.data_dir, data::Split::kTrain),
-          data::fashion_mnist(a.data_dir, data::Split::kTest)};
+          data::fashion_mnist(a.data_dir, data::Split::kTest), {}};
 }
 
 // Each worker's replica devices: --devices as given, or --replicas-per-worker of them; by
@@ -306,8 +367,12 @@ data::Element normalized(data::Element e) {
 
 // The seeds' recipe: [cache ->] shuffle -> [repeat ->] batch(drop_remainder) -> map(AUTOTUNE),
 // each batch normalized and, with --augment, flipped and cropped.
-data::Dataset training_batches(const TrainArgs& a, data::Dataset source,
+data::Dataset training_batches(const TrainArgs& a, const Sources& sources,
                                std::int64_t global_batch) {
+  // Image files: decoded after the shuffle of their paths (cheap, and each worker decodes only
+  // the files it reads), or before a cache, which then holds the decoded images.
+  const bool decode_first = sources.decode && a.cache != "none";
+  data::Dataset source = decode_first ? decoded(sources, sources.train) : sources.train;
   if (a.cache == "memory") {
     source = source.cache();
   } else if (a.cache != "none") {
@@ -317,6 +382,7 @@ data::Dataset training_batches(const TrainArgs& a, data::Dataset source,
   // steps_per_epoch with repeat()); without, an epoch is one pass.
   data::Dataset shuffled = source.shuffle(a.shuffle_buffer, a.seed);
   if (a.steps_per_epoch > 0) shuffled = shuffled.repeat();
+  if (sources.decode && !decode_first) shuffled = decoded(sources, shuffled);
   // Without augmentation there is nothing to key: no positions, no per-epoch seed (enumerate
   // makes a tensor per image, measurable when the pipeline shares the cores with training).
   if (!a.augment) return shuffled.batch(global_batch, true).map(normalized, data::kAutotune);
@@ -349,11 +415,12 @@ Input input_pipeline(const TrainArgs& a, const Sources& sources, const strategy:
   data::Options options;
   options.private_threadpool_size = threads;
   const data::Dataset batches =
-      training_batches(a, sources.train, global_batch).prefetch(data::kAutotune);
+      training_batches(a, sources, global_batch).prefetch(data::kAutotune);
   const data::Dataset to_device = device.is_cuda() ? batches.prefetch_to_device(device) : batches;
   auto train = data::distribute_dataset(to_device.with_options(options), strategy.input_context());
   // Every element counted once, the last batch short.
-  data::Dataset test = sources.test.batch(global_batch)
+  data::Dataset test = decoded(sources, sources.test)
+                           .batch(global_batch)
                            .map(normalized, data::kAutotune)
                            .prefetch(data::kAutotune)
                            .with_options(options);
@@ -533,17 +600,46 @@ torch::nn::Sequential build_zoo_model(const TrainArgs& a, const Logger* log = nu
 // --model PATH: a TorchScript module, loaded and run once on two of `source`'s elements, as
 // training will see them, before this worker joins: a file that is not a module, or a forward
 // that fails on the data, is one line and exit 2 on every worker, and no collective waits.
-train::TorchScriptModule load_script_model(const TrainArgs& a, const data::Dataset& source) {
+train::TorchScriptModule load_script_model(const TrainArgs& a, const Sources& sources,
+                                           const data::Dataset& source) {
   if (a.sync_batchnorm) {
     throw ConfigError("--sync-batchnorm does not apply to a TorchScript model (" + a.model +
                       "): its BatchNorms are compiled into its graph; train without it (the "
                       "statistics are still averaged over the replicas at every epoch's end)");
   }
   train::TorchScriptModule script = train::load_torchscript(a.model);
-  const std::optional<data::Element> sample = source.take(2).batch(2).map(normalized)
-                                                  .make_iterator().next();
-  if (sample) train::check_forward(script, (*sample)[0]);
+  const std::optional<data::Element> sample =
+      decoded(sources, source.take(2)).batch(2).map(normalized).make_iterator().next();
+  if (!sample) return script;
+  const torch::Tensor out = train::check_forward(script, (*sample)[0]);
+  if (out.dim() != 2 || out.size(1) < sources.classes) {
+    std::ostringstream shape;
+    shape << out.sizes();
+    throw ConfigError(a.model + ": forward returns " + shape.str() + " for a batch of 2; the " +
+                      "data has " + std::to_string(sources.classes) +
+                      " classes, so it must return [batch, " + std::to_string(sources.classes) +
+                      "] logits");
+  }
   return script;
+}
+
+// The zoo's models take Fashion-MNIST's shape: say so before joining, not in the first step.
+void check_zoo_fits(const TrainArgs& a, const Sources& sources) {
+  if (sources.shape == std::vector<std::int64_t>{1, 28, 28} && sources.classes <= 10) return;
+  throw ConfigError("--model " + a.model + " takes 1x28x28 images of up to 10 classes; the data "
+                    "has " + std::to_string(sources.classes) + " classes of " +
+                    std::to_string(sources.shape[0]) + "x" + std::to_string(sources.shape[1]) +
+                    "x" + std::to_string(sources.shape[2]) +
+                    " (--color-mode, --image-size): train a TorchScript module of your own "
+                    "(--model PATH), or use --color-mode grayscale --image-size 28");
+}
+
+// --model: the zoo's model (checked against the data) or a TorchScript module (loaded and run).
+train::TorchScriptModule script_model(const TrainArgs& a, const Sources& sources,
+                                      const data::Dataset& source) {
+  if (!is_zoo_model(a.model)) return load_script_model(a, sources, source);
+  check_zoo_fits(a, sources);
+  return train::TorchScriptModule(nullptr);
 }
 
 // The model --model names, built in the strategy's scope (a TorchScript module: `script`, loaded
@@ -565,14 +661,14 @@ int run_evaluator(const TrainArgs& a) {
                       "evaluates the chief's checkpoints, so give it --checkpoint-dir, the same "
                       "as the chief's");
   }
-  const data::Dataset source = load_sources(a).test;
-  const data::Dataset test = source.batch(a.batch_per_replica * 4).map(normalized);
+  const Sources sources = load_sources(a);
+  const data::Dataset test =
+      decoded(sources, sources.test).batch(a.batch_per_replica * 4).map(normalized);
   // This process alone, on the first of --devices (evaluation runs one replica).
   const std::vector<torch::Device> devices =
       a.devices == "auto" ? strategy::default_devices() : strategy::parse_devices(a.devices);
   strategy::MirroredStrategy strategy(std::vector<torch::Device>{devices.front()});
-  const train::TorchScriptModule script =
-      is_zoo_model(a.model) ? train::TorchScriptModule(nullptr) : load_script_model(a, source);
+  const train::TorchScriptModule script = script_model(a, sources, sources.test);
   const std::unique_ptr<train::Model> owned = make_model(strategy, a, script);
   train::Model& model = *owned;
   train::SidecarEvaluatorOptions options;
@@ -617,9 +713,7 @@ int run(const TrainArgs& a) {
   const std::string metrics_json = spec.is_chief() ? a.metrics_json : "";
   if (!metrics_json.empty()) check_metrics_file(metrics_json);
   const Sources sources = load_sources(a);
-  const train::TorchScriptModule script = is_zoo_model(a.model)
-                                              ? train::TorchScriptModule(nullptr)
-                                              : load_script_model(a, sources.train);
+  const train::TorchScriptModule script = script_model(a, sources, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
@@ -658,10 +752,26 @@ Command add_train(CLI::App& parent) {
                   "module (torch.jit.script(model).save(\"model.pt\"))")
       ->check(CLI::IsMember(models::model_names()) | CLI::ExistingFile)
       ->capture_default_str();
-  app->add_option("--dataset", args->dataset, "Dataset name")
-      ->check(CLI::IsMember({"fashion-mnist"}))
+  app->add_option("--dataset", args->dataset,
+                  "fashion-mnist (IDX files) or image-folder (JPEG/PNG files in class folders)")
+      ->check(CLI::IsMember({"fashion-mnist", "image-folder"}))
       ->capture_default_str();
-  app->add_option("--data-dir", args->data_dir, "Directory with the dataset's IDX files")
+  app->add_option("--data-dir", args->data_dir,
+                  "fashion-mnist: the IDX files' directory; image-folder: DIR with train/<class>/ "
+                  "and test/<class>/, or DIR/<class>/ with --validation-split")
+      ->capture_default_str();
+  app->add_option("--validation-split", args->validation_split,
+                  "image-folder: test on this fraction of DIR's images (Keras's validation "
+                  "subset, seeded with --seed), train on the rest")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app->add_option("--image-size", args->image_size,
+                  "image-folder: HEIGHT [WIDTH] every image is resized to (bilinear)")
+      ->expected(1, 2)
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--color-mode", args->color_mode, "image-folder: grayscale or rgb")
+      ->check(CLI::IsMember({"grayscale", "rgb"}))
       ->capture_default_str();
   app->add_option("--epochs", args->epochs, "Epochs to train")
       ->check(CLI::PositiveNumber)

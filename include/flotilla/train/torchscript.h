@@ -54,7 +54,7 @@ TorchScriptModule load_torchscript(const std::string& path);
 // Runs forward once on `sample` in training mode (no gradients; buffers and mode restored) so that a model that
 // cannot take the input fails before training starts, on every worker alike, rather than inside
 // a step while the other workers wait in a collective. ConfigError naming the source, the
-// sample's shape and dtype, and torch's own message.
-void check_forward(TorchScriptModule& module, const torch::Tensor& sample);
+// sample's shape and dtype, and torch's own message. Returns the outputs.
+torch::Tensor check_forward(TorchScriptModule& module, const torch::Tensor& sample);
 
 } // namespace flotilla::train
