@@ -1,6 +1,9 @@
 """tf.data's side of `make bench-data`: the same pipeline as bench/data_pipeline.cpp.
 
 Usage: python tfdata_pipeline.py [element|batch] [epochs] [data_dir]
+       python tfdata_pipeline.py folder epochs class_folder_dir size
+  folder: keras.utils.image_dataset_from_directory(grayscale, size x size, batch 256, shuffled)
+          -> map(normalize, AUTOTUNE) -> prefetch(AUTOTUNE)
 Prints one JSON line: elements per second over `epochs` passes, after one untimed pass.
 """
 import gzip
@@ -29,8 +32,8 @@ def read_idx(name):
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
-images = read_idx("train-images-idx3-ubyte.gz")[..., np.newaxis]  # [N, 28, 28, 1], TF's layout
-labels = read_idx("train-labels-idx1-ubyte.gz").astype(np.int64)
+def normalize(x):
+    return (tf.cast(x, tf.float32) / 255.0 - MEAN) / STD
 
 
 def preprocess(x):
@@ -41,14 +44,26 @@ def preprocess(x):
     else:
         padded = tf.pad(x, [[0, 0], [2, 2], [2, 2], [0, 0]])
         x = tf.map_fn(lambda im: tf.image.random_crop(im, [28, 28, 1]), padded)
-    return (tf.cast(x, tf.float32) / 255.0 - MEAN) / STD
+    return normalize(x)
 
 
-source = tf.data.Dataset.from_tensor_slices((images, labels))
-if order == "element":
+if order == "folder":
+    size = int(sys.argv[4]) if len(sys.argv) > 4 else 28
+    ds = (tf.keras.utils.image_dataset_from_directory(
+        data_dir, color_mode="grayscale", image_size=(size, size), batch_size=256, seed=7,
+        verbose=False)
+        .map(lambda x, y: (normalize(x), y), num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE))
+    order = "folder %d" % size
+elif order == "element":
+    images = read_idx("train-images-idx3-ubyte.gz")[..., np.newaxis]  # [N, 28, 28, 1], TF's layout
+    labels = read_idx("train-labels-idx1-ubyte.gz").astype(np.int64)
+    source = tf.data.Dataset.from_tensor_slices((images, labels))
     ds = (source.map(lambda x, y: (preprocess(x), y), num_parallel_calls=AUTOTUNE)
           .shuffle(10000, seed=7).batch(256).prefetch(AUTOTUNE))
 else:
+    images = read_idx("train-images-idx3-ubyte.gz")[..., np.newaxis]
+    labels = read_idx("train-labels-idx1-ubyte.gz").astype(np.int64)
+    source = tf.data.Dataset.from_tensor_slices((images, labels))
     ds = (source.shuffle(10000, seed=7).batch(256)
           .map(lambda x, y: (preprocess(x), y), num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE))
 

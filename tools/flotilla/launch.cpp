@@ -27,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -410,7 +411,20 @@ void Launcher::reap() {
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (c.exit_code == 0 || failed_ || forwarded_) continue;
+    if (c.exit_code == 0 || forwarded_) continue;
+    if (failed_) {
+      // The first to end was a victim (its collective failed: exit 3) and the worker whose own
+      // failure caused it (bad input, a checkpoint error, a crash) ends right after, before or
+      // despite the stop: the job's exit code is the cause's, not the race's winner's.
+      const int own[] = {kExitFailure, kExitBadInput, kExitCheckpoint};
+      if (children_[static_cast<std::size_t>(*failed_)].exit_code == kExitComm &&
+          std::find(std::begin(own), std::end(own), c.exit_code) != std::end(own)) {
+        failed_ = c.index;
+        write_all(STDERR_FILENO, "[launch] " + c.name + " " + describe_exit(status) +
+                                     ": the failure behind the others'\n");
+      }
+      continue;
+    }
     if (!culprit || (children_[*culprit].exit_code == kExitComm && c.exit_code != kExitComm)) {
       culprit = c.index;
       culprit_status = status;
