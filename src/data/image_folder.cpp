@@ -299,20 +299,72 @@ torch::Tensor decode_image(const std::string& path, ColorMode mode) {
                   " bytes" + (bytes.empty() ? ", empty" : "") + "); remove or replace it");
 }
 
+namespace {
+
+// TensorFlow's bilinear weights for one axis (half-pixel centres): output i reads inputs lower[i]
+// and upper[i], mixed by lerp[i].
+struct Axis {
+  std::vector<std::int64_t> lower, upper;
+  std::vector<float> lerp;
+};
+
+Axis axis(std::int64_t in, std::int64_t out) {
+  Axis a;
+  const float scale = static_cast<float>(in) / static_cast<float>(out);
+  for (std::int64_t i = 0; i < out; ++i) {
+    const float x = (static_cast<float>(i) + 0.5f) * scale - 0.5f;
+    const float floor = std::floor(x);
+    a.lower.push_back(std::max<std::int64_t>(static_cast<std::int64_t>(floor), 0));
+    a.upper.push_back(std::min<std::int64_t>(static_cast<std::int64_t>(std::ceil(x)), in - 1));
+    a.lerp.push_back(x - floor);
+  }
+  return a;
+}
+
+template <class T>
+void resize_plane(const T* in, std::int64_t in_w, const Axis& ys, const Axis& xs, float* out) {
+  for (std::size_t y = 0; y < ys.lerp.size(); ++y) {
+    const T* top = in + ys.lower[y] * in_w;
+    const T* bottom = in + ys.upper[y] * in_w;
+    const float dy = ys.lerp[y];
+    for (std::size_t x = 0; x < xs.lerp.size(); ++x) {
+      const float dx = xs.lerp[x];
+      const float tl = static_cast<float>(top[xs.lower[x]]), tr = static_cast<float>(top[xs.upper[x]]);
+      const float bl = static_cast<float>(bottom[xs.lower[x]]),
+                  br = static_cast<float>(bottom[xs.upper[x]]);
+      const float t = tl + (tr - tl) * dx;
+      const float b = bl + (br - bl) * dx;
+      *out++ = t + (b - t) * dy;
+    }
+  }
+}
+
+} // namespace
+
 torch::Tensor resize_bilinear(const torch::Tensor& image, std::int64_t height, std::int64_t width) {
   if (image.dim() != 3) {
     throw ConfigError("resize_bilinear: expected an image [C, H, W]; saw " +
                       std::to_string(image.dim()) + " dimensions");
   }
-  const torch::Tensor f = image.to(torch::kFloat32);
-  if (image.size(1) == height && image.size(2) == width) return f;
-  namespace F = torch::nn::functional;
-  return F::interpolate(f.unsqueeze(0), F::InterpolateFuncOptions()
-                                            .size(std::vector<std::int64_t>{height, width})
-                                            .mode(torch::kBilinear)
-                                            .align_corners(false)
-                                            .antialias(false))
-      .squeeze(0);
+  if (image.size(1) == height && image.size(2) == width) return image.to(torch::kFloat32);
+  // One pass over the pixels on the calling thread (a pipeline's map runs many images at once):
+  // no per-image tensor operations.
+  const torch::Tensor in = image.is_cpu() && (image.scalar_type() == torch::kUInt8 ||
+                                              image.scalar_type() == torch::kFloat32)
+                               ? image.contiguous()
+                               : image.to(torch::kCPU, torch::kFloat32).contiguous();
+  const std::int64_t c = in.size(0), h = in.size(1), w = in.size(2);
+  const Axis ys = axis(h, height), xs = axis(w, width);
+  torch::Tensor out = torch::empty({c, height, width}, torch::kFloat32);
+  for (std::int64_t k = 0; k < c; ++k) {
+    float* dst = out.data_ptr<float>() + k * height * width;
+    if (in.scalar_type() == torch::kUInt8) {
+      resize_plane(in.data_ptr<std::uint8_t>() + k * h * w, w, ys, xs, dst);
+    } else {
+      resize_plane(in.data_ptr<float>() + k * h * w, w, ys, xs, dst);
+    }
+  }
+  return out;
 }
 
 ImageFolder image_dataset_from_directory(const std::string& directory,

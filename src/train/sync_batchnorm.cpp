@@ -6,6 +6,8 @@
 #include <torch/nn/init.h>
 
 #include "flotilla/error.h"
+#include "flotilla/train/torchscript.h"
+#include "train/sync_batchnorm_core.h"
 
 namespace flotilla::train {
 namespace {
@@ -187,8 +189,11 @@ struct SyncBatchNormBackward : torch::autograd::Node {
       local = torch::cat({grad_bias.to(torch::kDouble), (grad_weight / invstd).to(torch::kDouble)});
     }
     const torch::Tensor global = context.all_reduce_sum(local);
-    const torch::Tensor mean_dy = (global.narrow(0, 0, c) / count).to(torch::kFloat);
-    const torch::Tensor mean_dy_xmu = (global.narrow(0, c, c) / count).to(torch::kFloat);
+    // float32 for float32 and half-precision inputs, float64 for float64 ones.
+    const torch::Dtype compute =
+        input.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+    const torch::Tensor mean_dy = (global.narrow(0, 0, c) / count).to(compute);
+    const torch::Tensor mean_dy_xmu = (global.narrow(0, c, c) / count).to(compute);
     if (input.numel() > 0) {
       // grad_input = γ·invstd·(dy - mean(dy) - (x-μ)·invstd²·mean(dy·(x-μ))) = the local term
       // + a·x + b per channel.
@@ -197,8 +202,7 @@ struct SyncBatchNormBackward : torch::autograd::Node {
       const torch::Tensor b = -k * mean_dy - a * mean;
       std::vector<std::int64_t> shape(static_cast<std::size_t>(input.dim()), 1);
       shape[1] = c;
-      grad_input = (grad_input.to(torch::kFloat) + input.to(torch::kFloat) * a.view(shape) +
-                    b.view(shape))
+      grad_input = (grad_input.to(compute) + input.to(compute) * a.view(shape) + b.view(shape))
                        .to(input.scalar_type());
     }
     return {grad_input, has_weight ? grad_weight : torch::Tensor(),
@@ -224,6 +228,30 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
     return torch::batch_norm(input, weight, bias, running_mean, running_var, /*training=*/false,
                              0.0, options.eps(), /*cudnn_enabled=*/true);
   }
+  const bool update = is_training() && options.track_running_stats();
+  // Evaluation without running statistics normalises each replica's batch alone: evaluate()
+  // runs one replica, which must not wait for the others.
+  return detail::global_batch_norm(
+      input, weight, bias, update ? running_mean : torch::Tensor(),
+      update ? running_var : torch::Tensor(),
+      [&] {
+        torch::NoGradGuard no_grad;
+        num_batches_tracked.add_(1);
+        return options.momentum()
+                   ? *options.momentum()
+                   : 1.0 / static_cast<double>(num_batches_tracked.item<std::int64_t>());
+      },
+      options.eps(), is_training() ? context_ : strategy::ReplicaContext());
+}
+
+namespace detail {
+
+torch::Tensor global_batch_norm(const torch::Tensor& input, const torch::Tensor& weight,
+                                const torch::Tensor& bias, const torch::Tensor& running_mean,
+                                const torch::Tensor& running_var,
+                                const std::function<double()>& momentum, double eps,
+                                const strategy::ReplicaContext& context) {
+  const std::int64_t c = input.size(1);
   std::vector<std::int64_t> dims = {0};
   for (std::int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
   const torch::TensorOptions stats =
@@ -232,21 +260,21 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   torch::Tensor global;
   {
     torch::NoGradGuard no_grad;
-    // This replica's mean and variance (one fused pass, in float32 whatever autocast gave), as
+    // This replica's mean and variance (one fused pass, in float32 whatever autocast gave, or
+    // float64), as
     // sums n·mean and n·(var + mean²) in float64, with n; summed over every replica.
     const double n = static_cast<double>(input.numel() / c);
     torch::Tensor local = torch::zeros({2 * c + 1}, stats.dtype(torch::kDouble));
     if (n > 0) {
-      const auto [var_l, mean_l] =
-          torch::var_mean(input.to(torch::kFloat), dims, /*correction=*/0, /*keepdim=*/false);
+      const torch::Tensor x =
+          input.scalar_type() == torch::kDouble ? input : input.to(torch::kFloat);
+      const auto [var_l, mean_l] = torch::var_mean(x, dims, /*correction=*/0, /*keepdim=*/false);
       const torch::Tensor m = mean_l.to(torch::kDouble);
       local.narrow(0, 0, c).copy_(m * n);
       local.narrow(0, c, c).copy_((var_l.to(torch::kDouble) + m.square()) * n);
       local[2 * c] = n;
     }
-    // Evaluation without running statistics normalises each replica's batch alone: evaluate()
-    // runs one replica, which must not wait for the others.
-    global = is_training() ? context_.all_reduce_sum(local) : local;
+    global = context.all_reduce_sum(local);
   }
   const double count = global[2 * c].item<double>();
   if (count <= 1) {
@@ -259,12 +287,9 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   const torch::Tensor var64 = (global.narrow(0, c, c) / count - mean64.square()).clamp_min(0);
   const torch::Tensor mean = mean64.to(stats.dtype());
   const torch::Tensor var = var64.to(stats.dtype());
-  if (is_training() && options.track_running_stats()) {
+  if (running_mean.defined() && running_var.defined()) {
+    const double factor = momentum();
     torch::NoGradGuard no_grad;
-    num_batches_tracked.add_(1);
-    const double factor = options.momentum()
-                              ? *options.momentum()
-                              : 1.0 / static_cast<double>(num_batches_tracked.item<std::int64_t>());
     running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype()), factor);
     running_var.mul_(1 - factor).add_((var64 * (count / (count - 1))).to(running_var.dtype()),
                                       factor);
@@ -275,8 +300,8 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
     torch::NoGradGuard no_grad;
     output = input.numel() == 0
                  ? torch::empty_like(input)
-                 : torch::batch_norm(input, gamma, bias, mean, var, /*training=*/false, 0.0,
-                                     options.eps(), /*cudnn_enabled=*/true);
+                 : torch::batch_norm(input, gamma, bias, mean, var, /*training=*/false, 0.0, eps,
+                                     /*cudnn_enabled=*/true);
   }
   const bool needs_grad = torch::GradMode::is_enabled() &&
                           (input.requires_grad() || (weight.defined() && weight.requires_grad()) ||
@@ -284,14 +309,14 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   if (needs_grad) {
     auto node = std::shared_ptr<SyncBatchNormBackward>(new SyncBatchNormBackward(),
                                                        torch::autograd::deleteNode);
-    node->context = is_training() ? context_ : strategy::ReplicaContext();
+    node->context = context;
     node->input = input.detach();
     node->weight = gamma.detach();
     node->mean = mean;
     node->var = var;
-    node->invstd = (var + options.eps()).rsqrt();
+    node->invstd = (var + eps).rsqrt();
     node->count = count;
-    node->eps = options.eps();
+    node->eps = eps;
     node->has_weight = weight.defined();
     node->has_bias = bias.defined();
     node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
@@ -299,6 +324,8 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   }
   return output;
 }
+
+} // namespace detail
 
 torch::nn::Sequential convert_sync_batchnorm(const torch::nn::Sequential& module) {
   return torch::nn::Sequential(convert_sequential(module.ptr(), ""));
@@ -310,6 +337,9 @@ int bind_sync_batchnorm(torch::nn::Module& module, const strategy::ReplicaContex
     if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(m.get())) {
       sync->set_replica_context(context);
       ++bound;
+    } else if (auto* script = dynamic_cast<TorchScriptModuleImpl*>(m.get())) {
+      script->set_replica_context(context);
+      bound += script->sync_batchnorm_layers();
     }
   }
   return bound;

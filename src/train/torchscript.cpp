@@ -1,15 +1,83 @@
 #include "flotilla/train/torchscript.h"
 
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/csrc/jit/serialization/import.h>
+#include <torch/library.h>
 
 #include <filesystem>
+#include <functional>
+#include <set>
 #include <sstream>
 
 #include "flotilla/error.h"
+#include "train/sync_batchnorm_core.h"
 
 namespace flotilla::train {
 namespace {
+
+// --- flotilla::sync_batch_norm: aten::batch_norm's schema, SyncBatchNorm's computation ---
+
+// The replica context of the TorchScript module running on this thread, in training, when its
+// BatchNorms are synchronised (set by TorchScriptModuleImpl::forward for the call).
+thread_local const strategy::ReplicaContext* t_sync_context = nullptr;
+
+at::Tensor sync_batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& running_mean,
+                           const std::optional<at::Tensor>& running_var, bool training,
+                           double momentum, double eps, bool cudnn_enabled) {
+  if (!training || t_sync_context == nullptr) {
+    return at::batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                          cudnn_enabled);
+  }
+  auto get = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
+  return detail::global_batch_norm(input, get(weight), get(bias), get(running_mean),
+                                   get(running_var), [momentum] { return momentum; }, eps,
+                                   *t_sync_context);
+}
+
+TORCH_LIBRARY(flotilla, m) {
+  m.def("sync_batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor? running_mean, "
+        "Tensor? running_var, bool training, float momentum, float eps, bool cudnn_enabled) -> "
+        "Tensor");
+}
+// Above autograd: the computation records its own backward node.
+TORCH_LIBRARY_IMPL(flotilla, CompositeImplicitAutograd, m) {
+  m.impl("sync_batch_norm", TORCH_FN(sync_batch_norm));
+}
+
+// Every aten::batch_norm in `function`'s graph and in the functions it calls becomes
+// flotilla::sync_batch_norm (same inputs, same output). Returns how many.
+int rewrite_batch_norms(torch::jit::Function& function, std::set<const torch::jit::Function*>& seen) {
+  if (!seen.insert(&function).second || !function.isGraphFunction()) return 0;
+  const std::shared_ptr<torch::jit::Graph> graph = torch::jit::toGraphFunction(function).graph();
+  static const auto batch_norm = c10::Symbol::fromQualString("aten::batch_norm");
+  static const auto sync = c10::Symbol::fromQualString("flotilla::sync_batch_norm");
+  std::vector<torch::jit::Node*> found;
+  int rewritten = 0;
+  std::function<void(torch::jit::Block*)> visit = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* node : block->nodes()) {
+      if (node->kind() == batch_norm) found.push_back(node);
+      if (node->kind() == torch::jit::prim::CallFunction) {
+        if (auto callee = node->input(0)->type()->cast<c10::FunctionType>()) {
+          rewritten += rewrite_batch_norms(*callee->function(), seen);
+        }
+      }
+      for (torch::jit::Block* inner : node->blocks()) visit(inner);
+    }
+  };
+  visit(graph->block());
+  for (torch::jit::Node* node : found) {
+    torch::jit::WithInsertPoint here(node);
+    torch::jit::Node* replacement = graph->insertNode(graph->create(sync, node->inputs(), 1));
+    replacement->output()->setType(node->output()->type());
+    node->output()->replaceAllUsesWith(replacement->output());
+    node->destroy();
+  }
+  return rewritten + static_cast<int>(found.size());
+}
 
 // torch's message in one line: a TorchScript interpreter error ends with the Python-style
 // "RuntimeError: ..." line that says what failed; others say it on their first line.
@@ -75,9 +143,35 @@ TorchScriptModuleImpl::TorchScriptModuleImpl(torch::jit::Module module, std::str
   script_.train(is_training());
 }
 
+int TorchScriptModuleImpl::convert_sync_batchnorm() {
+  if (has_run_) {
+    throw ConfigError(source_ + ": convert_sync_batchnorm() after its first forward, when its "
+                                "graphs are compiled; convert it right after loading");
+  }
+  if (sync_layers_ > 0) return sync_layers_;
+  std::set<const torch::jit::Function*> seen;
+  int calls = 0, layers = 0;
+  for (const torch::jit::Module& m : script_.modules()) {
+    const std::string type = m.type()->name() ? m.type()->name()->name() : "";
+    layers += type == "BatchNorm1d" || type == "BatchNorm2d" || type == "BatchNorm3d";
+    for (const torch::jit::Method& method : m.get_methods()) {
+      calls += rewrite_batch_norms(method.function(), seen);
+    }
+  }
+  sync_layers_ = calls == 0 ? 0 : layers > 0 ? layers : calls;
+  return sync_layers_;
+}
+
 torch::Tensor TorchScriptModuleImpl::forward(const torch::Tensor& x) {
+  has_run_ = true;
   // Op by op, as eager PyTorch (thread-local; restored on return).
   torch::jit::GraphOptimizerEnabledGuard eager(false);
+  // The synchronised BatchNorms meet the other replicas through this copy's context.
+  struct SyncScope {
+    const strategy::ReplicaContext* before = t_sync_context;
+    explicit SyncScope(const strategy::ReplicaContext* c) { t_sync_context = c; }
+    ~SyncScope() { t_sync_context = before; }
+  } scope(sync_layers_ > 0 && is_training() ? &context_ : nullptr);
   c10::IValue out = script_.forward({x});
   if (!out.isTensor()) {
     throw ConfigError(source_ + ": forward returned " + out.tagKind() +
@@ -94,7 +188,19 @@ void TorchScriptModuleImpl::train(bool on) {
 
 std::shared_ptr<torch::nn::Module>
 TorchScriptModuleImpl::clone(const std::optional<torch::Device>& device) const {
-  auto copy = std::make_shared<TorchScriptModuleImpl>(script_.deepcopy(), source_);
+  // Copied as leaves (a clone under autograd would hang off the original's graph), each
+  // parameter as trainable as the original's.
+  torch::jit::Module copied;
+  {
+    torch::NoGradGuard no_grad;
+    copied = script_.deepcopy();
+  }
+  std::vector<bool> trainable;
+  for (const auto& p : script_.parameters()) trainable.push_back(p.requires_grad());
+  std::size_t k = 0;
+  for (const auto& p : copied.parameters()) p.set_requires_grad(trainable.at(k++));
+  auto copy = std::make_shared<TorchScriptModuleImpl>(std::move(copied), source_);
+  copy->sync_layers_ = sync_layers_; // the same (shared, rewritten) compiled graphs
   copy->train(is_training());
   if (device) copy->to(*device);
   return copy;

@@ -67,11 +67,14 @@ class TorchScript : public ::testing::Test {
   using Callbacks = std::function<std::vector<std::shared_ptr<train::Callback>>()>;
   static std::map<std::string, torch::Tensor> train(const std::string& name, int workers,
                                                     torch::Dtype dtype = torch::kFloat32,
-                                                    const Callbacks& callbacks = {}) {
+                                                    const Callbacks& callbacks = {},
+                                                    int replicas_per_worker = 1,
+                                                    bool sync_batchnorm = false) {
     std::map<std::string, torch::Tensor> state;
     run_ranks(workers, [&](int rank, collective::Communicator& comm) {
-      strategy::Strategy s(thread_cluster(rank, workers), comm);
+      strategy::Strategy s(thread_cluster(rank, workers), comm, replicas_per_worker);
       train::TorchScriptModule script = train::load_torchscript(path(name + ".pt"));
+      if (sync_batchnorm) EXPECT_EQ(script->convert_sync_batchnorm(), 1);
       script->to(dtype);
       train::Model model(s, script);
       train::CompileOptions compile;
@@ -152,6 +155,41 @@ TEST_F(TorchScript, TwoWorkersOfHalfBatchesEqualPyTorchsTwoReplicas) {
   const auto ours = train("bn", 2);
   python({"train", dir_->path(), "bn", "2", std::to_string(kSteps)});
   expect_equal_to(ours, "expected_bn_2.safetensors", 1e-5);
+}
+
+TEST_F(TorchScript, TwoReplicasOnOneWorkerEqualPyTorchsTwoReplicas) {
+  // Replica 1 is a deep copy (TorchScriptModuleImpl::clone) on its own thread.
+  OneThread one;
+  const auto ours = train("bn", 1, torch::kFloat32, {}, 2);
+  python({"train", dir_->path(), "bn", "2", std::to_string(kSteps)});
+  expect_equal_to(ours, "expected_bn_2.safetensors", 1e-5);
+}
+
+TEST_F(TorchScript, WithSyncBatchNormTwoWorkersOfHalfBatchesEqualOneWorker) {
+  // The module's compiled batch_norm calls become SyncBatchNorm's: the statistics of the whole
+  // global batch, so the split cannot change the mathematics. Scripted and traced; float64, so
+  // that the comparison tests the algorithm.
+  for (const std::string name : {"bn", "bn_traced"}) {
+    const auto one = train(name, 1, torch::kFloat64);
+    const auto two = train(name, 2, torch::kFloat64, {}, 1, /*sync_batchnorm=*/true);
+    const auto replicas = train(name, 1, torch::kFloat64, {}, 2, /*sync_batchnorm=*/true);
+    for (const auto& [key, tensor] : one) {
+      if (!tensor.is_floating_point()) {
+        EXPECT_TRUE(torch::equal(tensor, two.at(key))) << name << " " << key;
+        continue;
+      }
+      EXPECT_LT((tensor - two.at(key)).abs().max().item<double>(), 1e-9) << name << " " << key;
+      EXPECT_LT((tensor - replicas.at(key)).abs().max().item<double>(), 1e-9) << name << " " << key;
+    }
+    // Control: without it, the halves' own statistics end elsewhere.
+    const auto plain = train(name, 2, torch::kFloat64);
+    EXPECT_GT((one.at("norm.running_var") - plain.at("norm.running_var")).abs().max().item<double>(),
+              1e-3);
+  }
+  train::TorchScriptModule ran = train::load_torchscript(path("bn.pt"));
+  ran->forward(images_.slice(0, 0, 2));
+  EXPECT_THROW(ran->convert_sync_batchnorm(), ConfigError);
+  EXPECT_EQ(train::load_torchscript(path("plain.pt"))->convert_sync_batchnorm(), 0);
 }
 
 TEST_F(TorchScript, TwoWorkersOfHalfBatchesEqualOneWorkerWithoutBatchNorm) {

@@ -602,12 +602,10 @@ torch::nn::Sequential build_zoo_model(const TrainArgs& a, const Logger* log = nu
 // that fails on the data, is one line and exit 2 on every worker, and no collective waits.
 train::TorchScriptModule load_script_model(const TrainArgs& a, const Sources& sources,
                                            const data::Dataset& source) {
-  if (a.sync_batchnorm) {
-    throw ConfigError("--sync-batchnorm does not apply to a TorchScript model (" + a.model +
-                      "): its BatchNorms are compiled into its graph; train without it (the "
-                      "statistics are still averaged over the replicas at every epoch's end)");
-  }
   train::TorchScriptModule script = train::load_torchscript(a.model);
+  if (a.sync_batchnorm && script->convert_sync_batchnorm() == 0) {
+    Logger().warn("--sync-batchnorm: " + a.model + " calls no batch_norm; nothing to synchronise");
+  }
   const std::optional<data::Element> sample =
       decoded(sources, source.take(2)).batch(2).map(normalized).make_iterator().next();
   if (!sample) return script;

@@ -12,8 +12,10 @@
 // The forward runs op by op (the graph executor's optimisations off, on the calling thread only),
 // as eager PyTorch runs it: its gradients are eager PyTorch's, autocast applies as it does to any
 // LibTorch module, and no profiling runs make the first steps differ from the later ones.
-// SyncBatchNorm does not apply: a TorchScript module's BatchNorms are compiled into its graph and
-// cannot be replaced from C++; their statistics are still mirrored (Model::mirror_buffers).
+// convert_sync_batchnorm() makes its BatchNorms SyncBatchNorms (the statistics of the whole global
+// batch) by rewriting the compiled graphs: each aten::batch_norm becomes flotilla::sync_batch_norm,
+// the same computation as train::SyncBatchNorm's. Without it, each replica normalises its own
+// slice and keeps its own statistics, mirrored where they are read (Model::mirror_buffers).
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>
@@ -21,6 +23,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <string>
+
+#include "flotilla/strategy/replica_context.h"
 
 namespace flotilla::train {
 
@@ -38,12 +42,25 @@ class TorchScriptModuleImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module>
   clone(const std::optional<torch::Device>& device = std::nullopt) const override;
 
+  // PyTorch's convert_sync_batchnorm for a TorchScript module: every batch_norm its methods call
+  // (BatchNorm1d/2d/3d, F.batch_norm, traced or scripted) computes with the global batch's
+  // statistics in training, once Model::compile() has bound each replica. Returns the number of
+  // BatchNorm layers (submodules), or of batch_norm calls where it has none. Before the first
+  // forward (the graphs are compiled then): ConfigError after. Copies made by clone() share it.
+  int convert_sync_batchnorm();
+  int sync_batchnorm_layers() const { return sync_layers_; }
+  // The replica this copy runs on (bind_sync_batchnorm, from Model::compile()).
+  void set_replica_context(strategy::ReplicaContext context) { context_ = std::move(context); }
+
   torch::jit::Module& script() { return script_; }
   const std::string& source() const { return source_; }
 
  private:
   torch::jit::Module script_;
   std::string source_;
+  int sync_layers_ = 0;
+  bool has_run_ = false;
+  strategy::ReplicaContext context_;
 };
 TORCH_MODULE(TorchScriptModule);
 
