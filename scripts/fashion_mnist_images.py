@@ -5,6 +5,8 @@
       OUT/train/<class>/<i>.<ext> and OUT/test/<class>/<i>.<ext>, i the image's position in its
       IDX split (zero-padded), <class> "0_tshirt_top" ... "9_ankle_boot" (sorted = label order).
       --limit N: the first N images of each split. --rgb: 3-channel files (grey repeated).
+      --colour: colour files made from the grey (R = x, G = 255 - x, B = 3x mod 256), with
+      alpha = x in PNG (RGBA), for the decoders' colour and alpha paths.
   fashion_mnist_images.py decode LIST OUT.safetensors [--mode L|RGB]
       Pillow's decode of the files listed in LIST (one path a line), stacked as uint8 [N, C, H, W]
       under "pixels" (what the tests compare flotilla's decoder with).
@@ -54,6 +56,10 @@ def write(args):
             image = Image.fromarray(images[i])  # 2-D uint8: mode "L"
             if args.rgb:
                 image = image.convert("RGB")
+            if args.colour:
+                x = images[i].astype(np.uint16)
+                planes = [x, 255 - x, (3 * x) % 256] + ([x] if ext == "png" else [])
+                image = Image.fromarray(np.stack(planes, axis=-1).astype(np.uint8))
             path = os.path.join(args.out, split, CLASSES[labels[i]], "%05d.%s" % (i, ext))
             if ext == "png":
                 image.save(path)
@@ -84,6 +90,7 @@ def main():
     w.add_argument("--quality", type=int, default=90)
     w.add_argument("--limit", type=int)
     w.add_argument("--rgb", action="store_true")
+    w.add_argument("--colour", action="store_true")
     w.add_argument("--data-dir", default=DATA)
     d = sub.add_parser("decode")
     d.add_argument("list")

@@ -6,6 +6,8 @@
 // jpeglib.h needs size_t and FILE declared first.
 #include <cstdio>
 #include <jpeglib.h>
+// After jpeglib.h: the J_MESSAGE_CODE enum (JWRN_...).
+#include <jerror.h>
 #include <png.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <sstream>
 
 #include "data/stages.h"
+#include "flotilla/base/hashes.h"
 #include "flotilla/data/tfrecord.h"
 
 namespace flotilla::data {
@@ -62,7 +65,9 @@ struct Index {
   std::vector<std::int64_t> labels;
 };
 
-Index index_directory(const std::string& directory, const ImageFolderOptions& o) {
+Index index_directory(std::string directory, const ImageFolderOptions& o) {
+  // os.path.join's paths: "dir/" and "dir" give the same "dir/class/file".
+  while (directory.size() > 1 && directory.back() == '/') directory.pop_back();
   std::error_code ec;
   if (!fs::is_directory(directory, ec)) {
     throw ConfigError("image_dataset_from_directory: " + directory +
@@ -115,8 +120,12 @@ template <class T> void numpy_shuffle(std::vector<T>& v, std::uint32_t seed) {
     for (int s = 1; s < 64; s <<= 1) mask |= mask >> s;
     std::uint64_t j;
     do {
-      j = i <= 0xffffffffu ? (rng() & mask)
-                           : ((static_cast<std::uint64_t>(rng()) << 32 | rng()) & mask);
+      if (i <= 0xffffffffu) {
+        j = rng() & mask;
+      } else { // numpy's next_uint64 for MT19937: the high word first
+        const std::uint64_t high = rng();
+        j = (high << 32 | rng()) & mask;
+      }
     } while (j > i);
     std::swap(v[i], v[j]);
   }
@@ -124,67 +133,90 @@ template <class T> void numpy_shuffle(std::vector<T>& v, std::uint32_t seed) {
 
 // --- the file source: (path, label) in order; FILE sharding splits paths and labels alike ---
 
+struct FileList {
+  std::vector<std::string> files;
+  std::vector<std::int64_t> labels;
+};
+
 class ImageFilesStage : public detail::Stage {
  public:
-  ImageFilesStage(std::vector<std::string> files, std::vector<std::int64_t> labels)
-      : Stage("ImageFiles"), files_(std::move(files)), labels_(std::move(labels)) {}
+  explicit ImageFilesStage(std::shared_ptr<const FileList> list)
+      : Stage("ImageFiles"), list_(std::move(list)) {}
   std::int64_t skip(std::int64_t n) override {
     const std::int64_t moved =
-        std::min<std::int64_t>(n, static_cast<std::int64_t>(files_.size()) - position_);
+        std::min<std::int64_t>(n, static_cast<std::int64_t>(list_->files.size()) - position_);
     position_ += moved;
     return moved;
   }
 
  protected:
   std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(files_.size())) return std::nullopt;
+    if (position_ >= static_cast<std::int64_t>(list_->files.size())) return std::nullopt;
     const auto k = static_cast<std::size_t>(position_++);
-    return Element{string_tensor(files_[k]), torch::scalar_tensor(labels_[k], torch::kInt64)};
+    return Element{string_tensor(list_->files[k]),
+                   torch::scalar_tensor(list_->labels[k], torch::kInt64)};
   }
 
  private:
-  std::vector<std::string> files_;
-  std::vector<std::int64_t> labels_;
+  std::shared_ptr<const FileList> list_;
   std::int64_t position_ = 0;
 };
 
+// `decoder`: what load() makes of the files (colour mode, size, dtype), part of the identity so
+// that a cache of decoded images is rebuilt when it changes.
 class ImageFilesNode : public detail::FileSourceNode {
  public:
   ImageFilesNode(std::vector<std::string> files, std::vector<std::int64_t> labels,
-                 const Options& options)
-      : FileSourceNode(std::move(files), options), labels_(std::move(labels)) {}
-  std::unique_ptr<detail::Stage> make_iterator(const detail::IteratorContext&) const override {
-    return std::make_unique<ImageFilesStage>(files_, labels_);
+                 std::string decoder, const Options& options)
+      : FileSourceNode(files, options),
+        list_(std::make_shared<FileList>(FileList{std::move(files), std::move(labels)})),
+        decoder_(std::move(decoder)) {
+    // The identity once (paths, sizes, times, labels): a fingerprint of a million files stays
+    // short, and a file deleted mid-run does not fail the next backup.
+    std::string text = describe_files() + "|";
+    for (auto l : list_->labels) text += std::to_string(l) + ",";
+    identity_ = base::sha256_hex(text.data(), text.size());
   }
-  std::int64_t cardinality() const override { return static_cast<std::int64_t>(files_.size()); }
+  std::unique_ptr<detail::Stage> make_iterator(const detail::IteratorContext&) const override {
+    return std::make_unique<ImageFilesStage>(list_);
+  }
+  std::int64_t cardinality() const override {
+    return static_cast<std::int64_t>(list_->files.size());
+  }
   std::string describe() const override {
-    std::string labels;
-    for (auto l : labels_) labels += std::to_string(l) + ",";
-    return "image_files(" + describe_files() + "|" + labels + ")";
+    return "image_files(" + std::to_string(list_->files.size()) + " files, " + decoder_ +
+           ", sha256 " + identity_ + ")";
   }
   detail::NodePtr shard_files(std::int64_t n, std::int64_t i) const override {
-    if (static_cast<std::int64_t>(files_.size()) < n) return nullptr;
+    if (static_cast<std::int64_t>(list_->files.size()) < n) return nullptr;
     std::vector<std::string> files;
     std::vector<std::int64_t> labels;
-    for (auto k = static_cast<std::size_t>(i); k < files_.size(); k += static_cast<std::size_t>(n)) {
-      files.push_back(files_[k]);
-      labels.push_back(labels_[k]);
+    for (auto k = static_cast<std::size_t>(i); k < list_->files.size();
+         k += static_cast<std::size_t>(n)) {
+      files.push_back(list_->files[k]);
+      labels.push_back(list_->labels[k]);
     }
-    return std::make_shared<ImageFilesNode>(std::move(files), std::move(labels), options());
+    return std::make_shared<ImageFilesNode>(std::move(files), std::move(labels), decoder_,
+                                            options());
   }
   detail::NodePtr with_files(std::vector<std::string>) const override {
     return nullptr; // sharded by shard_files, with the labels
   }
 
  private:
-  std::vector<std::int64_t> labels_;
+  std::shared_ptr<const FileList> list_;
+  std::string decoder_, identity_;
 };
 
 // --- decoding ---
 
 std::string read_bytes(const std::string& path) {
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(path + ": cannot open the image (" + std::strerror(errno) + ")");
+  if (!in) {
+    throw DataError(path + ": cannot open the image" +
+                    (errno ? " (" + std::string(std::strerror(errno)) + ")" : std::string()));
+  }
   std::ostringstream bytes;
   bytes << in.rdbuf();
   return bytes.str();
@@ -204,10 +236,23 @@ extern "C" void jpeg_fail(j_common_ptr cinfo) {
   longjmp(errors->jump, 1);
 }
 
-// A corrupt-data warning (level -1: premature end of data, bad Huffman code, ...) is an error:
-// libjpeg would fill the rest of the image with grey and go on.
+// A warning that the pixels are damaged (truncated data, a bad Huffman code, a lost restart
+// marker) is an error: libjpeg would fill the rest with grey and go on. Harmless ones (extra
+// bytes between markers, odd but valid headers) are not, as in Pillow and TensorFlow.
 extern "C" void jpeg_warn(j_common_ptr cinfo, int level) {
-  if (level < 0) jpeg_fail(cinfo);
+  if (level >= 0) return;
+  switch (cinfo->err->msg_code) {
+    case JWRN_JPEG_EOF:
+    case JWRN_HIT_MARKER:
+    case JWRN_HUFF_BAD_CODE:
+    case JWRN_ARITH_BAD_CODE:
+    case JWRN_MUST_RESYNC:
+    case JWRN_NOT_SEQUENTIAL:
+      jpeg_fail(cinfo); // does not return
+      return;
+    default:
+      return;
+  }
 }
 
 struct Jpeg {
@@ -242,24 +287,46 @@ bool jpeg_rows(Jpeg* j, unsigned char* out) {
   return true;
 }
 
+// A header may claim any size: refuse more than 2^28 pixels (16384 x 16384) before allocating.
+constexpr std::int64_t kMaxPixels = std::int64_t{1} << 28;
+
+void check_size(std::int64_t height, std::int64_t width, const std::string& path) {
+  if (height * width > kMaxPixels) {
+    throw DataError(path + ": the image claims " + std::to_string(width) + "x" +
+                    std::to_string(height) + " pixels, more than flotilla decodes (2^28)");
+  }
+}
+
 torch::Tensor decode_jpeg(const std::string& bytes, const std::string& path, ColorMode mode) {
   Jpeg j{};
   const bool gray = mode == ColorMode::kGrayscale;
   torch::Tensor hwc;
   bool ok = jpeg_start(&j, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), gray);
   if (ok) {
-    hwc = torch::empty({static_cast<std::int64_t>(j.cinfo.output_height),
-                        static_cast<std::int64_t>(j.cinfo.output_width),
-                        static_cast<std::int64_t>(j.cinfo.output_components)},
-                       torch::kUInt8);
+    try {
+      const auto h = static_cast<std::int64_t>(j.cinfo.output_height);
+      const auto w = static_cast<std::int64_t>(j.cinfo.output_width);
+      check_size(h, w, path);
+      hwc = torch::empty({h, w, static_cast<std::int64_t>(j.cinfo.output_components)},
+                         torch::kUInt8);
+    } catch (...) {
+      jpeg_destroy_decompress(&j.cinfo);
+      throw;
+    }
     ok = jpeg_rows(&j, hwc.data_ptr<std::uint8_t>());
   }
   const std::string message = j.errors.message;
   jpeg_destroy_decompress(&j.cinfo);
-  if (!ok) throw DataError(path + ": corrupt or truncated JPEG (libjpeg: " + message + ")");
+  if (!ok) {
+    throw DataError(path + ": corrupt, truncated or unsupported JPEG (libjpeg: " + message + ")");
+  }
   return hwc.permute({2, 0, 1}).contiguous();
 }
 
+// PNG through libpng's simplified API, read as 8-bit grey+alpha or RGBA (alpha never blended into
+// the pixels: it is dropped, as TensorFlow and Pillow's convert do; 16-bit samples are taken as
+// sRGB and scaled). Colour to grey is ITU-R 601-2 luma (Pillow's convert("L")), not libpng's
+// linear-light conversion.
 torch::Tensor decode_png(const std::string& bytes, const std::string& path, ColorMode mode) {
   png_image image{};
   image.version = PNG_IMAGE_VERSION;
@@ -268,17 +335,36 @@ torch::Tensor decode_png(const std::string& bytes, const std::string& path, Colo
     png_image_free(&image);
     throw DataError(path + ": corrupt PNG (libpng: " + message + ")");
   }
-  image.format = mode == ColorMode::kGrayscale ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
-  const std::int64_t channels = mode == ColorMode::kGrayscale ? 1 : 3;
-  torch::Tensor hwc = torch::empty({static_cast<std::int64_t>(image.height),
-                                    static_cast<std::int64_t>(image.width), channels},
-                                   torch::kUInt8);
+  const bool colour = (image.format & PNG_FORMAT_FLAG_COLOR) != 0;
+  image.format = colour ? PNG_FORMAT_RGBA : PNG_FORMAT_GA;
+  image.flags |= PNG_IMAGE_FLAG_16BIT_sRGB;
+  const std::int64_t h = image.height, w = image.width, stored = colour ? 4 : 2;
+  torch::Tensor hwc;
+  try {
+    check_size(h, w, path);
+    hwc = torch::empty({h, w, stored}, torch::kUInt8);
+  } catch (...) {
+    png_image_free(&image);
+    throw;
+  }
   if (!png_image_finish_read(&image, nullptr, hwc.data_ptr<std::uint8_t>(), 0, nullptr)) {
     const std::string message = image.message;
     png_image_free(&image);
     throw DataError(path + ": corrupt or truncated PNG (libpng: " + message + ")");
   }
-  return hwc.permute({2, 0, 1}).contiguous();
+  const torch::Tensor chw = hwc.permute({2, 0, 1});
+  if (mode == ColorMode::kRgb) {
+    return colour ? chw.narrow(0, 0, 3).contiguous() : chw.narrow(0, 0, 1).expand({3, h, w}).contiguous();
+  }
+  if (!colour) return chw.narrow(0, 0, 1).contiguous();
+  // L = (19595 R + 38470 G + 7471 B + 2^15) >> 16, Pillow's integer form of 0.299/0.587/0.114.
+  torch::Tensor grey = torch::empty({1, h, w}, torch::kUInt8);
+  const std::uint8_t* in = hwc.data_ptr<std::uint8_t>();
+  std::uint8_t* out = grey.data_ptr<std::uint8_t>();
+  for (std::int64_t k = 0; k < h * w; ++k, in += 4) {
+    out[k] = static_cast<std::uint8_t>((19595u * in[0] + 38470u * in[1] + 7471u * in[2] + 0x8000u) >> 16);
+  }
+  return grey;
 }
 
 } // namespace
@@ -405,6 +491,10 @@ ImageFolder image_dataset_from_directory(const std::string& directory,
     throw ConfigError(where + "no images (.bmp, .gif, .jpeg, .jpg or .png) in its " +
                       std::to_string(index.class_names.size()) + " class folder(s)");
   }
+  if (o.seed && *o.seed > 0xffffffffu) {
+    throw ConfigError(where + "ImageFolderOptions::seed must be below 2^32 (numpy's RandomState "
+                              "takes no more); saw " + std::to_string(*o.seed));
+  }
   // Keras draws a seed when none is given; so do we (the order then differs from run to run).
   const std::uint64_t seed = o.seed ? *o.seed : std::random_device{}() % 1000000;
   if (o.shuffle) {
@@ -425,10 +515,14 @@ ImageFolder image_dataset_from_directory(const std::string& directory,
     index.labels = {index.labels.begin() + from, index.labels.begin() + to};
   }
 
-  const Dataset files(std::make_shared<ImageFilesNode>(index.paths, index.labels, Options{}));
   const ColorMode mode = o.color_mode;
   const std::int64_t height = o.image_size[0], width = o.image_size[1];
   const torch::Dtype dtype = o.dtype;
+  const std::string decoder = std::string(mode == ColorMode::kRgb ? "rgb" : "grayscale") + " " +
+                              std::to_string(height) + "x" + std::to_string(width) + " " +
+                              c10::toString(dtype);
+  const Dataset files(
+      std::make_shared<ImageFilesNode>(index.paths, index.labels, decoder, Options{}));
   MapFn load = [mode, height, width, dtype](Element e) {
     const torch::Tensor pixels = decode_image(to_string(e[0]), mode);
     torch::Tensor image;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "flotilla/error.h"
+#include "flotilla/log.h"
 #include "train/sync_batchnorm_core.h"
 
 namespace flotilla::train {
@@ -102,13 +103,16 @@ std::string shape_of(const torch::Tensor& t) {
 
 // Names in a torch::nn::Module may not hold dots; a TorchScript module's never do (they are
 // attribute names), but say so rather than fail inside register_parameter.
-void mirror(torch::nn::Module& into, const torch::jit::Module& from, const std::string& source) {
+// A tensor held under two names (tied weights) is registered under the first only: the optimizer
+// and the gradient engine must see it once.
+void mirror(torch::nn::Module& into, const torch::jit::Module& from, const std::string& source,
+            std::set<const c10::TensorImpl*>& seen) {
   for (const auto& p : from.named_parameters(/*recurse=*/false)) {
-    if (!p.value.defined()) continue;
+    if (!p.value.defined() || !seen.insert(p.value.unsafeGetTensorImpl()).second) continue;
     into.register_parameter(p.name, p.value, p.value.requires_grad());
   }
   for (const auto& b : from.named_buffers(/*recurse=*/false)) {
-    if (!b.value.defined()) continue;
+    if (!b.value.defined() || !seen.insert(b.value.unsafeGetTensorImpl()).second) continue;
     into.register_buffer(b.name, b.value);
   }
   for (const auto& child : from.named_children()) {
@@ -116,7 +120,7 @@ void mirror(torch::nn::Module& into, const torch::jit::Module& from, const std::
       throw ConfigError(source + ": submodule name \"" + child.name + "\" holds a dot");
     }
     auto holder = std::make_shared<torch::nn::Module>(child.name);
-    mirror(*holder, child.value, source);
+    mirror(*holder, child.value, source, seen);
     into.register_module(child.name, holder);
   }
 }
@@ -139,8 +143,24 @@ TorchScriptModuleImpl::TorchScriptModuleImpl(torch::jit::Module module, std::str
                       "; flotilla trains a forward of one tensor (a batch) to one tensor (its "
                       "outputs)");
   }
-  mirror(*this, script_, source_);
+  std::set<const c10::TensorImpl*> seen;
+  mirror(*this, script_, source_, seen);
   script_.train(is_training());
+}
+
+bool TorchScriptModuleImpl::traced_in_training_mode() const {
+  static const auto batch_norm = c10::Symbol::fromQualString("aten::batch_norm");
+  for (const torch::jit::Module& m : script_.modules()) {
+    for (const torch::jit::Method& method : m.get_methods()) {
+      if (!method.function().isGraphFunction()) continue;
+      for (torch::jit::Node* node : torch::jit::toGraphFunction(method.function()).graph()->nodes()) {
+        if (node->kind() != batch_norm) continue;
+        const auto training = torch::jit::toIValue(node->input(5));
+        if (training && training->isBool() && training->toBool()) return true;
+      }
+    }
+  }
+  return false;
 }
 
 int TorchScriptModuleImpl::convert_sync_batchnorm() {
@@ -219,7 +239,13 @@ TorchScriptModule load_torchscript(const std::string& path) {
     throw ConfigError(path + " is not a TorchScript module (" + one_line(e.what_without_backtrace()) +
                       "); save one in Python with torch.jit.script(model).save(\"model.pt\")");
   }
-  return TorchScriptModule(std::move(module), path);
+  TorchScriptModule loaded(std::move(module), path);
+  if (loaded->traced_in_training_mode()) {
+    Logger().warn(path + " was traced in training mode: its batch_norm calls use batch statistics "
+                         "in evaluation too (a trace records the mode as a constant); script it "
+                         "(torch.jit.script), or trace it after model.eval() for inference");
+  }
+  return loaded;
 }
 
 torch::Tensor check_forward(TorchScriptModule& module, const torch::Tensor& sample) {

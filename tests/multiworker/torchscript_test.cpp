@@ -323,6 +323,15 @@ TEST_F(TorchScript, AForwardThatRejectsTheBatchNamesItsShapeAndLeavesTheBuffersA
   EXPECT_TRUE(script->is_training());
 }
 
+TEST_F(TorchScript, ATiedWeightIsTrainedOnceAndATraceInTrainingModeIsNamed) {
+  // a.weight and b.weight are one tensor: registered (so optimised, and all-reduced) once.
+  const auto tied = train::load_torchscript(path("tied.pt"));
+  EXPECT_EQ(tied->named_parameters().keys(),
+            (std::vector<std::string>{"a.weight", "a.bias", "b.bias"}));
+  EXPECT_TRUE(train::load_torchscript(path("bn_traced.pt"))->traced_in_training_mode());
+  EXPECT_FALSE(train::load_torchscript(path("bn.pt"))->traced_in_training_mode());
+}
+
 TEST_F(TorchScript, ReplicasAreDeepCopiesUnderTheSameNames) {
   train::TorchScriptModule script = train::load_torchscript(path("bn.pt"));
   auto copy = std::dynamic_pointer_cast<train::TorchScriptModuleImpl>(script->clone());

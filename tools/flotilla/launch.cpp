@@ -27,7 +27,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -414,11 +413,14 @@ void Launcher::reap() {
     if (c.exit_code == 0 || forwarded_) continue;
     if (failed_) {
       // The first to end was a victim (its collective failed: exit 3) and the worker whose own
-      // failure caused it (bad input, a checkpoint error, a crash) ends right after, before or
-      // despite the stop: the job's exit code is the cause's, not the race's winner's.
-      const int own[] = {kExitFailure, kExitBadInput, kExitCheckpoint};
-      if (children_[static_cast<std::size_t>(*failed_)].exit_code == kExitComm &&
-          std::find(std::begin(own), std::end(own), c.exit_code) != std::end(own)) {
+      // failure caused it (bad input, an unexpected error, a crash) ends right after: the job's
+      // exit code is the cause's, not the race's winner's. Not the evaluator's, and not what
+      // our own stop may cause (a SIGTERM or SIGKILL, a backup failing on a broken group: 4).
+      const bool crashed = WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM &&
+                           WTERMSIG(status) != SIGKILL;
+      const bool own = c.exit_code == kExitFailure || c.exit_code == kExitBadInput || crashed;
+      if (c.index < args_.workers &&
+          children_[static_cast<std::size_t>(*failed_)].exit_code == kExitComm && own) {
         failed_ = c.index;
         write_all(STDERR_FILENO, "[launch] " + c.name + " " + describe_exit(status) +
                                      ": the failure behind the others'\n");

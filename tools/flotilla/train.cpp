@@ -11,6 +11,7 @@
 #include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/data/distribute.h"
 #include "flotilla/data/fashion_mnist.h"
 #include "flotilla/data/image.h"
@@ -240,6 +241,11 @@ void check_dataset(const TrainArgs& a) {
     throw ConfigError("--validation-split splits an image folder; Fashion-MNIST has its own "
                       "test split (use --dataset image-folder)");
   }
+  if (a.dataset == "fashion-mnist" &&
+      (a.image_size != std::vector<std::int64_t>{28, 28} || a.color_mode != "grayscale")) {
+    throw ConfigError("--image-size and --color-mode apply to --dataset image-folder; "
+                      "Fashion-MNIST's images are 1x28x28");
+  }
 }
 
 // --threads 0: this machine's cores shared among the workers on it.
@@ -305,6 +311,11 @@ Sources image_folder_sources(const TrainArgs& a) {
   };
   const bool split = a.validation_split > 0;
   const fs::path root(a.data_dir);
+  if (split && fs::is_directory(root / "train") && fs::is_directory(root / "test")) {
+    throw ConfigError("--data-dir " + a.data_dir + " has train/ and test/ folders: it is split "
+                      "already (they would be two classes); drop --validation-split, or split "
+                      "one of them (--data-dir " + (root / "train").string() + ")");
+  }
   if (!split && !(fs::is_directory(root / "train") && fs::is_directory(root / "test"))) {
     throw ConfigError("--data-dir " + a.data_dir + " has no train/ and test/ folders; give a "
                       "directory that has them, or split its class folders with "
@@ -315,10 +326,14 @@ Sources image_folder_sources(const TrainArgs& a) {
   const data::ImageFolder test = split ? folder(a.data_dir, "validation")
                                        : folder((root / "test").string(), "");
   if (test.class_names != train.class_names) {
-    throw ConfigError("--data-dir " + a.data_dir + ": test/ has " +
-                      std::to_string(test.class_names.size()) + " class folder(s), train/ " +
-                      std::to_string(train.class_names.size()) +
-                      "; give both the same class folders");
+    auto names = [](const std::vector<std::string>& v) {
+      std::string out;
+      for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
+      return out;
+    };
+    throw ConfigError("--data-dir " + a.data_dir + ": the class folders of train/ (" +
+                      names(train.class_names) + ") and test/ (" + names(test.class_names) +
+                      ") differ; give both the same class folders");
   }
   return {train.files, test.files, train.load, static_cast<std::int64_t>(train.class_names.size()),
           {o.color_mode == data::ColorMode::kRgb ? 3 : 1, o.image_size[0], o.image_size[1]}};
@@ -368,7 +383,7 @@ data::Element normalized(data::Element e) {
 // The seeds' recipe: [cache ->] shuffle -> [repeat ->] batch(drop_remainder) -> map(AUTOTUNE),
 // each batch normalized and, with --augment, flipped and cropped.
 data::Dataset training_batches(const TrainArgs& a, const Sources& sources,
-                               std::int64_t global_batch) {
+                               std::int64_t global_batch, int worker) {
   // Image files: decoded after the shuffle of their paths (cheap, and each worker decodes only
   // the files it reads), or before a cache, which then holds the decoded images.
   const bool decode_first = sources.decode && a.cache != "none";
@@ -376,7 +391,8 @@ data::Dataset training_batches(const TrainArgs& a, const Sources& sources,
   if (a.cache == "memory") {
     source = source.cache();
   } else if (a.cache != "none") {
-    source = source.cache(a.cache);
+    // Image files are FILE-sharded: each worker caches its own, in a file of its own.
+    source = source.cache(sources.decode ? a.cache + ".worker-" + std::to_string(worker) : a.cache);
   }
   // With --steps-per-epoch, epochs are step counts over an endless, reshuffled stream (Keras's
   // steps_per_epoch with repeat()); without, an epoch is one pass.
@@ -409,13 +425,14 @@ struct Input {
 
 // Distributed so that each worker preprocesses only its own slice of every global batch; on a
 // GPU the last stage copies each batch from pinned memory while the step before it runs.
-Input input_pipeline(const TrainArgs& a, const Sources& sources, const strategy::Strategy& strategy,
+Input input_pipeline(const TrainArgs& a, const Sources& sources, strategy::Strategy& strategy,
                      const torch::Device& device, int threads, std::int64_t global_batch) {
   // The pipeline's threads share this worker's cores with training, not the whole machine.
   data::Options options;
   options.private_threadpool_size = threads;
   const data::Dataset batches =
-      training_batches(a, sources, global_batch).prefetch(data::kAutotune);
+      training_batches(a, sources, global_batch, strategy.input_context().input_pipeline_id)
+          .prefetch(data::kAutotune);
   const data::Dataset to_device = device.is_cuda() ? batches.prefetch_to_device(device) : batches;
   auto train = data::distribute_dataset(to_device.with_options(options), strategy.input_context());
   // Every element counted once, the last batch short.
@@ -424,7 +441,12 @@ Input input_pipeline(const TrainArgs& a, const Sources& sources, const strategy:
                            .map(normalized, data::kAutotune)
                            .prefetch(data::kAutotune)
                            .with_options(options);
-  const std::int64_t steps = a.steps_per_epoch > 0 ? a.steps_per_epoch : train.cardinality();
+  std::int64_t steps = a.steps_per_epoch > 0 ? a.steps_per_epoch : train.cardinality();
+  // FILE shards may differ by a batch: the epoch is the longest worker's (the others join with
+  // empty batches), and every worker's schedule must count the same steps.
+  if (a.steps_per_epoch == 0 && !train.same_steps_on_every_worker()) {
+    steps = collective::agree(strategy.communicator(), true, steps).max;
+  }
   if (steps < 1) {
     throw ConfigError("the global batch " + std::to_string(global_batch) +
                       " is larger than the training set; lower --batch-per-replica");

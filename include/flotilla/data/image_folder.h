@@ -65,17 +65,19 @@ struct ImageFolder {
   MapFn load;
 };
 
-// ConfigError for bad options or a directory without images; DataError (naming the file, at
-// iteration) for an image that cannot be decoded.
+// ConfigError for bad options or a directory without images; DataError naming the file for one
+// that cannot be read (here) or decoded (at iteration).
 ImageFolder image_dataset_from_directory(const std::string& directory,
                                          const ImageFolderOptions& options = {});
 
 // One JPEG or PNG file's pixels: uint8 [C, H, W], C = 1 or 3 as `mode` says. JPEG decodes with
 // libjpeg-turbo's accurate integer IDCT (JDCT_ISLOW, as Pillow does; TensorFlow's default is the
-// fast one) and fancy upsampling; a truncated or corrupt file (any warning libjpeg raises) is an
-// error, never grey filler. PNG decodes with libpng's simplified API (8-bit; palettes expanded,
-// alpha dropped). DataError naming the file, for unreadable, corrupt, truncated and unsupported
-// (GIF, BMP, other) files.
+// fast one) and fancy upsampling; damaged data (libjpeg's truncation and corrupt-data warnings)
+// is an error, never grey filler. PNG decodes with libpng's simplified API: palettes and low bit
+// depths expanded, 16-bit samples scaled to 8, alpha dropped (not blended), colour to grey as
+// ITU-R 601-2 luma (Pillow's convert("L")); a gAMA chunk other than sRGB's is applied by libpng.
+// DataError naming the file, for unreadable, corrupt, truncated, oversized (> 2^28 pixels) and
+// unsupported (GIF, BMP, CMYK JPEG, other) files.
 torch::Tensor decode_image(const std::string& path, ColorMode mode);
 
 // Bilinear resize with half-pixel centres and no antialiasing (tf.image.resize's "bilinear", as

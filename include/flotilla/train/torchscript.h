@@ -49,6 +49,9 @@ class TorchScriptModuleImpl : public torch::nn::Module {
   // forward (the graphs are compiled then): ConfigError after. Copies made by clone() share it.
   int convert_sync_batchnorm();
   int sync_batchnorm_layers() const { return sync_layers_; }
+  // A trace records BatchNorm's mode as a constant: true when one was traced in training mode
+  // (it then normalises with batch statistics in evaluation too). load_torchscript warns.
+  bool traced_in_training_mode() const;
   // The replica this copy runs on (bind_sync_batchnorm, from Model::compile()).
   void set_replica_context(strategy::ReplicaContext context) { context_ = std::move(context); }
 
@@ -65,7 +68,9 @@ class TorchScriptModuleImpl : public torch::nn::Module {
 TORCH_MODULE(TorchScriptModule);
 
 // torch::jit::load onto the CPU. ConfigError (one line: the path, what it is, torch's message)
-// for a missing file or one that is not a TorchScript module.
+// for a missing file or one that is not a TorchScript module. A parameter held under two names
+// (tied weights) is trained once, under its first name; a checkpoint then holds that name only
+// (load it in Python with strict=False, or re-tie after loading).
 TorchScriptModule load_torchscript(const std::string& path);
 
 // Runs forward once on `sample` in training mode (no gradients; buffers and mode restored) so that a model that

@@ -54,7 +54,8 @@ class ImageFolderFiles : public ::testing::Test {
     dir_ = new testing::TempDir();
     if (!testing::fashion_mnist_present() || !pillow_installed()) return;
     for (const auto& [name, extra] : std::vector<std::pair<std::string, std::string>>{
-             {"png", "--format=png"}, {"jpeg", "--format=jpeg"}, {"rgb", "--rgb"}}) {
+             {"png", "--format=png"}, {"jpeg", "--format=jpeg"}, {"rgb", "--rgb"},
+             {"rgba", "--colour"}}) {
       const auto r = testing::run_process({testing::test_python(), script(), "write",
                                            dir_->path() + "/" + name, extra, "--limit",
                                            std::to_string(kPerSplit)});
@@ -146,6 +147,37 @@ TEST_F(ImageFolderFiles, ColorModesConvertAsPillowDoes) {
   }
 }
 
+TEST_F(ImageFolderFiles, ColourAndAlphaDecodeAsPillowConverts) {
+  // RGBA PNGs (alpha = the grey, so most pixels are partly transparent): RGB drops the alpha,
+  // grey is ITU-R 601-2 luma of the colour, both exactly as Pillow's convert does.
+  const ImageFolder folder = image_dataset_from_directory(dir("rgba/test"), gray28());
+  const torch::Tensor rgb = pillow_decode(folder.file_paths, "RGB", dir_->path());
+  const torch::Tensor grey = pillow_decode(folder.file_paths, "L", dir_->path());
+  for (std::size_t k = 0; k < folder.file_paths.size(); ++k) {
+    EXPECT_TRUE(torch::equal(decode_image(folder.file_paths[k], ColorMode::kRgb), rgb[k])) << k;
+    EXPECT_TRUE(torch::equal(decode_image(folder.file_paths[k], ColorMode::kGrayscale), grey[k]))
+        << k;
+  }
+  // Decoding twice gives the same pixels (nothing read from uninitialised memory).
+  EXPECT_TRUE(torch::equal(decode_image(folder.file_paths[0], ColorMode::kRgb),
+                           decode_image(folder.file_paths[0], ColorMode::kRgb)));
+}
+
+TEST_F(ImageFolderFiles, TheDecodersOptionsArePartOfTheFingerprint) {
+  // A cache of decoded images is keyed on the fingerprint: another size or colour mode must not
+  // replay the old one.
+  ImageFolderOptions o = gray28();
+  const std::string a = image_dataset_from_directory(dir("png/train"), o).dataset.fingerprint();
+  o.image_size = {32, 32};
+  const std::string b = image_dataset_from_directory(dir("png/train"), o).dataset.fingerprint();
+  o.color_mode = ColorMode::kRgb;
+  const std::string c = image_dataset_from_directory(dir("png/train"), o).dataset.fingerprint();
+  EXPECT_NE(a, b);
+  EXPECT_NE(b, c);
+  EXPECT_EQ(a, image_dataset_from_directory(dir("png/train"), gray28()).dataset.fingerprint());
+  EXPECT_LT(a.size(), 1000u) << "the files' identity is hashed, not spelled out";
+}
+
 TEST_F(ImageFolderFiles, ResizeAndBatchAsKerasDoes) {
   ImageFolderOptions o = gray28();
   o.image_size = {32, 20};
@@ -211,7 +243,7 @@ TEST_F(ImageFolderFiles, BrokenImagesAreDataErrorsNamingTheFile) {
     }
   };
   expect_data_error(truncated(png, "half.png"), "corrupt or truncated PNG");
-  expect_data_error(truncated(jpeg, "half.jpg"), "corrupt or truncated JPEG");
+  expect_data_error(truncated(jpeg, "half.jpg"), "corrupt, truncated or unsupported JPEG");
   std::ofstream(broken.path() + "/anim.gif") << "GIF89a\x01\x00\x01\x00";
   expect_data_error(broken.path() + "/anim.gif", "a GIF image; flotilla decodes JPEG and PNG only");
   std::ofstream(broken.path() + "/text.png") << "hello";
@@ -251,6 +283,11 @@ TEST(ImageFolderIndex, ListsSplitsAndShufflesAsKeras) {
     EXPECT_EQ(folder.labels, c["labels"].get<std::vector<std::int64_t>>()) << c.dump();
     EXPECT_EQ(folder.class_names, c["class_names"].get<std::vector<std::string>>()) << c.dump();
   }
+  // "dir/" lists the same paths as "dir", as os.path.join makes them.
+  ImageFolderOptions unshuffled;
+  unshuffled.shuffle = false;
+  EXPECT_EQ(image_dataset_from_directory(root.path() + "/", unshuffled).file_paths,
+            image_dataset_from_directory(root.path(), unshuffled).file_paths);
 }
 
 TEST(ImageFolderIndex, BadOptionsAreConfigErrors) {
