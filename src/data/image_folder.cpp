@@ -336,9 +336,15 @@ torch::Tensor decode_png(const std::string& bytes, const std::string& path, Colo
     throw DataError(path + ": corrupt PNG (libpng: " + message + ")");
   }
   const bool colour = (image.format & PNG_FORMAT_FLAG_COLOR) != 0;
-  image.format = colour ? PNG_FORMAT_RGBA : PNG_FORMAT_GA;
+  const bool alpha = (image.format & PNG_FORMAT_FLAG_ALPHA) != 0; // an alpha channel or tRNS
+  // Read as it is stored, with its alpha (if any) kept apart: libpng blends alpha into whatever
+  // the buffer holds when the output has none. Grey from colour is done here, below.
+  const bool rgb_out = mode == ColorMode::kRgb;
+  image.format = colour || rgb_out ? (alpha ? PNG_FORMAT_RGBA : PNG_FORMAT_RGB)
+                                   : (alpha ? PNG_FORMAT_GA : PNG_FORMAT_GRAY);
   image.flags |= PNG_IMAGE_FLAG_16BIT_sRGB;
-  const std::int64_t h = image.height, w = image.width, stored = colour ? 4 : 2;
+  const std::int64_t h = image.height, w = image.width;
+  const std::int64_t stored = PNG_IMAGE_SAMPLE_CHANNELS(image.format);
   torch::Tensor hwc;
   try {
     check_size(h, w, path);
@@ -353,16 +359,14 @@ torch::Tensor decode_png(const std::string& bytes, const std::string& path, Colo
     throw DataError(path + ": corrupt or truncated PNG (libpng: " + message + ")");
   }
   const torch::Tensor chw = hwc.permute({2, 0, 1});
-  if (mode == ColorMode::kRgb) {
-    return colour ? chw.narrow(0, 0, 3).contiguous() : chw.narrow(0, 0, 1).expand({3, h, w}).contiguous();
-  }
-  if (!colour) return chw.narrow(0, 0, 1).contiguous();
+  if (rgb_out || !colour) return chw.narrow(0, 0, rgb_out ? 3 : 1).contiguous();
   // L = (19595 R + 38470 G + 7471 B + 2^15) >> 16, Pillow's integer form of 0.299/0.587/0.114.
   torch::Tensor grey = torch::empty({1, h, w}, torch::kUInt8);
   const std::uint8_t* in = hwc.data_ptr<std::uint8_t>();
   std::uint8_t* out = grey.data_ptr<std::uint8_t>();
-  for (std::int64_t k = 0; k < h * w; ++k, in += 4) {
-    out[k] = static_cast<std::uint8_t>((19595u * in[0] + 38470u * in[1] + 7471u * in[2] + 0x8000u) >> 16);
+  for (std::int64_t k = 0; k < h * w; ++k, in += stored) {
+    out[k] = static_cast<std::uint8_t>(
+        (19595u * in[0] + 38470u * in[1] + 7471u * in[2] + 0x8000u) >> 16);
   }
   return grey;
 }
