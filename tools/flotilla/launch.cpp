@@ -397,6 +397,8 @@ class Launcher {
   std::optional<int> forwarded_; // the first signal we passed on
   bool killed_ = false;          // a second signal: no more grace
   std::optional<Clock::time_point> kill_at_;
+  std::optional<Clock::time_point> term_at_; // a victim failed first: when to stop the rest
+  static constexpr std::chrono::seconds kCulpritWindow{2};
 };
 
 void Launcher::reap() {
@@ -465,6 +467,13 @@ void Launcher::reap() {
     line += "; no restarts left (--max-restarts " + std::to_string(args_.max_restarts) + ")";
   }
   write_all(STDERR_FILENO, line + "\n");
+  if (failed.exit_code == kExitComm) {
+    // A victim (a collective failed under it): the worker that caused it usually ends by itself
+    // a moment later, with its own error line and exit code, which are the job's. Stopping
+    // everyone at once would cut that short.
+    term_at_ = Clock::now() + kCulpritWindow;
+    return;
+  }
   stop_all(SIGTERM);
   stop_later();
 }
@@ -477,6 +486,7 @@ void Launcher::on_signals(int fd) {
     if (!forwarded_) {
       // First Ctrl-C/SIGTERM: pass it on and give the workers the grace period to stop.
       forwarded_ = sigs[i];
+      term_at_.reset();
       stop_all(sigs[i]);
       stop_later();
     } else if (!killed_) {
@@ -515,6 +525,17 @@ Outcome Launcher::supervise() {
     // open cannot hold us: once the workers are gone, reads get a short deadline.
     if (!any_running && fds.size() == 1) break;
     std::int64_t wait_ms = any_running ? 1000 : 200;
+    if (term_at_ && any_running) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*term_at_ - Clock::now()).count();
+      if (left <= 0) {
+        stop_all(SIGTERM);
+        stop_later();
+        term_at_.reset();
+      } else {
+        wait_ms = std::min<std::int64_t>(wait_ms, left);
+      }
+    }
     if (kill_at_ && any_running) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at_ - Clock::now()).count();
