@@ -26,20 +26,11 @@ for run in $(seq "$RUNS"); do
       { tail -20 "$tmp/$config-$run.log" >&2; exit 1; }
   done
 done
-python3 - "$tmp" "$RUNS" "$MODEL" "$BATCH" "$machine" <<'PY'
-import json, statistics, sys
-tmp, runs, model, batch, machine = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
-step = {}
-for config in ("plain", "sync"):
-    values = []
-    for run in range(1, runs + 1):
-        last = [json.loads(l) for l in open(f"{tmp}/{config}-{run}.json") if '"epoch"' in l][-1]
-        values.append(1000 * last["seconds"] / last["steps"])
-    step[config] = statistics.median(values)
-    print(json.dumps({"bench": "batchnorm", "model": model, "config": config, "workers": 2,
-                      "batch_per_replica": batch, "metric": "step_ms", "value": round(step[config], 1),
-                      "runs": runs, "machine": machine}))
-print(json.dumps({"bench": "batchnorm", "model": model, "metric": "step_ms",
-                  "ratio": round(step["sync"] / step["plain"], 3), "of": "sync/plain",
-                  "machine": machine}))
-PY
+for config in plain sync; do
+  step=$(bench/step_ms.py "$tmp/$config"-*.json)
+  declare "step_$config=$step"
+  printf '{"bench":"batchnorm","model":"%s","config":"%s","workers":2,"batch_per_replica":%d,"metric":"step_ms","value":%s,"runs":%d,"machine":%s}\n' \
+    "$MODEL" "$config" "$BATCH" "$step" "$RUNS" "$machine"
+done
+awk -v s="$step_sync" -v p="$step_plain" -v m="$MODEL" -v machine="$machine" 'BEGIN {
+  printf "{\"bench\":\"batchnorm\",\"model\":\"%s\",\"metric\":\"step_ms\",\"ratio\":%.3f,\"of\":\"sync/plain\",\"machine\":%s}\n", m, s / p, machine }'

@@ -35,21 +35,13 @@ for run in $(seq "$RUNS"); do
     done
   done
 done
-python3 - "$tmp" "$RUNS" "$MODELS" "$BATCH" "$PRECISION" "$machine" <<'PY'
-import json, statistics, sys
-tmp, runs, models, batch, precision, machine = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), int(sys.argv[4]), sys.argv[5], json.loads(sys.argv[6])
-for model in models:
-    step = {}
-    for kind in ("zoo", "script"):
-        values = []
-        for run in range(1, runs + 1):
-            last = [json.loads(l) for l in open(f"{tmp}/{model}-{kind}-{run}.json") if '"epoch"' in l][-1]
-            values.append(1000 * last["seconds"] / last["steps"])
-        step[kind] = statistics.median(values)
-        print(json.dumps({"bench": "torchscript", "model": model, "config": kind, "workers": 2,
-                          "batch_per_replica": batch, "precision": precision, "metric": "step_ms",
-                          "value": round(step[kind], 1), "runs": runs, "machine": machine}))
-    print(json.dumps({"bench": "torchscript", "model": model, "precision": precision,
-                      "metric": "step_ms", "ratio": round(step["script"] / step["zoo"], 3),
-                      "of": "script/zoo", "machine": machine}))
-PY
+for model in $MODELS; do
+  for kind in zoo script; do
+    step=$(bench/step_ms.py "$tmp/$model-$kind"-*.json)
+    declare "step_$kind=$step"
+    printf '{"bench":"torchscript","model":"%s","config":"%s","workers":2,"batch_per_replica":%d,"precision":"%s","metric":"step_ms","value":%s,"runs":%d,"machine":%s}\n' \
+      "$model" "$kind" "$BATCH" "$PRECISION" "$step" "$RUNS" "$machine"
+  done
+  awk -v s="$step_script" -v z="$step_zoo" -v m="$model" -v p="$PRECISION" -v machine="$machine" 'BEGIN {
+    printf "{\"bench\":\"torchscript\",\"model\":\"%s\",\"precision\":\"%s\",\"metric\":\"step_ms\",\"ratio\":%.3f,\"of\":\"script/zoo\",\"machine\":%s}\n", m, p, s / z, machine }'
+done

@@ -180,26 +180,17 @@ struct MemoryCache {
   bool filling = false;
 };
 
-class MemoryReplayStage : public Stage {
+class MemoryReplayStage : public PositionedStage {
  public:
   explicit MemoryReplayStage(std::shared_ptr<MemoryCache> cache)
-      : Stage("Cache(read)"), cache_(std::move(cache)) {}
-  std::int64_t skip(std::int64_t n) override {
-    const std::int64_t moved =
-        std::min<std::int64_t>(n, static_cast<std::int64_t>(cache_->elements.size()) - position_);
-    position_ += moved;
-    return moved;
-  }
+      : PositionedStage("Cache(read)", static_cast<std::int64_t>(cache->elements.size())),
+        cache_(std::move(cache)) {}
 
  protected:
-  std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(cache_->elements.size())) return std::nullopt;
-    return cache_->elements[static_cast<std::size_t>(position_++)];
-  }
+  Element at(std::size_t k) override { return cache_->elements[k]; }
 
  private:
   std::shared_ptr<MemoryCache> cache_; // complete, so read without the lock
-  std::int64_t position_ = 0;
 };
 
 class MemoryFillStage : public UnaryStage {

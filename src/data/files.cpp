@@ -17,26 +17,17 @@ namespace {
 
 // --- list_files ---
 
-class ListFilesStage : public Stage {
+class ListFilesStage : public PositionedStage {
  public:
   explicit ListFilesStage(std::vector<std::string> files)
-      : Stage("ListFiles"), files_(std::move(files)) {}
-  std::int64_t skip(std::int64_t n) override {
-    const std::int64_t moved =
-        std::min<std::int64_t>(n, static_cast<std::int64_t>(files_.size()) - position_);
-    position_ += moved;
-    return moved;
-  }
+      : PositionedStage("ListFiles", static_cast<std::int64_t>(files.size())),
+        files_(std::move(files)) {}
 
  protected:
-  std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(files_.size())) return std::nullopt;
-    return Element{string_tensor(files_[static_cast<std::size_t>(position_++)])};
-  }
+  Element at(std::size_t k) override { return Element{string_tensor(files_[k])}; }
 
  private:
   std::vector<std::string> files_;
-  std::int64_t position_ = 0;
 };
 
 class ListFilesNode : public FileSourceNode {

@@ -138,28 +138,20 @@ struct FileList {
   std::vector<std::int64_t> labels;
 };
 
-class ImageFilesStage : public detail::Stage {
+class ImageFilesStage : public detail::PositionedStage {
  public:
   explicit ImageFilesStage(std::shared_ptr<const FileList> list)
-      : Stage("ImageFiles"), list_(std::move(list)) {}
-  std::int64_t skip(std::int64_t n) override {
-    const std::int64_t moved =
-        std::min<std::int64_t>(n, static_cast<std::int64_t>(list_->files.size()) - position_);
-    position_ += moved;
-    return moved;
-  }
+      : PositionedStage("ImageFiles", static_cast<std::int64_t>(list->files.size())),
+        list_(std::move(list)) {}
 
  protected:
-  std::optional<Element> produce() override {
-    if (position_ >= static_cast<std::int64_t>(list_->files.size())) return std::nullopt;
-    const auto k = static_cast<std::size_t>(position_++);
+  Element at(std::size_t k) override {
     return Element{string_tensor(list_->files[k]),
                    torch::scalar_tensor(list_->labels[k], torch::kInt64)};
   }
 
  private:
   std::shared_ptr<const FileList> list_;
-  std::int64_t position_ = 0;
 };
 
 // `decoder`: what load() makes of the files (colour mode, size, dtype), part of the identity so
@@ -529,14 +521,11 @@ ImageFolder image_dataset_from_directory(const std::string& directory,
       std::make_shared<ImageFilesNode>(index.paths, index.labels, decoder, Options{}));
   MapFn load = [mode, height, width, dtype](Element e) {
     const torch::Tensor pixels = decode_image(to_string(e[0]), mode);
-    torch::Tensor image;
-    if (pixels.size(1) == height && pixels.size(2) == width) {
-      image = dtype == torch::kUInt8 ? pixels : pixels.to(torch::kFloat32);
-    } else {
-      image = resize_bilinear(pixels, height, width);
-      if (dtype == torch::kUInt8) image = image.round().clamp(0, 255).to(torch::kUInt8);
-    }
-    return Element{image, e[1]};
+    const bool sized = pixels.size(1) == height && pixels.size(2) == width;
+    if (sized && dtype == torch::kUInt8) return Element{pixels, e[1]}; // no copy
+    const torch::Tensor image = resize_bilinear(pixels, height, width); // float32
+    return Element{dtype == torch::kUInt8 ? image.round().clamp(0, 255).to(torch::kUInt8) : image,
+                   e[1]};
   };
   Dataset d = files;
   if (o.shuffle) d = d.shuffle(o.batch_size > 0 ? o.batch_size * 8 : 1024, seed);

@@ -1,6 +1,7 @@
 // Private: the node factories behind Dataset's methods, and helpers the stages share.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,27 @@ class UnaryNode : public Node {
 
  protected:
   NodePtr input_;
+};
+
+// A source of `count` elements handed out in order by position: skip() jumps, resumes are cheap.
+class PositionedStage : public Stage {
+ public:
+  PositionedStage(std::string name, std::int64_t count) : Stage(std::move(name)), count_(count) {}
+  std::int64_t skip(std::int64_t n) override {
+    const std::int64_t moved = std::min(n, count_ - position_);
+    position_ += moved;
+    return moved;
+  }
+
+ protected:
+  virtual Element at(std::size_t k) = 0;
+  std::optional<Element> produce() override {
+    if (position_ >= count_) return std::nullopt;
+    return at(static_cast<std::size_t>(position_++));
+  }
+
+ private:
+  std::int64_t count_, position_ = 0;
 };
 
 // A source that reads a list of files; FILE auto-sharding hands each worker a subset.

@@ -49,35 +49,36 @@ TORCH_LIBRARY_IMPL(flotilla, CompositeImplicitAutograd, m) {
   m.impl("sync_batch_norm", TORCH_FN(sync_batch_norm));
 }
 
-// Every aten::batch_norm in `function`'s graph and in the functions it calls becomes
-// flotilla::sync_batch_norm (same inputs, same output). Returns how many.
-int rewrite_batch_norms(torch::jit::Function& function, std::set<const torch::jit::Function*>& seen) {
-  if (!seen.insert(&function).second || !function.isGraphFunction()) return 0;
-  const std::shared_ptr<torch::jit::Graph> graph = torch::jit::toGraphFunction(function).graph();
+// Every aten::batch_norm node in `function`'s graph (its blocks included) and in the functions it
+// calls (a scripted BatchNorm calls F.batch_norm through prim::CallFunction; a trace holds the
+// node itself). `seen`: functions already searched (the compiled types are shared).
+void find_batch_norms(torch::jit::Function& function, std::set<const torch::jit::Function*>& seen,
+                      std::vector<torch::jit::Node*>& found) {
+  if (!seen.insert(&function).second || !function.isGraphFunction()) return;
   static const auto batch_norm = c10::Symbol::fromQualString("aten::batch_norm");
-  static const auto sync = c10::Symbol::fromQualString("flotilla::sync_batch_norm");
-  std::vector<torch::jit::Node*> found;
-  int rewritten = 0;
   std::function<void(torch::jit::Block*)> visit = [&](torch::jit::Block* block) {
     for (torch::jit::Node* node : block->nodes()) {
       if (node->kind() == batch_norm) found.push_back(node);
       if (node->kind() == torch::jit::prim::CallFunction) {
         if (auto callee = node->input(0)->type()->cast<c10::FunctionType>()) {
-          rewritten += rewrite_batch_norms(*callee->function(), seen);
+          find_batch_norms(*callee->function(), seen, found);
         }
       }
       for (torch::jit::Block* inner : node->blocks()) visit(inner);
     }
   };
-  visit(graph->block());
-  for (torch::jit::Node* node : found) {
-    torch::jit::WithInsertPoint here(node);
-    torch::jit::Node* replacement = graph->insertNode(graph->create(sync, node->inputs(), 1));
-    replacement->output()->setType(node->output()->type());
-    node->output()->replaceAllUsesWith(replacement->output());
-    node->destroy();
+  visit(torch::jit::toGraphFunction(function).graph()->block());
+}
+
+std::vector<torch::jit::Node*> batch_norms_of(const torch::jit::Module& script) {
+  std::set<const torch::jit::Function*> seen;
+  std::vector<torch::jit::Node*> found;
+  for (const torch::jit::Module& m : script.modules()) {
+    for (const torch::jit::Method& method : m.get_methods()) {
+      find_batch_norms(method.function(), seen, found);
+    }
   }
-  return rewritten + static_cast<int>(found.size());
+  return found;
 }
 
 // torch's message in one line: a TorchScript interpreter error ends with the Python-style
@@ -149,16 +150,9 @@ TorchScriptModuleImpl::TorchScriptModuleImpl(torch::jit::Module module, std::str
 }
 
 bool TorchScriptModuleImpl::traced_in_training_mode() const {
-  static const auto batch_norm = c10::Symbol::fromQualString("aten::batch_norm");
-  for (const torch::jit::Module& m : script_.modules()) {
-    for (const torch::jit::Method& method : m.get_methods()) {
-      if (!method.function().isGraphFunction()) continue;
-      for (torch::jit::Node* node : torch::jit::toGraphFunction(method.function()).graph()->nodes()) {
-        if (node->kind() != batch_norm) continue;
-        const auto training = torch::jit::toIValue(node->input(5));
-        if (training && training->isBool() && training->toBool()) return true;
-      }
-    }
+  for (torch::jit::Node* node : batch_norms_of(script_)) {
+    const auto training = torch::jit::toIValue(node->input(5)); // a constant only in a trace
+    if (training && training->isBool() && training->toBool()) return true;
   }
   return false;
 }
@@ -169,16 +163,23 @@ int TorchScriptModuleImpl::convert_sync_batchnorm() {
                                 "graphs are compiled; convert it right after loading");
   }
   if (sync_layers_ > 0) return sync_layers_;
-  std::set<const torch::jit::Function*> seen;
-  int calls = 0, layers = 0;
+  // Each node becomes flotilla::sync_batch_norm: the same inputs, the same output.
+  static const auto sync = c10::Symbol::fromQualString("flotilla::sync_batch_norm");
+  const std::vector<torch::jit::Node*> calls = batch_norms_of(script_);
+  for (torch::jit::Node* node : calls) {
+    torch::jit::Graph& graph = *node->owningGraph();
+    torch::jit::WithInsertPoint here(node);
+    torch::jit::Node* replacement = graph.insertNode(graph.create(sync, node->inputs(), 1));
+    replacement->output()->setType(node->output()->type());
+    node->output()->replaceAllUsesWith(replacement->output());
+    node->destroy();
+  }
+  int layers = 0;
   for (const torch::jit::Module& m : script_.modules()) {
     const std::string type = m.type()->name() ? m.type()->name()->name() : "";
     layers += type == "BatchNorm1d" || type == "BatchNorm2d" || type == "BatchNorm3d";
-    for (const torch::jit::Method& method : m.get_methods()) {
-      calls += rewrite_batch_norms(method.function(), seen);
-    }
   }
-  sync_layers_ = calls == 0 ? 0 : layers > 0 ? layers : calls;
+  sync_layers_ = calls.empty() ? 0 : layers > 0 ? layers : static_cast<int>(calls.size());
   return sync_layers_;
 }
 
@@ -250,31 +251,29 @@ TorchScriptModule load_torchscript(const std::string& path) {
 
 torch::Tensor check_forward(TorchScriptModule& module, const torch::Tensor& sample) {
   // In the mode training will run it, but leaving no trace: BatchNorm's running statistics
-  // (a forward in training mode updates them) are put back as they were.
+  // (a forward in training mode updates them) and the mode are put back as they were.
   torch::NoGradGuard no_grad;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
-  for (const auto& b : module->buffers()) buffers.emplace_back(b, b.clone());
-  const bool training = module->is_training();
-  auto restore = [&] {
-    for (auto& [buffer, saved] : buffers) buffer.copy_(saved);
-    module->train(training);
-  };
+  struct Restore {
+    TorchScriptModule& module;
+    bool training = module->is_training();
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
+    ~Restore() {
+      for (auto& [buffer, saved] : buffers) buffer.copy_(saved);
+      module->train(training);
+    }
+  } restore{module};
+  for (const auto& b : module->buffers()) restore.buffers.emplace_back(b, b.clone());
   module->train(true);
-  torch::Tensor out;
   try {
-    out = module->forward(sample);
+    return module->forward(sample);
   } catch (const Error&) { // flotilla's own (a forward that returns no tensor): as it is
-    restore();
     throw;
   } catch (const std::exception& e) { // torch's: c10::Error, or the interpreter's JITException
-    restore();
     const auto* c10 = dynamic_cast<const c10::Error*>(&e);
     throw ConfigError(module->source() + ": forward failed on a batch of shape " +
                       shape_of(sample) + ": " +
                       one_line(c10 ? c10->what_without_backtrace() : e.what()));
   }
-  restore();
-  return out;
 }
 
 } // namespace flotilla::train

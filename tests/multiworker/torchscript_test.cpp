@@ -307,8 +307,18 @@ TEST_F(TorchScript, AFileThatIsNotAModuleIsOneClearError) {
 TEST_F(TorchScript, AForwardThatRejectsTheBatchNamesItsShapeAndLeavesTheBuffersAlone) {
   train::TorchScriptModule script = train::load_torchscript(path("bn.pt"));
   const torch::Tensor mean_before = script->named_buffers()["norm.running_mean"].clone();
+  {
+    // Control: a forward in training mode moves the running statistics.
+    torch::NoGradGuard no_grad;
+    auto copy = std::dynamic_pointer_cast<train::TorchScriptModuleImpl>(script->clone());
+    copy->train();
+    copy->forward(images_.slice(0, 0, 2));
+    EXPECT_FALSE(torch::equal(copy->named_buffers()["norm.running_mean"], mean_before));
+  }
+  script->eval(); // check_forward runs it in training mode, then puts the mode back
   train::check_forward(script, images_.slice(0, 0, 2)); // fits: no change to the statistics
   EXPECT_TRUE(torch::equal(script->named_buffers()["norm.running_mean"], mean_before));
+  EXPECT_FALSE(script->is_training());
   try {
     train::check_forward(script, torch::zeros({2, 3, 32, 32}));
     FAIL() << "a 3-channel batch went through a 1-channel conv";
@@ -320,7 +330,7 @@ TEST_F(TorchScript, AForwardThatRejectsTheBatchNamesItsShapeAndLeavesTheBuffersA
     EXPECT_NE(what.find("channels"), std::string::npos) << what; // torch's own words
     EXPECT_EQ(what.find('\n'), std::string::npos) << what;
   }
-  EXPECT_TRUE(script->is_training());
+  EXPECT_FALSE(script->is_training()); // restored after a failure too
 }
 
 TEST_F(TorchScript, ATiedWeightIsTrainedOnceAndATraceInTrainingModeIsNamed) {
