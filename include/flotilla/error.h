@@ -37,6 +37,14 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
+// Elastic mode: the collective's group lost a member (or admitted new ones) while it ran; the
+// operation was abandoned, and the survivors go on in the next generation
+// (collective::ElasticGroup::regroup). Outside elastic mode a lost member is a plain CommError.
+class GroupChanged : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // A checkpoint could not be written or read.
 class CheckpointError : public Error {
  public:

@@ -330,11 +330,22 @@ ClusterSpec single_worker() {
   return spec;
 }
 
-ClusterSpec resolve_cluster(const Environment& env) {
+namespace {
+ClusterSpec resolve_cluster_only(const Environment& env) {
   if (const auto tf_config = env.get("TF_CONFIG")) return parse_tf_config(*tf_config);
   if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);
   if (env.get("SLURM_PROCID") && env.get("SLURM_NTASKS")) return from_slurm_env(env);
   return single_worker();
+}
+} // namespace
+
+ClusterSpec resolve_cluster(const Environment& env) {
+  ClusterSpec spec = resolve_cluster_only(env);
+  if (const auto external = env.get("FLOTILLA_RENDEZVOUS")) {
+    spec.rendezvous = parse_address(*external, "FLOTILLA_RENDEZVOUS");
+    spec.external_rendezvous = true;
+  }
+  return spec;
 }
 
 int local_rank(const Environment& env) {

@@ -14,6 +14,7 @@
 
 #include "collective/backend_failure.h"
 #include "collective/backends.h"
+#include "collective/group.h"
 #include "collective/heartbeat.h"
 #include "collective/rendezvous.h"
 #include "collective/rendezvous_server.h"
@@ -223,6 +224,7 @@ struct Health {
   std::mutex mutex;
   std::condition_variable cv;
   std::string failure;             // empty: healthy; written once, under the mutex
+  bool changed = false;            // elastic: the membership moved on (GroupChanged)
   std::atomic<bool> failed{false}; // set after `failure`: every operation reads it, lock-free
 
   std::string failure_text() {
@@ -230,6 +232,46 @@ struct Health {
     return failure;
   }
 };
+
+namespace detail {
+
+[[noreturn]] void throw_failed(Health& health, const std::string& head) {
+  std::string failure;
+  bool changed = false;
+  {
+    std::lock_guard<std::mutex> lock(health.mutex);
+    failure = health.failure;
+    changed = health.changed;
+  }
+  if (changed) {
+    throw GroupChanged(
+        head + failure +
+        "; the group goes on without it in a new generation (ElasticGroup::regroup)");
+  }
+  throw CommError(head + failure + kRestartAdvice);
+}
+
+std::shared_ptr<Health> new_health() {
+  return std::make_shared<Health>();
+}
+
+bool fail_group(Health& health, const std::string& why, bool changed) {
+  {
+    std::lock_guard<std::mutex> lock(health.mutex);
+    if (!health.failure.empty()) return false;
+    health.failure = why;
+    health.changed = changed;
+    health.failed = true;
+  }
+  health.cv.notify_all();
+  return true;
+}
+
+bool group_failed(const Health& health) {
+  return health.failed;
+}
+
+} // namespace detail
 
 struct Work::State {
   c10::intrusive_ptr<c10d::Work> work; // null: nothing to wait for
@@ -312,9 +354,8 @@ void Work::wait_for_backend() {
     // here. No timeout: with one, WorkNCCL::wait polls the event from the host (a block per
     // bucket, and illegal inside a CUDA-graph capture); without, it only orders the streams.
     if (state_->health && state_->health->failed) {
-      throw CommError(state_->description + " on " + state_->where() +
-                      " cannot complete: " + state_->health->failure_text() +
-                      kRestartAdvice);
+      detail::throw_failed(*state_->health,
+                           state_->description + " on " + state_->where() + " cannot complete: ");
     }
     state_->work->wait();
     return;
@@ -331,9 +372,9 @@ void Work::wait_for_backend() {
     };
     while (!finished() && std::chrono::steady_clock::now() < deadline) {
       if (!health->failure.empty()) {
-        throw CommError(state_->description + " on " + state_->where() +
-                        " cannot complete: " + health->failure +
-                        kRestartAdvice);
+        lock.unlock();
+        detail::throw_failed(*health,
+                             state_->description + " on " + state_->where() + " cannot complete: ");
       }
       health->cv.wait_for(lock, std::chrono::milliseconds(200));
     }
@@ -431,9 +472,8 @@ struct Communicator::Impl {
     state->health = health;
     state->names = names;
     if (health && health->failed) {
-      throw CommError(state->description + " on " + state->where() +
-                      " cannot start: " + health->failure_text() +
-                      kRestartAdvice);
+      detail::throw_failed(*health,
+                           state->description + " on " + state->where() + " cannot start: ");
     }
     return state;
   }
@@ -476,11 +516,7 @@ struct Communicator::Impl {
   }
 };
 
-namespace {
-
-// "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)": how messages
-// name a rank, so a failure points at a host. Empty when the spec lists no addresses.
-std::vector<std::string> rank_names(const cluster::ClusterSpec& spec) {
+std::vector<std::string> detail::rank_names(const cluster::ClusterSpec& spec) {
   std::vector<std::string> names;
   const auto addresses = spec.training_addresses();
   if (static_cast<int>(addresses.size()) != spec.world_size) return names;
@@ -494,6 +530,8 @@ std::vector<std::string> rank_names(const cluster::ClusterSpec& spec) {
   }
   return names;
 }
+
+namespace {
 
 // c10d's flight recorder (a process-wide log of every collective, for PyTorch's Python
 // debugging tools) updates a map outside its lock in LibTorch 2.11, so two process groups in
@@ -546,8 +584,13 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   rendezvous.timeout = options.timeout;
   rendezvous.heartbeat_interval = options.heartbeat_interval;
   rendezvous.heartbeat_timeout = options.heartbeat_timeout;
-  rendezvous.names = rank_names(spec);
+  rendezvous.names = detail::rank_names(spec);
   rendezvous.session = detail::new_session();
+  rendezvous.external = spec.external_rendezvous;
+  if (options.elastic) {
+    throw ConfigError("CommunicationOptions::elastic: an elastic group is joined through "
+                      "collective::ElasticGroup::join, not Communicator::connect");
+  }
   if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
       options.heartbeat_timeout <= options.heartbeat_interval) {
     throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
@@ -560,7 +603,9 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
                       "(e.g. openssl rand -hex 32) or leave it unset");
   }
   std::unique_ptr<detail::RendezvousServer> server;
-  if (spec.rank == 0) server = std::make_unique<detail::RendezvousServer>(rendezvous);
+  if (spec.rank == 0 && !spec.external_rendezvous) {
+    server = std::make_unique<detail::RendezvousServer>(rendezvous);
+  }
   auto rendezvous_store = c10::make_intrusive<detail::RendezvousStore>(rendezvous);
   rendezvous_store->wait_for_all_ranks();
   c10::intrusive_ptr<c10d::Store> store = rendezvous_store;
@@ -573,14 +618,7 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     impl->heartbeat = std::make_unique<detail::Heartbeat>(
         rendezvous, [health = std::weak_ptr<Health>(impl->health), log](const std::string& why) {
           auto h = health.lock();
-          if (!h) return;
-          {
-            std::lock_guard<std::mutex> lock(h->mutex);
-            if (!h->failure.empty()) return;
-            h->failure = why;
-            h->failed = true;
-          }
-          h->cv.notify_all();
+          if (!h || !detail::fail_group(*h, why, /*changed=*/false)) return;
           log.error(why + "; the training group cannot continue: its collectives fail from now");
         });
     return Communicator(std::move(impl));
@@ -597,6 +635,17 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     }
     throw CommError(head + "failed: " + message);
   }
+}
+
+Communicator detail::GroupFactory::make(int rank, int size, const CommunicationOptions& options,
+                                        c10::intrusive_ptr<c10d::Store> store,
+                                        const std::string& local_host,
+                                        std::vector<std::string> names,
+                                        std::shared_ptr<Health> health) {
+  auto impl = make_impl(rank, size, options, std::move(store), local_host);
+  impl->health = std::move(health);
+  impl->names = std::make_shared<const std::vector<std::string>>(std::move(names));
+  return Communicator(std::move(impl));
 }
 
 std::vector<Communicator> Communicator::local_group(int world_size,

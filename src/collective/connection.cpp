@@ -67,10 +67,13 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
     }
     if (conn->fd_ >= 0) break;
     if (Clock::now() >= deadline) {
-      throw TimeoutError(config.name(config.rank) + " could not reach the chief's rendezvous at " +
-                         conn->chief_ + " within " + ms_text(config.timeout) + " (" + last_error +
-                         "); start the chief, check its address in TF_CONFIG and that this "
-                         "host can reach it, or raise CommunicationOptions::timeout");
+      throw TimeoutError(
+          config.name(config.rank) + " could not reach " +
+          (config.external ? "the rendezvous at " : "the chief's rendezvous at ") + conn->chief_ +
+          " within " + ms_text(config.timeout) + " (" + last_error + "); " +
+          (config.external ? "start it (flotilla rendezvous), check FLOTILLA_RENDEZVOUS"
+                           : "start the chief, check its address in TF_CONFIG") +
+          " and that this host can reach it, or raise CommunicationOptions::timeout");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -158,6 +161,7 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
   }
   JoinRequest join;
   join.role = role;
+  join.flags = config.elastic ? kJoinElastic : 0;
   join.rank = config.rank;
   join.world = config.world_size;
   join.session = config.session;

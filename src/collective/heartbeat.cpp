@@ -18,6 +18,7 @@ using Clock = std::chrono::steady_clock;
 struct Heartbeat::Impl {
   RendezvousConfig config;
   std::function<void(const std::string&)> on_failure;
+  std::function<void(const Pong&)> on_pong;
   std::unique_ptr<Connection> connection;
   std::mutex mutex;
   std::condition_variable cv;
@@ -39,11 +40,24 @@ struct Heartbeat::Impl {
       try {
         WireWriter w;
         w.u8(kPing);
-        const auto deadline = last_answer + config.heartbeat_timeout;
+        // After this process was itself stopped (SIGSTOP, a VM pause), the deadline has passed
+        // already: read what the server said meanwhile before blaming it.
+        const auto deadline = std::max(last_answer + config.heartbeat_timeout,
+                                       Clock::now() + config.heartbeat_interval);
         connection->send(w.frame(), deadline);
         const std::string body = connection->receive(deadline);
         last_answer = Clock::now();
         const Pong pong = Pong::parse(body, config.world_size);
+        if (config.elastic) {
+          if (on_pong) on_pong(pong);
+          if (pong.expelled) {
+            return report((pong.failed.empty() ? config.name(config.rank) + " was dropped"
+                                               : pong.failed.front().second) +
+                          "; it was expelled from the training group (start it again to rejoin)");
+          }
+          if (pong.closing) return report(config.server_name() + " shut down");
+          continue;
+        }
         std::string failed;
         for (const auto& [rank, reason] : pong.failed) {
           if (rank != config.rank) failed += (failed.empty() ? "" : "; ") + reason;
@@ -51,23 +65,25 @@ struct Heartbeat::Impl {
         if (!failed.empty()) return report(failed);
         if (pong.closing) return; // the chief is leaving normally: nothing more to watch
       } catch (const TimeoutError&) {
-        return report(config.name(0) +
-                      ", which hosts the rendezvous, stopped answering "
+        return report(config.server_name() +
+                      " stopped answering "
                       "heartbeats for " +
                       ms_text(config.heartbeat_timeout) +
                       " (stopped, hung, or cut off from the network)");
       } catch (const std::exception& e) {
-        return report(config.name(0) + ", which hosts the rendezvous, is gone (" + e.what() + ")");
+        return report(config.server_name() + " is gone (" + e.what() + ")");
       }
     }
   }
 };
 
 Heartbeat::Heartbeat(const RendezvousConfig& config,
-                     std::function<void(const std::string&)> on_failure)
+                     std::function<void(const std::string&)> on_failure,
+                     std::function<void(const Pong&)> on_pong)
     : impl_(std::make_unique<Impl>()) {
   impl_->config = config;
   impl_->on_failure = std::move(on_failure);
+  impl_->on_pong = std::move(on_pong);
   // Made right after the rendezvous, so the chief was alive a moment ago: an answer later than
   // the heartbeat's own limit means it is not any more.
   impl_->connection = Connection::join(

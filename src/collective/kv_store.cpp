@@ -116,4 +116,34 @@ void KvStore::forget(int owner) {
                  waiters_.end());
 }
 
+std::vector<KvStore::Waiter> KvStore::cancel(const std::vector<std::string>& prefixes) {
+  const auto waits_for_one = [&](const Waiter& w) {
+    return std::any_of(w.keys.begin(), w.keys.end(), [&](const std::string& key) {
+      return std::any_of(prefixes.begin(), prefixes.end(),
+                         [&](const std::string& p) { return key.compare(0, p.size(), p) == 0; });
+    });
+  };
+  std::vector<Waiter> cancelled;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (waits_for_one(*it)) {
+      cancelled.push_back(std::move(*it));
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return cancelled;
+}
+
+std::size_t KvStore::erase_prefix(const std::string& prefix) {
+  std::size_t n = 0;
+  for (auto it = values_.lower_bound(prefix);
+       it != values_.end() && it->first.compare(0, prefix.size(), prefix) == 0;) {
+    bytes_ -= it->first.size() + it->second.size();
+    it = values_.erase(it);
+    ++n;
+  }
+  return n;
+}
+
 } // namespace flotilla::collective::detail

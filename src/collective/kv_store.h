@@ -81,6 +81,12 @@ class KvStore {
   std::vector<Waiter> expire(Clock::time_point now);
   // Drops the kept waiters of `owner` unanswered (its connection is gone).
   void forget(int owner);
+  // Removes and returns the kept waiters waiting for a key that starts with one of `prefixes`,
+  // to be told they failed (elastic mode: the keys of a generation that lost a member will
+  // never come).
+  std::vector<Waiter> cancel(const std::vector<std::string>& prefixes);
+  // Erases every key that starts with `prefix`; returns how many.
+  std::size_t erase_prefix(const std::string& prefix);
   std::size_t num_waiters() const { return waiters_.size(); }
 
  private:

@@ -9,6 +9,11 @@ std::string RendezvousConfig::name(int r) const {
   return "rank " + std::to_string(r);
 }
 
+std::string RendezvousConfig::server_name() const {
+  return external ? "the rendezvous at " + chief.to_string()
+                  : name(0) + ", which hosts the rendezvous,";
+}
+
 std::array<std::uint8_t, 16> new_session() {
   return random_bytes<16>();
 }

@@ -49,11 +49,20 @@ struct RendezvousConfig {
   // How to name each rank in messages, e.g. "worker 1 at 198.18.0.3:2222 (rank 2)"; empty:
   // "rank r".
   std::vector<std::string> names;
+  // Elastic mode (see rendezvous_server.h): members come and go in generations; every task of a
+  // group and its server must agree on it.
+  bool elastic = false;
+  // The server is not a training rank (`flotilla rendezvous`, `flotilla launch --elastic`):
+  // messages name "the rendezvous at host:port", not the chief.
+  bool external = false;
   // Random, one per process: the store and heartbeat connections of one process share it, and
   // a rank already claimed by another session is refused.
   std::array<std::uint8_t, 16> session{};
 
   std::string name(int r) const;
+  // "chief at 198.18.0.1:2222 (rank 0), which hosts the rendezvous" or "the rendezvous at
+  // 198.18.0.9:29400": who answers the heartbeats.
+  std::string server_name() const;
 };
 
 // 16 random bytes for RendezvousConfig::session.

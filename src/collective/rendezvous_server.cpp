@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <thread>
@@ -26,6 +27,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading is dropped
 } // namespace
+
+const std::string kGenerationKey = "flotilla/elastic/generation/";
+const std::string kLatestKey = "flotilla/elastic/latest";
 
 // Nothing a client sends can block the loop: a slow or silent client only holds its own
 // connection, until its deadline.
@@ -48,8 +52,10 @@ struct RendezvousServer::Impl {
     bool heartbeating = false;
     Clock::time_point last_seen;
     int heartbeat_conn = -1;
+    int store_conn = -1; // the process's first store connection (Gloo may open more)
     bool left = false;
     std::string failure; // empty: healthy
+    bool member = false; // elastic: in the newest generation
   };
 
   RendezvousConfig config;
@@ -63,6 +69,13 @@ struct RendezvousServer::Impl {
   int next_id = 0;
   KvStore kv{[this](const KvStore::Waiter& w, const Bytes* value) { answer_waiter(w, value); }};
   std::vector<RankState> ranks;
+  // Elastic mode: the generations. Each is a set of slots (ranks of the full cluster) recorded
+  // under kGenerationKey + number as "slot,slot,...\nreason", and the newest number under
+  // kLatestKey, so a client waits for the next one with a blocking GET.
+  bool formed = false;
+  std::uint64_t generation = 0;
+  std::uint64_t intact_from = 0; // no member has left a generation numbered this or higher
+  std::pair<std::int32_t, std::string> last_departure{-1, ""};
 
   ~Impl() {
     for (auto& [id, c] : conns) ::close(c.fd);
@@ -138,14 +151,107 @@ struct RendezvousServer::Impl {
     }
   }
 
-  void send_pong(Conn& c, bool closing) {
+  void send_pong(Conn& c, bool closing, bool expelled = false) {
     Pong pong;
     pong.closing = closing;
+    if (config.elastic) {
+      pong.generation = generation;
+      pong.intact_from = intact_from;
+      pong.expelled = expelled;
+      for (const auto& state : ranks) pong.waiting += state.claimed && !state.member ? 1 : 0;
+      if (last_departure.first >= 0) pong.failed.push_back(last_departure);
+      queue(c, pong.frame());
+      return;
+    }
     for (std::size_t r = 0; r < ranks.size(); ++r) {
       if (!ranks[r].failure.empty())
         pong.failed.emplace_back(static_cast<int>(r), ranks[r].failure);
     }
     queue(c, pong.frame());
+  }
+
+  // Elastic: records generation `slots` and what made it; a departure also fails every wait
+  // for an older generation's keys (its Gloo rendezvous can never complete) and erases the
+  // keys of the generations before the previous one.
+  void form(const std::vector<int>& slots, const std::string& why, bool departure) {
+    generation = formed ? generation + 1 : 0;
+    formed = true;
+    if (departure) intact_from = generation;
+    std::string text;
+    for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r].member = false;
+    for (int slot : slots) {
+      ranks[static_cast<std::size_t>(slot)].member = true;
+      text += (text.empty() ? "" : ",") + std::to_string(slot);
+    }
+    log.info("rendezvous: generation " + std::to_string(generation) + " has " +
+             std::to_string(slots.size()) + " of " + std::to_string(config.world_size) +
+             " workers [" + text + "]: " + why);
+    try {
+      kv.set(kGenerationKey + std::to_string(generation), bytes_of(text + "\n" + why));
+      kv.set(kLatestKey, bytes_of(std::to_string(generation)));
+    } catch (const KvStoreError& e) {
+      log.error("rendezvous: could not record generation " + std::to_string(generation) + " (" +
+                e.what() + ")");
+    }
+    if (departure) {
+      std::vector<std::string> stale;
+      for (std::uint64_t g = 0; g < generation; ++g) {
+        stale.push_back("flotilla/g" + std::to_string(g) + "/");
+      }
+      for (const auto& waiter : kv.cancel(stale)) {
+        if (auto conn = conns.find(waiter.owner); conn != conns.end()) {
+          reply_status(conn->second, kFailed,
+                       "generation " + std::to_string(generation) + " replaced it: " + why);
+        }
+      }
+    }
+    if (generation >= 2) kv.erase_prefix("flotilla/g" + std::to_string(generation - 2) + "/");
+  }
+
+  static Bytes bytes_of(const std::string& s) { return Bytes(s.begin(), s.end()); }
+
+  std::vector<int> slots_where(const std::function<bool(const RankState&)>& pick) const {
+    std::vector<int> out;
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      if (pick(ranks[r])) out.push_back(static_cast<int>(r));
+    }
+    return out;
+  }
+
+  // Elastic: slot `r`'s process is gone (or expelled). Its connections are closed, the slot
+  // is free for a new process, and when it was a member the rest (with any waiting workers)
+  // form the next generation at once.
+  void release(int r, const std::string& what, bool expel) {
+    auto& state = ranks[static_cast<std::size_t>(r)];
+    const std::string why = config.name(r) + " " + what;
+    const bool was_member = state.member;
+    for (auto& [id, c] : conns) {
+      if (!c.joined || c.rank != r || c.close_after_flush) continue;
+      if (c.role == kRoleHeartbeat && expel) send_pong(c, false, /*expelled=*/true);
+      c.close_after_flush = true;
+    }
+    state = RankState{};
+    if (was_member) {
+      last_departure = {r, why};
+      form(slots_where([](const RankState& s) { return s.claimed; }), why, /*departure=*/true);
+    } else {
+      log.info("rendezvous: " + why + " before it was admitted");
+    }
+  }
+
+  // Elastic kAdvance: the members of generation `from` admit the waiting workers. Idempotent:
+  // the first member's request forms the next generation, the others' find it formed.
+  std::uint64_t advance(std::uint64_t from) {
+    if (formed && from == generation) {
+      const auto waiting = slots_where([](const RankState& s) { return s.claimed && !s.member; });
+      if (!waiting.empty()) {
+        std::string names;
+        for (int slot : waiting) names += (names.empty() ? "" : ", ") + config.name(slot);
+        form(slots_where([](const RankState& s) { return s.claimed; }), "admitted " + names,
+             /*departure=*/false);
+      }
+    }
+    return generation;
   }
 
   void fail_rank(int r, const std::string& what) {
@@ -158,7 +264,7 @@ struct RendezvousServer::Impl {
   void handle_join(int id, Conn& c, const std::string& body) {
     const auto join = JoinRequest::parse(body);
     if (!join) {
-      refuse(c, "it does not speak flotilla's rendezvous protocol (version 1)");
+      refuse(c, "it does not speak flotilla's rendezvous protocol (version 2)");
       return;
     }
     const int rank = join->rank;
@@ -168,6 +274,16 @@ struct RendezvousServer::Impl {
     if (config.token && !equal_secret(join->mac, join_mac(*config.token, c.nonce, *join))) {
       refuse(c, "wrong or missing cluster token (claiming rank " + std::to_string(rank) +
                     "); every task needs the same FLOTILLA_CLUSTER_TOKEN");
+      return;
+    }
+    if (((join->flags & kJoinElastic) != 0) != config.elastic) {
+      refuse(c, config.elastic
+                    ? "this rendezvous runs an elastic group and the task is not elastic; run "
+                      "every task in elastic mode (CommunicationOptions::elastic), or start the "
+                      "rendezvous with --fixed"
+                    : "the task is elastic and this rendezvous is not; an elastic group needs "
+                      "its rendezvous outside the workers (flotilla rendezvous, or flotilla "
+                      "launch --elastic)");
       return;
     }
     if (world != config.world_size) {
@@ -199,9 +315,22 @@ struct RendezvousServer::Impl {
     if (config.token) proof = chief_mac(*config.token, c.nonce, join->client_nonce, rank);
     queue(c, Welcome::acceptance(proof).frame());
     if (role == kRoleStore) {
+      const bool first = !state.claimed;
+      if (first) state.store_conn = id;
       state.claimed = true;
       state.session = join->session;
       state.peer = c.peer;
+      if (config.elastic && first) {
+        if (!formed) {
+          const auto claimed = slots_where([](const RankState& s) { return s.claimed; });
+          if (static_cast<int>(claimed.size()) == config.world_size) {
+            form(claimed, "all " + std::to_string(config.world_size) + " workers joined", false);
+          }
+        } else {
+          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
+                   ") is waiting to be admitted at the next step");
+        }
+      }
       try {
         kv.set("flotilla/joined/" + std::to_string(rank), Bytes{'1'});
       } catch (const KvStoreError& e) {
@@ -285,6 +414,14 @@ struct RendezvousServer::Impl {
         queue(c, w.frame());
         return;
       }
+      case kAdvance: {
+        const auto from = static_cast<std::uint64_t>(in.i64());
+        if (!config.elastic) throw WireError("advance asked of a rendezvous that is not elastic");
+        WireWriter w;
+        w.u8(kOk).i64(static_cast<std::int64_t>(advance(from)));
+        queue(c, w.frame());
+        return;
+      }
       case kNumKeys: {
         WireWriter w;
         w.u8(kOk).i64(static_cast<std::int64_t>(kv.num_keys()));
@@ -306,8 +443,13 @@ struct RendezvousServer::Impl {
       state.last_seen = Clock::now();
       send_pong(c, false);
     } else if (op == kBye) {
-      state.left = true;
       c.close_after_flush = true;
+      if (config.elastic) {
+        // A member that leaves takes its share with it: the others regroup as for a failure.
+        if (state.claimed) release(c.rank, "left the group", /*expel=*/false);
+        return;
+      }
+      state.left = true;
     } else {
       throw WireError("unknown heartbeat message " + std::to_string(op));
     }
@@ -354,7 +496,14 @@ struct RendezvousServer::Impl {
     auto it = conns.find(id);
     if (it == conns.end()) return;
     Conn& c = it->second;
-    if (c.joined && c.role == kRoleHeartbeat) {
+    if (config.elastic && c.joined && !c.close_after_flush && !stopping) {
+      // Either connection of a process closing without a goodbye: it is gone.
+      auto& state = ranks[static_cast<std::size_t>(c.rank)];
+      if (state.claimed && (state.store_conn == id || state.heartbeat_conn == id)) {
+        release(c.rank, "lost its connection to the rendezvous (the process exited or was killed)",
+                /*expel=*/false);
+      }
+    } else if (c.joined && c.role == kRoleHeartbeat) {
       auto& state = ranks[static_cast<std::size_t>(c.rank)];
       if (state.heartbeat_conn == id && !state.left && !stopping) {
         fail_rank(c.rank, "lost its connection to the chief (the process exited or was killed)");
@@ -411,6 +560,13 @@ struct RendezvousServer::Impl {
       const auto& state = ranks[r];
       if (state.heartbeating && !state.left && state.failure.empty() &&
           now - state.last_seen > config.heartbeat_timeout) {
+        if (config.elastic) {
+          release(static_cast<int>(r),
+                  "stopped sending heartbeats for " + ms_text(config.heartbeat_timeout) +
+                      " (stopped, hung, or cut off from the network)",
+                  /*expel=*/true);
+          continue;
+        }
         fail_rank(static_cast<int>(r), "stopped sending heartbeats for " +
                                            ms_text(config.heartbeat_timeout) +
                                            " (stopped, hung, or cut off from the network)");
@@ -510,7 +666,7 @@ struct RendezvousServer::Impl {
 RendezvousServer::RendezvousServer(const RendezvousConfig& config)
     : impl_(std::make_unique<Impl>()) {
   impl_->config = config;
-  impl_->log = Logger(config.rank, config.world_size);
+  impl_->log = config.external ? Logger() : Logger(config.rank, config.world_size);
   impl_->ranks.resize(static_cast<std::size_t>(config.world_size));
   impl_->bind_and_listen();
   int fds[2];

@@ -2,13 +2,28 @@
 // non-blocking sockets. It takes each connection through the join handshake, serves the store's
 // requests from a KvStore, and keeps the heartbeats' books: which rank pinged when, which left
 // with a goodbye, which failed and why.
+//
+// Elastic mode (config.elastic, hosted outside the workers): the server is the one arbiter of
+// membership. Slots are the ranks of the full cluster; the members of a generation are some of
+// them, in slot order, and their ranks in that generation are dense (so the lowest surviving
+// slot is rank 0, the chief). Generation 0 forms when every slot has joined. When a member's
+// process dies, leaves, or falls silent for heartbeat_timeout, its slot is freed for a new
+// process and the next generation forms at once from the rest: an arbiter that decides alone
+// cannot split the group in two. A process that claims a free slot waits until the members
+// admit it at a step boundary (kAdvance). Each generation's backends meet under the store
+// prefix "flotilla/g<N>/"; the generations are recorded under kGenerationKey.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "collective/rendezvous.h"
 
 namespace flotilla::collective::detail {
+
+// kGenerationKey + N: "slot,slot,...\nwhy it formed"; kLatestKey: the newest N.
+extern const std::string kGenerationKey;
+extern const std::string kLatestKey;
 
 // Listens on config.chief from construction to destruction.
 class RendezvousServer {

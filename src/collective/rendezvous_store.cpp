@@ -131,6 +131,14 @@ std::int64_t RendezvousStore::getNumKeys() {
   return in.i64();
 }
 
+std::uint64_t RendezvousStore::advance(std::uint64_t from) {
+  WireWriter w;
+  w.u8(kAdvance).i64(static_cast<std::int64_t>(from));
+  const Bytes answer = request(w.frame(), std::chrono::milliseconds(0));
+  WireReader in(answer.data(), answer.size());
+  return static_cast<std::uint64_t>(in.i64());
+}
+
 void RendezvousStore::wait(const std::vector<std::string>& keys) {
   wait(keys, timeout_);
 }

@@ -43,6 +43,9 @@ class RendezvousStore : public c10d::Store {
 
   // Blocks until every rank has joined; TimeoutError naming the ranks that did not.
   void wait_for_all_ranks();
+  // Elastic: asks the server to admit the waiting workers into the generation after `from`;
+  // returns the newest generation's number (`from` when nobody waits).
+  std::uint64_t advance(std::uint64_t from);
 
  private:
   std::vector<std::uint8_t> request(const std::string& frame, std::chrono::milliseconds wait);

@@ -118,7 +118,7 @@ Hello Hello::parse(const std::string& body) {
 
 std::string JoinRequest::frame() const {
   WireWriter w;
-  w.u32(kMagic).u8(kVersion).u8(role).i32(rank).i32(world);
+  w.u32(kMagic).u8(kVersion).u8(role).u8(flags).i32(rank).i32(world);
   w.fixed(session).fixed(client_nonce).fixed(mac);
   return w.frame();
 }
@@ -128,6 +128,7 @@ std::optional<JoinRequest> JoinRequest::parse(const std::string& body) {
   if (in.u32() != kMagic || in.u8() != kVersion) return std::nullopt;
   JoinRequest join;
   join.role = in.u8();
+  join.flags = in.u8();
   join.rank = in.i32();
   join.world = in.i32();
   join.session = in.fixed<16>();
@@ -172,8 +173,8 @@ namespace {
 // What the HMACs cover (the MAC's input, not a message that is sent).
 std::string join_message(const Nonce& server_nonce, const JoinRequest& join) {
   WireWriter w;
-  w.str("flotilla join v1").fixed(server_nonce).fixed(join.client_nonce);
-  w.i32(join.rank).i32(join.world).u8(join.role).fixed(join.session);
+  w.str("flotilla join v2").fixed(server_nonce).fixed(join.client_nonce);
+  w.i32(join.rank).i32(join.world).u8(join.role).u8(join.flags).fixed(join.session);
   return w.frame();
 }
 
@@ -197,6 +198,8 @@ std::string Pong::frame() const {
   WireWriter w;
   w.u8(closing ? 1 : 0).u32(static_cast<std::uint32_t>(failed.size()));
   for (const auto& [rank, reason] : failed) w.i32(rank).str(reason);
+  w.i64(static_cast<std::int64_t>(generation)).i64(static_cast<std::int64_t>(intact_from));
+  w.u32(waiting).u8(expelled ? 1 : 0);
   return w.frame();
 }
 
@@ -213,6 +216,14 @@ Pong Pong::parse(const std::string& body, int world_size) {
     const std::int32_t rank = in.i32();
     pong.failed.emplace_back(rank, in.str(kMaxReasonBytes));
   }
+  pong.generation = static_cast<std::uint64_t>(in.i64());
+  pong.intact_from = static_cast<std::uint64_t>(in.i64());
+  pong.waiting = in.u32();
+  if (pong.waiting > static_cast<std::uint32_t>(world_size)) {
+    throw WireError(std::to_string(pong.waiting) + " waiting workers in a group of " +
+                    std::to_string(world_size));
+  }
+  pong.expelled = in.u8() != 0;
   return pong;
 }
 

@@ -36,7 +36,7 @@ inline constexpr std::size_t kMaxHandshakeFrame = 256;
 inline constexpr std::size_t kMaxReasonBytes = 1024;
 
 inline constexpr std::uint32_t kMagic = 0x464c5256; // "FLRV"
-inline constexpr std::uint8_t kVersion = 1;
+inline constexpr std::uint8_t kVersion = 2;
 
 enum Role : std::uint8_t { kRoleStore = 0, kRoleHeartbeat = 1 };
 enum Op : std::uint8_t {
@@ -48,9 +48,13 @@ enum Op : std::uint8_t {
   kWait = 6,
   kDelete = 7,
   kNumKeys = 8,
+  kAdvance = 9, // elastic: admit the waiting workers into a generation after the one given
   kPing = 20,
   kBye = 21,
 };
+// JoinRequest::flags.
+inline constexpr std::uint8_t kJoinElastic = 1; // the task runs in elastic mode
+
 enum Status : std::uint8_t { kOk = 0, kTimedOut = 1, kFailed = 2 };
 
 // A malformed or oversized message.
@@ -126,6 +130,7 @@ struct Hello {
 // The client's answer: who it claims to be and, with a token, the proof (join_mac).
 struct JoinRequest {
   std::uint8_t role = kRoleStore; // a byte, not a Role: the server refuses unknown roles by value
+  std::uint8_t flags = 0;         // kJoinElastic
   std::int32_t rank = 0;
   std::int32_t world = 0;
   Session session{};
@@ -133,7 +138,7 @@ struct JoinRequest {
   Mac mac{}; // zeros without a token
 
   std::string frame() const;
-  // nullopt when the message does not start as flotilla's protocol (version 1) does, which the
+  // nullopt when the message does not start as flotilla's protocol (version 2) does, which the
   // server answers with a refusal; WireError when it does but is malformed.
   static std::optional<JoinRequest> parse(const std::string& body);
 };
@@ -159,10 +164,18 @@ Mac join_mac(const std::string& token, const Nonce& server_nonce, const JoinRequ
 Mac chief_mac(const std::string& token, const Nonce& server_nonce, const Nonce& client_nonce,
               std::int32_t rank);
 
-// The server's answer to a heartbeat's ping: the failed ranks, each with its reason.
+// The server's answer to a heartbeat's ping: the failed ranks, each with its reason. In elastic
+// mode (see RendezvousServer) also the membership's news: the newest generation, the oldest
+// generation no member has left since (a rank in an older one must regroup), how many
+// restarted workers wait to be admitted, and whether this rank was expelled; `failed` then holds
+// the last departure, whose reason the survivors' errors quote.
 struct Pong {
   bool closing = false; // the chief is leaving normally
   std::vector<std::pair<std::int32_t, std::string>> failed;
+  std::uint64_t generation = 0;
+  std::uint64_t intact_from = 0;
+  std::uint32_t waiting = 0;
+  bool expelled = false;
 
   std::string frame() const;
   // WireError when malformed or naming more than `world_size` failed ranks.

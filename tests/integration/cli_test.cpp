@@ -1,6 +1,9 @@
 // The flotilla CLI as a user runs it: tf-config output, bad flags and bad configuration.
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include "flotilla/cluster/cluster_spec.h"
@@ -109,6 +112,44 @@ TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
                        dir.path() + " for 0.1 s (SidecarEvaluatorOptions::timeout, --timeout)"),
             std::string::npos)
       << r.err;
+}
+
+// flotilla rendezvous: the arbiter as a process of its own. The chief of an elastic group is
+// killed; the service (not the chief) hosted the rendezvous, so the other worker goes on.
+TEST(RendezvousCommand, AnElasticGroupOutlivesItsKilledChiefAndTheServiceStopsOnSigterm) {
+  const auto ports = testing::free_ports(3);
+  const std::string listen = "127.0.0.1:" + std::to_string(ports[2]);
+  testing::Process service(
+      {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "30"});
+  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int slot = 0; slot < 2; ++slot) {
+    std::vector<std::string> argv = {worker, "--steps", "5"};
+    if (slot == 0) argv.insert(argv.end(), {"--signal-at", "2", "--signal", "KILL"});
+    cluster::ClusterSpec spec;
+    for (int i = 0; i < 2; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+    spec.task = {cluster::TaskType::kWorker, slot};
+    workers.push_back(std::make_unique<testing::Process>(
+        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
+                                                 {"FLOTILLA_RENDEZVOUS", listen}}));
+  }
+  const auto chief = workers[0]->wait(std::chrono::seconds(60));
+  const auto other = workers[1]->wait(std::chrono::seconds(60));
+  EXPECT_EQ(chief.exit_code, 128 + SIGKILL) << chief.err;
+  EXPECT_EQ(other.exit_code, 0) << other.out << other.err;
+  EXPECT_NE(other.out.find("generation 1 [1] (slot 0 lost its connection"), std::string::npos)
+      << other.out;
+  EXPECT_NE(other.out.find("step 4 gen 1 rank 0/1 sum 2 ok"), std::string::npos) << other.out;
+  service.signal(SIGTERM);
+  const auto served = service.wait(std::chrono::seconds(30));
+  EXPECT_EQ(served.exit_code, 0) << served.err;
+  EXPECT_NE(served.out.find("flotilla rendezvous: serving an elastic group of 2 workers at " +
+                            listen + "; set FLOTILLA_RENDEZVOUS=" + listen + " on every task"),
+            std::string::npos)
+      << served.out;
+  EXPECT_NE(served.out.find("stopped by SIGTERM"), std::string::npos) << served.out;
+  EXPECT_NE(served.err.find("rendezvous: generation 1 has 1 of 2 workers [1]"), std::string::npos)
+      << served.err;
 }
 
 // The table's flags are the CLI's: each one a subcommand's --help lists.

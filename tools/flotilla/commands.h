@@ -20,5 +20,6 @@ Command add_tf_config(CLI::App& parent);
 Command add_plan(CLI::App& parent);
 Command add_tune(CLI::App& parent);
 Command add_doctor(CLI::App& parent);
+Command add_rendezvous(CLI::App& parent);
 
 } // namespace flotilla::tools

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
                                           tools::add_tf_config(app), tools::add_plan(app)};
   commands.push_back(tools::add_tune(app));
   commands.push_back(tools::add_doctor(app));
+  commands.push_back(tools::add_rendezvous(app));
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

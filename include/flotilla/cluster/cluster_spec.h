@@ -42,9 +42,12 @@ struct ClusterSpec {
   std::string environment; // accepted and kept ("cloud", "google", ...)
 
   // The training group, derived once by the resolver.
-  int world_size = 1;     // chief + workers
-  int rank = 0;           // chief is 0, then workers by index; -1 for the evaluator
-  Address rendezvous;     // the chief's address; it hosts the rendezvous store on that port
+  int world_size = 1; // chief + workers
+  int rank = 0;       // chief is 0, then workers by index; -1 for the evaluator
+  Address rendezvous; // the chief's address; it hosts the rendezvous store on that port
+  // The rendezvous is hosted outside the training tasks (FLOTILLA_RENDEZVOUS: `flotilla
+  // rendezvous`, or `flotilla launch --elastic`): `rendezvous` is that process's address.
+  bool external_rendezvous = false;
   std::string local_host; // this task's own host (to bind collectives to); "" when unknown
   // "TF_CONFIG", "torchrun environment", "Slurm environment" or "single worker".
   std::string source;

@@ -47,7 +47,9 @@ ClusterSpec from_torchrun_env(const Environment& env);
 ClusterSpec single_worker();
 
 // TF_CONFIG when set, else torchrun variables when RANK or WORLD_SIZE is set, else Slurm's when
-// SLURM_PROCID and SLURM_NTASKS are set, else a single worker.
+// SLURM_PROCID and SLURM_NTASKS are set, else a single worker. FLOTILLA_RENDEZVOUS=host:port
+// then names a rendezvous hosted outside the workers (`flotilla rendezvous`; `flotilla launch
+// --elastic` sets it): spec.rendezvous is that address and spec.external_rendezvous is true.
 ClusterSpec resolve_cluster(const Environment& env);
 
 // Workers started on this machine: LOCAL_WORLD_SIZE (set by `flotilla launch` and torchrun);

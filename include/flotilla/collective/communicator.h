@@ -1,6 +1,8 @@
 // Collectives across the workers of a cluster. A Communicator is a cheap value handle over one
-// process group: the chief hosts the rendezvous store at its TF_CONFIG address (flotilla's own,
-// with authentication, bounded reads and a heartbeat; see src/collective/rendezvous.h), CPU tensors travel over Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
+// process group: the chief hosts the rendezvous store at its TF_CONFIG address, or a process
+// outside the workers does (FLOTILLA_RENDEZVOUS; flotilla's own store, with authentication,
+// bounded reads and a heartbeat; see src/collective/rendezvous.h). CPU tensors travel over
+// Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
 // operation is asynchronous and returns a Work; Work::wait() rethrows a failure as CommError, or
 // TimeoutError once CommunicationOptions::timeout has passed: a collective never hangs forever.
 //
@@ -23,6 +25,10 @@
 #include "flotilla/cluster/cluster_spec.h"
 
 namespace flotilla::collective {
+
+namespace detail {
+struct GroupFactory; // elastic generations (src/collective/group.h)
+} // namespace detail
 
 enum class ReduceOp { kSum, kMean, kMax, kMin };
 
@@ -65,6 +71,10 @@ struct CommunicationOptions {
   // about that time, inside a collective or between them.
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
   std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
+  // Elastic mode (collective::ElasticGroup, include/flotilla/collective/elastic.h): a failed
+  // worker is dropped and the others go on in a new group. It needs a rendezvous outside the
+  // workers (FLOTILLA_RENDEZVOUS): Communicator::connect refuses it.
+  bool elastic = false;
 };
 
 // Whether this build has the NCCL backend (LibTorch with CUDA).
@@ -112,8 +122,9 @@ class Work {
 class Communicator {
  public:
   // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
-  // spec.rendezvous (bound to that address only), the others connect to it, prove they hold
-  // options.cluster_token when one is set, and claim their rank (ConfigError when refused).
+  // spec.rendezvous (bound to that address only) unless spec.external_rendezvous says a
+  // process outside the workers does (flotilla rendezvous), the others connect to it, prove they
+  // hold options.cluster_token when one is set, and claim their rank (ConfigError when refused).
   // Blocks until every rank has joined or options.timeout passes (TimeoutError naming the
   // ranks that did not join). Then each rank's heartbeat watches the others (see
   // CommunicationOptions::heartbeat_timeout): once a peer has failed, every operation fails
@@ -145,6 +156,7 @@ class Communicator {
  private:
   explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;
+  friend struct detail::GroupFactory;
 };
 
 } // namespace flotilla::collective

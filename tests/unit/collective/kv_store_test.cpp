@@ -200,6 +200,26 @@ TEST(KvStore, TheBoundsRefuseWithTheStoreIsFullAndChangeNothing) {
   EXPECT_EQ(r.woken[0].first, 1);
 }
 
+TEST(KvStore, AGenerationsWaitersAreCancelledAndItsKeysErasedByPrefix) {
+  Recorder r;
+  r.store.wait(waiter(1, {"flotilla/g1/gloo/0"}, true));
+  r.store.wait(waiter(2, {"other", "flotilla/g1/x"}, false));
+  r.store.wait(waiter(3, {"flotilla/g10/gloo/0"}, true)); // g10 is not g1's
+  r.store.wait(waiter(4, {"flotilla/g2/gloo/0"}, true));
+  const auto cancelled = r.store.cancel({"flotilla/g1/", "flotilla/g0/"});
+  ASSERT_EQ(cancelled.size(), 2u);
+  EXPECT_EQ(cancelled[0].owner, 1);
+  EXPECT_EQ(cancelled[1].owner, 2);
+  EXPECT_EQ(r.store.num_waiters(), 2u);
+  EXPECT_TRUE(r.woken.empty()) << "a cancelled waiter is the server's to answer";
+  r.store.set("flotilla/g1/a", bytes("1"));
+  r.store.set("flotilla/g1/b", bytes("22"));
+  r.store.set("flotilla/g10/a", bytes("3"));
+  EXPECT_EQ(r.store.erase_prefix("flotilla/g1/"), 2u);
+  EXPECT_EQ(r.store.num_keys(), 1u);
+  EXPECT_EQ(r.store.bytes(), std::string("flotilla/g10/a").size() + 1);
+}
+
 TEST(KvStore, TheDefaultBoundsAre256MiBAndAMillionKeys) {
   const KvStore::Limits limits;
   EXPECT_EQ(limits.bytes, std::size_t{256} << 20);

@@ -36,31 +36,33 @@ const std::string kMagicBytes = "VRLF"; // 0x464c5256, little-endian
 TEST(Wire, TheHelloIsTheMagicTheVersionTheAuthFlagAndTheNonce) {
   const Nonce nonce = counting<32>(1);
   const Hello hello{true, nonce};
-  EXPECT_EQ(hello.frame(), framed(kMagicBytes + "\x01" + "\x01" + raw(nonce)));
+  EXPECT_EQ(hello.frame(), framed(kMagicBytes + "\x02" + "\x01" + raw(nonce)));
   const std::string body = hello.frame().substr(4);
   const Hello back = Hello::parse(body);
   EXPECT_TRUE(back.auth_required);
   EXPECT_EQ(back.nonce, nonce);
   EXPECT_FALSE(Hello::parse(Hello{false, nonce}.frame().substr(4)).auth_required);
   EXPECT_THROW(Hello::parse("GET / HTTP/1.1"), WireError);
-  EXPECT_THROW(Hello::parse(kMagicBytes + "\x02" + "\x01" + raw(nonce)), WireError); // version 2
+  EXPECT_THROW(Hello::parse(kMagicBytes + "\x01" + "\x01" + raw(nonce)), WireError); // version 1
   EXPECT_THROW(Hello::parse(body.substr(0, 20)), WireError);
 }
 
 TEST(Wire, AJoinRequestCarriesTheClaimAndTheProofInAFixedLayout) {
   JoinRequest join;
   join.role = kRoleHeartbeat;
+  join.flags = kJoinElastic;
   join.rank = 2;
   join.world = 258;
   join.session = counting<16>(100);
   join.client_nonce = counting<32>(50);
   join.mac = counting<32>(200);
-  const std::string body = kMagicBytes + "\x01" + "\x01" + le32(2) + le32(258) + raw(join.session) +
-                           raw(join.client_nonce) + raw(join.mac);
+  const std::string body = kMagicBytes + "\x02" + "\x01" + "\x01" + le32(2) + le32(258) +
+                           raw(join.session) + raw(join.client_nonce) + raw(join.mac);
   EXPECT_EQ(join.frame(), framed(body));
   const auto back = JoinRequest::parse(body);
   ASSERT_TRUE(back.has_value());
   EXPECT_EQ(back->role, kRoleHeartbeat);
+  EXPECT_EQ(back->flags, kJoinElastic);
   EXPECT_EQ(back->rank, 2);
   EXPECT_EQ(back->world, 258);
   EXPECT_EQ(back->session, join.session);
@@ -110,8 +112,8 @@ TEST(Wire, EachHmacCoversBothNoncesAndWhatItVouchesFor) {
   join.session = counting<16>(90);
   join.client_nonce = counting<32>(40);
   const std::string join_input =
-      framed(le32(16) + "flotilla join v1" + raw(server) + raw(join.client_nonce) + le32(3) +
-             le32(4) + std::string("\0", 1) + raw(join.session));
+      framed(le32(16) + "flotilla join v2" + raw(server) + raw(join.client_nonce) + le32(3) +
+             le32(4) + std::string("\0\0", 2) + raw(join.session));
   EXPECT_EQ(join_mac(token, server, join), base::hmac_sha256(token, join_input));
   const std::string chief_input =
       framed(le32(17) + "flotilla chief v1" + raw(join.client_nonce) + raw(server) + le32(3));
@@ -120,6 +122,9 @@ TEST(Wire, EachHmacCoversBothNoncesAndWhatItVouchesFor) {
   JoinRequest other = join;
   other.rank = 2;
   EXPECT_NE(join_mac(token, server, other), join_mac(token, server, join));
+  JoinRequest elastic = join;
+  elastic.flags = kJoinElastic;
+  EXPECT_NE(join_mac(token, server, elastic), join_mac(token, server, join));
   EXPECT_NE(join_mac(token, counting<32>(2), join), join_mac(token, server, join));
   EXPECT_NE(chief_mac(token, server, join.client_nonce, 2),
             chief_mac(token, server, join.client_nonce, 3));
@@ -129,12 +134,23 @@ TEST(Wire, APongListsTheFailedRanksAndIsBoundedByTheGroupsSize) {
   Pong pong;
   pong.closing = true;
   pong.failed = {{2, "worker 1 died"}, {0, "chief hung"}};
+  pong.generation = 7;
+  pong.intact_from = 5;
+  pong.waiting = 1;
+  pong.expelled = true;
+  const std::string i64_7 = std::string("\x07\0\0\0\0\0\0\0", 8);
+  const std::string i64_5 = std::string("\x05\0\0\0\0\0\0\0", 8);
   const std::string body = std::string("\x01") + le32(2) + le32(2) + le32(13) + "worker 1 died" +
-                           le32(0) + le32(10) + "chief hung";
+                           le32(0) + le32(10) + "chief hung" + i64_7 + i64_5 + le32(1) + "\x01";
   EXPECT_EQ(pong.frame(), framed(body));
   const Pong back = Pong::parse(body, 3);
   EXPECT_TRUE(back.closing);
   EXPECT_EQ(back.failed, pong.failed);
+  EXPECT_EQ(back.generation, 7u);
+  EXPECT_EQ(back.intact_from, 5u);
+  EXPECT_EQ(back.waiting, 1u);
+  EXPECT_TRUE(back.expelled);
+  EXPECT_THROW(Pong::parse(body.substr(0, body.size() - 1), 3), WireError);
   try {
     Pong::parse(body, 1);
     FAIL() << "no error";

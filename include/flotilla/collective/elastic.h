@@ -1,0 +1,97 @@
+// Elastic membership: a group that survives its members. The rendezvous runs outside the
+// workers (RendezvousService: `flotilla rendezvous` on a cluster, inside `flotilla launch
+// --elastic` on one machine) and is the one arbiter of who is in the group. Membership moves in
+// generations: generation 0 forms when every worker of the cluster has joined; when a member
+// dies, leaves, or falls silent for heartbeat_timeout, the arbiter forms the next generation
+// from the rest at once, and a restarted worker waits until the members admit it at a step
+// boundary. Each generation is a fresh c10d process group (Gloo, NCCL) whose ranks are dense in
+// slot order (a slot is a task's rank in the full cluster), so the lowest surviving slot is
+// rank 0 and takes over the chief's duties.
+//
+// What the training loop does with it (see docs/reliability.md): a collective of a generation
+// that lost a member throws GroupChanged (or a CommError, when a backend noticed the dead peer
+// first); the loop calls regroup(), which returns once the next generation's group is
+// connected, and redoes the step. At each step boundary it asks whether any rank saw workers
+// waiting (waiting() > 0, agreed by a vote) and then every member calls admit() together.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/collective/communicator.h"
+
+namespace flotilla::collective {
+
+// The rendezvous as a service of its own, bound to `listen` only: the store through which each
+// generation's backends meet, the heartbeats, and (elastic) the generations. It keeps serving
+// while workers come and go, until it is destroyed.
+class RendezvousService {
+ public:
+  struct Options {
+    cluster::Address listen;                  // port 0: the kernel picks one (port())
+    int workers = 1;                          // slots: every training task of the cluster
+    std::optional<std::string> cluster_token; // as the workers' CommunicationOptions
+    bool elastic = true;                      // false: a fixed group, as the chief would host
+    std::chrono::milliseconds heartbeat_timeout{10000}; // a member silent this long is expelled
+  };
+  explicit RendezvousService(const Options& options);
+  ~RendezvousService();
+  RendezvousService(const RendezvousService&) = delete;
+  RendezvousService& operator=(const RendezvousService&) = delete;
+
+  int port() const;
+  // "host:port", the value for FLOTILLA_RENDEZVOUS.
+  std::string address() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class ElasticGroup {
+ public:
+  // Joins the elastic group through the rendezvous at spec.rendezvous, which must be external
+  // (spec.external_rendezvous: FLOTILLA_RENDEZVOUS), claiming slot spec.rank; blocks until a
+  // generation admits this worker or options.timeout passes (TimeoutError). ConfigError when
+  // the rendezvous refuses (wrong token, slot taken by a live process, not elastic).
+  static std::unique_ptr<ElasticGroup> join(const cluster::ClusterSpec& spec,
+                                            CommunicationOptions options);
+  ~ElasticGroup(); // leaves: the others regroup without this worker
+  ElasticGroup(const ElasticGroup&) = delete;
+  ElasticGroup& operator=(const ElasticGroup&) = delete;
+
+  // The current generation's group: rank() is this worker's place among members().
+  Communicator& communicator();
+  std::uint64_t generation() const;
+  const std::vector<int>& members() const; // slots, in rank order
+  int slot() const;
+  // What made the current generation ("all 4 workers joined", "worker 2 at ... left ...").
+  const std::string& reason() const;
+  // From the rendezvous's last heartbeat answer: how many restarted workers wait to be admitted.
+  int waiting() const;
+
+  // After a collective of this generation failed: waits for the rendezvous to form a generation
+  // without the departed member(s) (within heartbeat_timeout and a few heartbeats) and joins
+  // its group; again when another member leaves while it forms. CommError when this worker was
+  // expelled or the rendezvous is lost; TimeoutError when no member left (the failure was
+  // something else, which the caller should report).
+  void regroup();
+  // Every member together, at a step boundary: admits the waiting workers into a new generation
+  // and joins it. False when nobody was waiting (the group is unchanged). GroupChanged when a
+  // member left meanwhile (then regroup()).
+  bool admit();
+
+  struct Impl;
+
+ private:
+  explicit ElasticGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace flotilla::collective

@@ -1,0 +1,338 @@
+#include "flotilla/collective/elastic.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <optional>
+
+#include "collective/group.h"
+#include "collective/heartbeat.h"
+#include "collective/rendezvous.h"
+#include "collective/rendezvous_server.h"
+#include "collective/rendezvous_store.h"
+#include "collective/wire.h"
+#include "flotilla/error.h"
+#include "flotilla/log.h"
+
+namespace flotilla::collective {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+std::string text(const std::vector<std::uint8_t>& bytes) {
+  return {bytes.begin(), bytes.end()};
+}
+
+// A generation's record: "slot,slot,...\nwhy".
+struct Record {
+  std::vector<int> slots;
+  std::string reason;
+};
+
+Record parse_record(const std::string& value, std::uint64_t generation) {
+  Record record;
+  const auto newline = value.find('\n');
+  const std::string list = value.substr(0, newline);
+  record.reason = newline == std::string::npos ? "" : value.substr(newline + 1);
+  std::size_t at = 0;
+  while (at < list.size()) {
+    const auto comma = std::min(list.find(',', at), list.size());
+    try {
+      record.slots.push_back(std::stoi(list.substr(at, comma - at)));
+    } catch (const std::exception&) {
+      throw CommError("the rendezvous recorded generation " + std::to_string(generation) +
+                      " as \"" + list + "\", which is not a list of slots");
+    }
+    at = comma + 1;
+  }
+  return record;
+}
+
+std::chrono::milliseconds left(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+} // namespace
+
+// ------------------------------------------------------------------------------------------
+
+struct RendezvousService::Impl {
+  detail::RendezvousConfig config;
+  std::unique_ptr<detail::RendezvousServer> server;
+};
+
+RendezvousService::RendezvousService(const Options& options) : impl_(std::make_unique<Impl>()) {
+  if (options.workers < 1) {
+    throw ConfigError("a rendezvous needs at least one worker; saw " +
+                      std::to_string(options.workers));
+  }
+  if (options.cluster_token && options.cluster_token->empty()) {
+    throw ConfigError("the cluster token is empty; set a long random secret (e.g. openssl rand "
+                      "-hex 32) or none");
+  }
+  auto& config = impl_->config;
+  config.rank = 0;
+  config.world_size = options.workers;
+  config.chief = options.listen;
+  config.token = options.cluster_token;
+  config.heartbeat_timeout = options.heartbeat_timeout;
+  config.elastic = options.elastic;
+  config.external = true;
+  for (int r = 0; r < options.workers; ++r) config.names.push_back("slot " + std::to_string(r));
+  impl_->server = std::make_unique<detail::RendezvousServer>(config);
+}
+
+RendezvousService::~RendezvousService() = default;
+
+int RendezvousService::port() const {
+  return impl_->server->port();
+}
+
+std::string RendezvousService::address() const {
+  return cluster::Address{impl_->config.chief.host, port()}.to_string();
+}
+
+// ------------------------------------------------------------------------------------------
+
+struct ElasticGroup::Impl {
+  cluster::ClusterSpec spec;
+  CommunicationOptions options;
+  detail::RendezvousConfig config;
+  Logger log;
+  c10::intrusive_ptr<detail::RendezvousStore> store;
+  std::unique_ptr<detail::Heartbeat> heartbeat;
+
+  // The current generation. Written by the training thread; `mutex` guards what the
+  // heartbeat's thread reads (the generation's number and health).
+  std::mutex mutex;
+  std::uint64_t generation = 0;
+  std::shared_ptr<Health> health;
+  std::string lost; // the rendezvous is gone or expelled this worker: nothing to regroup into
+  std::optional<Communicator> communicator;
+  std::vector<int> members;
+  std::string reason;
+  std::atomic<int> waiting{0};
+
+  std::chrono::milliseconds regroup_wait() const {
+    return options.heartbeat_timeout + 2 * options.heartbeat_interval + std::chrono::seconds(2);
+  }
+
+  void on_pong(const detail::Pong& pong) {
+    waiting = static_cast<int>(pong.waiting);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (health && generation < pong.intact_from) {
+      const std::string why = pong.failed.empty() ? "a member left" : pong.failed.front().second;
+      detail::fail_group(*health, why, /*changed=*/true);
+    }
+  }
+
+  void on_failure(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex);
+    lost = why;
+    if (health) detail::fail_group(*health, why, /*changed=*/false);
+    log.error(why);
+  }
+
+  std::string lost_text() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return lost;
+  }
+
+  std::optional<std::uint64_t> latest() {
+    if (!store->check({detail::kLatestKey})) return std::nullopt;
+    return std::stoull(text(store->get(detail::kLatestKey)));
+  }
+
+  Record record(std::uint64_t g) {
+    return parse_record(text(store->get(detail::kGenerationKey + std::to_string(g))), g);
+  }
+
+  // Blocks until generation `g` exists; TimeoutError at `deadline`.
+  void wait_for(std::uint64_t g, Clock::time_point deadline) {
+    store->wait({detail::kGenerationKey + std::to_string(g)}, left(deadline));
+  }
+
+  // Connects generation g's group in place of the current one. After a departure the current
+  // group is abandoned (its backends are left to their threads: a backend blocked on a dead
+  // peer cannot be joined); after an admission every operation of it has completed, and it is
+  // closed as usual.
+  void adopt(std::uint64_t g, const Record& record, bool abandon) {
+    const auto at = std::find(record.slots.begin(), record.slots.end(), config.rank);
+    if (at == record.slots.end()) {
+      throw CommError(config.name(config.rank) + " is not a member of generation " +
+                      std::to_string(g) + " (" + record.reason +
+                      "): it was expelled; start it again to rejoin");
+    }
+    const int rank = static_cast<int>(at - record.slots.begin());
+    const int size = static_cast<int>(record.slots.size());
+    auto fresh = detail::new_health();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (health && abandon) {
+        detail::fail_group(*health, "generation " + std::to_string(g) + " replaced it", true);
+      }
+      health = fresh;
+      generation = g;
+    }
+    std::vector<std::string> names;
+    for (int slot : record.slots) {
+      const std::string name = config.name(slot);
+      names.push_back(name + " (rank " + std::to_string(names.size()) + " of generation " +
+                      std::to_string(g) + ")");
+    }
+    communicator = detail::GroupFactory::make(
+        rank, size, options,
+        c10::make_intrusive<c10d::PrefixStore>("flotilla/g" + std::to_string(g), store),
+        spec.local_host, std::move(names), fresh);
+    members = record.slots;
+    reason = record.reason;
+    log = Logger(rank, size);
+    log.info("generation " + std::to_string(g) + ": rank " + std::to_string(rank) + " of " +
+             std::to_string(size) + " (" + record.reason + ")");
+  }
+};
+
+ElasticGroup::ElasticGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ElasticGroup::~ElasticGroup() {
+  if (!impl_) return;
+  impl_->heartbeat.reset(); // the goodbye: the others regroup without this worker
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (impl_->health) detail::fail_group(*impl_->health, "this worker left", true);
+}
+
+std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spec,
+                                                 CommunicationOptions options) {
+  if (spec.is_evaluator()) {
+    throw ConfigError("this task is the evaluator, which is not part of the training group");
+  }
+  if (!spec.external_rendezvous) {
+    throw ConfigError(
+        "an elastic group needs its rendezvous outside the workers, so that it outlives any of "
+        "them: start `flotilla rendezvous --listen HOST:PORT --workers " +
+        std::to_string(spec.world_size) +
+        "` and set FLOTILLA_RENDEZVOUS=HOST:PORT on every task, or run under `flotilla launch "
+        "--elastic`");
+  }
+  if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
+      options.heartbeat_timeout <= options.heartbeat_interval) {
+    throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
+                      "CommunicationOptions::heartbeat_timeout");
+  }
+  options.elastic = true;
+  auto impl = std::make_unique<Impl>();
+  impl->spec = spec;
+  impl->options = options;
+  auto& config = impl->config;
+  config.rank = spec.rank;
+  config.world_size = spec.world_size;
+  config.chief = spec.rendezvous;
+  config.token = options.cluster_token;
+  config.timeout = options.timeout;
+  config.heartbeat_interval = options.heartbeat_interval;
+  config.heartbeat_timeout = options.heartbeat_timeout;
+  config.names = detail::rank_names(spec);
+  config.session = detail::new_session();
+  config.elastic = true;
+  config.external = true;
+  impl->log = Logger(spec.rank, spec.world_size);
+  impl->store = c10::make_intrusive<detail::RendezvousStore>(config);
+  Impl* raw = impl.get();
+  impl->heartbeat = std::make_unique<detail::Heartbeat>(
+      config, [raw](const std::string& why) { raw->on_failure(why); },
+      [raw](const detail::Pong& pong) { raw->on_pong(pong); });
+  // The newest generation that lists this slot. Any record formed after the claim was accepted
+  // is about this process: the server frees a slot before it lets another process claim it.
+  const auto deadline = Clock::now() + options.timeout;
+  std::uint64_t next = 0;
+  if (const auto newest = impl->latest()) next = *newest;
+  for (;;) {
+    try {
+      impl->wait_for(next, deadline);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(config.name(spec.rank) + " was not admitted to the elastic group at " +
+                         spec.rendezvous.to_string() + " within " +
+                         detail::ms_text(options.timeout) +
+                         " (generation 0 forms when every task has joined; later ones admit a "
+                         "restarted worker at a step boundary); start every task, or raise "
+                         "CommunicationOptions::timeout");
+    }
+    const std::uint64_t newest = impl->latest().value_or(next);
+    const Record record = impl->record(newest);
+    if (std::find(record.slots.begin(), record.slots.end(), spec.rank) != record.slots.end()) {
+      impl->adopt(newest, record, /*abandon=*/false);
+      break;
+    }
+    next = newest + 1;
+  }
+  return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(impl)));
+}
+
+Communicator& ElasticGroup::communicator() {
+  return *impl_->communicator;
+}
+std::uint64_t ElasticGroup::generation() const {
+  return impl_->generation;
+}
+const std::vector<int>& ElasticGroup::members() const {
+  return impl_->members;
+}
+int ElasticGroup::slot() const {
+  return impl_->config.rank;
+}
+const std::string& ElasticGroup::reason() const {
+  return impl_->reason;
+}
+int ElasticGroup::waiting() const {
+  return impl_->waiting;
+}
+
+void ElasticGroup::regroup() {
+  auto& impl = *impl_;
+  for (;;) {
+    if (const std::string lost = impl.lost_text(); !lost.empty()) {
+      throw CommError(lost + "; this worker cannot regroup");
+    }
+    const std::uint64_t current = impl.generation;
+    try {
+      impl.wait_for(current + 1, Clock::now() + impl.regroup_wait());
+    } catch (const TimeoutError&) {
+      if (const std::string lost = impl.lost_text(); !lost.empty()) {
+        throw CommError(lost + "; this worker cannot regroup");
+      }
+      throw TimeoutError("a collective of generation " + std::to_string(current) +
+                         " failed, but no member left the group within " +
+                         detail::ms_text(impl.regroup_wait()) +
+                         " (the rendezvous still counts every member alive): the failure was "
+                         "not a departure; see the error before this one");
+    }
+    const std::uint64_t newest = impl.latest().value_or(current + 1);
+    const Record record = impl.record(newest);
+    try {
+      impl.adopt(newest, record, /*abandon=*/true);
+      return;
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (std::find(record.slots.begin(), record.slots.end(), slot()) == record.slots.end()) {
+        throw;
+      }
+      // Another member left while the group connected: wait for the generation after it.
+      impl.log.warn(std::string("generation ") + std::to_string(newest) + " could not connect (" +
+                    e.what() + "); waiting for the next one");
+    }
+  }
+}
+
+bool ElasticGroup::admit() {
+  auto& impl = *impl_;
+  const std::uint64_t current = impl.generation;
+  const std::uint64_t newest = impl.store->advance(current);
+  if (newest == current) return false;
+  impl.adopt(newest, impl.record(newest), /*abandon=*/false);
+  return true;
+}
+
+} // namespace flotilla::collective

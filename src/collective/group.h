@@ -1,0 +1,40 @@
+// Private: how collective::ElasticGroup (src/collective/elastic.cpp) makes one Communicator per
+// generation: the factory behind Communicator's private constructor, the failure state a
+// generation's operations watch (Health), and how messages name the ranks.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/collective/communicator.h"
+
+namespace flotilla::collective {
+struct Health;
+} // namespace flotilla::collective
+
+namespace flotilla::collective::detail {
+
+struct GroupFactory {
+  // A group of `size` ranks whose backends meet under `store`; its operations fail once
+  // `health` does (fail_group).
+  static Communicator make(int rank, int size, const CommunicationOptions& options,
+                           c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
+                           std::vector<std::string> names, std::shared_ptr<Health> health);
+};
+
+std::shared_ptr<Health> new_health();
+// Every operation of the groups watching `health` fails from now on, naming `why`: with
+// GroupChanged when `changed` (the membership moved on), with CommError otherwise. The first
+// call wins; false when it had failed already.
+bool fail_group(Health& health, const std::string& why, bool changed);
+bool group_failed(const Health& health);
+
+// "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)", one per rank of
+// `spec`; empty when the spec lists no addresses.
+std::vector<std::string> rank_names(const cluster::ClusterSpec& spec);
+
+} // namespace flotilla::collective::detail

@@ -1,0 +1,125 @@
+// A worker process for the elastic-membership tests: joins the elastic group at
+// FLOTILLA_RENDEZVOUS as TF_CONFIG's task, and runs numbered steps, each one all-reduce of
+// (slot + 1) checked against the sum over the generation's members. A collective that fails
+// (a member died, froze, left) is answered with ElasticGroup::regroup() and the step is
+// redone; at every step boundary the members vote (MAX of waiting()) and admit restarted
+// workers together. After any change of generation the members agree on the next step
+// (MAX), so a restarted worker picks up where the group is. Prints one line per event:
+//   step K gen G rank R/N sum S ok|WRONG
+//   regrouped after T ms: generation G (reason)
+//   admitted: generation G (reason)
+// and exits 0 when every sum was right, 1 otherwise, or flotilla's exit code for an error.
+// Flags: --steps N (default 6); --until-members M (go on past N steps until the group has M
+// members again and 3 steps more, at most 600 steps); --step-ms MS (sleep per step, default 20);
+// --signal-at K --signal STOP|KILL (this process sends itself the signal at step K, before
+// its all-reduce, while the others are inside theirs); --heartbeat-timeout-ms,
+// --heartbeat-interval-ms, --timeout-ms.
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include "flotilla/cluster/cluster_token.h"
+#include "flotilla/cluster/resolvers.h"
+#include "flotilla/collective/elastic.h"
+#include "flotilla/error.h"
+
+using namespace flotilla;
+using Clock = std::chrono::steady_clock;
+
+int main(int argc, char** argv) {
+  collective::CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.heartbeat_interval = std::chrono::milliseconds(200);
+  options.heartbeat_timeout = std::chrono::seconds(2);
+  int steps = 6, until_members = 0, step_ms = 20, signal_at = -1, signal = SIGKILL;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const int value = std::atoi(argv[i + 1]);
+    if (flag == "--steps") steps = value;
+    if (flag == "--until-members") until_members = value;
+    if (flag == "--step-ms") step_ms = value;
+    if (flag == "--signal-at") signal_at = value;
+    if (flag == "--signal") signal = !std::strcmp(argv[i + 1], "STOP") ? SIGSTOP : SIGKILL;
+    if (flag == "--timeout-ms") options.timeout = std::chrono::milliseconds(value);
+    if (flag == "--heartbeat-timeout-ms") {
+      options.heartbeat_timeout = std::chrono::milliseconds(value);
+    }
+    if (flag == "--heartbeat-interval-ms") {
+      options.heartbeat_interval = std::chrono::milliseconds(value);
+    }
+  }
+  try {
+    const auto env = cluster::Environment::from_process();
+    const auto spec = cluster::resolve_cluster(env);
+    options.cluster_token = cluster::cluster_token(env);
+    auto group = collective::ElasticGroup::join(spec, options);
+    bool ok = true;
+    std::int64_t step = 0;
+    bool synced = false; // the members agreed on `step` in this generation
+    const auto members_of = [&] {
+      std::string out;
+      for (int s : group->members()) out += (out.empty() ? "" : ",") + std::to_string(s);
+      return out;
+    };
+    std::cout << "joined: generation " << group->generation() << " [" << members_of() << "] ("
+              << group->reason() << ")" << std::endl;
+    // Decided only in agreement (synced): every member stops at the same step.
+    std::int64_t whole_at = -1; // the step at which the group had until_members again
+    const auto more = [&] {
+      if (until_members == 0) return step < steps;
+      if (whole_at < 0) return step < 600;
+      return step < std::max<std::int64_t>(steps, whole_at + 3);
+    };
+    while (!synced || more()) {
+      auto& comm = group->communicator();
+      try {
+        if (!synced) {
+          auto next = torch::tensor({step}, torch::kInt64);
+          comm.all_reduce(next, collective::ReduceOp::kMax).wait();
+          step = next.item<std::int64_t>();
+          synced = true;
+          if (whole_at < 0 && until_members > 0 &&
+              static_cast<int>(group->members().size()) >= until_members && step > 0) {
+            whole_at = step;
+          }
+          continue;
+        }
+        if (step == signal_at) ::raise(signal);
+        auto value = torch::full({1000}, static_cast<float>(group->slot() + 1));
+        comm.all_reduce(value).wait();
+        float expected = 0;
+        for (int s : group->members()) expected += static_cast<float>(s + 1);
+        const bool right = torch::equal(value, torch::full({1000}, expected));
+        ok &= right;
+        std::cout << "step " << step << " gen " << group->generation() << " rank " << comm.rank()
+                  << "/" << comm.size() << " sum " << value[0].item<float>()
+                  << (right ? " ok" : " WRONG") << std::endl;
+        ++step;
+        auto vote = torch::tensor({group->waiting()}, torch::kInt64);
+        comm.all_reduce(vote, collective::ReduceOp::kMax).wait();
+        if (vote.item<std::int64_t>() > 0 && group->admit()) {
+          std::cout << "admitted: generation " << group->generation() << " [" << members_of()
+                    << "] (" << group->reason() << ")" << std::endl;
+          synced = false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+      } catch (const CommError& e) {
+        const auto failed_at = Clock::now();
+        std::cerr << "step " << step << " failed: " << e.what() << std::endl;
+        group->regroup();
+        const auto ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at);
+        std::cout << "regrouped after " << ms.count() << " ms: generation " << group->generation()
+                  << " [" << members_of() << "] (" << group->reason() << ")" << std::endl;
+        synced = false;
+      }
+    }
+    std::cout << "done at step " << step << " with [" << members_of() << "]" << std::endl;
+    return ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return exit_code(e);
+  }
+}

@@ -1,0 +1,76 @@
+// `flotilla rendezvous`: the rendezvous as a process of its own, outside the workers, so that it
+// outlives any of them (torchrun's rendezvous endpoint, torchft's Lighthouse). Every task is
+// given FLOTILLA_RENDEZVOUS=HOST:PORT and the same cluster token; in elastic mode (the default)
+// it decides who is in the group, generation by generation (see collective/elastic.h). It
+// serves until SIGTERM or SIGINT.
+#include <csignal>
+#include <iostream>
+
+#include "flotilla/cluster/cluster_token.h"
+#include "flotilla/cluster/environment.h"
+#include "flotilla/collective/elastic.h"
+#include "flotilla/error.h"
+#include "tools/flotilla/commands.h"
+
+namespace flotilla::tools {
+namespace {
+
+struct RendezvousArgs {
+  std::string listen;
+  int workers = 0;
+  double heartbeat_timeout_s = 10;
+  bool fixed = false;
+};
+
+int run(const RendezvousArgs& a) {
+  collective::RendezvousService::Options options;
+  options.listen = cluster::parse_address(a.listen, "--listen");
+  options.workers = a.workers;
+  options.elastic = !a.fixed;
+  if (!(a.heartbeat_timeout_s > 0)) {
+    throw ConfigError("--heartbeat-timeout must be positive; saw " +
+                      std::to_string(a.heartbeat_timeout_s));
+  }
+  options.heartbeat_timeout =
+      std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+  options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
+  // Blocked before the service's thread starts, so only sigwait below receives them.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  collective::RendezvousService service(options);
+  std::cout << "flotilla rendezvous: serving " << (a.fixed ? "a fixed group" : "an elastic group")
+            << " of " << a.workers << " workers at " << service.address()
+            << (options.cluster_token ? " (cluster token required)" : "")
+            << "; set FLOTILLA_RENDEZVOUS=" << service.address() << " on every task" << std::endl;
+  int signal = 0;
+  sigwait(&stop, &signal);
+  std::cout << "flotilla rendezvous: stopped by " << (signal == SIGINT ? "SIGINT" : "SIGTERM")
+            << std::endl;
+  return 0;
+}
+
+} // namespace
+
+Command add_rendezvous(CLI::App& parent) {
+  auto args = std::make_shared<RendezvousArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "rendezvous", "Host the rendezvous outside the workers, so it outlives any of them");
+  app->add_option("--listen", args->listen, "HOST:PORT to listen on (that address only)")
+      ->required();
+  app->add_option("--workers", args->workers, "Training tasks in the cluster (chief + workers)")
+      ->required()
+      ->check(CLI::Range(1, 65536));
+  app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
+                  "Seconds of silence after which a worker is expelled")
+      ->capture_default_str();
+  app->add_flag("--fixed", args->fixed,
+                "A fixed group (any failure ends the job), as when the chief hosts it");
+  app->footer("Example: flotilla rendezvous --listen 10.0.0.9:29400 --workers 4, and "
+              "FLOTILLA_RENDEZVOUS=10.0.0.9:29400 in every task's environment");
+  return {app, [args] { return run(*args); }};
+}
+
+} // namespace flotilla::tools
