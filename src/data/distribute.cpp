@@ -244,14 +244,22 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
   if (replicas == 1) {
-    return DistributedDataset(dataset, dataset, context, false,
-                              "one replica: the dataset as it is", 0, true);
+    return DistributedDataset(dataset, dataset, context, false, "one replica: the dataset as it is",
+                              0, true);
   }
   // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
   // TF fails on FILE with too few files, fall back to DATA and say why.
   AutoShardPolicy policy = options.distribute.auto_shard_policy;
   const std::int64_t files = dataset.node()->source_files();
-  if (policy == AutoShardPolicy::kAuto) {
+  if (context.uneven_split && policy != AutoShardPolicy::kAuto &&
+      policy != AutoShardPolicy::kData) {
+    throw ConfigError("distribute_dataset: an elastic group re-splits every global batch among "
+                      "the workers it has, which needs auto_shard_policy DATA (or AUTO); saw " +
+                      std::string(policy == AutoShardPolicy::kFile ? "FILE" : "OFF"));
+  }
+  if (context.uneven_split) {
+    policy = AutoShardPolicy::kData; // FILE shards cannot move to the survivors mid-epoch
+  } else if (policy == AutoShardPolicy::kAuto) {
     policy = files >= workers ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
   } else if (policy == AutoShardPolicy::kFile && files < workers) {
     Logger().warn("auto_shard_policy FILE: the dataset reads " + std::to_string(files) +
@@ -315,16 +323,22 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   rewritten = detail::rewrite_batch(
       dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
         global = size;
-        context.get_per_replica_batch_size(size); // ConfigError unless it splits evenly
+        // ConfigError unless it splits evenly (or may not: elastic).
+        if (!context.uneven_split) context.get_per_replica_batch_size(size);
         return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, replicas,
                                                           first, per_worker);
       });
   if (rewritten) {
+    const auto [begin, end] = detail::replica_range(global, replicas, first, per_worker);
+    const std::string share =
+        global % replicas == 0
+            ? std::to_string(global / workers) + " of each global batch; " +
+                  std::to_string(global / replicas) + " per replica"
+            : "rows " + std::to_string(begin) + " to " + std::to_string(end - 1) +
+                  " of each global batch (an uneven split: shares differ by at most one row)";
     return DistributedDataset(dataset, Dataset(rewritten), context, true,
                               "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
-                                  " stacks only its " + std::to_string(global / workers) +
-                                  " of each global batch; " + std::to_string(global / replicas) +
-                                  " per replica",
+                                  " stacks only its " + share,
                               global / replicas, true);
   }
   return DistributedDataset(
@@ -339,10 +353,15 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
 DistributedDataset
 distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
                                   const strategy::InputContext& context) {
+  if (context.uneven_split) {
+    throw ConfigError("distribute_datasets_from_function: an elastic group re-splits each global "
+                      "batch among the workers it has mid-epoch, which a pipeline each worker "
+                      "builds for itself cannot do; use distribute_dataset");
+  }
   const Dataset built = fn(context);
-  return DistributedDataset(
-      built, built, context, false,
-      "from a function: this worker's pipeline as built, per-replica batches", 0, false);
+  return DistributedDataset(built, built, context, false,
+                            "from a function: this worker's pipeline as built, per-replica batches",
+                            0, false);
 }
 
 } // namespace flotilla::data

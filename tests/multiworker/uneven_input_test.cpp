@@ -29,8 +29,8 @@ std::mutex build_mutex; // ranks are threads sharing torch's generator
 torch::nn::Sequential small_net() {
   std::lock_guard<std::mutex> lock(build_mutex);
   torch::manual_seed(21);
-  auto m = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(),
-                                 torch::nn::Linear(8, 3));
+  auto m =
+      torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
   m->to(torch::kFloat64); // the comparisons test the algorithm, not float32 rounding
   return m;
 }
@@ -85,9 +85,8 @@ TEST(UnevenInput, EveryBatchOfEveryWorkerIsTrainedOnOnce) {
   Result single;
   run_ranks(1, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 1), comm);
-    const auto input = data::Dataset::from_tensor_slices(joined)
-                           .batch(16)
-                           .concatenate(data::Dataset::from_tensor_slices(slice(first, 24, 40)).batch(8));
+    const auto input = data::Dataset::from_tensor_slices(joined).batch(16).concatenate(
+        data::Dataset::from_tensor_slices(slice(first, 24, 40)).batch(8));
     single = fit_once(s, data::distribute_dataset(input, s.input_context()));
   });
   ASSERT_DOUBLE_EQ(std::round(single.samples), 64);
@@ -128,14 +127,13 @@ TEST(UnevenInput, EveryBatchOfEveryWorkerIsTrainedOnOnce) {
   // Per-worker pipelines (distribute_datasets_from_function) of different lengths.
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
-    pipelines[rank] = fit_once(
-        s, data::distribute_datasets_from_function(
-               [&](const strategy::InputContext& c) {
-                 return data::Dataset::from_tensor_slices(c.input_pipeline_id == 0 ? first
-                                                                                  : second)
-                     .batch(c.get_per_replica_batch_size(16));
-               },
-               s.input_context()));
+    pipelines[rank] = fit_once(s, data::distribute_datasets_from_function(
+                                      [&](const strategy::InputContext& c) {
+                                        return data::Dataset::from_tensor_slices(
+                                                   c.input_pipeline_id == 0 ? first : second)
+                                            .batch(c.get_per_replica_batch_size(16));
+                                      },
+                                      s.input_context()));
   });
   for (const auto* run : {&sharded, &pipelines}) {
     const Result& r = (*run)[0];
@@ -143,6 +141,31 @@ TEST(UnevenInput, EveryBatchOfEveryWorkerIsTrainedOnOnce) {
     EXPECT_NEAR(r.loss, single.loss, 1e-12);
     EXPECT_LT(max_relative_difference(r.parameters, single.parameters), 1e-12);
     EXPECT_LT(max_relative_difference((*run)[1].parameters, r.parameters), 1e-15);
+  }
+}
+
+// Workers holding different shares of each global batch (an elastic group's uneven split: 32
+// rows over 3 workers is 10/11/11, the short last batch of 10 is 3/3/4): each worker's gradient
+// counts in proportion to its rows, so the step is the one-worker step on the whole batch.
+TEST(UnevenInput, WorkersWithDifferentSharesOfEachGlobalBatchTrainAsOne) {
+  const data::Element all = rows(106, 3);
+  const auto input = [&] { return data::Dataset::from_tensor_slices(all).batch(32); };
+  Result single;
+  run_ranks(1, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 1), comm);
+    single = fit_once(s, data::distribute_dataset(input(), s.input_context()));
+  });
+  std::vector<Result> split(3);
+  run_ranks(3, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 3), comm);
+    auto context = s.input_context();
+    context.uneven_split = true;
+    split[rank] = fit_once(s, data::distribute_dataset(input(), context));
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_DOUBLE_EQ(std::round(split[r].samples), 106) << r;
+    EXPECT_NEAR(split[r].loss, single.loss, 1e-12) << r;
+    EXPECT_LT(max_relative_difference(split[r].parameters, single.parameters), 1e-12) << r;
   }
 }
 
@@ -167,7 +190,7 @@ TEST(Predict, AcrossWorkersEveryWorkerGetsEveryOutputInTheDatasetsOrder) {
     uneven[rank] = model.predict(data::distribute_datasets_from_function(
         [&](const strategy::InputContext& c) {
           return data::Dataset::from_tensor_slices(c.input_pipeline_id == 0 ? slice(e, 0, 20)
-                                                                           : slice(e, 20, 30))
+                                                                            : slice(e, 20, 30))
               .batch(5);
         },
         s.input_context()));
@@ -176,9 +199,9 @@ TEST(Predict, AcrossWorkersEveryWorkerGetsEveryOutputInTheDatasetsOrder) {
     EXPECT_TRUE(torch::allclose(pair[w], single, 1e-12, 1e-12)) << "worker " << w;
   }
   // Batch by batch, each batch in worker order: w0 0-4, w1 20-24, w0 5-9, w1 25-29, w0 10-19.
-  const auto expected = torch::cat({single.slice(0, 0, 5), single.slice(0, 20, 25),
-                                    single.slice(0, 5, 10), single.slice(0, 25, 30),
-                                    single.slice(0, 10, 20)});
+  const auto expected =
+      torch::cat({single.slice(0, 0, 5), single.slice(0, 20, 25), single.slice(0, 5, 10),
+                  single.slice(0, 25, 30), single.slice(0, 10, 20)});
   for (int w = 0; w < 2; ++w) {
     EXPECT_TRUE(torch::allclose(uneven[w], expected, 1e-12, 1e-12)) << "worker " << w;
   }

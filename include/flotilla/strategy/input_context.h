@@ -10,6 +10,12 @@ struct InputContext {
   int num_input_pipelines = 1; // one per worker
   int input_pipeline_id = 0;   // this worker's index among them
   int num_replicas_in_sync = 1;
+  // Elastic mode: the replicas change with the membership while the global batch stays, so a
+  // global batch need not divide evenly. distribute_dataset (DATA sharding) then gives replica
+  // r of R the rows [r·G/R, (r+1)·G/R) of each global batch of G: shares differ by at most one
+  // row, and since each replica's loss is summed and divided by G, the all-reduced gradient is
+  // still the mean over the global batch.
+  bool uneven_split = false;
 
   // global_batch ÷ num_replicas_in_sync; ConfigError when it does not divide evenly.
   std::int64_t get_per_replica_batch_size(std::int64_t global_batch) const;

@@ -197,6 +197,63 @@ TEST(Distribute, AGlobalBatchThatDoesNotSplitIsRefused) {
   }
 }
 
+// Elastic: 4 workers train 3 global batches; one leaves, and the 3 left resume the same pass at
+// the position the 4 had committed, splitting each global batch of 32 unevenly (10/11/11).
+TEST(Distribute, AResplitAtACommittedPositionCoversEverySampleOnce) {
+  // One pipeline per "process": each distribution of one Dataset object is a new pass.
+  auto make = [] { return ids(300).shuffle(300, 3).batch(32).map([](Element e) { return e; }, 2); };
+  auto elastic = [](int index, int workers) {
+    auto context = worker(index, workers);
+    context.uneven_split = true;
+    return context;
+  };
+  std::vector<std::int64_t> seen;
+  IteratorState committed;
+  for (int w = 0; w < 4; ++w) {
+    auto it = distribute_dataset(make(), elastic(w, 4)).make_iterator();
+    for (int step = 0; step < 3; ++step) {
+      const auto b = it.next();
+      ASSERT_TRUE(b);
+      EXPECT_EQ(b->global_batch_size, 32);
+      const auto t = b->element[0].contiguous();
+      seen.insert(seen.end(), t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    }
+    if (w == 0) committed = it.save();
+    it.next(); // step 4 was pulled on every worker, then a worker died: not committed
+  }
+  std::vector<std::int64_t> sizes;
+  for (int w = 0; w < 3; ++w) {
+    const auto ds = distribute_dataset(make(), elastic(w, 3));
+    if (w == 2) {
+      EXPECT_NE(ds.plan().find("worker 2 of 3 stacks only its rows 21 to 31 of each global "
+                               "batch (an uneven split"),
+                std::string::npos)
+          << ds.plan();
+    }
+    auto it = ds.make_iterator(committed);
+    while (auto b = it.next()) {
+      const auto t = b->element[0].contiguous();
+      if (w == 0) sizes.push_back(b->global_batch_size);
+      if (b->global_batch_size == 32) EXPECT_EQ(t.numel(), w == 0 ? 10 : 11);
+      seen.insert(seen.end(), t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    }
+  }
+  // The remaining 6 global batches of 32 and the short last one of 12.
+  EXPECT_EQ(sizes, (std::vector<std::int64_t>{32, 32, 32, 32, 32, 32, 12}));
+  std::sort(seen.begin(), seen.end());
+  std::string dupes;
+  for (std::size_t i = 1; i < seen.size(); ++i) {
+    if (seen[i] == seen[i - 1]) dupes += std::to_string(seen[i]) + " ";
+  }
+  EXPECT_EQ(dupes, "") << "repeated samples";
+  ASSERT_EQ(seen.size(), 300u) << "a sample lost or repeated";
+  for (std::int64_t i = 0; i < 300; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], i);
+  // What cannot move mid-epoch is refused by name.
+  EXPECT_THROW(distribute_datasets_from_function(
+                   [](const strategy::InputContext&) { return ids(8).batch(4); }, elastic(0, 2)),
+               ConfigError);
+}
+
 TEST(Distribute, ADistributedPassResumesOnTheNextBatch) {
   auto pipeline = ids(200).shuffle(50, 1).batch(8, true).map([](Element e) { return e; }, 2);
   const auto ds = distribute_dataset(pipeline, worker(1, 2));
