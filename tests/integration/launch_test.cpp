@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -75,20 +75,21 @@ TEST(Launch, EachWorkerKnowsItsLocalRank) {
   }
   EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
   // Under srun, Slurm's name for it.
-  const auto slurm = run_process({probe}, {{"LOCAL_RANK", ""}, {"SLURM_LOCALID", "2"},
-                                           {"LOCAL_WORLD_SIZE", "4"}});
+  const auto slurm =
+      run_process({probe}, {{"LOCAL_RANK", ""}, {"SLURM_LOCALID", "2"}, {"LOCAL_WORLD_SIZE", "4"}});
   ASSERT_EQ(slurm.exit_code, 0) << slurm.err;
   EXPECT_EQ(slurm.out, "local_rank=2 local_world_size=4\n");
 }
 
 TEST(Launch, EveryRunGetsItsOwnClusterTokenUnlessTheUserBroughtOne) {
   // sha256sum of the token: equal within a run, different between runs, never printed itself.
-  const std::vector<std::string> cmd = {kCli, "launch", "--workers", "2", "--", "sh", "-c",
-                                        "printf %s \"$FLOTILLA_CLUSTER_TOKEN\" | sha256sum"};
-  const auto first = run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""},
-                                       {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
-  const auto second = run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""},
-                                        {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+  const std::vector<std::string> cmd = {
+      kCli, "launch", "--workers", "2",
+      "--", "sh",     "-c",        "printf %s \"$FLOTILLA_CLUSTER_TOKEN\" | sha256sum"};
+  const auto first =
+      run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""}, {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+  const auto second =
+      run_process(cmd, {{"FLOTILLA_CLUSTER_TOKEN", ""}, {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
   ASSERT_EQ(first.exit_code, 0) << first.err;
   auto digests = [](const std::string& out) {
     std::set<std::string> d;
@@ -101,9 +102,9 @@ TEST(Launch, EveryRunGetsItsOwnClusterTokenUnlessTheUserBroughtOne) {
   EXPECT_NE(*a.begin(), *b.begin());
   // sha256 of the empty string: a run without a token would print this.
   EXPECT_NE(*a.begin(), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  const auto own = run_process({kCli, "launch", "--workers", "1", "--", "sh", "-c",
-                                "printf %s \"$FLOTILLA_CLUSTER_TOKEN\""},
-                               {{"FLOTILLA_CLUSTER_TOKEN", "users-own"}});
+  const auto own = run_process(
+      {kCli, "launch", "--workers", "1", "--", "sh", "-c", "printf %s \"$FLOTILLA_CLUSTER_TOKEN\""},
+      {{"FLOTILLA_CLUSTER_TOKEN", "users-own"}});
   EXPECT_EQ(own.out, "[worker 0] users-own\n");
 }
 
@@ -209,9 +210,9 @@ TEST(Launch, MaxRestartsRestartsTheWholeClusterOnFreshPortsThenSucceeds) {
 }
 
 TEST(Launch, RestartsRunOutAndTheLastFailureIsTheExitCode) {
-  const auto r = run_process({kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts",
-                              "2", "--", "sh", "-c",
-                              "if [ \"$LOCAL_RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 600"});
+  const auto r =
+      run_process({kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts", "2", "--",
+                   "sh", "-c", "if [ \"$LOCAL_RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 600"});
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.err;
   EXPECT_EQ(count_of(r.err, "[launch] worker 1 was killed by signal Killed; stopping the other "
                             "workers; restarting the cluster (restart "),
@@ -227,10 +228,9 @@ TEST(Launch, RestartsRunOutAndTheLastFailureIsTheExitCode) {
 TEST(Launch, APreemptedClusterRestartsWithoutUsingMaxRestarts) {
   testing::TempDir dir;
   // Every worker exits 75 (as after a preemption backup) in the first run only.
-  const auto r = run_process(
-      {kCli, "launch", "--workers", "2", "--", "sh", "-c",
-       "if [ ! -e " + dir.path() + "/ran.$LOCAL_RANK ]; then touch " + dir.path() +
-           "/ran.$LOCAL_RANK; exit 75; fi; echo second run"});
+  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "sh", "-c",
+                              "if [ ! -e " + dir.path() + "/ran.$LOCAL_RANK ]; then touch " +
+                                  dir.path() + "/ran.$LOCAL_RANK; exit 75; fi; echo second run"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(count_of(r.err, "restarting the cluster"), 1u) << r.err;
   EXPECT_NE(r.err.find("exited with code 75 (preempted: every worker saved a backup at the same "
@@ -251,10 +251,9 @@ TEST(Launch, PreemptionRestartsAreBounded) {
 
 TEST(Launch, ASignalToLaunchNeverRestartsAndWorkersThatSavedMakeIt75) {
   for (const auto& [worker_exit, launch_exit] : {std::pair{75, kExitPreempted}, {5, 5}}) {
-    testing::Process launch({kCli, "launch", "--workers", "2", "--max-restarts", "3", "--", "sh",
-                             "-c",
-                             "trap 'exit " + std::to_string(worker_exit) +
-                                 "' TERM; echo ready; sleep 600 & wait"});
+    testing::Process launch(
+        {kCli, "launch", "--workers", "2", "--max-restarts", "3", "--", "sh", "-c",
+         "trap 'exit " + std::to_string(worker_exit) + "' TERM; echo ready; sleep 600 & wait"});
     std::this_thread::sleep_for(std::chrono::seconds(2)); // let both shells set their trap
     launch.signal(SIGTERM);
     const auto r = launch.wait(std::chrono::seconds(60));
@@ -262,6 +261,59 @@ TEST(Launch, ASignalToLaunchNeverRestartsAndWorkersThatSavedMakeIt75) {
     EXPECT_EQ(r.err.find("restarting"), std::string::npos) << r.err;
     EXPECT_EQ(count_of(r.out, "ready"), 2u) << "one run only: " << r.out;
   }
+}
+
+// --elastic: launch hosts the rendezvous; a SIGKILLed worker is restarted alone, the others
+// keep training in the same processes and admit it when it is back.
+TEST(Launch, ElasticRestartsOnlyTheDeadWorkerAndTheOthersKeepTheirProcesses) {
+  testing::TempDir dir;
+  const std::string once = dir.path() + "/signalled";
+  const auto r = run_process({kCli,
+                              "launch",
+                              "--elastic",
+                              "--workers",
+                              "3",
+                              "--max-restarts",
+                              "1",
+                              "--",
+                              testing::test_bin_dir() + "/elastic_worker",
+                              "--steps",
+                              "8",
+                              "--until-members",
+                              "3",
+                              "--signal-slot",
+                              "1",
+                              "--signal-at",
+                              "2",
+                              "--signal",
+                              "KILL",
+                              "--signal-once",
+                              once},
+                             {}, std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 was killed by signal Killed; restarting it alone "
+                       "(restart 1 of 1); the others go on and admit it when it is back"),
+            std::string::npos)
+      << r.err;
+  // One process per survivor from start to end; two for the restarted worker.
+  std::map<int, std::set<std::string>> pids;
+  std::map<int, std::string> last;
+  for (const auto& line : lines_of(r.out)) {
+    if (line.rfind("[worker ", 0) != 0) continue;
+    const int w = std::stoi(line.substr(8));
+    const std::string text = line.substr(line.find("] ") + 2);
+    if (text.rfind("pid ", 0) == 0) pids[w].insert(text.substr(4, text.find(' ', 4) - 4));
+    if (text.rfind("done at step", 0) == 0) last[w] = text;
+  }
+  EXPECT_EQ(pids[0].size(), 1u) << r.out;
+  EXPECT_EQ(pids[2].size(), 1u) << r.out;
+  EXPECT_EQ(pids[1].size(), 2u) << r.out;
+  ASSERT_EQ(last.size(), 3u) << r.out;
+  EXPECT_EQ(last[0], last[1]) << "all end together, the restarted worker too";
+  EXPECT_EQ(last[0], last[2]);
+  EXPECT_NE(last[0].find("with [0,1,2]"), std::string::npos) << last[0];
+  EXPECT_NE(r.out.find("regrouped after"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("WRONG"), std::string::npos) << r.out;
 }
 
 TEST(Launch, UnknownProgramIsABadInput) {
@@ -276,10 +328,10 @@ TEST(Launch, TwoWorkersTrainOnLoopback) {
   testing::TempDir dir;
   const std::string metrics = dir.path() + "/metrics.jsonl";
   const std::string checkpoint_dir = dir.path() + "/ckpt";
-  const auto r = run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train",
-                              "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "60", "--lr",
-                              "0.05", "--metrics-json", metrics, "--checkpoint-dir",
-                              checkpoint_dir});
+  const auto r =
+      run_process({kCli, "launch", "--workers", "2", "--", "flotilla", "train", "--model", "mlp",
+                   "--epochs", "2", "--steps-per-epoch", "60", "--lr", "0.05", "--metrics-json",
+                   metrics, "--checkpoint-dir", checkpoint_dir});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[worker 0] Epoch 1/2\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("[worker 0] 60/60 - "), std::string::npos) << r.out;
@@ -311,10 +363,26 @@ TEST(Launch, TheEvaluatorEvaluatesTheChiefsFinalCheckpoint) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
   const std::string metrics = dir.path() + "/metrics.jsonl";
-  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
-                              "train", "--model", "mlp", "--epochs", "2", "--steps-per-epoch",
-                              "20", "--checkpoint-dir", dir.path() + "/ckpt", "--tensorboard-dir",
-                              dir.path() + "/tb", "--metrics-json", metrics});
+  const auto r = run_process({kCli,
+                              "launch",
+                              "--workers",
+                              "2",
+                              "--evaluator",
+                              "--",
+                              "flotilla",
+                              "train",
+                              "--model",
+                              "mlp",
+                              "--epochs",
+                              "2",
+                              "--steps-per-epoch",
+                              "20",
+                              "--checkpoint-dir",
+                              dir.path() + "/ckpt",
+                              "--tensorboard-dir",
+                              dir.path() + "/tb",
+                              "--metrics-json",
+                              metrics});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[evaluator] Evaluator: ckpt-2 (epoch 2, step 40): loss: "),
             std::string::npos)
@@ -345,10 +413,26 @@ TEST(Launch, TwoWorkersTrainATorchScriptModuleAndTheEvaluatorEvaluatesIt) {
   testing::TempDir dir;
   ASSERT_TRUE(make_torchscript_modules(dir.path())) << "the test venv's torch cannot script";
   const std::string metrics = dir.path() + "/metrics.jsonl";
-  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
-                              "train", "--model", dir.path() + "/bn.pt", "--epochs", "1",
-                              "--steps-per-epoch", "40", "--lr", "0.05", "--checkpoint-dir",
-                              dir.path() + "/ckpt", "--metrics-json", metrics});
+  const auto r = run_process({kCli,
+                              "launch",
+                              "--workers",
+                              "2",
+                              "--evaluator",
+                              "--",
+                              "flotilla",
+                              "train",
+                              "--model",
+                              dir.path() + "/bn.pt",
+                              "--epochs",
+                              "1",
+                              "--steps-per-epoch",
+                              "40",
+                              "--lr",
+                              "0.05",
+                              "--checkpoint-dir",
+                              dir.path() + "/ckpt",
+                              "--metrics-json",
+                              metrics});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   double chief = -1, evaluator = -2;
   for (const auto& line : lines_of(testing::read_file(metrics))) {
@@ -375,12 +459,14 @@ TEST(TrainCommand, ATorchScriptModuleThatRejectsTheDataIsOneLineAndExit2OnEveryW
     const auto r = run_process({kCli, "train", "--model", model}, {{"TF_CONFIG", tf_config}},
                                std::chrono::seconds(60));
     EXPECT_EQ(r.exit_code, kExitBadInput) << r.out << r.err;
-    EXPECT_EQ(r.err.rfind("flotilla train: error: " + model +
-                              ": forward failed on a batch of shape [2, 1, 28, 28] Float: RuntimeError: Given "
-                              "groups=1, weight of size [8, 3, 3, 3], expected input[2, 1, 28, "
-                              "28] to have 3 channels, but got 1 channels instead\n",
-                          0),
-              0u)
+    EXPECT_EQ(
+        r.err.rfind(
+            "flotilla train: error: " + model +
+                ": forward failed on a batch of shape [2, 1, 28, 28] Float: RuntimeError: Given "
+                "groups=1, weight of size [8, 3, 3, 3], expected input[2, 1, 28, "
+                "28] to have 3 channels, but got 1 channels instead\n",
+            0),
+        0u)
         << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
@@ -407,11 +493,30 @@ TEST(Launch, TwoWorkersTrainOnAnImageFolderAndTheEvaluatorEvaluatesIt) {
   testing::TempDir dir;
   ASSERT_TRUE(write_image_folders(dir.path() + "/images", 2000)) << "no Pillow in the test venv";
   const std::string metrics = dir.path() + "/metrics.jsonl";
-  const auto r = run_process({kCli, "launch", "--workers", "2", "--evaluator", "--", "flotilla",
-                              "train", "--model", "mlp", "--dataset", "image-folder",
-                              "--data-dir", dir.path() + "/images/train", "--validation-split",
-                              "0.25", "--epochs", "2", "--lr", "0.05", "--checkpoint-dir",
-                              dir.path() + "/ckpt", "--metrics-json", metrics});
+  const auto r = run_process({kCli,
+                              "launch",
+                              "--workers",
+                              "2",
+                              "--evaluator",
+                              "--",
+                              "flotilla",
+                              "train",
+                              "--model",
+                              "mlp",
+                              "--dataset",
+                              "image-folder",
+                              "--data-dir",
+                              dir.path() + "/images/train",
+                              "--validation-split",
+                              "0.25",
+                              "--epochs",
+                              "2",
+                              "--lr",
+                              "0.05",
+                              "--checkpoint-dir",
+                              dir.path() + "/ckpt",
+                              "--metrics-json",
+                              metrics});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("input: FILE: worker 0 of 2 reads its 750 of 1500 files"), std::string::npos)
       << r.err;
@@ -442,16 +547,15 @@ TEST(Launch, ACorruptImageStopsTrainingNamingTheFile) {
                               "--model", "mlp", "--dataset", "image-folder", "--data-dir",
                               dir.path(), "--batch-per-replica", "8"});
   EXPECT_EQ(r.exit_code, kExitBadInput) << r.out << r.err;
-  EXPECT_NE(r.err.find(bad + ": corrupt or truncated PNG (libpng: "), std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find(bad + ": corrupt or truncated PNG (libpng: "), std::string::npos) << r.err;
 }
 
 // The seed's two programs, briefly: 2 workers, a few steps each.
 TEST(Examples, TheSeedProgramsRunOnTwoWorkers) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   const std::string examples = testing::test_bin_dir() + "/../examples/";
-  const auto first = run_process(
-      {kCli, "launch", "--workers", "2", "--", examples + "multi_worker", "1", "5"});
+  const auto first =
+      run_process({kCli, "launch", "--workers", "2", "--", examples + "multi_worker", "1", "5"});
   ASSERT_EQ(first.exit_code, 0) << first.out << first.err;
   EXPECT_NE(first.out.find("[worker 0] final training accuracy "), std::string::npos) << first.out;
   const auto recipe =

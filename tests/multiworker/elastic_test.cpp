@@ -106,7 +106,7 @@ TEST(Elastic, AKilledChiefIsDroppedAtOnceTheLowestSurvivorLeadsAndItsRestartRejo
   // The restart is admitted at a step boundary and the group is whole again.
   EXPECT_NE(r1.out.find("admitted: generation 2 [0,1,2] (admitted slot 0)"), std::string::npos)
       << r1.out;
-  EXPECT_NE(back.out.find("joined: generation 2 [0,1,2]"), std::string::npos) << back.out;
+  EXPECT_NE(back.out.find(" joined: generation 2 [0,1,2]"), std::string::npos) << back.out;
   EXPECT_NE(back.out.find(" gen 2 rank 0/3 sum 6 ok"), std::string::npos) << back.out;
   EXPECT_EQ(r1.out.find("WRONG"), std::string::npos) << r1.out;
   // Every step exactly once on each survivor: the failed step 2 was redone, none skipped.

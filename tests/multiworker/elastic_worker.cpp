@@ -12,13 +12,17 @@
 // Flags: --steps N (default 6); --until-members M (go on past N steps until the group has M
 // members again and 3 steps more, at most 600 steps); --step-ms MS (sleep per step, default 20);
 // --signal-at K --signal STOP|KILL (this process sends itself the signal at step K, before
-// its all-reduce, while the others are inside theirs); --heartbeat-timeout-ms,
+// its all-reduce, while the others are inside theirs); --signal-slot S (only slot S does);
+// --signal-once FILE (only when FILE does not exist yet; it is created first, so a restarted
+// process does not signal itself again); --heartbeat-timeout-ms,
 // --heartbeat-interval-ms, --timeout-ms.
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <thread>
+#include <unistd.h>
 
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
@@ -34,6 +38,8 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = std::chrono::milliseconds(200);
   options.heartbeat_timeout = std::chrono::seconds(2);
   int steps = 6, until_members = 0, step_ms = 20, signal_at = -1, signal = SIGKILL;
+  int signal_slot = -1;
+  std::string signal_once;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const int value = std::atoi(argv[i + 1]);
@@ -41,6 +47,8 @@ int main(int argc, char** argv) {
     if (flag == "--until-members") until_members = value;
     if (flag == "--step-ms") step_ms = value;
     if (flag == "--signal-at") signal_at = value;
+    if (flag == "--signal-slot") signal_slot = value;
+    if (flag == "--signal-once") signal_once = argv[i + 1];
     if (flag == "--signal") signal = !std::strcmp(argv[i + 1], "STOP") ? SIGSTOP : SIGKILL;
     if (flag == "--timeout-ms") options.timeout = std::chrono::milliseconds(value);
     if (flag == "--heartbeat-timeout-ms") {
@@ -55,6 +63,14 @@ int main(int argc, char** argv) {
     const auto spec = cluster::resolve_cluster(env);
     options.cluster_token = cluster::cluster_token(env);
     auto group = collective::ElasticGroup::join(spec, options);
+    if (signal_slot >= 0 && group->slot() != signal_slot) signal_at = -1;
+    if (signal_at >= 0 && !signal_once.empty()) {
+      if (std::ifstream(signal_once).good()) {
+        signal_at = -1;
+      } else {
+        std::ofstream(signal_once) << "signalled\n";
+      }
+    }
     bool ok = true;
     std::int64_t step = 0;
     bool synced = false; // the members agreed on `step` in this generation
@@ -63,8 +79,8 @@ int main(int argc, char** argv) {
       for (int s : group->members()) out += (out.empty() ? "" : ",") + std::to_string(s);
       return out;
     };
-    std::cout << "joined: generation " << group->generation() << " [" << members_of() << "] ("
-              << group->reason() << ")" << std::endl;
+    std::cout << "pid " << ::getpid() << " joined: generation " << group->generation() << " ["
+              << members_of() << "] (" << group->reason() << ")" << std::endl;
     // Decided only in agreement (synced): every member stops at the same step.
     std::int64_t whole_at = -1; // the step at which the group had until_members again
     const auto more = [&] {

@@ -17,6 +17,12 @@
 // same step) restarts the cluster without using up --max-restarts (at most 100 times in a row).
 // A signal to launch itself never restarts anything: it is forwarded, and when the workers then
 // exit with 75 (they saved), launch exits with 75 too, so that an outer scheduler restarts it.
+//
+// Elastic (--elastic, for programs that join through collective::ElasticGroup): launch hosts
+// the rendezvous itself (FLOTILLA_RENDEZVOUS in every worker's environment), so it outlives any
+// worker. A failed worker is started again alone, with its own TF_CONFIG, while restarts remain
+// (--max-restarts counts these); the others never stop, and admit it when it is back. Below
+// --min-workers, with nothing to restart, the rest are stopped with SIGTERM.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -27,6 +33,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -36,6 +43,9 @@
 
 #include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/cluster/cluster_token.h"
+#include "flotilla/cluster/environment.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
 
@@ -56,6 +66,11 @@ struct LaunchArgs {
   double grace_s = 10;
   bool evaluator = false; // also start TF_CONFIG's evaluator task (a sidecar, not in training)
   int max_restarts = 0;   // cluster restarts after failures (preemptions do not count)
+  // Elastic: launch hosts the rendezvous and restarts only a failed worker (up to
+  // max_restarts restarts in all) while the others go on; below min_workers it stops them.
+  bool elastic = false;
+  int min_workers = 1;
+  double heartbeat_timeout_s = 10;
   std::vector<std::string> command;
 };
 
@@ -128,7 +143,8 @@ std::string self_executable() {
 
 struct Child {
   int index = 0;
-  std::string name; // "worker 2", "evaluator"
+  std::string name;                   // "worker 2", "evaluator"
+  std::vector<std::string> argv, env; // to start it again (elastic)
   pid_t pid = -1;
   bool running = false;
   int exit_code = 0;
@@ -193,7 +209,8 @@ std::string random_token() {
 }
 
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,
-                                           int threads, bool terminal, const std::string& token) {
+                                           int threads, bool terminal, const std::string& token,
+                                           const std::string& rendezvous = "") {
   std::map<std::string, std::string> vars;
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
@@ -210,6 +227,11 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   // TF_CONFIG decides the cluster; stale torchrun variables would only confuse a reader.
   for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) vars.erase(stale);
   vars["TF_CONFIG"] = tf_config;
+  if (rendezvous.empty()) {
+    vars.erase("FLOTILLA_RENDEZVOUS");
+  } else {
+    vars["FLOTILLA_RENDEZVOUS"] = rendezvous;
+  }
   vars["LOCAL_RANK"] = std::to_string(index);
   vars["LOCAL_WORLD_SIZE"] = std::to_string(workers);
   if (terminal) {
@@ -361,6 +383,9 @@ class Launcher {
     Child& child = children_[static_cast<std::size_t>(index)];
     child.index = index;
     child.name = index < args_.workers ? "worker " + std::to_string(index) : "evaluator";
+    child.argv = argv;
+    child.env = env;
+    if (child.out.get() >= 0 || child.err.get() >= 0) drain(child); // a restart's predecessor
     auto [out_read, out_write] = make_pipe();
     auto [err_read, err_write] = make_pipe();
     child.pid = spawn(argv, env, out_write.get(), err_write.get());
@@ -384,6 +409,20 @@ class Launcher {
         Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(args_.grace_s * 1000));
   }
   void reap();
+  void reap_elastic();
+  // What an ended child left in its pipes, relayed before the pipes are replaced.
+  void drain(Child& child) {
+    for (bool is_out : {true, false}) {
+      Fd& fd = is_out ? child.out : child.err;
+      while (fd.get() >= 0) {
+        pollfd p{fd.get(), POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) break;
+        relay(child, is_out, fd.get());
+      }
+      emit_lines(child.name, is_out ? child.out_buffer : child.err_buffer,
+                 is_out ? STDOUT_FILENO : STDERR_FILENO, true);
+    }
+  }
   void on_signals(int fd);
   void relay(Child& child, bool is_out, int fd);
 
@@ -391,7 +430,7 @@ class Launcher {
   std::vector<Child> children_;
   SignalPipe& signals_;
   RestartCount count_;
-  bool restart_ = false;         // decided at the failure, announced in its line
+  bool restart_ = false; // decided at the failure, announced in its line
   bool preempted_ = false;
   std::optional<int> failed_;    // index of the worker whose failure stopped the others
   std::optional<int> forwarded_; // the first signal we passed on
@@ -401,7 +440,51 @@ class Launcher {
   static constexpr std::chrono::seconds kCulpritWindow{2};
 };
 
+// Elastic: the others go on without a failed worker (the rendezvous, hosted here, drops it),
+// and it is started again, alone, while restarts remain; it rejoins from a live peer.
+void Launcher::reap_elastic() {
+  for (auto& c : children_) {
+    if (!c.running) continue;
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
+    c.running = false;
+    c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (c.exit_code == 0 || forwarded_ || c.index >= args_.workers) continue;
+    std::string line = "[launch] " + c.name + " " + describe_exit(status);
+    // Bad input fails again however often it starts; a worker that saved for a preemption is
+    // asked to stop, not to be replaced.
+    const bool again = c.exit_code != kExitBadInput && c.exit_code != kExitPreempted;
+    if (again && count_.failures < args_.max_restarts) {
+      ++count_.failures;
+      write_all(STDERR_FILENO, line + "; restarting it alone (restart " +
+                                   std::to_string(count_.failures) + " of " +
+                                   std::to_string(args_.max_restarts) +
+                                   "); the others go on and admit it when it is back\n");
+      start(c.index, c.argv, c.env);
+      continue;
+    }
+    line += !again ? "; not restarting it"
+            : args_.max_restarts == 0
+                ? "; not restarting it (--max-restarts 0)"
+                : "; no restarts left (--max-restarts " + std::to_string(args_.max_restarts) + ")";
+    if (!failed_) failed_ = c.index;
+    const int running =
+        static_cast<int>(std::count_if(children_.begin(), children_.begin() + args_.workers,
+                                       [](const Child& w) { return w.running; }));
+    if (running > 0 && running < args_.min_workers) {
+      line += "; " + std::to_string(running) + " workers left, fewer than --min-workers " +
+              std::to_string(args_.min_workers) + ": stopping them (SIGTERM)";
+      stop_all(SIGTERM);
+      stop_later();
+    } else if (running > 0) {
+      line += "; the other " + std::to_string(running) + " go on without it";
+    }
+    write_all(STDERR_FILENO, line + "\n");
+  }
+}
+
 void Launcher::reap() {
+  if (args_.elastic) return reap_elastic();
   // Several workers can end in one pass (a victim and its culprit); the culprit is the one
   // whose code is not the collective failure it caused in the others.
   std::optional<int> culprit;
@@ -418,8 +501,8 @@ void Launcher::reap() {
       // failure caused it (bad input, an unexpected error, a crash) ends right after: the job's
       // exit code is the cause's, not the race's winner's. Not the evaluator's, and not what
       // our own stop may cause (a SIGTERM or SIGKILL, a backup failing on a broken group: 4).
-      const bool crashed = WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM &&
-                           WTERMSIG(status) != SIGKILL;
+      const bool crashed =
+          WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM && WTERMSIG(status) != SIGKILL;
       const bool own = c.exit_code == kExitFailure || c.exit_code == kExitBadInput || crashed;
       if (c.index < args_.workers &&
           children_[static_cast<std::size_t>(*failed_)].exit_code == kExitComm && own) {
@@ -598,6 +681,10 @@ int run(const LaunchArgs& a) {
     throw ConfigError("no command to launch; write it after --, e.g. flotilla launch --workers 2 "
                       "-- flotilla train");
   }
+  if (a.elastic && a.min_workers > a.workers) {
+    throw ConfigError("--min-workers " + std::to_string(a.min_workers) +
+                      " is more than --workers " + std::to_string(a.workers));
+  }
   if (a.port > 0 && a.port + a.workers - 1 > 65535) {
     throw ConfigError("--port " + std::to_string(a.port) + " leaves no room for " +
                       std::to_string(a.workers) + " consecutive ports; use a port up to " +
@@ -629,21 +716,35 @@ int run(const LaunchArgs& a) {
     if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
 
     const std::string token = random_token();
+    // Elastic: the rendezvous lives here, outside the workers, so it outlives any of them (and
+    // the workers die with launch anyway). It asks for the token the workers are given.
+    std::unique_ptr<collective::RendezvousService> service;
+    if (a.elastic) {
+      collective::RendezvousService::Options options;
+      options.listen = {"127.0.0.1", 0};
+      options.workers = a.workers;
+      options.heartbeat_timeout =
+          std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+      options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
+      if (!options.cluster_token) options.cluster_token = token;
+      service = std::make_unique<collective::RendezvousService>(options);
+    }
+    const std::string rendezvous = service ? service->address() : "";
     Outcome outcome;
     {
       Launcher launcher(a, signals, count);
       for (int i = 0; i < a.workers; ++i) {
         spec.task = {cluster::TaskType::kWorker, i};
-        launcher.start(
-            i, argv, child_environment(i, a.workers, cluster::to_tf_config(spec), threads, terminal,
-                                 token));
+        launcher.start(i, argv,
+                       child_environment(i, a.workers, cluster::to_tf_config(spec), threads,
+                                         terminal, token, rendezvous));
       }
       if (a.evaluator) {
         // TF's sidecar: it trains nothing, so it shares the machine with the workers' threads.
         spec.task = {cluster::TaskType::kEvaluator, 0};
-        launcher.start(a.workers, argv,
-                       child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1,
-                                         false, token));
+        launcher.start(
+            a.workers, argv,
+            child_environment(a.workers, a.workers, cluster::to_tf_config(spec), 1, false, token));
       }
       outcome = launcher.supervise();
     }
@@ -679,6 +780,19 @@ Command add_launch(CLI::App& parent) {
                   "with flotilla train --backup-dir the workers resume from the last backup. A "
                   "preempted worker (exit 75: it saved) restarts it without counting")
       ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app->add_flag("--elastic", args->elastic,
+                "Host the rendezvous here (FLOTILLA_RENDEZVOUS) for an elastic group: a failed "
+                "worker is restarted alone (--max-restarts counts these) while the others go on "
+                "and admit it when it is back");
+  app->add_option("--min-workers", args->min_workers,
+                  "With --elastic: when fewer workers than this are left and none can be "
+                  "restarted, stop the rest (SIGTERM)")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
+                  "With --elastic: seconds of silence after which the rendezvous drops a worker")
+      ->check(CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   app->add_flag("--evaluator", args->evaluator,
                 "Also start an evaluator task (TF_CONFIG type \"evaluator\"): it evaluates each "
