@@ -1,6 +1,8 @@
 #include "flotilla/checkpoint/safetensors.h"
 
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "flotilla/base/atomic_file.h"
@@ -30,8 +32,15 @@ const char* dtype_name(torch::ScalarType type, const std::string& tensor) {
 
 } // namespace
 
-void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+namespace {
+// The 8-byte length and the header, then the tensors' bytes in order, contiguous on the CPU.
+struct Encoded {
+  std::string head;
+  std::vector<torch::Tensor> data;
+  std::int64_t data_bytes = 0;
+};
+
+Encoded encode(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> data;
@@ -52,29 +61,54 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
-  unsigned char length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(text.size() >> (8 * i));
+  Encoded out;
+  for (int i = 0; i < 8; ++i) out.head += static_cast<char>(text.size() >> (8 * i));
+  out.head += text;
+  out.data = std::move(data);
+  out.data_bytes = offset;
+  return out;
+}
+} // namespace
+
+std::string encode_safetensors(const NamedTensors& tensors,
+                               const std::map<std::string, std::string>& metadata) {
+  Encoded encoded = encode(tensors, metadata);
+  std::string out = std::move(encoded.head);
+  out.reserve(out.size() + static_cast<std::size_t>(encoded.data_bytes));
+  for (const auto& t : encoded.data) {
+    out.append(static_cast<const char*>(t.data_ptr()),
+               static_cast<std::size_t>(t.numel() * t.element_size()));
+  }
+  return out;
+}
+
+void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const Encoded encoded = encode(tensors, metadata); // streamed: no second copy of the data
   base::AtomicFile file(path);
-  file.write(length, 8);
-  file.write(text);
-  for (const auto& t : data) {
+  file.write(encoded.head);
+  for (const auto& t : encoded.data) {
     file.write(t.data_ptr(), static_cast<std::size_t>(t.numel() * t.element_size()));
   }
   file.commit();
 }
 
 SafetensorsFile load_safetensors(const std::filesystem::path& path) {
-  const std::string where = path.string() + ": ";
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(where + "cannot open it; check the path");
-  in.seekg(0, std::ios::end);
-  const auto file_size = static_cast<std::int64_t>(in.tellg());
-  in.seekg(0);
-  unsigned char length_bytes[8];
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(length_bytes), 8)) {
+  if (!in) throw CheckpointError(path.string() + ": cannot open it; check the path");
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw CheckpointError(path.string() + ": cannot read it");
+  return decode_safetensors(bytes, path.string());
+}
+
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
+  const std::string where = source + ": ";
+  const auto file_size = static_cast<std::int64_t>(bytes.size());
+  if (file_size < 8) {
     throw CheckpointError(where + "truncated: " + std::to_string(file_size) +
                           " bytes, shorter than the 8-byte header length");
   }
+  const auto* length_bytes = reinterpret_cast<const unsigned char*>(bytes.data());
   std::uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
   if (header_size > static_cast<std::uint64_t>(file_size - 8) || header_size > (100u << 20)) {
@@ -82,8 +116,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
                           " does not fit in a file of " + std::to_string(file_size) +
                           " bytes; the file is truncated or not safetensors");
   }
-  std::string text(header_size, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  const std::string text = bytes.substr(8, header_size);
   json header;
   try {
     header = json::parse(text);
@@ -93,10 +126,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   if (!header.is_object()) throw CheckpointError(where + "header is not a JSON object");
   const std::int64_t data_start = 8 + static_cast<std::int64_t>(header_size);
   const std::int64_t data_size = file_size - data_start;
-  std::vector<char> blob(static_cast<std::size_t>(data_size));
-  in.read(blob.data(), data_size);
-  if (!in)
-    throw CheckpointError(where + "cannot read its " + std::to_string(data_size) + " data bytes");
+  const char* blob = bytes.data() + data_start;
 
   SafetensorsFile out;
   for (const auto& [name, entry] : header.items()) {
@@ -137,7 +167,7 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
                               std::to_string(data_size) + "-byte section; the file is corrupt");
       }
       torch::Tensor t = torch::empty(shape, found->first);
-      std::memcpy(t.data_ptr(), blob.data() + offsets[0], static_cast<std::size_t>(bytes));
+      std::memcpy(t.data_ptr(), blob + offsets[0], static_cast<std::size_t>(bytes));
       out.tensors[name] = t;
     } catch (const json::exception& e) {
       throw CheckpointError(where + "tensor \"" + name + "\" has a malformed entry (" +

@@ -65,4 +65,17 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   return out;
 }
 
+std::string broadcast_string(Communicator& comm, const std::string& mine, int root) {
+  if (comm.size() == 1) return mine;
+  at::Tensor length = at::tensor({static_cast<std::int64_t>(mine.size())}, at::kLong);
+  comm.broadcast(length, root).wait();
+  const std::int64_t n = length.item<std::int64_t>();
+  at::Tensor bytes = at::empty({n}, at::kByte);
+  if (comm.rank() == root) std::copy(mine.begin(), mine.end(), bytes.data_ptr<std::uint8_t>());
+  comm.broadcast(bytes, root).wait();
+  if (comm.rank() == root) return mine;
+  const auto* begin = bytes.data_ptr<std::uint8_t>();
+  return std::string(begin, begin + n);
+}
+
 } // namespace flotilla::collective

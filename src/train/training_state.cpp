@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/train/model.h"
 
@@ -72,12 +73,12 @@ TrainingState training_state_from_json(const json& j, const fs::path& where) {
   }
 }
 
-checkpoint::CheckpointData checkpoint_data(Model& model) {
-  model.mirror_buffers(); // the replicas' mean, as every worker will read them
+namespace {
+// This worker's tensors as they are, with `state`, and the CPU generator's state.
+checkpoint::CheckpointData local_checkpoint_data(Model& model, const TrainingState& state) {
   checkpoint::CheckpointData data;
   data.model = checkpoint::model_state(model.module());
   data.optimizer = checkpoint::optimizer_state(model.optimizer());
-  const TrainingState state = model.training_state();
   data.epoch = state.epoch;
   data.step = state.iterations;
   data.policy = to_string(model.policy());
@@ -86,9 +87,49 @@ checkpoint::CheckpointData checkpoint_data(Model& model) {
   return data;
 }
 
+const std::string kModelPrefix = "model/";
+const std::string kOptimizerPrefix = "optimizer/";
+} // namespace
+
+checkpoint::CheckpointData checkpoint_data(Model& model) {
+  model.mirror_buffers(); // the replicas' mean, as every worker will read them
+  return local_checkpoint_data(model, model.training_state());
+}
+
+TrainingState share_training_state(Model& model, collective::Communicator& comm, int donor,
+                                   const TrainingState& state) {
+  std::string bytes;
+  if (comm.rank() == donor) {
+    const checkpoint::CheckpointData data = local_checkpoint_data(model, state);
+    checkpoint::NamedTensors tensors;
+    for (const auto& [name, t] : data.model) tensors.emplace_back(kModelPrefix + name, t);
+    for (const auto& [name, t] : data.optimizer) tensors.emplace_back(kOptimizerPrefix + name, t);
+    bytes = checkpoint::encode_safetensors(tensors,
+                                           {{"state", data.state.dump()}, {"policy", data.policy}});
+  }
+  bytes = collective::broadcast_string(comm, bytes, donor);
+  if (comm.rank() == donor) return state;
+  const std::string source = "the training state from rank " + std::to_string(donor);
+  const checkpoint::SafetensorsFile file = checkpoint::decode_safetensors(bytes, source);
+  checkpoint::CheckpointData data;
+  for (const auto& [name, t] : file.tensors) {
+    if (name.rfind(kModelPrefix, 0) == 0)
+      data.model.emplace_back(name.substr(kModelPrefix.size()), t);
+    if (name.rfind(kOptimizerPrefix, 0) == 0) {
+      data.optimizer.emplace_back(name.substr(kOptimizerPrefix.size()), t);
+    }
+  }
+  const auto state_text = file.metadata.find("state");
+  if (state_text == file.metadata.end()) {
+    throw CheckpointError(source + " has no training state in its metadata");
+  }
+  data.state = json::parse(state_text->second);
+  return load_checkpoint_data(model, data, source);
+}
+
 TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointData& data,
                                    const fs::path& where) {
-  checkpoint::load_model_state(model.module(), data.model);
+  checkpoint::load_model_state(model.module(), data.model, where.string());
   // Every replica's optimizer: fit() re-syncs the replicas' weights, not their optimizer state.
   for (auto* optimizer : model.optimizers()) {
     checkpoint::load_optimizer_state(*optimizer, data.optimizer);

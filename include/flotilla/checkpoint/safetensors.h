@@ -28,4 +28,10 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
 // file and the problem.
 SafetensorsFile load_safetensors(const std::filesystem::path& path);
 
+// The same format in memory (a state sent over the network): the bytes save_safetensors
+// writes, and their reader, whose errors name `source`.
+std::string encode_safetensors(const NamedTensors& tensors,
+                               const std::map<std::string, std::string>& metadata = {});
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source);
+
 } // namespace flotilla::checkpoint

@@ -55,5 +55,8 @@ class PendingAgreement {
 std::vector<at::Tensor> all_gather_uneven(Communicator& comm, const at::Tensor& mine);
 // The same for text (the start-up check's fields, ...).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
+// Rank `root`'s bytes, on every rank (two broadcasts: the length, then the bytes); `mine` is
+// read on the root only.
+std::string broadcast_string(Communicator& comm, const std::string& mine, int root);
 
 } // namespace flotilla::collective

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/collective/communicator.h"
 #include "flotilla/data/dataset.h"
 
 namespace flotilla::train {
@@ -42,5 +43,15 @@ checkpoint::CheckpointData checkpoint_data(Model& model);
 // generator's state; returns the training state for Model::restore_training_state.
 TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointData& data,
                                    const std::filesystem::path& where);
+
+// Elastic healing: rank `donor`'s whole training state sent over the network to every other
+// rank of `comm` and loaded there, as a worker that rejoins gets it from a live peer instead of
+// from disk: the weights and buffers (the donor's own, not mirrored: that would be a
+// collective), the optimizer state, the CPU generator, and `state` (updates, epoch, step, loss
+// scale, the input's position), as one safetensors message. Collective: every rank calls it;
+// `state` is read on the donor only. Returns the donor's `state` on every rank (pass it to
+// Model::restore_training_state). CheckpointError when a receiver's model does not match.
+TrainingState share_training_state(Model& model, collective::Communicator& comm, int donor,
+                                   const TrainingState& state);
 
 } // namespace flotilla::train

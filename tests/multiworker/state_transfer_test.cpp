@@ -1,0 +1,115 @@
+// Elastic healing's state transfer: a worker that rejoins gets the whole training state from a
+// live peer over the network (share_training_state), not from disk.
+#include <gtest/gtest.h>
+
+#include <torch/nn.h>
+
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/error.h"
+#include "flotilla/train/model.h"
+#include "flotilla/train/training_state.h"
+#include "support/ranks.h"
+
+namespace flotilla {
+namespace {
+
+namespace nn = torch::nn;
+using testing::run_ranks;
+using testing::thread_cluster;
+
+nn::Sequential net(std::uint64_t seed, int hidden = 16) {
+  torch::manual_seed(seed);
+  return nn::Sequential(nn::Linear(8, hidden), nn::ReLU(), nn::Linear(hidden, 3));
+}
+
+train::CompileOptions adam() {
+  train::CompileOptions options;
+  options.optimizer = train::OptimizerOptions::adam(0.01);
+  options.loss_scale = train::LossScaleOptions{};
+  return options;
+}
+
+TEST(StateTransfer, AJoinerGetsWeightsOptimizerStateAndPositionBitForBitFromALivePeer) {
+  // The donor trains 5 steps alone (Adam's moments and step count exist); the joiner is a fresh
+  // model from another seed whose optimizer has never stepped.
+  auto solo = collective::Communicator::local_group(1);
+  strategy::Strategy donor_strategy(thread_cluster(0, 1), solo[0]);
+  auto donor_net = donor_strategy.scope([] { return net(1); });
+  train::Model donor(donor_strategy, donor_net);
+  donor.compile(adam());
+  torch::manual_seed(5);
+  const auto x = torch::randn({40, 8});
+  const auto y = torch::randint(0, 3, {40});
+  train::FitOptions fit;
+  fit.verbose = train::Verbosity::kSilent;
+  donor.fit(data::Dataset::from_tensor_slices({x, y}).batch(8), fit);
+  train::TrainingState sent = donor.training_state();
+  sent.epoch = 3;
+  sent.step_in_epoch = 2;
+  sent.iterator = data::IteratorState{4, 2, "batch(8)<-slices"};
+  ASSERT_EQ(sent.iterations, 5);
+  ASSERT_GT(sent.loss_scale, 0);
+
+  auto joiner_net = donor_strategy.scope([] { return net(2); });
+  train::Model joiner(donor_strategy, joiner_net);
+  joiner.compile(adam());
+  ASSERT_FALSE(torch::equal(joiner_net->parameters()[0], donor_net->parameters()[0]));
+
+  train::TrainingState received;
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    if (rank == 0) {
+      train::share_training_state(donor, comm, 0, sent);
+    } else {
+      received = train::share_training_state(joiner, comm, 0, {});
+    }
+  });
+  const auto a = checkpoint::model_state(*donor_net);
+  const auto b = checkpoint::model_state(*joiner_net);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+  }
+  const auto sa = checkpoint::optimizer_state(donor.optimizer());
+  const auto sb = checkpoint::optimizer_state(joiner.optimizer());
+  ASSERT_EQ(sa.size(), sb.size());
+  ASSERT_GT(sa.size(), 0u);
+  for (std::size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_EQ(sa[i].first, sb[i].first);
+    EXPECT_TRUE(torch::equal(sa[i].second, sb[i].second)) << sa[i].first;
+  }
+  EXPECT_EQ(received.iterations, 5);
+  EXPECT_EQ(received.epoch, 3);
+  EXPECT_EQ(received.step_in_epoch, 2);
+  ASSERT_TRUE(received.iterator);
+  EXPECT_EQ(received.iterator->iteration, 4);
+  EXPECT_EQ(received.iterator->produced, 2);
+  EXPECT_EQ(received.iterator->fingerprint, "batch(8)<-slices");
+  EXPECT_EQ(received.loss_scale, sent.loss_scale);
+  EXPECT_EQ(received.loss_scale_good_steps, sent.loss_scale_good_steps);
+  joiner.restore_training_state(received);
+  EXPECT_EQ(joiner.iterations(), 5);
+  EXPECT_EQ(joiner.training_state().loss_scale, sent.loss_scale);
+
+  // A joiner whose model differs is told which tensor, and where it came from.
+  auto other_net = donor_strategy.scope([] { return net(3, 32); });
+  train::Model other(donor_strategy, other_net);
+  other.compile(adam());
+  std::string error;
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    if (rank == 0) {
+      train::share_training_state(donor, comm, 0, sent);
+      return;
+    }
+    try {
+      train::share_training_state(other, comm, 0, {});
+    } catch (const CheckpointError& e) {
+      error = e.what();
+    }
+  });
+  EXPECT_NE(error.find("the training state from rank 0"), std::string::npos) << error;
+}
+
+} // namespace
+} // namespace flotilla
