@@ -350,6 +350,14 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
       0, true);
 }
 
+DistributedDataset DistributedDataset::redistribute(const strategy::InputContext& context) const {
+  if (sharding() == "from a function") {
+    throw ConfigError("a dataset each worker builds for itself (distribute_datasets_from_function) "
+                      "cannot be split anew among other workers; use distribute_dataset");
+  }
+  return distribute_dataset(original_, context);
+}
+
 DistributedDataset
 distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
                                   const strategy::InputContext& context) {

@@ -8,6 +8,7 @@
 
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/collective/agreement.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 
 namespace flotilla::strategy {
@@ -180,12 +181,30 @@ Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator commun
                    int replicas_per_worker)
     : Strategy(std::move(cluster), std::move(communicator), cpu_replicas(replicas_per_worker)) {}
 
+Strategy::Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
+                   std::vector<torch::Device> devices)
+    : Strategy(std::move(cluster), group->communicator(), std::move(devices)) {
+  if (devices_.size() != 1) {
+    throw ConfigError("an elastic group runs one replica per worker for now; saw " +
+                      std::to_string(devices_.size()) + " (start one worker per device instead)");
+  }
+  joining_ = group->generation() > 0; // generation 0 is the whole cluster starting together
+  elastic_ = std::move(group);
+}
+
+void Strategy::adopt_generation() {
+  communicator_ = elastic_->communicator();
+  log_ = Logger(communicator_.rank(), communicator_.size());
+}
+
 InputContext Strategy::input_context() const {
-  return InputContext{num_workers(), worker_index(), num_replicas_in_sync()};
+  InputContext context{num_workers(), worker_index(), num_replicas_in_sync()};
+  context.uneven_split = elastic_ != nullptr; // the global batch stays when the members change
+  return context;
 }
 
 void Strategy::mirror(torch::nn::Module& module) {
-  if (communicator_.size() == 1) return;
+  if (communicator_.size() == 1 || joining_) return;
   torch::NoGradGuard no_grad;
   // One flat broadcast per (dtype, device) instead of one per tensor.
   std::map<std::pair<int, std::string>, std::vector<torch::Tensor>> groups;
@@ -308,11 +327,20 @@ collective::Communicator connect_with(const cluster::ClusterSpec& cluster,
   check_devices(devices);
   return collective::Communicator::connect(cluster, options);
 }
+
+std::shared_ptr<collective::ElasticGroup> join_with(const cluster::ClusterSpec& cluster,
+                                                    const collective::CommunicationOptions& options,
+                                                    const std::vector<torch::Device>& devices) {
+  check_devices(devices);
+  return collective::ElasticGroup::join(cluster, options);
+}
 } // namespace
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
     std::vector<torch::Device> devices)
-    : Strategy(cluster, connect_with(cluster, options, devices), devices) {}
+    : Strategy(options.elastic
+                   ? Strategy(cluster, join_with(cluster, options, devices), devices)
+                   : Strategy(cluster, connect_with(cluster, options, devices), devices)) {}
 
 } // namespace flotilla::strategy

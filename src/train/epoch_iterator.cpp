@@ -7,12 +7,12 @@ namespace flotilla::train::detail {
 
 EpochIterator::EpochIterator(const data::DistributedDataset& data,
                              std::optional<std::int64_t> steps_per_epoch,
-                             collective::Communicator& workers)
-    : data_(data), steps_per_epoch_(steps_per_epoch), workers_(workers) {
+                             collective::Communicator& workers, bool agree)
+    : data_(&data), steps_per_epoch_(steps_per_epoch), workers_(workers) {
   const std::int64_t known = data.cardinality();
   // Equal on every worker: a known length, or endless (repeat()) everywhere.
-  agreed_ =
-      collective::same_value(workers, known) && (known >= 0 || known == data::kInfiniteCardinality);
+  agreed_ = (!agree || collective::same_value(workers, known)) &&
+            (known >= 0 || known == data::kInfiniteCardinality);
   if (agreed_ && known == data::kInfiniteCardinality && !steps_per_epoch) {
     throw ConfigError("the training dataset is endless (repeat() without a count), so an epoch "
                       "would never end; set FitOptions::steps_per_epoch");
@@ -21,7 +21,7 @@ EpochIterator::EpochIterator(const data::DistributedDataset& data,
 }
 
 void EpochIterator::begin_epoch(bool first) {
-  if (!pass_ || (!steps_per_epoch_ && !first)) pass_.emplace(data_.make_iterator());
+  if (!pass_ || (!steps_per_epoch_ && !first)) pass_.emplace(data_->make_iterator());
 }
 
 std::optional<data::ReplicaBatch> EpochIterator::next() {

@@ -20,14 +20,27 @@ class EpochIterator {
  public:
   // Agrees with the other workers on the pass length: a collective, as the first thing fit does.
   // ConfigError for an endless input without steps_per_epoch.
+  // `agree` false: a worker joining a running elastic group, whose peers are mid-fit, trusts
+  // its own pass length (DATA sharding: the same on every worker) instead of asking.
   EpochIterator(const data::DistributedDataset& data, std::optional<std::int64_t> steps_per_epoch,
-                collective::Communicator& workers);
+                collective::Communicator& workers, bool agree = true);
 
   // Steps in every epoch, when known in advance (Keras's params["steps"]); 0 otherwise.
   std::int64_t known_steps() const { return known_steps_; }
   // The first epoch continues the pass saved at `position` (a backup's).
   void resume_at(const data::IteratorState& position) {
-    pass_.emplace(data_.make_iterator(position));
+    pass_.emplace(data_->make_iterator(position));
+  }
+  // Elastic: the pass continues at `position` on `data` (the input distributed anew for the
+  // group's new membership; it must outlive this iterator or the next rebind).
+  void rebind(const data::DistributedDataset& data, const data::IteratorState& position) {
+    data_ = &data;
+    pass_.emplace(data.make_iterator(position));
+  }
+  // The pass's position exactly as it stands (no epoch-end adjustment); nullopt before it.
+  std::optional<data::IteratorState> raw_position() const {
+    if (!pass_) return std::nullopt;
+    return pass_->save();
   }
   // Before each epoch: a new pass unless one continues (see above).
   void begin_epoch(bool first);
@@ -50,7 +63,7 @@ class EpochIterator {
   std::optional<data::IteratorState> position(std::int64_t step_in_epoch) const;
 
  private:
-  const data::DistributedDataset& data_;
+  const data::DistributedDataset* data_;
   std::optional<std::int64_t> steps_per_epoch_;
   collective::Communicator& workers_;
   bool agreed_ = false; // every worker knows the same pass length: no vote per step

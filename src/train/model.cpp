@@ -12,8 +12,10 @@
 
 #include "flotilla/base/system.h"
 #include "flotilla/collective/agreement.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
+#include "flotilla/train/checkpoint_callbacks.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "train/captured_step.h"
 #include "train/epoch_iterator.h"
@@ -240,8 +242,7 @@ void Model::compile(const CompileOptions& options) {
   replicas_ = std::make_unique<detail::ReplicaSet>(strategy_.devices(), Replica{module_, forward_},
                                                    clone_, options.optimizer);
   // Each replica's SyncBatchNorm layers meet the others through its own context.
-  replica_contexts_ =
-      strategy::make_replica_contexts(strategy_.communicator(), replicas_->size());
+  replica_contexts_ = strategy::make_replica_contexts(strategy_.communicator(), replicas_->size());
   for (int r = 0; r < replicas_->size(); ++r) {
     const int layers = bind_sync_batchnorm(replicas_->module(r), replica_contexts_[r]);
     if (r == 0) sync_batchnorm_layers_ = layers; // the replicas are copies: the same count
@@ -319,8 +320,14 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   require_compiled("fit");
   check_fit_options(options);
   CallbackList callbacks(options.callbacks, options.verbose);
-  check_consistency(train, options, callbacks);
-  detail::EpochIterator input(train, options.steps_per_epoch, strategy_.communicator());
+  const bool elastic = strategy_.elastic() != nullptr;
+  if (elastic) check_elastic(train, options);
+  // A worker joining a running elastic group makes none of the start-up agreements: its peers
+  // are mid-fit. It gets their state below instead.
+  const bool joining = strategy_.joining();
+  if (!joining) check_consistency(train, options, callbacks);
+  detail::EpochIterator input(train, options.steps_per_epoch, strategy_.communicator(), !joining);
+  fit_input_ = &train;
   // Every worker has just left the same collective: the timelines' common zero.
   timer_->set_origin(base::Clock::now());
   std::optional<data::DistributedDataset> validation;
@@ -342,6 +349,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     Model& model;
     ~EndOfFit() {
       model.input_ = nullptr;
+      model.fit_input_ = nullptr;
+      model.elastic_input_.reset();
       model.timer_->end_fit();
     }
   } end_of_fit{*this};
@@ -350,6 +359,24 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   callbacks.on_train_begin(); // BackupAndRestore may set resume_ here
   timer_->begin_fit(replicas_->device(0).is_cuda());
   replicas_->copy_first_to_others();
+  if (joining) {
+    // The group admitted this worker at a step boundary: the state comes from a live peer's
+    // memory (weights, optimizer state, generator, updates, epoch, step, input position), and
+    // the fit resumes there as from a backup. A member leaving meanwhile: regroup and ask again.
+    for (;;) {
+      try {
+        restore_training_state(exchange_state(/*fresh=*/true, {}));
+        break;
+      } catch (const Error& e) {
+        if (!dynamic_cast<const CommError*>(&e)) throw;
+        strategy_.elastic()->regroup();
+        strategy_.adopt_generation();
+        reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
+      }
+    }
+    strategy_.finish_joining();
+    replicas_->copy_first_to_others();
+  }
   int first_epoch = options.initial_epoch; // 0-based
   std::int64_t resume_step = 0;
   if (resume_) {
@@ -423,12 +450,15 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   const int accumulation = options_->gradient_accumulation_steps;
   const auto comm_before = reducer_->stats();
   const auto start = base::Clock::now();
-  while (input.wants_step(step_in_epoch_)) {
+  collective::ElasticGroup* const group = strategy_.elastic();
+  if (group) committed_ = committed_state(input);
+  // One step; false where the epoch ends.
+  const auto step = [&]() -> bool {
     timer_->start_step(epoch, step_in_epoch_);
     std::optional<data::ReplicaBatch> batch = input.next();
     if (!batch) {
       timer_->cancel_step(); // no step: the pass's end is not a step's input wait
-      break;
+      return false;
     }
     timer_->mark(Phase::kInput);
     if (sync_batchnorm_layers_ > 0 && input.shapeless_empty_batch_anywhere()) {
@@ -450,6 +480,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     }
     ++steps;
     ++step_in_epoch_;
+    if (group) committed_ = committed_state(input);
     // Batch callbacks every steps_per_execution steps and at the end of a fixed-length epoch.
     bool batch_ended = false;
     if (step_in_epoch_ % every == 0 ||
@@ -469,8 +500,33 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     if (vote && vote->at_step_boundary() && step_in_epoch_ % accumulation == 0 && !epoch_last) {
       preempt(callbacks);
     }
+    if (group && collective::any_true(strategy_.communicator(), group->waiting() > 0) &&
+        group->admit()) {
+      // Restarted workers wait to be admitted: all members take them in at this boundary.
+      on_generation(input);
+    }
     timer_->end_step();
-    if (batch_ended && stop_training) break;
+    return !(batch_ended && stop_training);
+  };
+  while (input.wants_step(step_in_epoch_)) {
+    if (!group) {
+      if (!step()) break;
+      continue;
+    }
+    try {
+      if (!step()) break;
+    } catch (const ConfigError&) {
+      throw; // the same on every worker, or this worker's own bad input: not a departure
+    } catch (const DataError&) {
+      throw;
+    } catch (const CheckpointError&) {
+      throw;
+    } catch (const Preempted&) {
+      throw;
+    } catch (const std::exception& e) {
+      timer_->cancel_step();
+      heal(e, input);
+    }
   }
   // The steps' all-reduce time, without the partial accumulation's below (in no step).
   const double comm_in_steps = reducer_->stats().comm_seconds - comm_before.comm_seconds;
@@ -525,6 +581,86 @@ void Model::preempt(CallbackList& callbacks) {
                       (where.empty() ? std::string() : " in " + where) +
                       "; start the same job again to resume from there",
                   state.iterations);
+}
+
+void Model::check_elastic(const data::DistributedDataset& train, const FitOptions& options) const {
+  const auto refuse = [](const std::string& what) {
+    throw ConfigError("elastic mode (CommunicationOptions::elastic) cannot heal a fit with " +
+                      what + " yet; leave it out, or train without elastic mode");
+  };
+  if (captured_) refuse("jit_compile's captured steps");
+  if (options_->gradient_accumulation_steps > 1) refuse("gradient_accumulation_steps > 1");
+  if (sync_batchnorm_layers_ > 0) refuse("SyncBatchNorm layers");
+  for (const auto& callback : options.callbacks) {
+    if (std::dynamic_pointer_cast<BackupAndRestore>(callback) ||
+        std::dynamic_pointer_cast<ModelCheckpoint>(callback)) {
+      refuse("BackupAndRestore or ModelCheckpoint (their saves are collectives a rejoining "
+             "worker cannot join mid-fit)");
+    }
+  }
+  if (!train.input_context().uneven_split && train.sharding() != "one replica") {
+    throw ConfigError("elastic mode splits every global batch anew among the workers it has: "
+                      "distribute the dataset with the strategy's input_context() (DATA "
+                      "sharding; saw " +
+                      train.sharding() + ")");
+  }
+}
+
+TrainingState Model::committed_state(const detail::EpochIterator& input) const {
+  TrainingState state = training_state();
+  state.iterator = input.raw_position();
+  return state;
+}
+
+TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
+  collective::Communicator& comm = strategy_.communicator();
+  const collective::Agreement holders = collective::agree(
+      comm, fresh, fresh ? std::numeric_limits<std::int64_t>::max() : comm.rank());
+  if (holders.all) {
+    throw CommError("every member of the elastic group is a restarted worker, so no training "
+                    "state is left in memory; restart the job (BackupAndRestore resumes it)");
+  }
+  const int donor = static_cast<int>(holders.min);
+  return share_training_state(*this, comm, donor, mine);
+}
+
+void Model::on_generation(detail::EpochIterator& input) {
+  strategy_.adopt_generation();
+  reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
+  const TrainingState state = exchange_state(/*fresh=*/false, committed_);
+  if (state.epoch != epoch_index_ || !state.iterator) {
+    throw CommError("the elastic group's state is at epoch " + std::to_string(state.epoch + 1) +
+                    " and this worker at epoch " + std::to_string(epoch_index_ + 1) +
+                    "; a change of membership across an epoch's end is not healed yet");
+  }
+  iterations_ = state.iterations;
+  step_in_epoch_ = state.step_in_epoch;
+  if (loss_scale_ && state.loss_scale > 0) {
+    loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
+  }
+  replicas_->copy_first_to_others();
+  elastic_input_ = std::make_unique<data::DistributedDataset>(
+      fit_input_->redistribute(strategy_.input_context()));
+  input.rebind(*elastic_input_, *state.iterator);
+  committed_ = state;
+  if (strategy_.is_chief()) {
+    const auto* group = strategy_.elastic();
+    strategy_.log().info("elastic: generation " + std::to_string(group->generation()) + " with " +
+                         std::to_string(strategy_.num_workers()) + " workers (" + group->reason() +
+                         "); training goes on at update " + std::to_string(iterations_) +
+                         ", step " + std::to_string(step_in_epoch_ + 1) + " of epoch " +
+                         std::to_string(epoch_index_ + 1));
+  }
+}
+
+void Model::heal(const std::exception& failure, detail::EpochIterator& input) {
+  const std::string what = failure.what();
+  try {
+    strategy_.elastic()->regroup();
+  } catch (const TimeoutError& e) {
+    throw CommError(what + " (" + e.what() + ")");
+  }
+  on_generation(input);
 }
 
 void Model::check_consistency(const data::DistributedDataset& train, const FitOptions& options,

@@ -64,6 +64,10 @@ class DistributedDataset {
   bool same_steps_on_every_worker() const { return same_steps_; }
   // The pipeline this worker runs.
   const Dataset& per_worker() const { return per_worker_; }
+  // The same dataset distributed anew for another membership (an elastic group after a worker
+  // left or joined): distribute_dataset(the user's dataset, context). A pass saved from any
+  // distribution of it resumes on this one (make_iterator(state)).
+  DistributedDataset redistribute(const strategy::InputContext& context) const;
 
  private:
   friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);

@@ -25,6 +25,10 @@
 #include "flotilla/strategy/gradient_reducer.h"
 #include "flotilla/strategy/input_context.h"
 
+namespace flotilla::collective {
+class ElasticGroup;
+} // namespace flotilla::collective
+
 namespace flotilla::strategy {
 
 using collective::ReduceOp;
@@ -88,6 +92,18 @@ class Strategy {
   std::unique_ptr<GradientReducer>
   make_gradient_reducer(const std::vector<std::shared_ptr<torch::nn::Module>>& replicas);
 
+  // Elastic mode (CommunicationOptions::elastic): this worker's membership, generation by
+  // generation; null otherwise.
+  collective::ElasticGroup* elastic() const { return elastic_.get(); }
+  // A worker that joined a group already training (restarted after a failure): it gets the
+  // weights and the rest of the training state from a live peer when fit starts, so scope()
+  // does not mirror and fit makes none of its start-up agreements.
+  bool joining() const { return joining_; }
+  void finish_joining() { joining_ = false; }
+  // After the membership changed (ElasticGroup::regroup or admit): the current generation's
+  // group becomes this strategy's communicator; ranks, sizes and the chief follow it.
+  void adopt_generation();
+
   // The start-up consistency check: every worker passes the same named fields (parameter
   // shapes, bucket plan, batch, versions...); if any worker's value differs from the chief's,
   // every worker throws the same ConfigError listing each difference with the worker and both
@@ -105,6 +121,16 @@ class Strategy {
   collective::Communicator communicator_;
   std::vector<torch::Device> devices_;
   Logger log_;
+
+ public:
+  // An elastic group's strategy (MultiWorkerMirroredStrategy with CommunicationOptions::elastic
+  // builds it): one replica, on `devices`' only entry.
+  Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
+           std::vector<torch::Device> devices);
+
+ private:
+  std::shared_ptr<collective::ElasticGroup> elastic_;
+  bool joining_ = false;
 };
 
 // One worker, this machine: a replica on each of `devices`, reduced locally.
@@ -117,7 +143,10 @@ class MirroredStrategy : public Strategy {
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
-// Each worker runs a replica on each of its devices.
+// Each worker runs a replica on each of its devices. With CommunicationOptions::elastic the
+// workers join an elastic group instead (collective/elastic.h: a rendezvous outside the
+// workers, FLOTILLA_RENDEZVOUS), one replica each, and Model::fit heals: a worker that fails
+// is dropped and the others go on; a restarted one rejoins from a live peer's memory.
 class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,

@@ -235,6 +235,21 @@ class Model {
                     CallbackList& callbacks);
   // Every worker agreed to stop for preemption: the callbacks save, then Preempted.
   [[noreturn]] void preempt(CallbackList& callbacks);
+  // Elastic (see strategy.h): what fit cannot heal yet, refused by name.
+  void check_elastic(const data::DistributedDataset& train, const FitOptions& options) const;
+  // Where the last committed step left this worker: updates, epoch, step and the input's exact
+  // position (taken right after each optimizer update, so it always matches the weights).
+  TrainingState committed_state(const detail::EpochIterator& input) const;
+  // Every member after a change of membership: the lowest-ranked member that holds a state
+  // (`fresh` false) sends it, weights and optimizer state included, and the others load it.
+  TrainingState exchange_state(bool fresh, const TrainingState& mine);
+  // After regroup() or admit(): the new group's communicator, a fresh gradient engine (the old
+  // one's buffers may still be on an abandoned group's wire), one state for all, and the input
+  // split anew among the members from the committed position.
+  void on_generation(detail::EpochIterator& input);
+  // A step failed under elastic mode: waits for the group to form without the departed member
+  // and heals (on_generation); rethrows `failure` when no member left.
+  void heal(const std::exception& failure, detail::EpochIterator& input);
   // Runs one batch on every replica and applies the update when due; returns the batch's sums:
   // per-example loss, each metric and the example count summed (float64, on the device).
   torch::Tensor train_step(const data::ReplicaBatch& batch, int& micro);
@@ -259,7 +274,7 @@ class Model {
   std::unique_ptr<strategy::GradientReducer> reducer_;
   std::unique_ptr<detail::CapturedStep> captured_;
   std::vector<strategy::ReplicaContext> replica_contexts_; // one per replica (SyncBatchNorm)
-  int sync_batchnorm_layers_ = 0;                         // per replica
+  int sync_batchnorm_layers_ = 0;                          // per replica
   bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored
   std::vector<Metric> metrics_;
   Policy policy_ = Policy::kFloat32;
@@ -274,6 +289,11 @@ class Model {
   bool last_step_finite_ = true;
   std::atomic<bool> preemption_requested_{false};
   std::unique_ptr<detail::StepTimer> timer_;
+  // Elastic: the fit's input as given (every redistribution starts from it), the current
+  // redistribution, and the last committed state.
+  const data::DistributedDataset* fit_input_ = nullptr;
+  std::unique_ptr<data::DistributedDataset> elastic_input_;
+  TrainingState committed_;
 };
 
 } // namespace flotilla::train

@@ -1,0 +1,134 @@
+// A training process for the elastic exactness test: Model::fit on a deterministic pipeline,
+// in an elastic group (FLOTILLA_RENDEZVOUS, under flotilla launch --elastic) or alone
+// (--reference). Each row carries its sample id as a last feature, which the pipeline's map
+// strips and records; a callback writes the ids of every committed step to this process's
+// ledger (<out>/ledger-<pid>.txt: "epoch id id ..." per step), so the ledgers of every
+// process, the killed one's included, count each sample's training. At the end each process
+// writes its weights to <out>/weights-<slot>.safetensors.
+// Flags: --out DIR; --epochs N; --sleep-ms MS (per step, so a restarted worker can rejoin
+// mid-fit); --signal-slot S --signal-at K --signal-once FILE (slot S SIGKILLs itself before
+// global step K, once); --reference (one worker, no elastic group).
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/cluster/cluster_token.h"
+#include "flotilla/cluster/resolvers.h"
+#include "flotilla/collective/elastic.h"
+#include "flotilla/error.h"
+#include "flotilla/train/callback.h"
+#include "flotilla/train/model.h"
+
+using namespace flotilla;
+
+namespace {
+
+std::vector<std::int64_t> pending; // the ids of the batch pulled last (the map runs at the pull)
+
+class Ledger : public train::Callback {
+ public:
+  Ledger(std::string path, int sleep_ms, int signal_at, int* step)
+      : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), step_(step) {}
+  void on_train_batch_begin(std::int64_t) override {
+    if (*step_ == signal_at_) ::raise(SIGKILL);
+  }
+  void on_train_batch_end(std::int64_t, const train::Logs&) override {
+    out_ << model().current_epoch();
+    for (auto id : pending) out_ << ' ' << id;
+    out_ << std::endl; // flushed: a killed process's committed steps stay counted
+    ++*step_;
+    std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms_));
+  }
+
+ private:
+  std::ofstream out_;
+  int sleep_ms_, signal_at_;
+  int* step_;
+};
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::string out = ".", signal_once;
+  int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1;
+  bool reference = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--reference") {
+      reference = true;
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    const std::string value = argv[++i];
+    if (flag == "--out") out = value;
+    if (flag == "--epochs") epochs = std::stoi(value);
+    if (flag == "--sleep-ms") sleep_ms = std::stoi(value);
+    if (flag == "--signal-slot") signal_slot = std::stoi(value);
+    if (flag == "--signal-at") signal_at = std::stoi(value);
+    if (flag == "--signal-once") signal_once = value;
+  }
+  try {
+    at::set_num_threads(1);
+    const auto env = cluster::Environment::from_process();
+    collective::CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.heartbeat_interval = std::chrono::milliseconds(200);
+    options.heartbeat_timeout = std::chrono::seconds(2);
+    options.elastic = !reference;
+    options.cluster_token = cluster::cluster_token(env);
+    const auto spec = reference ? cluster::single_worker() : cluster::resolve_cluster(env);
+    strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1);
+    const int slot = reference ? 0 : strategy.elastic()->slot();
+    if (slot != signal_slot) signal_at = -1;
+    if (signal_at >= 0 && !signal_once.empty()) {
+      if (std::ifstream(signal_once).good()) {
+        signal_at = -1;
+      } else {
+        std::ofstream(signal_once) << "signalled\n";
+      }
+    }
+    auto net = strategy.scope([] {
+      torch::manual_seed(7);
+      return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                                   torch::nn::Linear(16, 3));
+    });
+    train::Model model(strategy, net);
+    train::CompileOptions compile;
+    compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+    model.compile(compile);
+    // 240 rows, 4 epochs of 10 global batches of 24; the order reshuffled every epoch.
+    torch::manual_seed(11);
+    const auto x = torch::randn({240, 8});
+    const auto y = torch::randint(0, 3, {240});
+    const auto ids = torch::arange(240, torch::kFloat32).unsqueeze(1);
+    const auto dataset =
+        data::Dataset::from_tensor_slices({torch::cat({x, ids}, 1), y})
+            .shuffle(240, 5)
+            .batch(24)
+            .map([](data::Element e) {
+              const auto id = e[0].select(1, 8).to(torch::kInt64).contiguous();
+              pending.assign(id.data_ptr<std::int64_t>(), id.data_ptr<std::int64_t>() + id.numel());
+              return data::Element{e[0].narrow(1, 0, 8).contiguous(), e[1]};
+            });
+    int step = 0;
+    train::FitOptions fit;
+    fit.epochs = epochs;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks.push_back(std::make_shared<Ledger>(
+        out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms, signal_at, &step));
+    model.fit(dataset, fit);
+    checkpoint::save_safetensors(out + "/weights-" + std::to_string(slot) + ".safetensors",
+                                 checkpoint::model_state(*net));
+    std::cout << "slot " << slot << " pid " << ::getpid() << " finished at update "
+              << model.iterations() << " with " << strategy.num_workers() << " workers"
+              << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return exit_code(e);
+  }
+}
