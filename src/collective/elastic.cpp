@@ -261,11 +261,20 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
     }
     const std::uint64_t newest = impl->latest().value_or(next);
     const Record record = impl->record(newest);
-    if (std::find(record.slots.begin(), record.slots.end(), spec.rank) != record.slots.end()) {
-      impl->adopt(newest, record, /*abandon=*/false);
-      break;
-    }
     next = newest + 1;
+    if (std::find(record.slots.begin(), record.slots.end(), spec.rank) == record.slots.end()) {
+      continue;
+    }
+    try {
+      impl->adopt(newest, record, /*abandon=*/true);
+      break;
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::exception& e) {
+      // A member left while this generation connected: the next one will have this worker too.
+      impl->log.warn("generation " + std::to_string(newest) + " could not connect (" + e.what() +
+                     "); waiting for the next one");
+    }
   }
   return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(impl)));
 }

@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <vector>
@@ -210,6 +212,18 @@ struct RendezvousServer::Impl {
 
   static Bytes bytes_of(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
+  // N for a key under "flotilla/g<N>/" (a generation's backends), nullopt otherwise.
+  std::optional<std::uint64_t> generation_of(const std::string& key) const {
+    if (!config.elastic || key.rfind("flotilla/g", 0) != 0) return std::nullopt;
+    std::uint64_t g = 0;
+    std::size_t i = 10;
+    for (; i < key.size() && i < 30 && std::isdigit(static_cast<unsigned char>(key[i])); ++i) {
+      g = g * 10 + static_cast<std::uint64_t>(key[i] - '0');
+    }
+    if (i == 10 || i >= key.size() || key[i] != '/') return std::nullopt;
+    return g;
+  }
+
   std::vector<int> slots_where(const std::function<bool(const RankState&)>& pick) const {
     std::vector<int> out;
     for (std::size_t r = 0; r < ranks.size(); ++r) {
@@ -378,6 +392,15 @@ struct RendezvousServer::Impl {
           waiter.keys = read_keys(in);
         }
         waiter.deadline = Clock::now() + std::chrono::milliseconds(in.u32());
+        for (const auto& key : waiter.keys) {
+          // A wait for a generation that has lost a member since (it came late) can never end.
+          if (const auto g = generation_of(key); g && *g < intact_from && !kv.contains({key})) {
+            reply_status(c, kFailed,
+                         "generation " + std::to_string(*g) +
+                             " lost a member: " + last_departure.second);
+            return;
+          }
+        }
         kv.wait(std::move(waiter));
         return;
       }

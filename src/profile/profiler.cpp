@@ -94,7 +94,11 @@ void Profiler::on_train_begin() {
   summary_.started = utc_now();
   // The timeline's gather is a collective: every worker must take part, or none.
   const bool mine = !options_.trace.empty();
-  const collective::Agreement tracing = collective::agree(model().strategy().communicator(), mine);
+  // A worker rejoining an elastic group mid-fit cannot ask (its peers are training): it was
+  // started with the same options as they were.
+  const collective::Agreement tracing =
+      model().strategy().joining() ? collective::Agreement{mine, mine}
+                                   : collective::agree(model().strategy().communicator(), mine);
   if (tracing.all != tracing.any) {
     throw ConfigError("the Profiler's trace path is set on some workers and not on others; give "
                       "every worker a ProfilerOptions::trace, or none: the timeline is gathered "
@@ -117,7 +121,8 @@ void Profiler::on_epoch_end(int epoch, train::EpochLogs& logs) {
 void Profiler::write_timeline() {
   auto& strategy = model().strategy();
   const auto all = collective::all_gather_uneven(
-      strategy.communicator(), torch::tensor(pack_traces(model().take_step_traces()), torch::kFloat64));
+      strategy.communicator(),
+      torch::tensor(pack_traces(model().take_step_traces()), torch::kFloat64));
   model().set_step_tracing(false);
   if (!is_chief()) return;
   std::vector<std::vector<train::StepTrace>> workers;

@@ -44,6 +44,10 @@ void TensorBoard::on_train_batch_end(std::int64_t batch, const Logs& logs) {
 }
 
 void TensorBoard::on_epoch_end(int epoch, EpochLogs& logs) {
+  // In an elastic group the chief can change mid-fit (the lowest surviving worker): the new one
+  // opens its own event files beside the old chief's, which TensorBoard reads together.
+  if (!writers_ && is_chief()) writers_ = std::make_unique<Writers>(options_.log_dir);
+  if (writers_ && !is_chief()) writers_.reset(); // a restarted slot 0 leads again
   if (!writers_) return;
   for (const auto& [key, value] : logs.values.items()) {
     if (key.rfind("val_", 0) == 0) {

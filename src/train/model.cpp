@@ -617,8 +617,8 @@ TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
   const collective::Agreement holders = collective::agree(
       comm, fresh, fresh ? std::numeric_limits<std::int64_t>::max() : comm.rank());
   if (holders.all) {
-    throw CommError("every member of the elastic group is a restarted worker, so no training "
-                    "state is left in memory; restart the job (BackupAndRestore resumes it)");
+    throw CommError("no member of the elastic group holds a training state (the others finished "
+                    "training or are gone, and this worker restarted too late to rejoin them)");
   }
   const int donor = static_cast<int>(holders.min);
   return share_training_state(*this, comm, donor, mine);

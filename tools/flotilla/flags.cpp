@@ -99,6 +99,8 @@ const std::vector<FlagFor>& flag_table() {
       {"CommunicationOptions::bytes_per_pack", "--bytes-per-pack"},
       {"CommunicationOptions::overlap", "--no-overlap", Form::kNegatedSwitch},
       {"CommunicationOptions::compression", "--compression"},
+      {"CommunicationOptions::elastic", "--elastic", Form::kSwitch},
+      {"CommunicationOptions::heartbeat_timeout", "--heartbeat-timeout"},
       {"CommunicationOptions::cluster_token", "--cluster-token-file"},
       {"cluster::cluster_token", "--cluster-token-file"},
       {"strategy::parse_devices", "--devices"},

@@ -22,7 +22,9 @@
 // the rendezvous itself (FLOTILLA_RENDEZVOUS in every worker's environment), so it outlives any
 // worker. A failed worker is started again alone, with its own TF_CONFIG, while restarts remain
 // (--max-restarts counts these); the others never stop, and admit it when it is back. Below
-// --min-workers, with nothing to restart, the rest are stopped with SIGTERM.
+// --min-workers, with nothing to restart, the rest are stopped with SIGTERM. The job succeeded
+// when the group finished training (a worker exited 0): a worker lost on the way is reported
+// in launch's lines, not in its exit code.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -647,6 +649,13 @@ Outcome Launcher::supervise() {
       } else {
         relay(*owners[k].first, owners[k].second, fds[k].fd);
       }
+    }
+  }
+  if (args_.elastic && !forwarded_) {
+    // The group finished training when any worker finished it (the members end together); a
+    // worker lost on the way, or restarted too late to rejoin, is in launch's lines above.
+    for (const auto& c : children_) {
+      if (c.index < args_.workers && c.exit_code == 0) return {kExitOk};
     }
   }
   if (failed_) {

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_token.h"
@@ -46,8 +46,8 @@ struct TrainArgs {
   std::int64_t batch_per_replica = 32;
   // The recipe: learning rate = base_lr x global batch / base_batch, warmed up, cosine-decayed.
   std::string optimizer = "sgd";
-  double lr = 0;          // > 0: this rate as given, no scaling
-  double base_lr = 0.02;  // per base_batch examples (SGD with momentum 0.9)
+  double lr = 0;         // > 0: this rate as given, no scaling
+  double base_lr = 0.02; // per base_batch examples (SGD with momentum 0.9)
   std::int64_t base_batch = 32;
   std::string lr_scaling = "linear";
   std::string schedule = "cosine";
@@ -74,12 +74,14 @@ struct TrainArgs {
   std::string trace;        // the timeline: Chrome trace-event JSON
   std::string report;       // the HTML report
   bool no_doctor = false;
-  std::string command;      // this process's argv, for the report
+  std::string command; // this process's argv, for the report
   double timeout_s = 300;
   std::string cluster_token_file; // "": FLOTILLA_CLUSTER_TOKEN(_FILE) or none
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
+  bool elastic = false;            // CommunicationOptions::elastic
+  double heartbeat_timeout_s = 10; // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
   std::string devices = "auto";
@@ -136,15 +138,17 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   if (a.precision == "auto") {
     r.policy = train::fastest_policy(device);
     if (device.is_cuda()) {
-      r.lines.push_back(r.policy == train::Policy::kMixedBFloat16
-                            ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
-                            : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
-                              "predates native bfloat16)");
+      r.lines.push_back(
+          r.policy == train::Policy::kMixedBFloat16
+              ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
+              : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
+                "predates native bfloat16)");
     } else {
-      r.lines.push_back(r.policy == train::Policy::kMixedBFloat16
-                            ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
-                            : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
-                              "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
+      r.lines.push_back(
+          r.policy == train::Policy::kMixedBFloat16
+              ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
+              : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
+                "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
     }
   } else {
     r.policy = train::parse_policy(a.precision);
@@ -156,8 +160,7 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
     std::snprintf(buf, sizeof buf, "learning rate: %g as given (--lr; no scaling)", a.lr);
   } else if (a.lr_scaling == "linear") {
     peak = train::linear_scaling(a.base_lr, global_batch, a.base_batch);
-    std::snprintf(buf, sizeof buf,
-                  "linear LR scaling: %g x %lld / %lld = %g", a.base_lr,
+    std::snprintf(buf, sizeof buf, "linear LR scaling: %g x %lld / %lld = %g", a.base_lr,
                   static_cast<long long>(global_batch), static_cast<long long>(a.base_batch), peak);
   } else {
     peak = a.base_lr;
@@ -176,8 +179,8 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   // Warmup + cosine decay over the whole run, per optimizer update.
   const std::int64_t total = steps_per_epoch * a.epochs / a.accumulation_steps;
   const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
-  const auto warmup = static_cast<std::int64_t>(warmup_epochs * static_cast<double>(total) /
-                                                a.epochs);
+  const auto warmup =
+      static_cast<std::int64_t>(warmup_epochs * static_cast<double>(total) / a.epochs);
   r.total_steps = total;
   if (a.schedule == "cosine") {
     r.warmup_steps = warmup;
@@ -197,8 +200,10 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
     }
     cosine.decay_steps = total - warmup;
     r.optimizer.schedule = std::make_shared<train::CosineDecay>(cosine);
-    std::snprintf(buf, sizeof buf, "schedule: %lld warmup step(s) (%g epoch(s)) to %g, then cosine "
-                  "decay over %lld step(s)", static_cast<long long>(warmup), warmup_epochs, peak,
+    std::snprintf(buf, sizeof buf,
+                  "schedule: %lld warmup step(s) (%g epoch(s)) to %g, then cosine "
+                  "decay over %lld step(s)",
+                  static_cast<long long>(warmup), warmup_epochs, peak,
                   static_cast<long long>(total - warmup));
   } else if (a.schedule == "constant") {
     std::snprintf(buf, sizeof buf, "schedule: constant %g", peak);
@@ -207,16 +212,16 @@ Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t s
   }
   r.lines.push_back(buf);
   r.lines.push_back(std::string("compiled step: ") +
-                    (!a.jit_compile        ? "off (--jit-compile captures the step in a CUDA graph)"
-                     : device.is_cuda()    ? "jit_compile requested: the step in a CUDA graph where "
-                                             "it applies (the jit_compile line says)"
-                                           : "jit_compile requested; on the CPU it has no effect"));
+                    (!a.jit_compile     ? "off (--jit-compile captures the step in a CUDA graph)"
+                     : device.is_cuda() ? "jit_compile requested: the step in a CUDA graph where "
+                                          "it applies (the jit_compile line says)"
+                                        : "jit_compile requested; on the CPU it has no effect"));
   r.lines.push_back("input pipeline: shuffle, batch, parallel map (AUTOTUNE), prefetch (AUTOTUNE)" +
                     std::string(a.cache != "none" ? ", cache" : "") +
                     std::string(device.is_cuda() ? ", prefetch_to_device (pinned)" : "") +
                     "; each worker prepares only its own slice");
-  r.lines.push_back("batch: " + std::to_string(a.batch_per_replica) +
-                    " per replica, global " + std::to_string(global_batch) +
+  r.lines.push_back("batch: " + std::to_string(a.batch_per_replica) + " per replica, global " +
+                    std::to_string(global_batch) +
                     " (the largest batch that fits is not searched for: set --batch-per-replica)");
   return r;
 }
@@ -265,6 +270,11 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
+  comm.elastic = a.elastic;
+  comm.heartbeat_timeout =
+      std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+  // At least four beats per timeout, so one late beat on a busy machine is not a failure.
+  comm.heartbeat_interval = std::min(comm.heartbeat_interval, comm.heartbeat_timeout / 4);
   return comm;
 }
 
@@ -282,7 +292,7 @@ void check_metrics_file(const std::string& path) {
 struct Sources {
   data::Dataset train;
   data::Dataset test;
-  data::MapFn decode;           // empty: the elements are images already
+  data::MapFn decode; // empty: the elements are images already
   std::int64_t classes = 10;
   std::vector<std::int64_t> shape = {1, 28, 28}; // an image's
 };
@@ -312,19 +322,22 @@ Sources image_folder_sources(const TrainArgs& a) {
   const bool split = a.validation_split > 0;
   const fs::path root(a.data_dir);
   if (split && fs::is_directory(root / "train") && fs::is_directory(root / "test")) {
-    throw ConfigError("--data-dir " + a.data_dir + " has train/ and test/ folders: it is split "
+    throw ConfigError("--data-dir " + a.data_dir +
+                      " has train/ and test/ folders: it is split "
                       "already (they would be two classes); drop --validation-split, or split "
-                      "one of them (--data-dir " + (root / "train").string() + ")");
+                      "one of them (--data-dir " +
+                      (root / "train").string() + ")");
   }
   if (!split && !(fs::is_directory(root / "train") && fs::is_directory(root / "test"))) {
-    throw ConfigError("--data-dir " + a.data_dir + " has no train/ and test/ folders; give a "
+    throw ConfigError("--data-dir " + a.data_dir +
+                      " has no train/ and test/ folders; give a "
                       "directory that has them, or split its class folders with "
                       "--validation-split");
   }
-  const data::ImageFolder train = split ? folder(a.data_dir, "training")
-                                        : folder((root / "train").string(), "");
-  const data::ImageFolder test = split ? folder(a.data_dir, "validation")
-                                       : folder((root / "test").string(), "");
+  const data::ImageFolder train =
+      split ? folder(a.data_dir, "training") : folder((root / "train").string(), "");
+  const data::ImageFolder test =
+      split ? folder(a.data_dir, "validation") : folder((root / "test").string(), "");
   if (test.class_names != train.class_names) {
     auto names = [](const std::vector<std::string>& v) {
       std::string out;
@@ -335,7 +348,10 @@ Sources image_folder_sources(const TrainArgs& a) {
                       names(train.class_names) + ") and test/ (" + names(test.class_names) +
                       ") differ; give both the same class folders");
   }
-  return {train.files, test.files, train.load, static_cast<std::int64_t>(train.class_names.size()),
+  return {train.files,
+          test.files,
+          train.load,
+          static_cast<std::int64_t>(train.class_names.size()),
           {o.color_mode == data::ColorMode::kRgb ? 3 : 1, o.image_size[0], o.image_size[1]}};
 }
 
@@ -343,7 +359,8 @@ Sources image_folder_sources(const TrainArgs& a) {
 Sources load_sources(const TrainArgs& a) {
   if (a.dataset == "image-folder") return image_folder_sources(a);
   return {data::fashion_mnist(a.data_dir, data::Split::kTrain),
-          data::fashion_mnist(a.data_dir, data::Split::kTest), {}};
+          data::fashion_mnist(a.data_dir, data::Split::kTest),
+          {}};
 }
 
 // Each worker's replica devices: --devices as given, or --replicas-per-worker of them; by
@@ -646,8 +663,10 @@ train::TorchScriptModule load_script_model(const TrainArgs& a, const Sources& so
 // The zoo's models take Fashion-MNIST's shape: say so before joining, not in the first step.
 void check_zoo_fits(const TrainArgs& a, const Sources& sources) {
   if (sources.shape == std::vector<std::int64_t>{1, 28, 28} && sources.classes <= 10) return;
-  throw ConfigError("--model " + a.model + " takes 1x28x28 images of up to 10 classes; the data "
-                    "has " + std::to_string(sources.classes) + " classes of " +
+  throw ConfigError("--model " + a.model +
+                    " takes 1x28x28 images of up to 10 classes; the data "
+                    "has " +
+                    std::to_string(sources.classes) + " classes of " +
                     std::to_string(sources.shape[0]) + "x" + std::to_string(sources.shape[1]) +
                     "x" + std::to_string(sources.shape[2]) +
                     " (--color-mode, --image-size): train a TorchScript module of your own "
@@ -737,7 +756,11 @@ int run(const TrainArgs& a) {
   const std::vector<torch::Device> devices = replica_devices(a, env);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
-  const std::int64_t global_batch = a.batch_per_replica * strategy.num_replicas_in_sync();
+  // Elastic: the global batch is the whole cluster's, whoever is in the group now, so the
+  // learning rate and the schedule stay as planned while workers come and go.
+  const std::int64_t global_batch =
+      a.batch_per_replica * (a.elastic ? spec.world_size * static_cast<int>(devices.size())
+                                       : strategy.num_replicas_in_sync());
   if (strategy.is_chief()) log_strategy(strategy, a, spec, devices, threads, global_batch);
   const Input input = input_pipeline(a, sources, strategy, devices.front(), threads, global_batch);
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
@@ -842,7 +865,9 @@ Command add_train(CLI::App& parent) {
   app->add_flag("--sync-batchnorm", args->sync_batchnorm,
                 "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
                 "and workers (train::convert_sync_batchnorm)");
-  app->add_flag("--jit-compile", args->jit_compile, "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
+  app->add_flag(
+      "--jit-compile", args->jit_compile,
+      "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
   app->add_option("--steps-per-execution", args->steps_per_execution,
                   "Steps between batch-level callbacks and progress updates")
       ->check(CLI::Range(1, 1 << 20))
@@ -892,6 +917,15 @@ Command add_train(CLI::App& parent) {
                   "File holding the cluster token (mode 600); the chief admits only tasks that "
                   "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
                   "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication)");
+  app->add_flag("--elastic", args->elastic,
+                "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
+                "rendezvous): a failed worker is dropped and the others go on with the same "
+                "global batch; a restarted one rejoins from a live peer's memory");
+  app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
+                  "Seconds of silence after which a worker counts as failed (stopped, hung, cut "
+                  "off)")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
   app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
       ->check(CLI::Range(0.1, 7 * 86400.0))
       ->capture_default_str();
