@@ -392,6 +392,52 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   }
 }
 
+// The CLI: flotilla train --elastic under launch --elastic, worker 1 SIGKILLed from outside
+// once training has started; the run ends with the chief's test result and exit 0.
+TEST(Launch, ElasticTrainGoesOnWhenAWorkerIsKilledMidFit) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  testing::Process launch({kCli,        "launch",
+                           "--elastic", "--workers",
+                           "3",         "--max-restarts",
+                           "1",         "--heartbeat-timeout",
+                           "3",         "--",
+                           "flotilla",  "train",
+                           "--elastic", "--heartbeat-timeout",
+                           "3",         "--model",
+                           "mlp",       "--epochs",
+                           "2",         "--steps-per-epoch",
+                           "150"});
+  ASSERT_TRUE([&] {
+    for (int i = 0; i < 3000; ++i) {
+      if (launch.output_so_far().find("Epoch 1/2") != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }()) << launch.output_so_far();
+  // Worker 1: the launcher's child whose LOCAL_RANK is 1.
+  pid_t victim = -1;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream stat(entry.path() / "stat");
+    std::string pid, name, state;
+    int ppid = 0;
+    if (!(stat >> pid >> name >> state >> ppid) || ppid != launch.pid()) continue;
+    std::ifstream environ(entry.path() / "environ");
+    const std::string vars((std::istreambuf_iterator<char>(environ)), {});
+    if (vars.find(std::string("LOCAL_RANK=1") + '\0') != std::string::npos) victim = std::stoi(pid);
+  }
+  ASSERT_GT(victim, 0);
+  ::kill(victim, SIGKILL);
+  const auto r = launch.wait(std::chrono::seconds(240));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 was killed by signal Killed; restarting it alone"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("elastic: generation 1 with 2 workers (slot 1 lost its connection"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.out.find("[worker 0] Test: loss: "), std::string::npos) << r.out;
+}
+
 TEST(Launch, UnknownProgramIsABadInput) {
   const auto r = run_process({kCli, "launch", "--workers", "2", "--", "/nonexistent/program"});
   EXPECT_EQ(r.exit_code, kExitBadInput);
