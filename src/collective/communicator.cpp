@@ -565,32 +565,8 @@ std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
 
 } // namespace
 
-Communicator Communicator::connect(const cluster::ClusterSpec& spec,
-                                   const CommunicationOptions& options) {
-  if (spec.is_evaluator()) {
-    throw ConfigError(
-        "this task is the evaluator, which is not part of the training group; only chief and "
-        "worker tasks join the collectives");
-  }
-  if (spec.world_size == 1) return local_group(1, options).front();
-
-  const std::string where =
-      "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
-  detail::RendezvousConfig rendezvous;
-  rendezvous.rank = spec.rank;
-  rendezvous.world_size = spec.world_size;
-  rendezvous.chief = spec.rendezvous;
-  rendezvous.token = options.cluster_token;
-  rendezvous.timeout = options.timeout;
-  rendezvous.heartbeat_interval = options.heartbeat_interval;
-  rendezvous.heartbeat_timeout = options.heartbeat_timeout;
-  rendezvous.names = detail::rank_names(spec);
-  rendezvous.session = detail::new_session();
-  rendezvous.external = spec.external_rendezvous;
-  if (options.elastic) {
-    throw ConfigError("CommunicationOptions::elastic: an elastic group is joined through "
-                      "collective::ElasticGroup::join, not Communicator::connect");
-  }
+detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& spec,
+                                                   const CommunicationOptions& options) {
   if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
       options.heartbeat_timeout <= options.heartbeat_interval) {
     throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
@@ -602,6 +578,37 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
     throw ConfigError("CommunicationOptions::cluster_token is empty; set a long random secret "
                       "(e.g. openssl rand -hex 32) or leave it unset");
   }
+  RendezvousConfig config;
+  config.rank = spec.rank;
+  config.world_size = spec.world_size;
+  config.chief = spec.rendezvous;
+  config.token = options.cluster_token;
+  config.timeout = options.timeout;
+  config.heartbeat_interval = options.heartbeat_interval;
+  config.heartbeat_timeout = options.heartbeat_timeout;
+  config.names = rank_names(spec);
+  config.session = new_session();
+  config.elastic = options.elastic;
+  config.external = spec.external_rendezvous;
+  return config;
+}
+
+Communicator Communicator::connect(const cluster::ClusterSpec& spec,
+                                   const CommunicationOptions& options) {
+  if (spec.is_evaluator()) {
+    throw ConfigError(
+        "this task is the evaluator, which is not part of the training group; only chief and "
+        "worker tasks join the collectives");
+  }
+  if (spec.world_size == 1) return local_group(1, options).front();
+
+  const std::string where =
+      "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
+  if (options.elastic) {
+    throw ConfigError("CommunicationOptions::elastic: an elastic group is joined through "
+                      "collective::ElasticGroup::join, not Communicator::connect");
+  }
+  const detail::RendezvousConfig rendezvous = detail::rendezvous_config(spec, options);
   std::unique_ptr<detail::RendezvousServer> server;
   if (spec.rank == 0 && !spec.external_rendezvous) {
     server = std::make_unique<detail::RendezvousServer>(rendezvous);

@@ -216,27 +216,12 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
         "` and set FLOTILLA_RENDEZVOUS=HOST:PORT on every task, or run under `flotilla launch "
         "--elastic`");
   }
-  if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
-      options.heartbeat_timeout <= options.heartbeat_interval) {
-    throw ConfigError("the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
-                      "CommunicationOptions::heartbeat_timeout");
-  }
   options.elastic = true;
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
   impl->options = options;
+  impl->config = detail::rendezvous_config(spec, options);
   auto& config = impl->config;
-  config.rank = spec.rank;
-  config.world_size = spec.world_size;
-  config.chief = spec.rendezvous;
-  config.token = options.cluster_token;
-  config.timeout = options.timeout;
-  config.heartbeat_interval = options.heartbeat_interval;
-  config.heartbeat_timeout = options.heartbeat_timeout;
-  config.names = detail::rank_names(spec);
-  config.session = detail::new_session();
-  config.elastic = true;
-  config.external = true;
   impl->log = Logger(spec.rank, spec.world_size);
   impl->store = c10::make_intrusive<detail::RendezvousStore>(config);
   Impl* raw = impl.get();

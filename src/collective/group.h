@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "collective/rendezvous.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/collective/communicator.h"
 
@@ -32,6 +33,11 @@ std::shared_ptr<Health> new_health();
 // call wins; false when it had failed already.
 bool fail_group(Health& health, const std::string& why, bool changed);
 bool group_failed(const Health& health);
+
+// The rendezvous settings of task `spec` under `options` (a fresh session); ConfigError for a
+// heartbeat whose interval is not below its timeout, or an empty cluster token.
+RendezvousConfig rendezvous_config(const cluster::ClusterSpec& spec,
+                                   const CommunicationOptions& options);
 
 // "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)", one per rank of
 // `spec`; empty when the spec lists no addresses.

@@ -25,6 +25,12 @@
 
 namespace flotilla::train {
 
+namespace {
+// Elastic: steps between two admission votes (one small all-reduce each). Few enough that a
+// restarted worker waits little; rare enough that a fast step does not pay for it each time.
+constexpr std::int64_t kAdmitEvery = 8;
+} // namespace
+
 void Logs::set(const std::string& key, double value) {
   for (auto& [k, v] : items_) {
     if (k == key) {
@@ -451,7 +457,10 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   const auto comm_before = reducer_->stats();
   const auto start = base::Clock::now();
   collective::ElasticGroup* const group = strategy_.elastic();
-  if (group) committed_ = committed_state(input);
+  if (group) {
+    committed_ = committed_state();
+    pulled_since_commit_ = false;
+  }
   // One step; false where the epoch ends.
   const auto step = [&]() -> bool {
     timer_->start_step(epoch, step_in_epoch_);
@@ -460,6 +469,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
       timer_->cancel_step(); // no step: the pass's end is not a step's input wait
       return false;
     }
+    pulled_since_commit_ = true;
     timer_->mark(Phase::kInput);
     if (sync_batchnorm_layers_ > 0 && input.shapeless_empty_batch_anywhere()) {
       // Known to every worker at the same step (the input's vote), so all stop together.
@@ -480,7 +490,10 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     }
     ++steps;
     ++step_in_epoch_;
-    if (group) committed_ = committed_state(input);
+    if (group) {
+      committed_ = committed_state();
+      pulled_since_commit_ = false;
+    }
     // Batch callbacks every steps_per_execution steps and at the end of a fixed-length epoch.
     bool batch_ended = false;
     if (step_in_epoch_ % every == 0 ||
@@ -500,9 +513,10 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     if (vote && vote->at_step_boundary() && step_in_epoch_ % accumulation == 0 && !epoch_last) {
       preempt(callbacks);
     }
-    if (group && collective::any_true(strategy_.communicator(), group->waiting() > 0) &&
-        group->admit()) {
-      // Restarted workers wait to be admitted: all members take them in at this boundary.
+    // Restarted workers wait to be admitted: every kAdmitEvery steps the members ask whether
+    // the rendezvous reported any, and all take them in at that boundary.
+    if (group && step_in_epoch_ % kAdmitEvery == 0 &&
+        collective::any_true(strategy_.communicator(), group->waiting() > 0) && group->admit()) {
       on_generation(input);
     }
     timer_->end_step();
@@ -606,10 +620,27 @@ void Model::check_elastic(const data::DistributedDataset& train, const FitOption
   }
 }
 
-TrainingState Model::committed_state(const detail::EpochIterator& input) const {
-  TrainingState state = training_state();
-  state.iterator = input.raw_position();
+TrainingState Model::committed_state() const {
+  // Every step: no input position here (saving one walks the pipeline's graph); it is derived
+  // when needed (committed_position).
+  TrainingState state;
+  state.iterations = iterations_;
+  state.epoch = epoch_index_;
+  state.step_in_epoch = step_in_epoch_;
+  if (loss_scale_) {
+    state.loss_scale = loss_scale_->scale();
+    state.loss_scale_good_steps = loss_scale_->good_steps();
+  }
   return state;
+}
+
+std::optional<data::IteratorState>
+Model::committed_position(const detail::EpochIterator& input) const {
+  std::optional<data::IteratorState> position = input.raw_position();
+  // Each step pulls one global batch (DATA sharding: no per-step vote): one pulled since the
+  // commit is the failed step's, to be pulled again.
+  if (position && pulled_since_commit_) position->produced -= 1;
+  return position;
 }
 
 TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
@@ -627,7 +658,9 @@ TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
 void Model::on_generation(detail::EpochIterator& input) {
   strategy_.adopt_generation();
   reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
-  const TrainingState state = exchange_state(/*fresh=*/false, committed_);
+  TrainingState mine = committed_;
+  mine.iterator = committed_position(input);
+  const TrainingState state = exchange_state(/*fresh=*/false, mine);
   if (state.epoch != epoch_index_ || !state.iterator) {
     throw CommError("the elastic group's state is at epoch " + std::to_string(state.epoch + 1) +
                     " and this worker at epoch " + std::to_string(epoch_index_ + 1) +
@@ -643,6 +676,7 @@ void Model::on_generation(detail::EpochIterator& input) {
       fit_input_->redistribute(strategy_.input_context()));
   input.rebind(*elastic_input_, *state.iterator);
   committed_ = state;
+  pulled_since_commit_ = false;
   if (strategy_.is_chief()) {
     const auto* group = strategy_.elastic();
     strategy_.log().info("elastic: generation " + std::to_string(group->generation()) + " with " +

@@ -237,9 +237,11 @@ class Model {
   [[noreturn]] void preempt(CallbackList& callbacks);
   // Elastic (see strategy.h): what fit cannot heal yet, refused by name.
   void check_elastic(const data::DistributedDataset& train, const FitOptions& options) const;
-  // Where the last committed step left this worker: updates, epoch, step and the input's exact
-  // position (taken right after each optimizer update, so it always matches the weights).
-  TrainingState committed_state(const detail::EpochIterator& input) const;
+  // Where the last committed step left this worker: updates, epoch, step, loss scale (taken
+  // right after each optimizer update, so it always matches the weights), and the input's
+  // exact position there.
+  TrainingState committed_state() const;
+  std::optional<data::IteratorState> committed_position(const detail::EpochIterator& input) const;
   // Every member after a change of membership: the lowest-ranked member that holds a state
   // (`fresh` false) sends it, weights and optimizer state included, and the others load it.
   TrainingState exchange_state(bool fresh, const TrainingState& mine);
@@ -294,6 +296,7 @@ class Model {
   const data::DistributedDataset* fit_input_ = nullptr;
   std::unique_ptr<data::DistributedDataset> elastic_input_;
   TrainingState committed_;
+  bool pulled_since_commit_ = false;
 };
 
 } // namespace flotilla::train

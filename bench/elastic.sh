@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `make bench-elastic`: what elastic mode costs when nothing fails. The same 2-worker run on
+# loopback, fixed (`launch -- flotilla train`) and elastic (`launch --elastic -- flotilla train
+# --elastic`: the rendezvous in launch, a one-flag admission vote each step, the committed state
+# recorded after each update), interleaved RUNS times; the step time is the chief's second
+# epoch's seconds / steps. Prints JSON lines: the median step_ms of each, then the ratio
+# elastic/fixed per model (the issue's bound: at most 1.02).
+# Usage: bench/elastic.sh [STEPS=100] [RUNS=3]   env: MODELS="mlp cnn" BATCH=64
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FLOTILLA=${FLOTILLA:-build/flotilla}
+STEPS=${1:-100}
+RUNS=${2:-3}
+MODELS=${MODELS:-mlp cnn}
+BATCH=${BATCH:-64}
+machine=$(bench/machine.sh)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for run in $(seq "$RUNS"); do
+  for model in $MODELS; do
+    for kind in fixed elastic; do
+      launch=("$FLOTILLA" launch --workers 2)
+      train=(flotilla train)
+      if [ "$kind" = elastic ]; then
+        launch+=(--elastic)
+        train+=(--elastic)
+      fi
+      "${launch[@]}" -- "${train[@]}" --model "$model" --batch-per-replica "$BATCH" \
+        --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --no-doctor \
+        --metrics-json "$tmp/$model-$kind-$run.json" >"$tmp/$model-$kind-$run.log" 2>&1 ||
+        { tail -20 "$tmp/$model-$kind-$run.log" >&2; exit 1; }
+    done
+  done
+done
+for model in $MODELS; do
+  for kind in fixed elastic; do
+    step=$(bench/step_ms.py "$tmp/$model-$kind"-*.json)
+    declare "step_$kind=$step"
+    printf '{"bench":"elastic","model":"%s","config":"%s","workers":2,"batch_per_replica":%d,"metric":"step_ms","value":%s,"runs":%d,"machine":%s}\n' \
+      "$model" "$kind" "$BATCH" "$step" "$RUNS" "$machine"
+  done
+  awk -v e="$step_elastic" -v f="$step_fixed" -v m="$model" -v machine="$machine" 'BEGIN {
+    printf "{\"bench\":\"elastic\",\"model\":\"%s\",\"metric\":\"step_ms\",\"ratio\":%.3f,\"of\":\"elastic/fixed\",\"machine\":%s}\n", m, e / f, machine }'
+done
