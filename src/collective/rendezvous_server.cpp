@@ -239,6 +239,7 @@ struct RendezvousServer::Impl {
     auto& state = ranks[static_cast<std::size_t>(r)];
     const std::string why = config.name(r) + " " + what;
     const bool was_member = state.member;
+    if (was_member) last_departure = {r, why}; // the expelled process's last answer says why
     for (auto& [id, c] : conns) {
       if (!c.joined || c.rank != r || c.close_after_flush) continue;
       if (c.role == kRoleHeartbeat && expel) send_pong(c, false, /*expelled=*/true);
@@ -246,7 +247,6 @@ struct RendezvousServer::Impl {
     }
     state = RankState{};
     if (was_member) {
-      last_departure = {r, why};
       form(slots_where([](const RankState& s) { return s.claimed; }), why, /*departure=*/true);
     } else {
       log.info("rendezvous: " + why + " before it was admitted");

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -322,6 +323,45 @@ TEST(Launch, ElasticRestartsOnlyTheDeadWorkerAndTheOthersKeepTheirProcesses) {
 // the dead one, which is admitted at a step boundary and gets the state from a live peer's
 // memory. The final weights equal a one-worker run's on the same global batches within 1e-6
 // (float32), and the ledgers of all four processes hold every sample once per epoch.
+// The weights of every worker equal the one-worker run's within 1e-6 (float32), and the ledgers
+// of every process hold each (epoch, sample) exactly once.
+void expect_one_workers_result(const std::string& reference, const std::string& elastic,
+                               int processes) {
+  const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
+  for (int slot = 0; slot < 3; ++slot) {
+    const auto got =
+        checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) + ".safetensors");
+    ASSERT_EQ(got.tensors.size(), expected.tensors.size());
+    for (const auto& [name, t] : expected.tensors) {
+      const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
+      EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
+    }
+  }
+  std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
+  int ledgers = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(elastic)) {
+    if (entry.path().filename().string().rfind("ledger-", 0) != 0) continue;
+    ++ledgers;
+    std::ifstream in(entry.path());
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream fields(line);
+      int epoch = 0, id = 0;
+      fields >> epoch;
+      while (fields >> id) ++trained[{epoch, id}];
+    }
+  }
+  EXPECT_EQ(ledgers, processes);
+  EXPECT_EQ(trained.size(), 4u * 240u) << "a sample was never trained on";
+  for (const auto& [key, times] : trained) {
+    EXPECT_EQ(times, 1) << "epoch " << key.first << " sample " << key.second;
+  }
+}
+
+// Model::fit in an elastic group: worker 2 of 3 is SIGKILLed at global step 7; the two others
+// regroup and go on with the same global batch (12 rows each instead of 8), launch restarts
+// the dead one, which is admitted at a step boundary and gets the state from a live peer's
+// memory. The final weights equal a one-worker run's on the same global batches within 1e-6
+// (float32), and the ledgers of all four processes hold every sample once per epoch.
 TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   testing::TempDir dir;
   const std::string trainer = testing::test_bin_dir() + "/elastic_trainer";
@@ -362,34 +402,71 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
             std::string::npos);
   EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
             std::string::npos);
-  const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
-  for (int slot = 0; slot < 3; ++slot) {
-    const auto got =
-        checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) + ".safetensors");
-    ASSERT_EQ(got.tensors.size(), expected.tensors.size());
-    for (const auto& [name, t] : expected.tensors) {
-      const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
-      EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
+  expect_one_workers_result(reference, elastic, 4);
+}
+
+// A frozen worker (SIGSTOP at global step 7) is expelled after the heartbeat timeout and the
+// others redo the step without it; woken (SIGCONT), it learns it was expelled and exits 3, launch
+// restarts it and it rejoins. The result is again the one-worker run's.
+TEST(Launch, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
+  testing::TempDir dir;
+  const std::string trainer = testing::test_bin_dir() + "/elastic_trainer";
+  const std::string reference = dir.path() + "/reference", elastic = dir.path() + "/elastic";
+  std::filesystem::create_directories(reference);
+  std::filesystem::create_directories(elastic);
+  const auto alone = run_process({trainer, "--reference", "--out", reference});
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  testing::Process launch({kCli,
+                           "launch",
+                           "--elastic",
+                           "--workers",
+                           "3",
+                           "--max-restarts",
+                           "1",
+                           "--heartbeat-timeout",
+                           "2",
+                           "--",
+                           trainer,
+                           "--out",
+                           elastic,
+                           "--sleep-ms",
+                           "200",
+                           "--signal-slot",
+                           "2",
+                           "--signal-at",
+                           "7",
+                           "--signal",
+                           "STOP",
+                           "--signal-once",
+                           dir.path() + "/signalled"});
+  const auto wait_for = [&](const std::function<std::string()>& text, const std::string& what) {
+    for (int i = 0; i < 3000; ++i) {
+      const std::string now = text();
+      if (now.find(what) != std::string::npos) return now;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-  }
-  std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
-  int ledgers = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(elastic)) {
-    if (entry.path().filename().string().rfind("ledger-", 0) != 0) continue;
-    ++ledgers;
-    std::ifstream in(entry.path());
-    for (std::string line; std::getline(in, line);) {
-      std::istringstream fields(line);
-      int epoch = 0, id = 0;
-      fields >> epoch;
-      while (fields >> id) ++trained[{epoch, id}];
-    }
-  }
-  EXPECT_EQ(ledgers, 4); // three workers and the restarted one
-  EXPECT_EQ(trained.size(), 4u * 240u) << "a sample was never trained on";
-  for (const auto& [key, times] : trained) {
-    EXPECT_EQ(times, 1) << "epoch " << key.first << " sample " << key.second;
-  }
+    return std::string();
+  };
+  const std::string out =
+      wait_for([&] { return launch.output_so_far(); }, "[worker 2] slot 2 pid ");
+  ASSERT_FALSE(out.empty());
+  const auto at = out.find("[worker 2] slot 2 pid ") + std::string("[worker 2] slot 2 pid ").size();
+  const pid_t frozen = std::stoi(out.substr(at));
+  ASSERT_FALSE(wait_for([&] { return launch.errors_so_far(); },
+                        "elastic: generation 1 with 2 workers (slot 2 stopped sending heartbeats")
+                   .empty())
+      << launch.errors_so_far();
+  ::kill(frozen, SIGCONT);
+  const auto r = launch.wait(std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  EXPECT_NE(r.err.find("it was expelled from the training group (start it again to rejoin)"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("[launch] worker 2 exited with code 3; restarting it alone"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
+            std::string::npos);
+  expect_one_workers_result(reference, elastic, 4);
 }
 
 // The CLI: flotilla train --elastic under launch --elastic, worker 1 SIGKILLed from outside

@@ -7,7 +7,8 @@
 // writes its weights to <out>/weights-<slot>.safetensors.
 // Flags: --out DIR; --epochs N; --sleep-ms MS (per step, so a restarted worker can rejoin
 // mid-fit); --signal-slot S --signal-at K --signal-once FILE (slot S SIGKILLs itself before
-// global step K, once); --reference (one worker, no elastic group).
+// global step K, once; --signal STOP: SIGSTOPs itself instead); --reference (one worker, no
+// elastic group). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -31,10 +32,10 @@ std::vector<std::int64_t> pending; // the ids of the batch pulled last (the map 
 
 class Ledger : public train::Callback {
  public:
-  Ledger(std::string path, int sleep_ms, int signal_at, int* step)
-      : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), step_(step) {}
+  Ledger(std::string path, int sleep_ms, int signal_at, int signal, int* step)
+      : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), signal_(signal), step_(step) {}
   void on_train_batch_begin(std::int64_t) override {
-    if (*step_ == signal_at_) ::raise(SIGKILL);
+    if (*step_ == signal_at_) ::raise(signal_);
   }
   void on_train_batch_end(std::int64_t, const train::Logs&) override {
     out_ << model().current_epoch();
@@ -46,7 +47,7 @@ class Ledger : public train::Callback {
 
  private:
   std::ofstream out_;
-  int sleep_ms_, signal_at_;
+  int sleep_ms_, signal_at_, signal_;
   int* step_;
 };
 
@@ -54,7 +55,7 @@ class Ledger : public train::Callback {
 
 int main(int argc, char** argv) {
   std::string out = ".", signal_once;
-  int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1;
+  int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
   bool reference = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -70,6 +71,7 @@ int main(int argc, char** argv) {
     if (flag == "--signal-slot") signal_slot = std::stoi(value);
     if (flag == "--signal-at") signal_at = std::stoi(value);
     if (flag == "--signal-once") signal_once = value;
+    if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
   }
   try {
     at::set_num_threads(1);
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
     const auto spec = reference ? cluster::single_worker() : cluster::resolve_cluster(env);
     strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1);
     const int slot = reference ? 0 : strategy.elastic()->slot();
+    std::cout << "slot " << slot << " pid " << ::getpid() << std::endl;
     if (slot != signal_slot) signal_at = -1;
     if (signal_at >= 0 && !signal_once.empty()) {
       if (std::ifstream(signal_once).good()) {
@@ -118,14 +121,14 @@ int main(int argc, char** argv) {
     train::FitOptions fit;
     fit.epochs = epochs;
     fit.verbose = train::Verbosity::kSilent;
-    fit.callbacks.push_back(std::make_shared<Ledger>(
-        out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms, signal_at, &step));
+    fit.callbacks.push_back(
+        std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms,
+                                 signal_at, signal, &step));
     model.fit(dataset, fit);
     checkpoint::save_safetensors(out + "/weights-" + std::to_string(slot) + ".safetensors",
                                  checkpoint::model_state(*net));
-    std::cout << "slot " << slot << " pid " << ::getpid() << " finished at update "
-              << model.iterations() << " with " << strategy.num_workers() << " workers"
-              << std::endl;
+    std::cout << "slot " << slot << " finished at update " << model.iterations() << " with "
+              << strategy.num_workers() << " workers" << std::endl;
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;

@@ -100,6 +100,7 @@ class Process {
   void signal(int sig) { ::kill(pid_, sig); }
   // What it has written to stdout so far (while it runs).
   std::string output_so_far() const { return read_file(out_path_); }
+  std::string errors_so_far() const { return read_file(err_path_); }
 
   // Waits up to `timeout`; on expiry kills the whole process group and reports exit_code -1.
   ProcessResult wait(std::chrono::seconds timeout = std::chrono::seconds(300)) {
