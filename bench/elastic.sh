@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make bench-elastic`: what elastic mode costs when nothing fails. The same 2-worker run on
 # loopback, fixed (`launch -- flotilla train`) and elastic (`launch --elastic -- flotilla train
-# --elastic`: the rendezvous in launch, a one-flag admission vote each step, the committed state
-# recorded after each update), interleaved RUNS times; the step time is the chief's second
+# --elastic`: the rendezvous in launch, a one-flag admission vote every 8 steps, the committed
+# state recorded after each update), interleaved RUNS times; the step time is the chief's second
 # epoch's seconds / steps. Prints JSON lines: the median step_ms of each, then the ratio
 # elastic/fixed per model (the bound: at most 1.02).
 # Usage: bench/elastic.sh [STEPS=100] [RUNS=3]   env: MODELS="mlp cnn" BATCH=64

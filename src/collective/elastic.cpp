@@ -154,18 +154,40 @@ struct ElasticGroup::Impl {
     store->wait({detail::kGenerationKey + std::to_string(g)}, left(deadline));
   }
 
-  // Connects generation g's group in place of the current one. After a departure the current
-  // group is abandoned (its backends are left to their threads: a backend blocked on a dead
-  // peer cannot be joined); after an admission every operation of it has completed, and it is
-  // closed as usual.
-  void adopt(std::uint64_t g, const Record& record, bool abandon) {
+  // This worker's rank in generation g; CommError when it is not a member (expelled).
+  int rank_in(std::uint64_t g, const Record& record) const {
     const auto at = std::find(record.slots.begin(), record.slots.end(), config.rank);
     if (at == record.slots.end()) {
       throw CommError(config.name(config.rank) + " is not a member of generation " +
                       std::to_string(g) + " (" + record.reason +
                       "): it was expelled; start it again to rejoin");
     }
-    const int rank = static_cast<int>(at - record.slots.begin());
+    return static_cast<int>(at - record.slots.begin());
+  }
+
+  // adopt() after a departure or at joining. A group that cannot connect lost another member
+  // while it formed: false, and the next generation is the one to join. Not being a member, or
+  // a refusal, throws.
+  bool try_adopt(std::uint64_t g, const Record& record) {
+    rank_in(g, record);
+    try {
+      adopt(g, record, /*abandon=*/true);
+      return true;
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::exception& e) {
+      log.warn("generation " + std::to_string(g) + " could not connect (" + e.what() +
+               "); waiting for the next one");
+      return false;
+    }
+  }
+
+  // Connects generation g's group in place of the current one. After a departure the current
+  // group is abandoned (its backends are left to their threads: a backend blocked on a dead
+  // peer cannot be joined); after an admission every operation of it has completed, and it is
+  // closed as usual.
+  void adopt(std::uint64_t g, const Record& record, bool abandon) {
+    const int rank = rank_in(g, record);
     const int size = static_cast<int>(record.slots.size());
     auto fresh = detail::new_health();
     {
@@ -247,19 +269,9 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
     const std::uint64_t newest = impl->latest().value_or(next);
     const Record record = impl->record(newest);
     next = newest + 1;
-    if (std::find(record.slots.begin(), record.slots.end(), spec.rank) == record.slots.end()) {
-      continue;
-    }
-    try {
-      impl->adopt(newest, record, /*abandon=*/true);
-      break;
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const std::exception& e) {
-      // A member left while this generation connected: the next one will have this worker too.
-      impl->log.warn("generation " + std::to_string(newest) + " could not connect (" + e.what() +
-                     "); waiting for the next one");
-    }
+    const bool member =
+        std::find(record.slots.begin(), record.slots.end(), spec.rank) != record.slots.end();
+    if (member && impl->try_adopt(newest, record)) break;
   }
   return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(impl)));
 }
@@ -303,20 +315,7 @@ void ElasticGroup::regroup() {
                          "not a departure; see the error before this one");
     }
     const std::uint64_t newest = impl.latest().value_or(current + 1);
-    const Record record = impl.record(newest);
-    try {
-      impl.adopt(newest, record, /*abandon=*/true);
-      return;
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const std::exception& e) {
-      if (std::find(record.slots.begin(), record.slots.end(), slot()) == record.slots.end()) {
-        throw;
-      }
-      // Another member left while the group connected: wait for the generation after it.
-      impl.log.warn(std::string("generation ") + std::to_string(newest) + " could not connect (" +
-                    e.what() + "); waiting for the next one");
-    }
+    if (impl.try_adopt(newest, impl.record(newest))) return;
   }
 }
 

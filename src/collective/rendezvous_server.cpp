@@ -526,7 +526,7 @@ struct RendezvousServer::Impl {
         release(c.rank, "lost its connection to the rendezvous (the process exited or was killed)",
                 /*expel=*/false);
       }
-    } else if (c.joined && c.role == kRoleHeartbeat) {
+    } else if (!config.elastic && c.joined && c.role == kRoleHeartbeat) {
       auto& state = ranks[static_cast<std::size_t>(c.rank)];
       if (state.heartbeat_conn == id && !state.left && !stopping) {
         fail_rank(c.rank, "lost its connection to the chief (the process exited or was killed)");

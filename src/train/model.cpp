@@ -373,11 +373,9 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       try {
         restore_training_state(exchange_state(/*fresh=*/true, {}));
         break;
-      } catch (const Error& e) {
-        if (!dynamic_cast<const CommError*>(&e)) throw;
+      } catch (const CommError&) {
         strategy_.elastic()->regroup();
-        strategy_.adopt_generation();
-        reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
+        adopt_group();
       }
     }
     strategy_.finish_joining();
@@ -655,9 +653,13 @@ TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
   return share_training_state(*this, comm, donor, mine);
 }
 
-void Model::on_generation(detail::EpochIterator& input) {
+void Model::adopt_group() {
   strategy_.adopt_generation();
   reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
+}
+
+void Model::on_generation(detail::EpochIterator& input) {
+  adopt_group();
   TrainingState mine = committed_;
   mine.iterator = committed_position(input);
   const TrainingState state = exchange_state(/*fresh=*/false, mine);

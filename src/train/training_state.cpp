@@ -123,7 +123,11 @@ TrainingState share_training_state(Model& model, collective::Communicator& comm,
   if (state_text == file.metadata.end()) {
     throw CheckpointError(source + " has no training state in its metadata");
   }
-  data.state = json::parse(state_text->second);
+  try {
+    data.state = json::parse(state_text->second);
+  } catch (const json::exception& e) {
+    throw CheckpointError(source + " has a malformed training state (" + e.what() + ")");
+  }
   return load_checkpoint_data(model, data, source);
 }
 

@@ -5,7 +5,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -318,80 +317,87 @@ TEST(Launch, ElasticRestartsOnlyTheDeadWorkerAndTheOthersKeepTheirProcesses) {
   EXPECT_EQ(r.out.find("WRONG"), std::string::npos) << r.out;
 }
 
-// Model::fit in an elastic group: worker 2 of 3 is SIGKILLed at global step 7; the two others
-// regroup and go on with the same global batch (12 rows each instead of 8), launch restarts
-// the dead one, which is admitted at a step boundary and gets the state from a live peer's
-// memory. The final weights equal a one-worker run's on the same global batches within 1e-6
-// (float32), and the ledgers of all four processes hold every sample once per epoch.
-// The weights of every worker equal the one-worker run's within 1e-6 (float32), and the ledgers
-// of every process hold each (epoch, sample) exactly once.
-void expect_one_workers_result(const std::string& reference, const std::string& elastic,
-                               int processes) {
-  const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
-  for (int slot = 0; slot < 3; ++slot) {
-    const auto got =
-        checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) + ".safetensors");
-    ASSERT_EQ(got.tensors.size(), expected.tensors.size());
-    for (const auto& [name, t] : expected.tensors) {
-      const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
-      EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
-    }
-  }
-  std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
-  int ledgers = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(elastic)) {
-    if (entry.path().filename().string().rfind("ledger-", 0) != 0) continue;
-    ++ledgers;
-    std::ifstream in(entry.path());
-    for (std::string line; std::getline(in, line);) {
-      std::istringstream fields(line);
-      int epoch = 0, id = 0;
-      fields >> epoch;
-      while (fields >> id) ++trained[{epoch, id}];
-    }
-  }
-  EXPECT_EQ(ledgers, processes);
-  EXPECT_EQ(trained.size(), 4u * 240u) << "a sample was never trained on";
-  for (const auto& [key, times] : trained) {
-    EXPECT_EQ(times, 1) << "epoch " << key.first << " sample " << key.second;
-  }
-}
-
-// Model::fit in an elastic group: worker 2 of 3 is SIGKILLed at global step 7; the two others
-// regroup and go on with the same global batch (12 rows each instead of 8), launch restarts
-// the dead one, which is admitted at a step boundary and gets the state from a live peer's
-// memory. The final weights equal a one-worker run's on the same global batches within 1e-6
-// (float32), and the ledgers of all four processes hold every sample once per epoch.
-TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
+// Model::fit in an elastic group of 3 (tests/multiworker/elastic_trainer.cpp) under launch
+// --elastic, against the same fit by one worker on the same global batches (--reference).
+struct ElasticFit {
   testing::TempDir dir;
   const std::string trainer = testing::test_bin_dir() + "/elastic_trainer";
-  const std::string reference = dir.path() + "/reference", elastic = dir.path() + "/elastic";
-  std::filesystem::create_directories(reference);
-  std::filesystem::create_directories(elastic);
-  const auto alone = run_process({trainer, "--reference", "--out", reference});
-  ASSERT_EQ(alone.exit_code, 0) << alone.err;
-  const auto r = run_process({kCli,
-                              "launch",
-                              "--elastic",
-                              "--workers",
-                              "3",
-                              "--max-restarts",
-                              "1",
-                              "--heartbeat-timeout",
-                              "2",
-                              "--",
-                              trainer,
-                              "--out",
-                              elastic,
-                              "--sleep-ms",
-                              "100",
-                              "--signal-slot",
-                              "2",
-                              "--signal-at",
-                              "7",
-                              "--signal-once",
-                              dir.path() + "/signalled"},
-                             {}, std::chrono::seconds(180));
+  const std::string reference = dir.path() + "/reference";
+  const std::string elastic = dir.path() + "/elastic";
+
+  ElasticFit() {
+    std::filesystem::create_directories(reference);
+    std::filesystem::create_directories(elastic);
+  }
+  // launch's command line: worker 2 signals itself once before global step 7.
+  std::vector<std::string> launch(const std::string& signal, const std::string& sleep_ms) const {
+    return {kCli,
+            "launch",
+            "--elastic",
+            "--workers",
+            "3",
+            "--max-restarts",
+            "1",
+            "--heartbeat-timeout",
+            "2",
+            "--",
+            trainer,
+            "--out",
+            elastic,
+            "--sleep-ms",
+            sleep_ms,
+            "--signal-slot",
+            "2",
+            "--signal-at",
+            "7",
+            "--signal",
+            signal,
+            "--signal-once",
+            dir.path() + "/signalled"};
+  }
+  // The weights of every worker equal the one-worker run's within 1e-6 (float32), and the
+  // ledgers of `processes` processes hold each (epoch, sample) exactly once.
+  void expect_one_workers_result(int processes) const {
+    const auto alone = run_process({trainer, "--reference", "--out", reference});
+    ASSERT_EQ(alone.exit_code, 0) << alone.err;
+    const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
+    for (int slot = 0; slot < 3; ++slot) {
+      const auto got = checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) +
+                                                    ".safetensors");
+      ASSERT_EQ(got.tensors.size(), expected.tensors.size());
+      for (const auto& [name, t] : expected.tensors) {
+        const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
+        EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
+      }
+    }
+    std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
+    int ledgers = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(elastic)) {
+      if (entry.path().filename().string().rfind("ledger-", 0) != 0) continue;
+      ++ledgers;
+      std::ifstream in(entry.path());
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream fields(line);
+        int epoch = 0, id = 0;
+        fields >> epoch;
+        while (fields >> id) ++trained[{epoch, id}];
+      }
+    }
+    EXPECT_EQ(ledgers, processes);
+    EXPECT_EQ(trained.size(), 4u * 240u) << "a sample was never trained on";
+    for (const auto& [key, times] : trained) {
+      EXPECT_EQ(times, 1) << "epoch " << key.first << " sample " << key.second;
+    }
+  }
+};
+
+// Worker 2 of 3 is SIGKILLed at global step 7; the two others regroup and go on with the same
+// global batch (12 rows each instead of 8), launch restarts the dead one, which is admitted at a
+// step boundary and gets the state from a live peer's memory. The final weights equal the
+// one-worker run's, and the ledgers of all four processes hold every sample once per epoch.
+TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
+  const ElasticFit fit;
+  const auto r = run_process(fit.launch("KILL", "100"), {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
   EXPECT_NE(r.err.find("[launch] worker 2 was killed by signal Killed; restarting it alone"),
@@ -402,59 +408,21 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
             std::string::npos);
   EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
             std::string::npos);
-  expect_one_workers_result(reference, elastic, 4);
+  fit.expect_one_workers_result(4);
 }
 
 // A frozen worker (SIGSTOP at global step 7) is expelled after the heartbeat timeout and the
 // others redo the step without it; woken (SIGCONT), it learns it was expelled and exits 3, launch
 // restarts it and it rejoins. The result is again the one-worker run's.
 TEST(Launch, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
-  testing::TempDir dir;
-  const std::string trainer = testing::test_bin_dir() + "/elastic_trainer";
-  const std::string reference = dir.path() + "/reference", elastic = dir.path() + "/elastic";
-  std::filesystem::create_directories(reference);
-  std::filesystem::create_directories(elastic);
-  const auto alone = run_process({trainer, "--reference", "--out", reference});
-  ASSERT_EQ(alone.exit_code, 0) << alone.err;
-  testing::Process launch({kCli,
-                           "launch",
-                           "--elastic",
-                           "--workers",
-                           "3",
-                           "--max-restarts",
-                           "1",
-                           "--heartbeat-timeout",
-                           "2",
-                           "--",
-                           trainer,
-                           "--out",
-                           elastic,
-                           "--sleep-ms",
-                           "200",
-                           "--signal-slot",
-                           "2",
-                           "--signal-at",
-                           "7",
-                           "--signal",
-                           "STOP",
-                           "--signal-once",
-                           dir.path() + "/signalled"});
-  const auto wait_for = [&](const std::function<std::string()>& text, const std::string& what) {
-    for (int i = 0; i < 3000; ++i) {
-      const std::string now = text();
-      if (now.find(what) != std::string::npos) return now;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return std::string();
-  };
-  const std::string out =
-      wait_for([&] { return launch.output_so_far(); }, "[worker 2] slot 2 pid ");
-  ASSERT_FALSE(out.empty());
-  const auto at = out.find("[worker 2] slot 2 pid ") + std::string("[worker 2] slot 2 pid ").size();
-  const pid_t frozen = std::stoi(out.substr(at));
-  ASSERT_FALSE(wait_for([&] { return launch.errors_so_far(); },
-                        "elastic: generation 1 with 2 workers (slot 2 stopped sending heartbeats")
-                   .empty())
+  const ElasticFit fit;
+  testing::Process launch(fit.launch("STOP", "200"));
+  const std::string announced = "[worker 2] slot 2 pid ";
+  ASSERT_TRUE(launch.wait_for_output(announced)) << launch.output_so_far();
+  const std::string out = launch.output_so_far();
+  const pid_t frozen = std::stoi(out.substr(out.find(announced) + announced.size()));
+  ASSERT_TRUE(launch.wait_for_errors(
+      "elastic: generation 1 with 2 workers (slot 2 stopped sending heartbeats"))
       << launch.errors_so_far();
   ::kill(frozen, SIGCONT);
   const auto r = launch.wait(std::chrono::seconds(180));
@@ -466,7 +434,24 @@ TEST(Launch, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
             std::string::npos);
   EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
             std::string::npos);
-  expect_one_workers_result(reference, elastic, 4);
+  fit.expect_one_workers_result(4);
+}
+
+// --min-workers: worker 1 of 3 is killed and no restart is left; with fewer than 3 workers the
+// others are stopped (SIGTERM), and launch exits with the lost worker's code.
+TEST(Launch, ElasticBelowMinWorkersStopsTheRest) {
+  const auto r =
+      run_process({kCli, "launch", "--elastic", "--workers", "3", "--min-workers", "3",
+                   "--max-restarts", "0", "--", testing::test_bin_dir() + "/elastic_worker",
+                   "--steps", "400", "--signal-slot", "1", "--signal-at", "2", "--signal", "KILL"},
+                  {}, std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.out << r.err;
+  EXPECT_NE(r.err.find("[launch] worker 1 was killed by signal Killed; not restarting it "
+                       "(--max-restarts 0); 2 workers left, fewer than --min-workers 3: stopping "
+                       "them (SIGTERM)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("done at step"), std::string::npos) << "a worker ran to the end: " << r.out;
 }
 
 // The CLI: flotilla train --elastic under launch --elastic, worker 1 SIGKILLed from outside
@@ -484,13 +469,7 @@ TEST(Launch, ElasticTrainGoesOnWhenAWorkerIsKilledMidFit) {
                            "mlp",       "--epochs",
                            "2",         "--steps-per-epoch",
                            "150"});
-  ASSERT_TRUE([&] {
-    for (int i = 0; i < 3000; ++i) {
-      if (launch.output_so_far().find("Epoch 1/2") != std::string::npos) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
-  }()) << launch.output_so_far();
+  ASSERT_TRUE(launch.wait_for_output("Epoch 1/2")) << launch.output_so_far();
   // Worker 1: the launcher's child whose LOCAL_RANK is 1.
   pid_t victim = -1;
   for (const auto& entry : std::filesystem::directory_iterator("/proc")) {

@@ -47,17 +47,6 @@ struct Cluster {
   }
 };
 
-// Waits (bounded) until `p` has printed `text`.
-bool wait_for_output(const Process& p, const std::string& text,
-                     std::chrono::seconds limit = std::chrono::seconds(60)) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (p.output_so_far().find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
-}
-
 // The steps a worker completed, in order: "step K gen ... ok" lines.
 std::vector<int> completed_steps(const std::string& out) {
   std::vector<int> steps;
@@ -86,7 +75,7 @@ TEST(Elastic, AKilledChiefIsDroppedAtOnceTheLowestSurvivorLeadsAndItsRestartRejo
   auto two = cluster.start(2, flags);
   const auto killed = chief->wait(std::chrono::seconds(60));
   EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.err;
-  ASSERT_TRUE(wait_for_output(*one, "regrouped")) << one->output_so_far();
+  ASSERT_TRUE(one->wait_for_output("regrouped")) << one->output_so_far();
   auto restarted = cluster.start(0, flags);
   const auto back = restarted->wait(std::chrono::seconds(90));
   const auto r1 = one->wait(std::chrono::seconds(30));
@@ -126,7 +115,7 @@ TEST(Elastic, AStoppedWorkerIsExpelledAfterTheHeartbeatTimeoutAndToldSoWhenItWak
   auto zero = cluster.start(0, flags);
   auto one = cluster.start(1, flags);
   auto stopped = cluster.start(2, flags_stopped);
-  ASSERT_TRUE(wait_for_output(*zero, "regrouped")) << zero->output_so_far();
+  ASSERT_TRUE(zero->wait_for_output("regrouped")) << zero->output_so_far();
   stopped->signal(SIGCONT);
   const auto r0 = zero->wait(std::chrono::seconds(60));
   const auto r1 = one->wait(std::chrono::seconds(60));

@@ -23,6 +23,7 @@
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
 #include "flotilla/train/model.h"
+#include "support/signal_once.h"
 
 using namespace flotilla;
 
@@ -86,14 +87,7 @@ int main(int argc, char** argv) {
     strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1);
     const int slot = reference ? 0 : strategy.elastic()->slot();
     std::cout << "slot " << slot << " pid " << ::getpid() << std::endl;
-    if (slot != signal_slot) signal_at = -1;
-    if (signal_at >= 0 && !signal_once.empty()) {
-      if (std::ifstream(signal_once).good()) {
-        signal_at = -1;
-      } else {
-        std::ofstream(signal_once) << "signalled\n";
-      }
-    }
+    signal_at = testing::armed_signal_step(signal_at, signal_slot, slot, signal_once);
     auto net = strategy.scope([] {
       torch::manual_seed(7);
       return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),

@@ -19,7 +19,6 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <thread>
 #include <unistd.h>
@@ -28,6 +27,7 @@
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
+#include "support/signal_once.h"
 
 using namespace flotilla;
 using Clock = std::chrono::steady_clock;
@@ -63,14 +63,7 @@ int main(int argc, char** argv) {
     const auto spec = cluster::resolve_cluster(env);
     options.cluster_token = cluster::cluster_token(env);
     auto group = collective::ElasticGroup::join(spec, options);
-    if (signal_slot >= 0 && group->slot() != signal_slot) signal_at = -1;
-    if (signal_at >= 0 && !signal_once.empty()) {
-      if (std::ifstream(signal_once).good()) {
-        signal_at = -1;
-      } else {
-        std::ofstream(signal_once) << "signalled\n";
-      }
-    }
+    signal_at = testing::armed_signal_step(signal_at, signal_slot, group->slot(), signal_once);
     bool ok = true;
     std::int64_t step = 0;
     bool synced = false; // the members agreed on `step` in this generation

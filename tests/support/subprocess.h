@@ -98,9 +98,18 @@ class Process {
 
   pid_t pid() const { return pid_; }
   void signal(int sig) { ::kill(pid_, sig); }
-  // What it has written to stdout so far (while it runs).
+  // What it has written to stdout (stderr) so far, while it runs.
   std::string output_so_far() const { return read_file(out_path_); }
   std::string errors_so_far() const { return read_file(err_path_); }
+  // Waits (bounded) until it has written `text` to stdout (stderr); false at the limit.
+  bool wait_for_output(const std::string& text,
+                       std::chrono::seconds limit = std::chrono::seconds(60)) const {
+    return wait_for(out_path_, text, limit);
+  }
+  bool wait_for_errors(const std::string& text,
+                       std::chrono::seconds limit = std::chrono::seconds(60)) const {
+    return wait_for(err_path_, text, limit);
+  }
 
   // Waits up to `timeout`; on expiry kills the whole process group and reports exit_code -1.
   ProcessResult wait(std::chrono::seconds timeout = std::chrono::seconds(300)) {
@@ -127,6 +136,15 @@ class Process {
   }
 
  private:
+  static bool wait_for(const std::string& path, const std::string& text,
+                       std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (read_file(path).find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
   pid_t pid_ = -1;
   std::string out_path_, err_path_;
 };

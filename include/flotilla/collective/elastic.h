@@ -11,8 +11,9 @@
 // What the training loop does with it (see docs/reliability.md): a collective of a generation
 // that lost a member throws GroupChanged (or a CommError, when a backend noticed the dead peer
 // first); the loop calls regroup(), which returns once the next generation's group is
-// connected, and redoes the step. At each step boundary it asks whether any rank saw workers
-// waiting (waiting() > 0, agreed by a vote) and then every member calls admit() together.
+// connected, and redoes the step. Every few step boundaries (8 in Model::fit) it asks whether
+// any rank saw workers waiting (waiting() > 0, agreed by a vote) and then every member calls
+// admit() together.
 #pragma once
 
 #include <chrono>

@@ -59,6 +59,10 @@ class Strategy {
   // `replicas_per_worker` CPU replicas, whatever GPUs there are.
   Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
            int replicas_per_worker = 1);
+  // An elastic group's strategy (MultiWorkerMirroredStrategy with CommunicationOptions::elastic
+  // builds it): one replica, on `devices`' only entry.
+  Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
+           std::vector<torch::Device> devices);
   virtual ~Strategy() = default;
 
   int num_replicas_in_sync() const { return communicator_.size() * replicas_per_worker(); }
@@ -121,14 +125,6 @@ class Strategy {
   collective::Communicator communicator_;
   std::vector<torch::Device> devices_;
   Logger log_;
-
- public:
-  // An elastic group's strategy (MultiWorkerMirroredStrategy with CommunicationOptions::elastic
-  // builds it): one replica, on `devices`' only entry.
-  Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
-           std::vector<torch::Device> devices);
-
- private:
   std::shared_ptr<collective::ElasticGroup> elastic_;
   bool joining_ = false;
 };

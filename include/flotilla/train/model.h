@@ -245,9 +245,11 @@ class Model {
   // Every member after a change of membership: the lowest-ranked member that holds a state
   // (`fresh` false) sends it, weights and optimizer state included, and the others load it.
   TrainingState exchange_state(bool fresh, const TrainingState& mine);
-  // After regroup() or admit(): the new group's communicator, a fresh gradient engine (the old
-  // one's buffers may still be on an abandoned group's wire), one state for all, and the input
-  // split anew among the members from the committed position.
+  // The new group's communicator and a fresh gradient engine (the old one's buffers may still
+  // be on an abandoned group's wire).
+  void adopt_group();
+  // After regroup() or admit(): adopt_group(), one state for all, and the input split anew
+  // among the members from the committed position.
   void on_generation(detail::EpochIterator& input);
   // A step failed under elastic mode: waits for the group to form without the departed member
   // and heals (on_generation); rethrows `failure` when no member left.
