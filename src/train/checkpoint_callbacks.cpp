@@ -1,15 +1,46 @@
 #include "flotilla/train/checkpoint_callbacks.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
+#include "flotilla/strategy/strategy.h"
 #include "train/monitor.h"
 
 namespace flotilla::train {
 namespace fs = std::filesystem;
+namespace {
+
+// The group a save goes through. Fixed membership: every worker (a collective save). Elastic:
+// the chief alone, as a group of one, and nobody for the others, since a collective is one a
+// worker joining or leaving mid-fit could not take part in.
+collective::Communicator* saving_group(strategy::Strategy& strategy) {
+  if (!strategy.elastic()) return &strategy.communicator();
+  if (!strategy.is_chief()) return nullptr;
+  static auto* const alone = new collective::Communicator( // never destroyed: used until exit
+      collective::Communicator::local_group(1).front());
+  return alone;
+}
+
+// The number in the name of the newest checkpoint the pointer names (0 without one): a chief
+// that took over mid-fit goes on from its predecessor's numbering.
+std::int64_t newest_number(const checkpoint::CheckpointManager& manager) {
+  const auto latest = manager.latest();
+  if (!latest) return 0;
+  const std::string name = latest->filename().string();
+  const std::string head = manager.prefix() + "-";
+  if (name.rfind(head, 0) != 0) return 0;
+  try {
+    return std::stoll(name.substr(head.size()));
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+} // namespace
 
 // ---------------------------------------------------------------------------------------------
 // ModelCheckpoint
@@ -91,7 +122,9 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
 }
 
 void ModelCheckpoint::on_train_begin() {
-  last_saved_iteration_ = model().iterations();
+  // A worker joining an elastic group learns its updates only after this: counted from its
+  // first step.
+  last_saved_iteration_ = model().strategy().joining() ? -1 : model().iterations();
 }
 
 void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
@@ -109,17 +142,18 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   }
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
+  collective::Communicator* const group = saving_group(strategy);
+  if (!group) return;
   if (options_.save_weights_only) {
     model().mirror_buffers();
-    checkpoint::save_model(strategy.communicator(), model().module(),
+    checkpoint::save_model(*group, model().module(),
                            path.parent_path().empty() ? "." : path.parent_path(),
                            path.filename().string(),
                            {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}});
   } else {
     checkpoint::CheckpointManager manager(path, options_.max_to_keep);
     const std::int64_t number = options_.save_freq == 0 ? epoch_1based : model().iterations();
-    saved_.push_back(
-        manager.save(strategy.communicator(), strategy.log(), checkpoint_data(model()), number));
+    saved_.push_back(manager.save(*group, strategy.log(), checkpoint_data(model()), number));
     return;
   }
   saved_.push_back(path);
@@ -128,6 +162,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
 void ModelCheckpoint::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (options_.save_freq == 0) return;
   const std::int64_t iterations = model().iterations();
+  if (last_saved_iteration_ < 0) last_saved_iteration_ = iterations - 1; // joined (above)
   if (iterations - last_saved_iteration_ < options_.save_freq) return;
   last_saved_iteration_ = iterations;
   save(model().current_epoch() + 1, logs);
@@ -151,6 +186,14 @@ BackupAndRestore::BackupAndRestore(BackupOptions options) : options_(std::move(o
 
 void BackupAndRestore::on_train_begin() {
   restored_.reset();
+  if (requested_.exchange(false)) model().request_preemption();
+  number_ = 0;
+  if (model().strategy().joining()) {
+    // Joining an elastic group mid-fit: the state comes from a live peer, not from here, and
+    // the others are past this agreement. Backups are counted from this worker's first step.
+    last_backup_iteration_ = -1;
+    return;
+  }
   std::vector<std::string> skipped;
   fs::path from;
   const auto data = checkpoint::restore_latest(options_.backup_dir, &skipped, &from);
@@ -164,9 +207,7 @@ void BackupAndRestore::on_train_begin() {
                           options_.backup_dir.string() +
                           " (or some see none); backup_dir must be storage every worker shares");
   }
-  number_ = 0;
   last_backup_iteration_ = model().iterations();
-  if (requested_.exchange(false)) model().request_preemption();
   if (data) {
     const TrainingState state = load_checkpoint_data(model(), *data, from);
     model().restore_training_state(state);
@@ -196,17 +237,21 @@ void BackupAndRestore::request_preemption() noexcept {
   }
 }
 
-void BackupAndRestore::backup() {
+bool BackupAndRestore::backup() {
+  auto& strategy = model().strategy();
+  last_backup_iteration_ = model().iterations();
+  collective::Communicator* const group = saving_group(strategy);
+  if (!group) return false;
+  checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
+  if (strategy.elastic()) number_ = std::max(number_, newest_number(manager));
   checkpoint::CheckpointData data = checkpoint_data(model());
   data.state["backup_number"] = ++number_;
-  checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
-  manager.save(model().strategy().communicator(), model().strategy().log(), data, number_);
-  last_backup_iteration_ = data.step;
+  manager.save(*group, strategy.log(), data, number_);
+  return true;
 }
 
 std::string BackupAndRestore::on_preemption() {
-  backup();
-  return options_.backup_dir.string();
+  return backup() ? options_.backup_dir.string() : std::string();
 }
 
 void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
@@ -215,6 +260,7 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
   // the epoch's end (its checkpoint, its logs, the epochs after it). The epoch-end backup comes
   // right after this step anyway.
   const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
+  if (last_backup_iteration_ < 0) last_backup_iteration_ = model().iterations() - 1; // joined
   if (!epoch_last && model().iterations() - last_backup_iteration_ >= options_.save_freq) {
     backup();
   }

@@ -29,6 +29,13 @@ namespace {
 // Elastic: steps between two admission votes (one small all-reduce each). Few enough that a
 // restarted worker waits little; rare enough that a fast step does not pay for it each time.
 constexpr std::int64_t kAdmitEvery = 8;
+
+// Elastic: a joining worker whose group holds no training state (the others finished or are
+// gone). Not a departure to regroup after: the fit ends with it (exit 3).
+class NothingToJoin : public CommError {
+ public:
+  using CommError::CommError;
+};
 } // namespace
 
 void Logs::set(const std::string& key, double value) {
@@ -373,6 +380,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       try {
         restore_training_state(exchange_state(/*fresh=*/true, {}));
         break;
+      } catch (const NothingToJoin&) {
+        throw;
       } catch (const CommError&) {
         strategy_.elastic()->regroup();
         adopt_group();
@@ -395,7 +404,8 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   std::optional<detail::PreemptionVote> vote;
   if (needs.preemption_check) {
     latch.emplace();
-    vote.emplace(strategy_.communicator(), *needs.preemption_check, preemption_requested_);
+    vote.emplace(elastic ? nullptr : &strategy_.communicator(), *needs.preemption_check,
+                 preemption_requested_);
   }
   // A captured step is warmed up, captured and replayed on one side stream.
   std::optional<detail::SideStream::Use> side_stream;
@@ -585,6 +595,19 @@ void Model::preempt(CallbackList& callbacks) {
   const TrainingState state = training_state();
   preemption_requested_ = false;
   detail::clear_preemption_request(); // acted on; a new fit in this process starts clean
+  if (strategy_.elastic()) {
+    // Elastic: this worker alone leaves; the others heal and go on without it.
+    throw Preempted("training preempted (this worker received SIGTERM or request_preemption()): "
+                    "it left the elastic group at update " +
+                        std::to_string(state.iterations) + " (epoch " +
+                        std::to_string(state.epoch + 1) + ", step " +
+                        std::to_string(state.step_in_epoch) + ")" +
+                        (where.empty() ? std::string("; the chief keeps the backup")
+                                       : "; it saved the backup in " + where) +
+                        ". Start it again to rejoin; start the whole job again to resume from "
+                        "the backup",
+                    state.iterations);
+  }
   throw Preempted("training preempted (a worker received SIGTERM or request_preemption()): "
                   "every worker saved the backup at update " +
                       std::to_string(state.iterations) + " (epoch " +
@@ -603,13 +626,6 @@ void Model::check_elastic(const data::DistributedDataset& train, const FitOption
   if (captured_) refuse("jit_compile's captured steps");
   if (options_->gradient_accumulation_steps > 1) refuse("gradient_accumulation_steps > 1");
   if (sync_batchnorm_layers_ > 0) refuse("SyncBatchNorm layers");
-  for (const auto& callback : options.callbacks) {
-    if (std::dynamic_pointer_cast<BackupAndRestore>(callback) ||
-        std::dynamic_pointer_cast<ModelCheckpoint>(callback)) {
-      refuse("BackupAndRestore or ModelCheckpoint (their saves are collectives a rejoining "
-             "worker cannot join mid-fit)");
-    }
-  }
   if (!train.input_context().uneven_split && train.sharding() != "one replica") {
     throw ConfigError("elastic mode splits every global batch anew among the workers it has: "
                       "distribute the dataset with the strategy's input_context() (DATA "
@@ -646,8 +662,9 @@ TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
   const collective::Agreement holders = collective::agree(
       comm, fresh, fresh ? std::numeric_limits<std::int64_t>::max() : comm.rank());
   if (holders.all) {
-    throw CommError("no member of the elastic group holds a training state (the others finished "
-                    "training or are gone, and this worker restarted too late to rejoin them)");
+    throw NothingToJoin(
+        "no member of the elastic group holds a training state (the others finished "
+        "training or are gone, and this worker restarted too late to rejoin them)");
   }
   const int donor = static_cast<int>(holders.min);
   return share_training_state(*this, comm, donor, mine);

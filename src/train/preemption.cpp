@@ -58,7 +58,7 @@ void clear_preemption_request() noexcept {
   g_preemption_requested.store(false);
 }
 
-PreemptionVote::PreemptionVote(collective::Communicator& workers,
+PreemptionVote::PreemptionVote(collective::Communicator* workers,
                                std::chrono::milliseconds interval,
                                const std::atomic<bool>& own_request)
     : workers_(workers), interval_(interval), own_request_(own_request) {}
@@ -80,7 +80,7 @@ void PreemptionVote::start(std::int64_t steps_timed) {
   // 0, so the largest value is the chief's.
   std::int64_t every = 0;
   const auto now = base::Clock::now();
-  if (workers_.rank() == 0) {
+  if (workers_->rank() == 0) {
     every = 1;
     if (interval_.count() > 0 && steps_timed > 0) {
       const double step_s = base::seconds_between(started_, now) / steps_timed;
@@ -90,7 +90,7 @@ void PreemptionVote::start(std::int64_t steps_timed) {
     }
   }
   started_ = now;
-  pending_.emplace(workers_, mine, every);
+  pending_.emplace(*workers_, mine, every);
 }
 
 bool PreemptionVote::read() {
@@ -102,6 +102,7 @@ bool PreemptionVote::read() {
 }
 
 bool PreemptionVote::at_step_boundary() {
+  if (!workers_) return own_request_.load() || g_preemption_requested.load();
   // The last vote, read now: it had at least a whole step to complete behind the computation;
   // the next starts at once. Both happen every every_ steps (the same on every worker).
   if (!agreed_ && ++since_ >= every_) {
@@ -115,6 +116,7 @@ bool PreemptionVote::at_step_boundary() {
 }
 
 bool PreemptionVote::finish() {
+  if (!workers_) return own_request_.load() || g_preemption_requested.load();
   const bool late = read() || agreed_;
   agreed_ = false;
   return late;

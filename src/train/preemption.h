@@ -31,9 +31,11 @@ void clear_preemption_request() noexcept;
 // at a later one, so it never waits on the step's critical path. The chief spaces the votes
 // about `interval` apart in time, from its own step time, as a whole number of steps it sends
 // with each vote, so every worker votes at the same steps. 0: a vote every step.
+// Without `workers` (an elastic group, whose membership changes mid-fit) there is no vote: the
+// worker that got the request acts on it alone at its next step boundary, leaving the group.
 class PreemptionVote {
  public:
-  PreemptionVote(collective::Communicator& workers, std::chrono::milliseconds interval,
+  PreemptionVote(collective::Communicator* workers, std::chrono::milliseconds interval,
                  const std::atomic<bool>& own_request);
   ~PreemptionVote(); // waits for a vote still in flight
   PreemptionVote(const PreemptionVote&) = delete;
@@ -49,7 +51,7 @@ class PreemptionVote {
   void start(std::int64_t steps_timed);
   bool read();
 
-  collective::Communicator& workers_;
+  collective::Communicator* workers_;
   std::chrono::milliseconds interval_;
   const std::atomic<bool>& own_request_;
   bool agreed_ = false;

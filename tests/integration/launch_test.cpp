@@ -329,31 +329,23 @@ struct ElasticFit {
     std::filesystem::create_directories(reference);
     std::filesystem::create_directories(elastic);
   }
-  // launch's command line: worker 2 signals itself once before global step 7.
-  std::vector<std::string> launch(const std::string& signal, const std::string& sleep_ms) const {
-    return {kCli,
-            "launch",
-            "--elastic",
-            "--workers",
-            "3",
-            "--max-restarts",
-            "1",
-            "--heartbeat-timeout",
-            "2",
-            "--",
-            trainer,
-            "--out",
-            elastic,
-            "--sleep-ms",
-            sleep_ms,
-            "--signal-slot",
-            "2",
-            "--signal-at",
-            "7",
-            "--signal",
-            signal,
-            "--signal-once",
-            dir.path() + "/signalled"};
+  // launch's command line: worker 2 signals itself once before global step 7; `extra` goes to
+  // launch (before the command).
+  std::vector<std::string> launch(const std::string& signal, const std::string& sleep_ms,
+                                  std::vector<std::string> extra = {"--max-restarts", "1"},
+                                  const std::vector<std::string>& trainer_extra = {}) const {
+    std::vector<std::string> argv = {kCli, "launch", "--elastic", "--workers", "3"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    for (const std::string& arg :
+         {std::string("--heartbeat-timeout"), std::string("2"), std::string("--"), trainer,
+          std::string("--out"), elastic, std::string("--sleep-ms"), sleep_ms,
+          std::string("--signal-slot"), std::string("2"), std::string("--signal-at"),
+          std::string("7"), std::string("--signal"), signal, std::string("--signal-once"),
+          dir.path() + "/signalled"}) {
+      argv.push_back(arg);
+    }
+    argv.insert(argv.end(), trainer_extra.begin(), trainer_extra.end());
+    return argv;
   }
   // The weights of every worker equal the one-worker run's within 1e-6 (float32), and the
   // ledgers of `processes` processes hold each (epoch, sample) exactly once.
@@ -452,6 +444,32 @@ TEST(Launch, ElasticBelowMinWorkersStopsTheRest) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("done at step"), std::string::npos) << "a worker ran to the end: " << r.out;
+}
+
+// Below --min-workers with a backup: worker 2 of 3 is killed and no restart is left; the two
+// others are stopped (SIGTERM), the chief saves the committed state, and all leave with 75, as
+// launch does. The same job started again resumes from that backup with all three, and ends as
+// one worker would have; the ledgers of all six processes hold every sample once per epoch.
+TEST(Launch, ElasticBelowMinWorkersSavesExits75AndTheJobResumes) {
+  const ElasticFit fit;
+  const std::string backup = fit.dir.path() + "/backup";
+  const auto command = fit.launch("KILL", "100", {"--min-workers", "3", "--max-restarts", "0"},
+                                  {"--backup-dir", backup});
+  const auto stopped = run_process(command, {}, std::chrono::seconds(120));
+  ASSERT_EQ(stopped.exit_code, kExitPreempted) << stopped.out << stopped.err;
+  EXPECT_NE(stopped.err.find("fewer than --min-workers 3: stopping them (SIGTERM)"),
+            std::string::npos)
+      << stopped.err;
+  EXPECT_NE(stopped.err.find("it left the elastic group at update"), std::string::npos)
+      << stopped.err;
+  EXPECT_NE(stopped.err.find("it saved the backup in " + backup), std::string::npos) << stopped.err;
+  ASSERT_TRUE(std::filesystem::exists(backup + "/checkpoint"));
+  const auto resumed = run_process(command, {}, std::chrono::seconds(120));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  std::cout << stopped.err << resumed.err;
+  EXPECT_NE(resumed.err.find("BackupAndRestore: resuming from " + backup), std::string::npos)
+      << resumed.err;
+  fit.expect_one_workers_result(6);
 }
 
 // The CLI: flotilla train --elastic under launch --elastic, worker 1 SIGKILLed from outside

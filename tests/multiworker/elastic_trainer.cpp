@@ -7,8 +7,9 @@
 // writes its weights to <out>/weights-<slot>.safetensors.
 // Flags: --out DIR; --epochs N; --sleep-ms MS (per step, so a restarted worker can rejoin
 // mid-fit); --signal-slot S --signal-at K --signal-once FILE (slot S SIGKILLs itself before
-// global step K, once; --signal STOP: SIGSTOPs itself instead); --reference (one worker, no
-// elastic group). Prints "slot S pid P" once it has joined.
+// global step K, once; --signal STOP: SIGSTOPs itself instead); --backup-dir DIR (a
+// BackupAndRestore there, every 4 updates); --reference (one worker, no elastic group). Prints
+// "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
+#include "flotilla/train/checkpoint_callbacks.h"
 #include "flotilla/train/model.h"
 #include "support/signal_once.h"
 
@@ -55,7 +57,7 @@ class Ledger : public train::Callback {
 } // namespace
 
 int main(int argc, char** argv) {
-  std::string out = ".", signal_once;
+  std::string out = ".", signal_once, backup_dir;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
   bool reference = false;
   for (int i = 1; i < argc; ++i) {
@@ -72,6 +74,7 @@ int main(int argc, char** argv) {
     if (flag == "--signal-slot") signal_slot = std::stoi(value);
     if (flag == "--signal-at") signal_at = std::stoi(value);
     if (flag == "--signal-once") signal_once = value;
+    if (flag == "--backup-dir") backup_dir = value;
     if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
   }
   try {
@@ -118,6 +121,12 @@ int main(int argc, char** argv) {
     fit.callbacks.push_back(
         std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms,
                                  signal_at, signal, &step));
+    if (!backup_dir.empty()) {
+      train::BackupOptions backup;
+      backup.backup_dir = backup_dir;
+      backup.save_freq = 4;
+      fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(backup));
+    }
     model.fit(dataset, fit);
     checkpoint::save_safetensors(out + "/weights-" + std::to_string(slot) + ".safetensors",
                                  checkpoint::model_state(*net));

@@ -22,7 +22,8 @@
 // the rendezvous itself (FLOTILLA_RENDEZVOUS in every worker's environment), so it outlives any
 // worker. A failed worker is started again alone, with its own TF_CONFIG, while restarts remain
 // (--max-restarts counts these); the others never stop, and admit it when it is back. Below
-// --min-workers, with nothing to restart, the rest are stopped with SIGTERM. The job succeeded
+// --min-workers, with nothing to restart, the rest are stopped with SIGTERM; when they all
+// leave with 75 (with a backup, the chief saved it), launch exits 75 too. The job succeeded
 // when the group finished training (a worker exited 0): a worker lost on the way is reported
 // in launch's lines, not in its exit code.
 #include <arpa/inet.h>
@@ -434,9 +435,10 @@ class Launcher {
   RestartCount count_;
   bool restart_ = false; // decided at the failure, announced in its line
   bool preempted_ = false;
-  std::optional<int> failed_;    // index of the worker whose failure stopped the others
-  std::optional<int> forwarded_; // the first signal we passed on
-  bool killed_ = false;          // a second signal: no more grace
+  std::optional<int> failed_;          // index of the worker whose failure stopped the others
+  std::vector<int> stopped_below_min_; // elastic: the workers stopped for --min-workers
+  std::optional<int> forwarded_;       // the first signal we passed on
+  bool killed_ = false;                // a second signal: no more grace
   std::optional<Clock::time_point> kill_at_;
   std::optional<Clock::time_point> term_at_; // a victim failed first: when to stop the rest
   static constexpr std::chrono::seconds kCulpritWindow{2};
@@ -451,7 +453,10 @@ void Launcher::reap_elastic() {
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (c.exit_code == 0 || forwarded_ || c.index >= args_.workers) continue;
+    // Once stopped below --min-workers, the rest's exits are how they took it (supervise's end).
+    if (c.exit_code == 0 || forwarded_ || c.index >= args_.workers || !stopped_below_min_.empty()) {
+      continue;
+    }
     std::string line = "[launch] " + c.name + " " + describe_exit(status);
     // Bad input fails again however often it starts; a worker that saved for a preemption is
     // asked to stop, not to be replaced.
@@ -476,6 +481,9 @@ void Launcher::reap_elastic() {
     if (running > 0 && running < args_.min_workers) {
       line += "; " + std::to_string(running) + " workers left, fewer than --min-workers " +
               std::to_string(args_.min_workers) + ": stopping them (SIGTERM)";
+      for (const auto& w : children_) {
+        if (w.running && w.index < args_.workers) stopped_below_min_.push_back(w.index);
+      }
       stop_all(SIGTERM);
       stop_later();
     } else if (running > 0) {
@@ -658,6 +666,19 @@ Outcome Launcher::supervise() {
       if (c.index < args_.workers && c.exit_code == 0) return {kExitOk};
     }
   }
+  if (!stopped_below_min_.empty() && !forwarded_) {
+    // Stopped below --min-workers: when they all left with 75 (the chief saved the backup
+    // first), the job is to be started again from it, as after a preemption.
+    const bool saved =
+        std::all_of(stopped_below_min_.begin(), stopped_below_min_.end(), [&](int i) {
+          return children_[static_cast<std::size_t>(i)].exit_code == kExitPreempted;
+        });
+    if (saved) {
+      write_all(STDERR_FILENO, "[launch] the workers stopped below --min-workers saved and left "
+                               "(exit 75): start the job again to resume from its backup\n");
+      return {kExitPreempted};
+    }
+  }
   if (failed_) {
     // A signal to launch itself during the failure's grace period cancels the restart.
     const bool restart = restart_ && !forwarded_;
@@ -796,7 +817,8 @@ Command add_launch(CLI::App& parent) {
                 "and admit it when it is back");
   app->add_option("--min-workers", args->min_workers,
                   "With --elastic: when fewer workers than this are left and none can be "
-                  "restarted, stop the rest (SIGTERM)")
+                  "restarted, stop the rest (SIGTERM: with --backup-dir they save and exit 75, "
+                  "and so does launch)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,

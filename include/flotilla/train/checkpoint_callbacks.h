@@ -1,7 +1,10 @@
 // Keras's checkpointing callbacks: ModelCheckpoint (weights or full checkpoints, per epoch or
 // every N updates, the best only) and BackupAndRestore (resume an interrupted fit exactly, and
 // save at an agreed step when preempted). Both save collectively: every worker takes part, the
-// chief into the real directory, the others into temporary ones removed afterwards.
+// chief into the real directory, the others into temporary ones removed afterwards. In an
+// elastic group (CommunicationOptions::elastic) the chief saves alone, so that no save waits for
+// a member that joins or leaves mid-fit; a worker joining mid-fit skips the restore (its state
+// comes from a live peer).
 #pragma once
 
 #include <atomic>
@@ -54,7 +57,9 @@ struct BackupOptions {
   std::int64_t save_freq = 0;    // 0: at every epoch end; N: also every N optimizer updates
   bool delete_checkpoint = true; // remove the backup after a fit that completes
   // TF's PreemptionCheckpointHandler (preemption.h): during fit, SIGTERM to any one worker makes
-  // every worker save a backup at the same step and leave fit with Preempted.
+  // every worker save a backup at the same step and leave fit with Preempted. Elastic: the
+  // worker that got it leaves alone at its next step boundary (the chief saves first) and the
+  // others go on without it.
   bool handle_preemption = true;
   // How often the workers compare preemption requests: about this often in time, as a whole
   // number of steps the chief derives from its step time and sends with each vote (so every
@@ -86,7 +91,7 @@ class BackupAndRestore : public Callback {
   void request_preemption() noexcept;
 
  private:
-  void backup();
+  bool backup(); // false: another worker writes it (elastic, not the chief)
   BackupOptions options_;
   std::optional<TrainingState> restored_;
   std::int64_t last_backup_iteration_ = -1;
