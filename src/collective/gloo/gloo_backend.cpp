@@ -1,15 +1,39 @@
 // The only translation unit that includes Gloo: c10d's ProcessGroupGloo over Gloo's TCP pairs.
 #include <gloo/common/error.h>
+#include <signal.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <mutex>
 
 #include "collective/backends.h"
 
 namespace flotilla::collective::detail {
+namespace {
+
+// Gloo's TCP pairs write with writev(), which raises SIGPIPE once the peer's socket is gone (a
+// worker that died, or one cut off whose connection was reset). By default that signal kills
+// this process, a survivor, instead of failing the operation with EPIPE. Python ignores
+// SIGPIPE at start-up, which is why PyTorch never shows this; a C++ program has to do it.
+// Left alone where the program chose a disposition of its own.
+void ignore_sigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  });
+}
+
+} // namespace
 
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
                                                     const std::string& local_host,
                                                     std::chrono::milliseconds timeout) {
+  ignore_sigpipe();
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(local_host.empty()
                                  ? c10d::ProcessGroupGloo::createDefaultDevice()

@@ -114,6 +114,41 @@ def metrics(path_a, path_b, tol, parts):
     return 0
 
 
+def elastic(out, ref, tol, epochs, samples, slots, processes):
+    """tests/multiworker/elastic_trainer's results: every slot's final weights equal the
+    one-worker reference's within tol (absolute, float32), there is one ledger per process
+    started (ledger-<pid>.txt: "epoch id id ..." per committed step), and together they hold
+    each sample once per epoch."""
+    from safetensors.numpy import load_file
+    import numpy as np
+
+    expected = load_file(os.path.join(ref, "weights-0.safetensors"))
+    worst = 0.0
+    for slot in range(slots):
+        got = load_file(os.path.join(out, f"weights-{slot}.safetensors"))
+        if sorted(got) != sorted(expected):
+            print(f"slot {slot}: tensors {sorted(got)} vs the reference's {sorted(expected)}")
+            return 1
+        for name, t in expected.items():
+            worst = max(worst, float(np.abs(got[name].astype(np.float64) - t).max()))
+    trained = {}
+    ledgers = [n for n in os.listdir(out) if n.startswith("ledger-")]
+    for name in ledgers:
+        for line in open(os.path.join(out, name)):
+            epoch, *ids = map(int, line.split())
+            for i in ids:
+                trained[(epoch, i)] = trained.get((epoch, i), 0) + 1
+    lost = epochs * samples - len(trained)
+    repeated = sum(n - 1 for n in trained.values())
+    print(f"{slots} slots' weights within {worst:.3g} of the one-worker run's (tolerance {tol:g}); "
+          f"{len(ledgers)} ledgers: {lost} samples lost, {repeated} trained twice")
+    if len(ledgers) != processes:
+        print(f"{len(ledgers)} ledgers, not {processes}: a process was started that should not "
+              "have been, or one never trained")
+        return 1
+    return 0 if worst < tol and lost == 0 and repeated == 0 else 1
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "serve":
@@ -122,6 +157,8 @@ def main():
         send(args[0], int(args[1]), float(args[2]))
     elif cmd == "weights":
         return weights(args[0], args[1], float(args[2]))
+    elif cmd == "elastic":
+        return elastic(args[0], args[1], float(args[2]), *map(int, args[3:7]))
     elif cmd == "metrics":
         return metrics(args[0], args[1], float(args[2]), args[3].split(","))
     else:
