@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-gpu clean
+.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-chaos bench-gpu clean
 
 all: build
 
@@ -81,6 +81,10 @@ bench-torchscript: build
 
 bench-elastic: build
 	bench/elastic.sh
+
+# Elastic training under a fault every 20-40 s for 5 minutes on 4 namespaced hosts (root).
+bench-chaos: build
+	bench/chaos.sh
 
 # Builds and packages the GPU benchmark's binaries into .device/ (bench/gpu/package.sh); the
 # benchmark itself runs on the GPU machine (bench/gpu/run.sh; docs/benchmarks.md).

@@ -2,6 +2,8 @@
 // TF_CONFIG (or torchrun variables, or nothing: one worker alone); start one per task, or let
 // `flotilla launch` start them on this machine.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <fstream>
 #include <memory>
@@ -70,6 +72,7 @@ struct TrainArgs {
   bool validation = false;
   int threads = 0; // 0: cores ÷ workers on this machine
   std::string metrics_json;
+  std::string step_ledger;  // a directory: ledger-<pid>.txt per process
   std::string profile_json; // the run's record (flotilla.run/1), for plan and doctor
   std::string trace;        // the timeline: Chrome trace-event JSON
   std::string report;       // the HTML report
@@ -543,6 +546,25 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
   return out;
 }
 
+// --step-ledger: every process, chief or not, appends one line per optimizer update it
+// committed, "<update> <epoch> <step in epoch> <workers>", flushed at once so a killed process's
+// lines stay. Across all processes of a run (restarted ones too), the lines say which global
+// batch each update trained on: bench/chaos.sh counts global batches lost or trained twice.
+std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Model& model) {
+  const std::string path = dir + "/ledger-" + std::to_string(::getpid()) + ".txt";
+  auto out = std::make_shared<std::ofstream>(path, std::ios::app);
+  if (!*out) {
+    throw ConfigError("cannot write --step-ledger file " + path +
+                      "; check that the directory exists and is writable");
+  }
+  auto ledger = std::make_shared<train::LambdaCallback>();
+  ledger->batch_end = [out, &model](std::int64_t batch, const train::Logs&) {
+    *out << model.iterations() << ' ' << model.current_epoch() << ' ' << batch << ' '
+         << model.strategy().num_workers() << std::endl;
+  };
+  return ledger;
+}
+
 // The chief's --metrics-json line per epoch.
 std::shared_ptr<train::Callback> metrics_lines(const std::string& path, train::Model& model,
                                                std::int64_t global_batch, train::Policy policy) {
@@ -777,6 +799,14 @@ int run(const TrainArgs& a) {
   if (!metrics_json.empty()) {
     fit.callbacks.push_back(metrics_lines(metrics_json, model, global_batch, recipe.policy));
   }
+  if (!a.step_ledger.empty()) {
+    if (a.steps_per_execution != 1) {
+      throw ConfigError("--step-ledger writes a line per step, and --steps-per-execution " +
+                        std::to_string(a.steps_per_execution) +
+                        " calls it every that many steps; leave --steps-per-execution at 1");
+    }
+    fit.callbacks.push_back(step_ledger(a.step_ledger, model));
+  }
   fit.callbacks.push_back(std::make_shared<profile::Profiler>(
       profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose)));
   model.fit(input.train, fit);
@@ -902,6 +932,9 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--metrics-json", args->metrics_json,
                   "Chief appends one JSON object per epoch and one with the test result");
+  app->add_option("--step-ledger", args->step_ledger,
+                  "Directory where every process appends ledger-<pid>.txt: one line per "
+                  "optimizer update, \"update epoch step workers\" (bench/chaos.sh counts them)");
   app->add_option("--profile-json", args->profile_json,
                   "Write the run's profile (per-epoch values, step phases per worker, the "
                   "recipe) as JSON, for flotilla plan --profile (chief)");

@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# `make bench-chaos`: elastic training under a fault every 20-40 s, against the same training
+# with no fault, on namespaced hosts (tests/integration/netns/lib.sh: root, ip netns, iptables).
+#
+# Five hosts: the four workers' (chief on 198.18.0.1, workers on .2-.4) and the rendezvous's
+# (`flotilla rendezvous` on .5, as a cluster would run it beside its tasks). On each worker host a
+# supervisor loop, as a scheduler would, starts `flotilla train --elastic` again whenever it
+# exits without having finished. Both runs train the same steps; during the chaos run the
+# injector cycles through the three faults, on the worker hosts in turn (each round of four
+# faults hits every host once, the chief's too, in a random order):
+#   kill  SIGKILL
+#   stop  SIGSTOP, then SIGCONT after --heartbeat-timeout + 3 s
+#   cut   every packet of the host dropped (iptables, inside its namespace), restored after
+#         --heartbeat-timeout + 3 s
+# Each run's processes append a step ledger (flotilla train --step-ledger): per committed
+# update, the epoch and step it trained on. A global batch is the same rows whoever trains it
+# (the deterministic pipeline; the exactness test in `make test` checks it sample by sample), so
+# the ledgers count samples lost or trained twice as whole global batches.
+#
+# JSON lines: each run's samples/s (the whole run, start to finish), their ratio (goal >= 0.9),
+# the ledger's lost/repeated samples (goal 0), restarts beyond one per fault (survivors
+# restarted; goal 0), the test accuracy of each run and the difference in points (goal <= 0.5),
+# and the time from each fault to the survivors training again.
+# Usage: bench/chaos.sh [FLOTILLA] [PYTHON]
+#   env: CHAOS_LOGS=DIR (keep both runs' logs there) FAULTS="kill stop cut" GAP_MIN=20 GAP_MAX=40
+#        DURATION=300 (s of faults) EPOCHS=64 STEPS=468 (an epoch: 60000 rows) BATCH=32 MODEL=mlp
+#        HB=2 SEED=1
+set -euo pipefail
+source "$(dirname "$0")/../tests/integration/netns/lib.sh"
+DURATION=${DURATION:-300}
+netns_init chaos $((4 * DURATION + 600)) "$@"
+
+EPOCHS=${EPOCHS:-64}
+STEPS=${STEPS:-468}
+BATCH=${BATCH:-32}
+MODEL=${MODEL:-mlp}
+HB=${HB:-2}
+SEED=${SEED:-1}
+FAULTS=${FAULTS:-kill stop cut} # cycled through in this order
+GAP_MIN=${GAP_MIN:-20}          # seconds between faults: drawn from [GAP_MIN, GAP_MAX]
+GAP_MAX=${GAP_MAX:-40}
+WORKER_HOSTS=3 # + the chief: 4 workers
+HOSTS=4
+RDZV_HOST=4
+machine=$(bash "$(dirname "$0")/machine.sh")
+train_args=(--elastic --heartbeat-timeout "$HB" --timeout 120 --model "$MODEL" --epochs "$EPOCHS"
+  --steps-per-epoch "$STEPS" --batch-per-replica "$BATCH" --seed 7 --threads 1 --verbose 2
+  --no-doctor)
+
+netns_add_hosts 5
+
+alive() {
+  local p
+  for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done
+  return 1
+}
+
+# run NAME PORT FAULTS: one whole training; sets run_seconds.
+run() {
+  local name=$1 port=$2 faults=$3 host
+  local rdzv="$(host_ip "$RDZV_HOST"):$port"
+  mkdir -p "$tmp/$name/ledger"
+  ip netns exec "$(host_ns "$RDZV_HOST")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
+    "$bin" rendezvous --listen "$rdzv" --workers "$HOSTS" --heartbeat-timeout "$HB" \
+    >"$tmp/$name/rendezvous.log" 2>&1 &
+  local rdzv_pid=$!
+  pids+=("$rdzv_pid")
+  local start=$SECONDS supervisors=()
+  for ((host = 0; host < HOSTS; host++)); do
+    supervise "$name" "$host" "$port" "$rdzv" &
+    supervisors+=($!)
+    pids+=($!)
+  done
+  if ((faults)); then inject "$name" "$start" & fi
+  local injector=$!
+  # Once the group has finished, a worker still waiting to rejoin it has nothing to join.
+  while [[ ! -e $tmp/$name/done ]] && kill -0 "${supervisors[0]}" 2>/dev/null; do sleep 1; done
+  local grace=$((SECONDS + 20))
+  while ((SECONDS < grace)) && alive "${supervisors[@]}"; do sleep 1; done
+  for ((host = 0; host < HOSTS; host++)); do
+    kill -TERM "$(cat "$tmp/$name/pid-$host")" 2>/dev/null || true
+  done
+  for host in "${supervisors[@]}"; do wait "$host" || true; done
+  [[ -e $tmp/$name/done ]] || die "$name: no worker finished; logs in $tmp/$name"
+  run_seconds=$(($(cat "$tmp/$name/done") - start))
+  if ((faults)); then wait "$injector" || true; fi
+  kill -TERM "$rdzv_pid" 2>/dev/null || true
+  wait "$rdzv_pid" 2>/dev/null || true
+  log "$name: $run_seconds s; $(grep -ho 'Test: .*' "$tmp/$name"/host-*.log | tail -n1)"
+}
+
+# supervise RUN HOST PORT RDZV: starts the host's worker again until the group has finished.
+supervise() {
+  local name=$1 host=$2 port=$3 rdzv=$4 rc tf type=chief index=0
+  ((host == 0)) || { type=worker; index=$((host - 1)); }
+  tf=$(tf_config "$port" "$type" "$index")
+  while [[ ! -e $tmp/$name/done ]]; do
+    # No `timeout` in between: the pid is the trainer's own, for the injector's signals.
+    ip netns exec "$(host_ns "$host")" env TF_CONFIG="$tf" FLOTILLA_RENDEZVOUS="$rdzv" \
+      FLOTILLA_CLUSTER_TOKEN="$cluster_token" OMP_NUM_THREADS=1 \
+      "$bin" train "${train_args[@]}" --step-ledger "$tmp/$name/ledger" \
+      >>"$tmp/$name/host-$host.log" 2>&1 &
+    local pid=$!
+    echo "$pid" >"$tmp/$name/pid-$host"
+    echo "$SECONDS start $pid" >>"$tmp/$name/starts-$host"
+    rc=0
+    wait "$pid" || rc=$?
+    echo "$SECONDS exit $pid $rc" >>"$tmp/$name/starts-$host"
+    if ((rc == 0)); then
+      # The run's end: when the group finished (its members exit together).
+      [[ -e $tmp/$name/done ]] || echo "$SECONDS" >"$tmp/$name/done"
+      break
+    fi
+    sleep 1 # a late joiner fails once the group has finished: done says so by then
+  done
+}
+
+# Heals so far: the chief's "training goes on" lines (whoever is chief logs them).
+heals() { cat "$tmp/$1"/host-*.log 2>/dev/null | grep -c 'training goes on at update' || true; }
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+
+# inject RUN START: a fault every 20-40 s until DURATION s after START (or the run's end).
+inject() {
+  local name=$1 start=$2 n=0 kind host pid before t0 resumed hold_ms=$(((HB + 3) * 1000)) i j t
+  local order=()
+  local kinds=($FAULTS)
+  RANDOM=$SEED
+  while :; do
+    sleep $((GAP_MIN + RANDOM % (GAP_MAX - GAP_MIN + 1)))
+    ((SECONDS - start < DURATION)) && [[ ! -e $tmp/$name/done ]] || break
+    kind=${kinds[n % ${#kinds[@]}]}
+    if ((n % HOSTS == 0)); then # each round of HOSTS faults hits every host once, in random order
+      order=($(seq 0 $((HOSTS - 1))))
+      for ((i = HOSTS - 1; i > 0; i--)); do
+        j=$((RANDOM % (i + 1)))
+        t=${order[i]} && order[i]=${order[j]} && order[j]=$t
+      done
+    fi
+    host=${order[n % HOSTS]}
+    pid=$(cat "$tmp/$name/pid-$host")
+    kill -0 "$pid" 2>/dev/null || continue
+    n=$((n + 1))
+    before=$(heals "$name")
+    t0=$(now_ms)
+    case $kind in
+      kill) kill -KILL "$pid" ;;
+      stop) kill -STOP "$pid" ;;
+      cut)
+        ip netns exec "$(host_ns "$host")" iptables -I INPUT 1 ! -i lo -j DROP
+        ip netns exec "$(host_ns "$host")" iptables -I OUTPUT 1 ! -o lo -j DROP
+        ;;
+    esac
+    # Resumed: the survivors regrouped and train again (the chief's line after the heal).
+    resumed=none
+    while [[ ! -e $tmp/$name/done ]] && (($(now_ms) - t0 < 60000)); do
+      if (($(heals "$name") > before)); then
+        resumed=$(($(now_ms) - t0))
+        break
+      fi
+      sleep 0.05
+    done
+    if [[ $kind != kill ]]; then
+      local left=$((hold_ms - ($(now_ms) - t0)))
+      ((left <= 0)) || sleep "$((left / 1000)).$(printf '%03d' $((left % 1000)))"
+      if [[ $kind == stop ]]; then
+        kill -CONT "$pid" 2>/dev/null || true
+      else
+        ip netns exec "$(host_ns "$host")" iptables -D INPUT ! -i lo -j DROP
+        ip netns exec "$(host_ns "$host")" iptables -D OUTPUT ! -o lo -j DROP
+      fi
+    fi
+    echo "$((SECONDS - start)) $kind $host $pid $resumed" >>"$tmp/$name/faults"
+    log "fault $n at $((SECONDS - start)) s: $kind host $host (pid $pid); training again after" \
+      "$resumed ms"
+  done
+}
+
+run free 23500 0
+free_s=$run_seconds
+run chaos 23600 1
+chaos_s=$run_seconds
+
+"$PYTHON" - "$tmp" "$EPOCHS" "$STEPS" "$((BATCH * HOSTS))" "$HOSTS" "$free_s" "$chaos_s" \
+  "$MODEL" "$HB" "$machine" <<'EOF'
+import glob, json, os, re, statistics, sys
+tmp, epochs, steps, global_batch, hosts = sys.argv[1], *map(int, sys.argv[2:6])
+free_s, chaos_s, model, hb, machine = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8], float(sys.argv[9]), json.loads(sys.argv[10])
+common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": global_batch,
+          "heartbeat_timeout_s": hb, "machine": machine}
+def out(**kv):
+    print(json.dumps({**common, **kv}, separators=(",", ":")))
+
+def accuracy(run):
+    lines = []
+    for path in glob.glob(f"{tmp}/{run}/host-*.log"):
+        lines += re.findall(r"Test: loss: [0-9.]+ - accuracy: ([0-9.]+)", open(path, errors="replace").read())
+    return float(lines[-1]) if lines else None
+
+def ledger(run):
+    by_update = {}
+    for path in glob.glob(f"{tmp}/{run}/ledger/ledger-*.txt"):
+        kept = []
+        for line in open(path):
+            u, e, s, w = map(int, line.split())
+            while kept and kept[-1][0] >= u:  # rolled back by a heal: redone below
+                kept.pop()
+            kept.append((u, e, s))
+        for u, e, s in kept:
+            by_update.setdefault(u, set()).add((e, s))
+    conflicts = sum(1 for v in by_update.values() if len(v) > 1)
+    trained = {}
+    for u, v in by_update.items():
+        for batch in v:
+            trained.setdefault(batch, set()).add(u)
+    lost = sum(1 for e in range(epochs) for s in range(steps) if (e, s) not in trained)
+    repeated = sum(len(us) - 1 for us in trained.values())
+    return {"updates": len(by_update), "lost_samples": lost * global_batch,
+            "repeated_samples": repeated * global_batch, "conflicting_updates": conflicts}
+
+samples = epochs * steps * global_batch
+for run, seconds in (("free", free_s), ("chaos", chaos_s)):
+    out(config="fault-free" if run == "free" else "chaos", metric="samples_per_s",
+        value=round(samples / seconds, 1), seconds=seconds, samples=samples)
+out(metric="samples_per_s", ratio=round(free_s / chaos_s, 3), of="chaos/fault-free", goal=">= 0.9")
+
+faults = [l.split() for l in open(f"{tmp}/chaos/faults")] if os.path.exists(f"{tmp}/chaos/faults") else []
+kinds = {}
+for f in faults:
+    kinds[f[1]] = kinds.get(f[1], 0) + 1
+starts = restarts = 0
+for h in range(hosts):
+    path = f"{tmp}/chaos/starts-{h}"
+    n = sum(1 for l in open(path) if " start " in l) if os.path.exists(path) else 0
+    hit = sum(1 for f in faults if int(f[2]) == h)
+    starts += n
+    restarts += max(0, n - 1 - hit)
+out(metric="faults", value=len(faults), kinds=kinds, duration_s=int(os.environ.get("DURATION", 300)),
+    process_starts=starts, survivor_restarts=restarts, goal_survivor_restarts=0)
+for run in ("free", "chaos"):
+    out(config="fault-free" if run == "free" else "chaos", metric="ledger", **ledger(run), goal="0 lost, 0 repeated")
+a_free, a_chaos = accuracy("free"), accuracy("chaos")
+out(metric="test_accuracy", fault_free=a_free, chaos=a_chaos,
+    diff_points=None if a_free is None or a_chaos is None else round(abs(a_free - a_chaos) * 100, 2), goal="<= 0.5")
+for kind in ("kill", "stop", "cut"):
+    times = [int(f[4]) / 1000 for f in faults if f[1] == kind and f[4] != "none"]
+    if times:
+        out(metric="fault_to_training_again_s", fault=kind, median=round(statistics.median(times), 2),
+            max=round(max(times), 2), count=len(times),
+            goal=("< 2" if kind == "kill" else f"< {hb + 2:g}"))
+EOF
+if [[ -n ${CHAOS_LOGS:-} ]]; then
+  mkdir -p "$CHAOS_LOGS"
+  cp -r "$tmp/free" "$tmp/chaos" "$CHAOS_LOGS/"
+  log "logs copied to $CHAOS_LOGS"
+fi
+netns_finish
