@@ -26,8 +26,9 @@
 namespace flotilla::train {
 
 namespace {
-// Elastic: steps between two admission votes (one small all-reduce each). Few enough that a
-// restarted worker waits little; rare enough that a fast step does not pay for it each time.
+// Elastic: steps between two admission votes (one small all-reduce each, started at a step
+// boundary and read at the next, so it overlaps a step). Few enough that a restarted worker
+// waits little; rare enough that a fast step does not pay for it each time.
 constexpr std::int64_t kAdmitEvery = 8;
 
 // Elastic: a joining worker whose group holds no training state (the others finished or are
@@ -465,6 +466,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   const auto comm_before = reducer_->stats();
   const auto start = base::Clock::now();
   collective::ElasticGroup* const group = strategy_.elastic();
+  std::optional<collective::PendingAgreement> admission; // elastic: the vote in flight
   if (group) {
     committed_ = committed_state();
     pulled_since_commit_ = false;
@@ -521,11 +523,16 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     if (vote && vote->at_step_boundary() && step_in_epoch_ % accumulation == 0 && !epoch_last) {
       preempt(callbacks);
     }
-    // Restarted workers wait to be admitted: every kAdmitEvery steps the members ask whether
-    // the rendezvous reported any, and all take them in at that boundary.
-    if (group && step_in_epoch_ % kAdmitEvery == 0 &&
-        collective::any_true(strategy_.communicator(), group->waiting() > 0) && group->admit()) {
-      on_generation(input);
+    // Restarted workers wait to be admitted: every kAdmitEvery steps the members start a vote
+    // on whether the rendezvous reported any, read it at the next boundary (it overlapped that
+    // step), and if so all take them in there. After a new generation none is in flight (a
+    // joiner has none either); a vote left at an epoch's end is dropped by every member.
+    if (group && admission) {
+      const bool admit = admission->wait().any;
+      admission.reset();
+      if (admit && group->admit()) on_generation(input);
+    } else if (group && step_in_epoch_ % kAdmitEvery == 0) {
+      admission.emplace(strategy_.communicator(), group->waiting() > 0);
     }
     timer_->end_step();
     return !(batch_ended && stop_training);
@@ -547,6 +554,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
       throw;
     } catch (const std::exception& e) {
       timer_->cancel_step();
+      admission.reset(); // on the group that failed: never read
       heal(e, input);
     }
   }
@@ -580,7 +588,9 @@ void Model::finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
   epoch_index_ = epoch + 1;
   mirror_buffers(); // validation and the callbacks read them
   if (validation && (epoch + 1) % options.validation_freq == 0) {
-    const EvalResult val = evaluate_impl(*validation);
+    // Elastic: split among the workers there are now (fit split it among those at its start).
+    const EvalResult val = evaluate_impl(
+        strategy_.elastic() ? validation->redistribute(strategy_.input_context()) : *validation);
     for (const auto& [key, value] : val.values.items()) logs.values.set("val_" + key, value);
     replicas_->set_training(true);
   }

@@ -347,8 +347,9 @@ struct ElasticFit {
     argv.insert(argv.end(), trainer_extra.begin(), trainer_extra.end());
     return argv;
   }
-  // The weights of every worker equal the one-worker run's within 1e-6 (float32), and the
-  // ledgers of `processes` processes hold each (epoch, sample) exactly once.
+  // The weights of every worker equal the one-worker run's within 1e-6 (float32), so do the
+  // val_loss of every epoch each finished (within 1e-5), and the ledgers of `processes`
+  // processes hold each (epoch, sample) exactly once.
   void expect_one_workers_result(int processes) const {
     const auto alone = run_process({trainer, "--reference", "--out", reference});
     ASSERT_EQ(alone.exit_code, 0) << alone.err;
@@ -361,6 +362,25 @@ struct ElasticFit {
         const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
         EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
       }
+    }
+    // Validation after each epoch a process finished, on the workers there were then.
+    std::map<int, double> expected_val;
+    {
+      std::ifstream in(reference + "/val-0.txt");
+      int epoch = 0;
+      double loss = 0;
+      while (in >> epoch >> loss) expected_val[epoch] = loss;
+    }
+    ASSERT_EQ(expected_val.size(), 4u);
+    for (int slot = 0; slot < 3; ++slot) {
+      std::ifstream in(elastic + "/val-" + std::to_string(slot) + ".txt");
+      int epoch = 0, epochs = 0;
+      double loss = 0;
+      while (in >> epoch >> loss) {
+        ++epochs;
+        EXPECT_NEAR(loss, expected_val.at(epoch), 1e-5) << "slot " << slot << " epoch " << epoch;
+      }
+      EXPECT_GT(epochs, 0) << "slot " << slot;
     }
     std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
     int ledgers = 0;

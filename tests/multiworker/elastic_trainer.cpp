@@ -4,7 +4,8 @@
 // strips and records; a callback writes the ids of every committed step to this process's
 // ledger (<out>/ledger-<pid>.txt: "epoch id id ..." per step), so the ledgers of every
 // process, the killed one's included, count each sample's training. At the end each process
-// writes its weights to <out>/weights-<slot>.safetensors.
+// writes its weights to <out>/weights-<slot>.safetensors and the val_loss of each epoch it
+// finished (validation on 96 other rows after every epoch) to <out>/val-<slot>.txt.
 // Flags: --out DIR; --epochs N; --sleep-ms MS (per step, so a restarted worker can rejoin
 // mid-fit); --signal-slot S --signal-at K --signal-once FILE (slot S SIGKILLs itself before
 // global step K, once; --signal STOP: SIGSTOPs itself instead); --backup-dir DIR (a
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <thread>
 
@@ -114,8 +116,12 @@ int main(int argc, char** argv) {
               pending.assign(id.data_ptr<std::int64_t>(), id.data_ptr<std::int64_t>() + id.numel());
               return data::Element{e[0].narrow(1, 0, 8).contiguous(), e[1]};
             });
+    // Validation after every epoch: 96 other rows, 4 global batches.
+    const auto vx = torch::randn({96, 8});
+    const auto vy = torch::randint(0, 3, {96});
     int step = 0;
     train::FitOptions fit;
+    fit.validation_data = data::Dataset::from_tensor_slices({vx, vy}).batch(24);
     fit.epochs = epochs;
     fit.verbose = train::Verbosity::kSilent;
     fit.callbacks.push_back(
@@ -127,7 +133,12 @@ int main(int argc, char** argv) {
       backup.save_freq = 4;
       fit.callbacks.push_back(std::make_shared<train::BackupAndRestore>(backup));
     }
-    model.fit(dataset, fit);
+    const train::History history = model.fit(dataset, fit);
+    std::ofstream val(out + "/val-" + std::to_string(slot) + ".txt");
+    for (const auto& logs : history.epochs) {
+      val << logs.epoch << ' ' << std::setprecision(9) << logs.values.get("val_loss").value_or(-1)
+          << '\n';
+    }
     checkpoint::save_safetensors(out + "/weights-" + std::to_string(slot) + ".safetensors",
                                  checkpoint::model_state(*net));
     std::cout << "slot " << slot << " finished at update " << model.iterations() << " with "
