@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -547,9 +548,10 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
 }
 
 // --step-ledger: every process, chief or not, appends one line per optimizer update it
-// committed, "<update> <epoch> <step in epoch> <workers>", flushed at once so a killed process's
-// lines stay. Across all processes of a run (restarted ones too), the lines say which global
-// batch each update trained on: bench/chaos.sh counts global batches lost or trained twice.
+// committed, "<update> <epoch> <step in epoch> <workers> <unix time in ms>", flushed at once so
+// a killed process's lines stay. Across all processes of a run (restarted ones too), the lines
+// say which global batch each update trained on, and when: bench/chaos.sh counts global
+// batches lost or trained twice, and times each epoch.
 std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Model& model) {
   const std::string path = dir + "/ledger-" + std::to_string(::getpid()) + ".txt";
   auto out = std::make_shared<std::ofstream>(path, std::ios::app);
@@ -559,8 +561,10 @@ std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Mode
   }
   auto ledger = std::make_shared<train::LambdaCallback>();
   ledger->batch_end = [out, &model](std::int64_t batch, const train::Logs&) {
+    const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::system_clock::now().time_since_epoch());
     *out << model.iterations() << ' ' << model.current_epoch() << ' ' << batch << ' '
-         << model.strategy().num_workers() << std::endl;
+         << model.strategy().num_workers() << ' ' << now.count() << std::endl;
   };
   return ledger;
 }
@@ -934,7 +938,8 @@ Command add_train(CLI::App& parent) {
                   "Chief appends one JSON object per epoch and one with the test result");
   app->add_option("--step-ledger", args->step_ledger,
                   "Directory where every process appends ledger-<pid>.txt: one line per "
-                  "optimizer update, \"update epoch step workers\" (bench/chaos.sh counts them)");
+                  "optimizer update, \"update epoch step workers unix_ms\" (bench/chaos.sh counts "
+                  "them)");
   app->add_option("--profile-json", args->profile_json,
                   "Write the run's profile (per-epoch values, step phases per worker, the "
                   "recipe) as JSON, for flotilla plan --profile (chief)");
