@@ -15,7 +15,6 @@
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
-#include "flotilla/train/checkpoint_callbacks.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "train/captured_step.h"
 #include "train/epoch_iterator.h"
