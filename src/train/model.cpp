@@ -675,6 +675,10 @@ TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
         "no member of the elastic group holds a training state (the others finished "
         "training or are gone, and this worker restarted too late to rejoin them)");
   }
+  // A departure with every member at the same update: they hold the same weights, optimizer
+  // state and input position already (the same all-reduced gradients), so nothing is sent, and
+  // each keeps its own generator, as in a run without the fault.
+  if (!holders.any && collective::same_value(comm, mine.iterations)) return mine;
   const int donor = static_cast<int>(holders.min);
   return share_training_state(*this, comm, donor, mine);
 }
