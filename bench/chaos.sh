@@ -82,7 +82,8 @@ run() {
   for ((host = 0; host < HOSTS; host++)); do
     kill -TERM "$(cat "$tmp/$name/pid-$host")" 2>/dev/null || true
   done
-  for host in "${supervisors[@]}"; do wait "$host" || true; done
+  local s
+  for s in "${supervisors[@]}"; do wait "$s" || true; done
   [[ -e $tmp/$name/done ]] || die "$name: no worker finished; logs in $tmp/$name"
   run_seconds=$(($(cat "$tmp/$name/done") - start))
   if ((faults)); then wait "$injector" || true; fi
@@ -183,10 +184,11 @@ run chaos 23600 1
 chaos_s=$run_seconds
 
 "$PYTHON" - "$tmp" "$EPOCHS" "$STEPS" "$((BATCH * HOSTS))" "$HOSTS" "$free_s" "$chaos_s" \
-  "$MODEL" "$HB" "$machine" <<'EOF'
+  "$MODEL" "$HB" "$machine" "$DURATION" <<'EOF'
 import glob, json, os, re, statistics, sys
 tmp, epochs, steps, global_batch, hosts = sys.argv[1], *map(int, sys.argv[2:6])
 free_s, chaos_s, model, hb, machine = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8], float(sys.argv[9]), json.loads(sys.argv[10])
+duration = int(sys.argv[11])
 common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": global_batch,
           "heartbeat_timeout_s": hb, "machine": machine}
 def out(**kv):
@@ -262,7 +264,7 @@ for h in range(hosts):
     hit = sum(1 for f in faults if int(f[2]) == h)
     starts += n
     restarts += max(0, n - 1 - hit)
-out(metric="faults", value=len(faults), kinds=kinds, duration_s=int(os.environ.get("DURATION", 300)),
+out(metric="faults", value=len(faults), kinds=kinds, duration_s=duration,
     process_starts=starts, survivor_restarts=restarts, goal_survivor_restarts=0)
 for run in ("free", "chaos"):
     out(config="fault-free" if run == "free" else "chaos", metric="ledger", **stats[run][0], goal="0 lost, 0 repeated")
