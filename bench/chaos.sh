@@ -119,7 +119,7 @@ supervise() {
 }
 
 # Heals so far: the chief's "training goes on" lines (whoever is chief logs them).
-heals() { cat "$tmp/$1"/host-*.log 2>/dev/null | grep -c 'training goes on at update' || true; }
+heals() { cat "$tmp/$1"/host-*.log 2>/dev/null | grep -c '; going on from epoch' || true; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 # inject RUN START: a fault every 20-40 s until DURATION s after START (or the run's end).

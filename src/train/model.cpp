@@ -17,6 +17,7 @@
 #include "flotilla/train/callback.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "train/captured_step.h"
+#include "train/elastic_heal.h"
 #include "train/epoch_iterator.h"
 #include "train/preemption.h"
 #include "train/replica_set.h"
@@ -75,7 +76,8 @@ std::vector<double> History::operator[](const std::string& key) const {
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward, std::function<Replica()> clone)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)),
-      clone_(std::move(clone)), timer_(std::make_unique<detail::StepTimer>()) {
+      clone_(std::move(clone)), timer_(std::make_unique<detail::StepTimer>()),
+      end_(std::make_unique<detail::EpochEndRecord>()) {
   if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
 }
 
@@ -376,9 +378,17 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     // The group admitted this worker at a step boundary: the state comes from a live peer's
     // memory (weights, optimizer state, generator, updates, epoch, step, input position), and
     // the fit resumes there as from a backup. A member leaving meanwhile: regroup and ask again.
+    detail::FitPosition joiner;
+    joiner.holds_state = false;
     for (;;) {
       try {
-        restore_training_state(exchange_state(/*fresh=*/true, {}));
+        TrainingState state;
+        if (reconcile(joiner, state).nothing_to_join) {
+          throw NothingToJoin(
+              "no member of the elastic group holds a training state (the others finished "
+              "training or are gone, and this worker restarted too late to rejoin them)");
+        }
+        restore_training_state(state);
         break;
       } catch (const NothingToJoin&) {
         throw;
@@ -388,6 +398,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       }
     }
     strategy_.finish_joining();
+    joined_this_epoch_ = true; // its end is due even if the group was at the last step
     replicas_->copy_first_to_others();
   }
   int first_epoch = options.initial_epoch; // 0-based
@@ -422,7 +433,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       if (first && resume_step > 0 && !input.ran_out()) continue;
       break; // the data ran out at an epoch's start: nothing to report
     }
-    finish_epoch(epoch, *logs, options, validation, callbacks);
+    end_epoch(epoch, *logs, input, options, validation, callbacks);
     history.epochs.push_back(*logs);
     if (input.ran_out()) break;
   }
@@ -453,9 +464,12 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   step_in_epoch_ = first_step;
   replicas_->set_training(true);
   callbacks.on_epoch_begin(epoch);
-  const torch::Tensor epoch_sums =
+  epoch_sums_ =
       torch::zeros({static_cast<std::int64_t>(metrics_.size()) + 2},
                    torch::TensorOptions().dtype(torch::kFloat64).device(replicas_->device(0)));
+  const torch::Tensor& epoch_sums = epoch_sums_;
+  end_stage_ = detail::EpochStage::kSteps;
+  *end_ = detail::EpochEndRecord{};
   timer_->epoch = PhaseTimes{};
   std::int64_t steps = 0;
   std::int64_t skipped = 0;
@@ -560,46 +574,80 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   // The steps' all-reduce time, without the partial accumulation's below (in no step).
   const double comm_in_steps = reducer_->stats().comm_seconds - comm_before.comm_seconds;
   if (micro > 0) apply_gradients(); // the epoch's last, partial accumulation
-  if (steps == 0) return std::nullopt;
-  const double seconds = base::seconds_since(start);
-  const torch::Tensor global =
-      strategy_.reduce(strategy::ReduceOp::kSum, epoch_sums.to(torch::kCPU));
-  const double* g = global.data_ptr<double>();
-  const double count = g[global.size(0) - 1];
+  // A worker that joined at the epoch's last step boundary has no step of its own in it, but
+  // the others go on to its end, and so must it.
+  const bool joined = std::exchange(joined_this_epoch_, false);
+  if (steps == 0 && !joined) return std::nullopt;
   EpochLogs logs;
   logs.epoch = epoch + 1;
   logs.steps = steps;
-  set_means(logs.values, metrics_, g, count);
-  logs.values.set("learning_rate", options_->optimizer.learning_rate_at(iterations_));
-  logs.seconds = seconds;
-  logs.samples_per_s = count / seconds;
+  logs.seconds = base::seconds_since(start);
   logs.skipped_steps = skipped;
   logs.phases = timer_->epoch;
   logs.phases.comm_seconds = comm_in_steps;
-  logs.worker_phases = gather_phases(logs.phases);
   return logs;
 }
 
-void Model::finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
-                         const std::optional<data::DistributedDataset>& validation,
-                         CallbackList& callbacks) {
+void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
+                      const FitOptions& options,
+                      const std::optional<data::DistributedDataset>& validation,
+                      CallbackList& callbacks) {
+  using detail::EpochStage;
+  // Runs the collective of the stage `done` unless the group has passed it. Elastic: a failure
+  // heals, which may bring this stage's result from a member that completed it; otherwise the
+  // collective runs again in the new group.
+  const auto stage = [&](EpochStage done, const std::function<void()>& collective) {
+    while (end_stage_ < done) {
+      if (!strategy_.elastic()) {
+        collective();
+        end_stage_ = done;
+        break;
+      }
+      try {
+        collective();
+        end_stage_ = done;
+      } catch (const ConfigError&) {
+        throw;
+      } catch (const DataError&) {
+        throw;
+      } catch (const CheckpointError&) {
+        throw;
+      } catch (const std::exception& e) {
+        heal(e, input);
+      }
+    }
+  };
+  stage(EpochStage::kGathered, [&] { gather_epoch(logs.phases); });
+  const double count = end_->sums.back();
+  set_means(logs.values, metrics_, end_->sums.data(), count);
+  logs.values.set("learning_rate", options_->optimizer.learning_rate_at(iterations_));
+  logs.samples_per_s = logs.seconds > 0 ? count / logs.seconds : 0;
+  logs.worker_phases = end_->phases;
   step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
   epoch_index_ = epoch + 1;
-  mirror_buffers(); // validation and the callbacks read them
-  if (validation && (epoch + 1) % options.validation_freq == 0) {
+  stage(EpochStage::kMirrored, [&] { mirror_buffers(); }); // validation and callbacks read them
+  stage(EpochStage::kValidated, [&] {
+    end_->validation.clear();
+    if (!validation || (epoch + 1) % options.validation_freq != 0) return;
     // Elastic: split among the workers there are now (fit split it among those at its start).
     const EvalResult val = evaluate_impl(
         strategy_.elastic() ? validation->redistribute(strategy_.input_context()) : *validation);
-    for (const auto& [key, value] : val.values.items()) logs.values.set("val_" + key, value);
     replicas_->set_training(true);
+    end_->validation = val.values.items();
+  });
+  for (const auto& [key, value] : end_->validation) logs.values.set("val_" + key, value);
+  if (end_stage_ < EpochStage::kEnded) {
+    callbacks.on_epoch_end(epoch, logs);
+    end_stage_ = EpochStage::kEnded;
   }
-  callbacks.on_epoch_end(epoch, logs);
   // A stop decided by one worker alone (a user's callback) must stop them all.
-  stop_training = collective::any_true(strategy_.communicator(), stop_training);
+  stage(EpochStage::kAgreed,
+        [&] { stop_training = collective::any_true(strategy_.communicator(), stop_training); });
 }
 
 void Model::preempt(CallbackList& callbacks) {
-  mirror_buffers(); // the backup holds them
+  // The backup holds them. Elastic: this worker leaves alone, and a mirror is a collective.
+  if (!strategy_.elastic()) mirror_buffers();
   const std::string where = callbacks.on_preemption();
   const TrainingState state = training_state();
   preemption_requested_ = false;
@@ -666,21 +714,46 @@ Model::committed_position(const detail::EpochIterator& input) const {
   return position;
 }
 
-TrainingState Model::exchange_state(bool fresh, const TrainingState& mine) {
+detail::FitPosition Model::position() const {
+  detail::FitPosition p;
+  p.epoch = committed_.epoch;
+  p.stage = end_stage_;
+  p.step = committed_.step_in_epoch;
+  return p;
+}
+
+detail::HealPlan Model::reconcile(const detail::FitPosition& mine, TrainingState& state) {
   collective::Communicator& comm = strategy_.communicator();
-  const collective::Agreement holders = collective::agree(
-      comm, fresh, fresh ? std::numeric_limits<std::int64_t>::max() : comm.rank());
-  if (holders.all) {
-    throw NothingToJoin(
-        "no member of the elastic group holds a training state (the others finished "
-        "training or are gone, and this worker restarted too late to rejoin them)");
+  torch::Tensor encoded = torch::empty({detail::FitPosition::kFields}, torch::kLong);
+  mine.encode(encoded.data_ptr<std::int64_t>());
+  std::vector<detail::FitPosition> members;
+  if (comm.size() == 1) {
+    members.push_back(mine);
+  } else {
+    collective::Work work = comm.all_gather(encoded);
+    work.wait();
+    for (const auto& t : work.result()) {
+      const torch::Tensor host = t.to(torch::kCPU).contiguous();
+      members.push_back(detail::FitPosition::decode(host.data_ptr<std::int64_t>()));
+    }
   }
-  // A departure with every member at the same update: they hold the same weights, optimizer
-  // state and input position already (the same all-reduced gradients), so nothing is sent, and
-  // each keeps its own generator, as in a run without the fault.
-  if (!holders.any && collective::same_value(comm, mine.iterations)) return mine;
-  const int donor = static_cast<int>(holders.min);
-  return share_training_state(*this, comm, donor, mine);
+  const detail::HealPlan plan = detail::plan_heal(members);
+  if (plan.nothing_to_join) return plan;
+  // When every member stands at the same place, nothing is sent: they hold the same weights,
+  // optimizer state and input position already (the same all-reduced gradients), and each
+  // keeps its own generator, as in a run without the fault.
+  if (plan.send_state) state = share_training_state(*this, comm, plan.donor, state);
+  if (plan.send_epoch_end) {
+    const std::string record =
+        collective::broadcast_string(comm, comm.rank() == plan.donor ? end_->encode() : "",
+                                     plan.donor);
+    // Members in the target's epoch take it (those at the target hold the same already).
+    if (mine.holds_state && mine.epoch == plan.target.epoch && comm.rank() != plan.donor) {
+      *end_ = detail::EpochEndRecord::decode(
+          record, "the epoch's end from rank " + std::to_string(plan.donor));
+    }
+  }
+  return plan;
 }
 
 void Model::adopt_group() {
@@ -689,44 +762,68 @@ void Model::adopt_group() {
 }
 
 void Model::on_generation(detail::EpochIterator& input) {
+  using detail::EpochStage;
   adopt_group();
-  TrainingState mine = committed_;
-  mine.iterator = committed_position(input);
-  const TrainingState state = exchange_state(/*fresh=*/false, mine);
-  if (state.epoch != epoch_index_ || !state.iterator) {
-    throw CommError("the elastic group's state is at epoch " + std::to_string(state.epoch + 1) +
-                    " and this worker at epoch " + std::to_string(epoch_index_ + 1) +
-                    "; a change of membership across an epoch's end is not healed yet");
+  const detail::FitPosition mine = position();
+  TrainingState state = committed_;
+  state.iterator = committed_position(input);
+  const detail::HealPlan plan = reconcile(mine, state);
+  const detail::FitPosition& target = plan.target;
+  if (!state.iterator) {
+    throw Error("elastic: the training state from rank " + std::to_string(plan.donor) +
+                " has no input position");
   }
-  iterations_ = state.iterations;
-  step_in_epoch_ = state.step_in_epoch;
-  if (loss_scale_ && state.loss_scale > 0) {
-    loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
+  if (plan.send_state) {
+    iterations_ = state.iterations;
+    if (loss_scale_ && state.loss_scale > 0) {
+      loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
+    }
+    replicas_->copy_first_to_others();
   }
-  replicas_->copy_first_to_others();
+  if (target.epoch == mine.epoch) {
+    // The same epoch: its steps from the target's step on, or its end from the target's stage.
+    if (target.stage == EpochStage::kSteps) step_in_epoch_ = state.step_in_epoch;
+    end_stage_ = target.stage;
+    committed_ = state;
+  } else {
+    // This worker waited in the stop vote; the others, past it, began the next epoch: the vote
+    // said go on. The next epoch begins here as usual (its input position is this worker's own).
+    stop_training = false;
+    end_stage_ = EpochStage::kAgreed;
+  }
+  // The input split anew among the members, at the position the group goes on from.
   elastic_input_ = std::make_unique<data::DistributedDataset>(
       fit_input_->redistribute(strategy_.input_context()));
   input.rebind(*elastic_input_, *state.iterator);
-  committed_ = state;
   pulled_since_commit_ = false;
   if (strategy_.is_chief()) {
     const auto* group = strategy_.elastic();
     strategy_.log().info("elastic: generation " + std::to_string(group->generation()) + " with " +
                          std::to_string(strategy_.num_workers()) + " workers (" + group->reason() +
-                         "); training goes on at update " + std::to_string(iterations_) +
-                         ", step " + std::to_string(step_in_epoch_ + 1) + " of epoch " +
-                         std::to_string(epoch_index_ + 1));
+                         "); going on from " + target.describe() + " (update " +
+                         std::to_string(iterations_) + ")");
   }
 }
 
 void Model::heal(const std::exception& failure, detail::EpochIterator& input) {
   const std::string what = failure.what();
-  try {
-    strategy_.elastic()->regroup();
-  } catch (const TimeoutError& e) {
-    throw CommError(what + " (" + e.what() + ")");
+  for (;;) {
+    try {
+      strategy_.elastic()->regroup();
+    } catch (const TimeoutError& e) {
+      throw CommError(what + " (" + e.what() + ")");
+    }
+    try {
+      on_generation(input);
+      return;
+    } catch (const GroupChanged&) {
+      // Another member left while this one healed: regroup again.
+    } catch (const TimeoutError&) {
+      throw;
+    } catch (const CommError&) {
+      // A backend noticed the departure first: the same.
+    }
   }
-  on_generation(input);
 }
 
 void Model::check_consistency(const data::DistributedDataset& train, const FitOptions& options,
@@ -812,27 +909,30 @@ void Model::apply_update() {
   timer_->mark(Phase::kOptimizer);
 }
 
-std::vector<PhaseTimes> Model::gather_phases(const PhaseTimes& mine) {
-  std::vector<double> flat(mine.seconds.begin(), mine.seconds.end());
-  flat.push_back(mine.step_seconds);
-  flat.push_back(mine.comm_seconds);
-  flat.push_back(static_cast<double>(mine.steps));
+void Model::gather_epoch(const PhaseTimes& mine) {
+  const std::vector<double> sums = to_host(epoch_sums_);
+  const auto n = static_cast<std::int64_t>(sums.size());
+  std::vector<double> flat(sums);
+  flat.resize(sums.size() + detail::kPhaseTimesFields);
+  detail::flatten(mine, flat.data() + n);
   auto& comm = strategy_.communicator();
-  if (comm.size() == 1) return {mine};
-  collective::Work work = comm.all_gather(torch::tensor(flat, torch::kFloat64));
-  work.wait();
-  std::vector<PhaseTimes> all;
-  for (const auto& t : work.result()) {
+  std::vector<torch::Tensor> all;
+  if (comm.size() == 1) {
+    all.push_back(torch::tensor(flat, torch::kFloat64));
+  } else {
+    collective::Work work = comm.all_gather(torch::tensor(flat, torch::kFloat64));
+    work.wait();
+    all = work.result();
+  }
+  detail::EpochEndRecord record;
+  record.sums.assign(sums.size(), 0.0);
+  for (const auto& t : all) {
     const torch::Tensor host = t.to(torch::kCPU).contiguous();
     const double* v = host.data_ptr<double>();
-    PhaseTimes p;
-    std::copy(v, v + kPhaseCount, p.seconds.begin());
-    p.step_seconds = v[kPhaseCount];
-    p.comm_seconds = v[kPhaseCount + 1];
-    p.steps = static_cast<std::int64_t>(v[kPhaseCount + 2]);
-    all.push_back(p);
+    for (std::int64_t i = 0; i < n; ++i) record.sums[i] += v[i];
+    record.phases.push_back(detail::unflatten(v + n));
   }
-  return all;
+  *end_ = std::move(record);
 }
 
 torch::Tensor Model::batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
@@ -976,8 +1076,8 @@ EvalResult Model::evaluate(const data::DistributedDataset& data) {
 void Model::mirror_buffers() {
   require_compiled("mirror_buffers");
   if (!buffers_dirty_) return;
-  buffers_dirty_ = false;
   replicas_->mirror_buffers(strategy_.communicator());
+  buffers_dirty_ = false; // not before: a mirror that failed is still due (elastic redoes it)
 }
 
 namespace {

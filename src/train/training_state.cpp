@@ -92,7 +92,9 @@ const std::string kOptimizerPrefix = "optimizer/";
 } // namespace
 
 checkpoint::CheckpointData checkpoint_data(Model& model) {
-  model.mirror_buffers(); // the replicas' mean, as every worker will read them
+  // The replicas' mean, as every worker will read them. Elastic: a collective only the saving
+  // chief would join; the callbacks mirror on every member first where all save together.
+  if (!model.strategy().elastic()) model.mirror_buffers();
   return local_checkpoint_data(model, model.training_state());
 }
 

@@ -324,6 +324,7 @@ struct ElasticFit {
   const std::string trainer = testing::test_bin_dir() + "/elastic_trainer";
   const std::string reference = dir.path() + "/reference";
   const std::string elastic = dir.path() + "/elastic";
+  int epochs = 4;
 
   ElasticFit() {
     std::filesystem::create_directories(reference);
@@ -345,13 +346,15 @@ struct ElasticFit {
       argv.push_back(arg);
     }
     argv.insert(argv.end(), trainer_extra.begin(), trainer_extra.end());
+    argv.insert(argv.end(), {"--epochs", std::to_string(epochs)});
     return argv;
   }
   // The weights of every worker equal the one-worker run's within 1e-6 (float32), so do the
   // val_loss of every epoch each finished (within 1e-5), and the ledgers of `processes`
   // processes hold each (epoch, sample) exactly once.
   void expect_one_workers_result(int processes) const {
-    const auto alone = run_process({trainer, "--reference", "--out", reference});
+    const auto alone =
+        run_process({trainer, "--reference", "--out", reference, "--epochs", std::to_string(epochs)});
     ASSERT_EQ(alone.exit_code, 0) << alone.err;
     const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
     for (int slot = 0; slot < 3; ++slot) {
@@ -371,7 +374,7 @@ struct ElasticFit {
       double loss = 0;
       while (in >> epoch >> loss) expected_val[epoch] = loss;
     }
-    ASSERT_EQ(expected_val.size(), 4u);
+    ASSERT_EQ(expected_val.size(), static_cast<std::size_t>(epochs));
     for (int slot = 0; slot < 3; ++slot) {
       std::ifstream in(elastic + "/val-" + std::to_string(slot) + ".txt");
       int epoch = 0, epochs = 0;
@@ -396,7 +399,8 @@ struct ElasticFit {
       }
     }
     EXPECT_EQ(ledgers, processes);
-    EXPECT_EQ(trained.size(), 4u * 240u) << "a sample was never trained on";
+    EXPECT_EQ(trained.size(), static_cast<std::size_t>(epochs) * 240u)
+        << "a sample was never trained on";
     for (const auto& [key, times] : trained) {
       EXPECT_EQ(times, 1) << "epoch " << key.first << " sample " << key.second;
     }
@@ -415,12 +419,39 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   EXPECT_NE(r.err.find("[launch] worker 2 was killed by signal Killed; restarting it alone"),
             std::string::npos);
   EXPECT_NE(r.err.find("elastic: generation 1 with 2 workers (slot 2 lost its connection to the "
-                       "rendezvous (the process exited or was killed)); training goes on at "
-                       "update 7, step 8 of epoch 1"),
+                       "rendezvous (the process exited or was killed)); going on from epoch 1, "
+                       "7 steps done (update 7)"),
             std::string::npos);
-  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
+  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); going on from epoch"),
             std::string::npos);
   fit.expect_one_workers_result(4);
+}
+
+// Faults at an epoch's end, where the members wait in one of its collectives: worker 2 dies
+// inside epoch 2's validation (the others wait in its reduce), worker 1 in epoch 3's callbacks
+// (the others wait in the stop vote), and the chief after epoch 4's last step (the others wait in
+// the gather of the epoch's logs). Each time the others regroup, go on from that collective in
+// the same processes, and admit the restarted worker in a later epoch; the result is still the
+// one-worker run's, each epoch's validation included.
+TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
+  ElasticFit fit;
+  fit.epochs = 7;
+  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "3"},
+                                        {"--signal-at", "-1", "--fault", "2:validation:2",
+                                         "--fault", "1:callbacks:3", "--fault", "0:gather:4"}),
+                             {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  for (const std::string line :
+       {"(slot 2 lost its connection to the rendezvous (the process exited or was killed)); "
+        "going on from epoch 2's end, buffers mirrored (update 20)",
+        "(slot 1 lost its connection to the rendezvous (the process exited or was killed)); "
+        "going on from epoch 3's end, callbacks done (update 30)",
+        "(slot 0 lost its connection to the rendezvous (the process exited or was killed)); "
+        "going on from epoch 4, 10 steps done (update 40)"}) {
+    EXPECT_NE(r.err.find(line), std::string::npos) << line;
+  }
+  fit.expect_one_workers_result(6);
 }
 
 // A frozen worker (SIGSTOP at global step 7) is expelled after the heartbeat timeout and the
@@ -444,7 +475,7 @@ TEST(Launch, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
             std::string::npos);
   EXPECT_NE(r.err.find("[launch] worker 2 exited with code 3; restarting it alone"),
             std::string::npos);
-  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); training goes on at update"),
+  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); going on from epoch"),
             std::string::npos);
   fit.expect_one_workers_result(4);
 }

@@ -8,9 +8,12 @@
 // finished (validation on 96 other rows after every epoch) to <out>/val-<slot>.txt.
 // Flags: --out DIR; --epochs N; --sleep-ms MS (per step, so a restarted worker can rejoin
 // mid-fit); --signal-slot S --signal-at K --signal-once FILE (slot S SIGKILLs itself before
-// global step K, once; --signal STOP: SIGSTOPs itself instead); --backup-dir DIR (a
-// BackupAndRestore there, every 4 updates); --reference (one worker, no elastic group). Prints
-// "slot S pid P" once it has joined.
+// global step K, once; --signal STOP: SIGSTOPs itself instead); --fault S:WHERE:E (repeatable:
+// slot S SIGKILLs itself once at epoch E's end (1-based), WHERE gather: after its last step, the
+// others waiting in the epoch's gather; validation: in its validation, the others waiting in
+// validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
+// vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --reference (one worker,
+// no elastic group). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -35,20 +38,37 @@ namespace {
 
 std::vector<std::int64_t> pending; // the ids of the batch pulled last (the map runs at the pull)
 
+// --fault: where this process kills itself, at most once per fault over all its restarts.
+struct Faults {
+  std::vector<std::string> armed; // "gather", "validation", "callbacks" at epoch_of[i]
+  std::vector<int> epoch_of;
+  int epoch = -1; // the epoch in progress, 0-based
+  void at(const std::string& where) const {
+    for (std::size_t i = 0; i < armed.size(); ++i) {
+      if (armed[i] == where && epoch_of[i] == epoch + 1) ::raise(SIGKILL);
+    }
+  }
+};
+Faults faults;
+
 class Ledger : public train::Callback {
  public:
   Ledger(std::string path, int sleep_ms, int signal_at, int signal, int* step)
       : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), signal_(signal), step_(step) {}
+  void on_epoch_begin(int epoch) override { faults.epoch = epoch; }
   void on_train_batch_begin(std::int64_t) override {
     if (*step_ == signal_at_) ::raise(signal_);
   }
-  void on_train_batch_end(std::int64_t, const train::Logs&) override {
+  void on_train_batch_end(std::int64_t batch, const train::Logs&) override {
     out_ << model().current_epoch();
     for (auto id : pending) out_ << ' ' << id;
     out_ << std::endl; // flushed: a killed process's committed steps stay counted
     ++*step_;
     std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms_));
+    // After the sleep: the others have long completed this step and wait in the gather.
+    if (batch + 1 == params().steps) faults.at("gather");
   }
+  void on_epoch_end(int, train::EpochLogs&) override { faults.at("callbacks"); }
 
  private:
   std::ofstream out_;
@@ -62,6 +82,7 @@ int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
   bool reference = false;
+  std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--reference") {
@@ -78,6 +99,7 @@ int main(int argc, char** argv) {
     if (flag == "--signal-once") signal_once = value;
     if (flag == "--backup-dir") backup_dir = value;
     if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
+    if (flag == "--fault") fault_flags.push_back(value);
   }
   try {
     at::set_num_threads(1);
@@ -93,6 +115,15 @@ int main(int argc, char** argv) {
     const int slot = reference ? 0 : strategy.elastic()->slot();
     std::cout << "slot " << slot << " pid " << ::getpid() << std::endl;
     signal_at = testing::armed_signal_step(signal_at, signal_slot, slot, signal_once);
+    for (std::size_t i = 0; i < fault_flags.size(); ++i) {
+      const std::string& f = fault_flags[i]; // SLOT:WHERE:EPOCH
+      const auto a = f.find(':'), b = f.rfind(':');
+      if (testing::armed_signal_step(0, std::stoi(f.substr(0, a)), slot,
+                                     out + "/fault-" + std::to_string(i)) == 0) {
+        faults.armed.push_back(f.substr(a + 1, b - a - 1));
+        faults.epoch_of.push_back(std::stoi(f.substr(b + 1)));
+      }
+    }
     auto net = strategy.scope([] {
       torch::manual_seed(7);
       return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -121,7 +152,11 @@ int main(int argc, char** argv) {
     const auto vy = torch::randint(0, 3, {96});
     int step = 0;
     train::FitOptions fit;
-    fit.validation_data = data::Dataset::from_tensor_slices({vx, vy}).batch(24);
+    fit.validation_data =
+        data::Dataset::from_tensor_slices({vx, vy}).batch(24).map([](data::Element e) {
+          faults.at("validation");
+          return e;
+        });
     fit.epochs = epochs;
     fit.verbose = train::Verbosity::kSilent;
     fit.callbacks.push_back(

@@ -35,6 +35,10 @@ class EpochIterator;
 class PreemptionVote;
 class ReplicaSet;
 class StepTimer;
+struct EpochEndRecord;
+struct FitPosition;
+struct HealPlan;
+enum class EpochStage : std::int64_t;
 } // namespace detail
 
 // Keras's compile() arguments.
@@ -225,14 +229,18 @@ class Model {
   void require_compiled(const char* what) const;
   void check_consistency(const data::DistributedDataset& train, const FitOptions& options,
                          const CallbackList& callbacks);
-  // An epoch's steps, then its global logs; nullopt when no step ran (the data ended first).
+  // An epoch's steps; nullopt when no step ran (the data ended first). The logs hold this
+  // worker's figures (steps, seconds, phases) and epoch_sums_ its loss and metric sums.
   std::optional<EpochLogs> run_epoch(int epoch, bool first, std::int64_t first_step,
                                      detail::EpochIterator& input, CallbackList& callbacks,
                                      const FitOptions& options, detail::PreemptionVote* vote);
-  // After an epoch's steps: validation, the callbacks' epoch end, the agreed stop.
-  void finish_epoch(int epoch, EpochLogs& logs, const FitOptions& options,
-                    const std::optional<data::DistributedDataset>& validation,
-                    CallbackList& callbacks);
+  // After an epoch's steps, one collective after the other: the global logs, the mirrored
+  // buffers, validation, then the callbacks' epoch end and the agreed stop. Elastic: a failure
+  // heals and goes on from where the group stands.
+  void end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
+                 const FitOptions& options,
+                 const std::optional<data::DistributedDataset>& validation,
+                 CallbackList& callbacks);
   // Every worker agreed to stop for preemption: the callbacks save, then Preempted.
   [[noreturn]] void preempt(CallbackList& callbacks);
   // Elastic (see strategy.h): what fit cannot heal yet, refused by name.
@@ -242,17 +250,21 @@ class Model {
   // exact position there.
   TrainingState committed_state() const;
   std::optional<data::IteratorState> committed_position(const detail::EpochIterator& input) const;
-  // Every member after a change of membership: the lowest-ranked member that holds a state
-  // (`fresh` false) sends it, weights and optimizer state included, and the others load it.
-  TrainingState exchange_state(bool fresh, const TrainingState& mine);
+  // Elastic: where this worker stands in fit's sequence of collectives (elastic_heal.h).
+  detail::FitPosition position() const;
+  // Elastic, every member of a new generation first: everyone's position, the plan, and what
+  // the plan sends (the donor's training state into `state`, its epoch end's results into
+  // end_). A joiner passes a position that holds no state.
+  detail::HealPlan reconcile(const detail::FitPosition& mine, TrainingState& state);
   // The new group's communicator and a fresh gradient engine (the old one's buffers may still
   // be on an abandoned group's wire).
   void adopt_group();
-  // After regroup() or admit(): adopt_group(), one state for all, and the input split anew
-  // among the members from the committed position.
+  // After regroup() or admit(): adopt_group(), reconcile(), and this worker where the plan puts
+  // it, the input split anew among the members at its position there.
   void on_generation(detail::EpochIterator& input);
-  // A step failed under elastic mode: waits for the group to form without the departed member
-  // and heals (on_generation); rethrows `failure` when no member left.
+  // A collective failed under elastic mode: waits for the group to form without the departed
+  // member and heals (on_generation), again if another member leaves meanwhile; rethrows
+  // `failure` (as a CommError) when no member left.
   void heal(const std::exception& failure, detail::EpochIterator& input);
   // Runs one batch on every replica and applies the update when due; returns the batch's sums:
   // per-example loss, each metric and the example count summed (float64, on the device).
@@ -262,8 +274,9 @@ class Model {
   void apply_gradients(); // finishes the reduction, then apply_update()
   // Unscales and checks the reduced gradients, then steps the optimizers (or skips the step).
   void apply_update();
-  // Every worker's phase sums, in rank order (a collective: every worker calls it).
-  std::vector<PhaseTimes> gather_phases(const PhaseTimes& mine);
+  // Every worker's loss and metric sums (added up) and phase sums (in rank order), into end_:
+  // one collective.
+  void gather_epoch(const PhaseTimes& mine);
   EvalResult evaluate_impl(const data::DistributedDataset& data);
 
   strategy::Strategy& strategy_;
@@ -299,6 +312,13 @@ class Model {
   std::unique_ptr<data::DistributedDataset> elastic_input_;
   TrainingState committed_;
   bool pulled_since_commit_ = false;
+  // The epoch in progress: this worker's loss and metric sums, how far its end has come and
+  // what it agreed so far (kept for a member that missed a collective of it), and whether this
+  // worker joined at a step boundary of it (its end is then due even without a step here).
+  torch::Tensor epoch_sums_;
+  detail::EpochStage end_stage_{};
+  std::unique_ptr<detail::EpochEndRecord> end_;
+  bool joined_this_epoch_ = false;
 };
 
 } // namespace flotilla::train

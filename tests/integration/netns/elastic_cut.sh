@@ -58,7 +58,7 @@ ip netns exec "$vns" iptables -I INPUT 1 ! -i lo -j DROP
 ip netns exec "$vns" iptables -I OUTPUT 1 ! -o lo -j DROP
 cut_at=$(date +%s%N)
 log "cut off $(host_ip "$VICTIM") (slot 2) after $(($(committed) / 3)) steps"
-healed='training goes on at update'
+healed='going on from epoch'
 while ! grep -q "generation 1 with 2 workers (slot 2 stopped sending heartbeats" "$tmp/host0.log" &&
   (($(date +%s%N) - cut_at < 30000000000)); do sleep 0.05; done
 if grep -q "$healed" "$tmp/host0.log"; then
