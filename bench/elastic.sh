@@ -2,7 +2,8 @@
 # `make bench-elastic`: what elastic mode costs when nothing fails. The same 2-worker run on
 # loopback, fixed (`launch -- flotilla train`) and elastic (`launch --elastic -- flotilla train
 # --elastic`: the rendezvous in launch, a one-flag admission vote every 8 steps, the committed
-# state recorded after each update), interleaved RUNS times; the step time is the chief's second
+# state recorded after each update), interleaved RUNS times, each pair in the other order than the
+# one before; the step time is the chief's second
 # epoch's seconds / steps (two decimals). Prints JSON lines: the median step_ms of each, then the ratio
 # elastic/fixed per model, of the medians and the median of the per-run pairs (the issue's
 # bound: at most 1.02).
@@ -19,7 +20,11 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for run in $(seq "$RUNS"); do
   for model in $MODELS; do
-    for kind in fixed elastic; do
+    # Each pair in turn fixed-first and elastic-first, so neither kind always runs second (the
+    # VM's speed drifts within a call).
+    kinds="fixed elastic"
+    ((run % 2 == 0)) && kinds="elastic fixed"
+    for kind in $kinds; do
       launch=("$FLOTILLA" launch --workers 2)
       train=(flotilla train)
       if [ "$kind" = elastic ]; then

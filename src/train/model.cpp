@@ -399,6 +399,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     }
     strategy_.finish_joining();
     joined_this_epoch_ = true; // its end is due even if the group was at the last step
+    buffers_dirty_ = true;     // as the members count theirs (on_generation)
     replicas_->copy_first_to_others();
   }
   int first_epoch = options.initial_epoch; // 0-based
@@ -791,6 +792,9 @@ void Model::on_generation(detail::EpochIterator& input) {
     stop_training = false;
     end_stage_ = EpochStage::kAgreed;
   }
+  // Whether a mirror is due must be the same on every member (it is a collective): a joiner or
+  // a member that took the state has not trained since, so all count as having trained.
+  buffers_dirty_ = true;
   // The input split anew among the members, at the position the group goes on from.
   elastic_input_ = std::make_unique<data::DistributedDataset>(
       fit_input_->redistribute(strategy_.input_context()));

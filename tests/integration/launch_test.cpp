@@ -385,6 +385,10 @@ struct ElasticFit {
       }
       EXPECT_GT(epochs, 0) << "slot " << slot;
     }
+    expect_every_sample_once(processes);
+  }
+  // The ledgers of `processes` processes hold each (epoch, sample) exactly once.
+  void expect_every_sample_once(int processes) const {
     std::map<std::pair<int, int>, int> trained; // (epoch, sample) -> times
     int ledgers = 0;
     for (const auto& entry : std::filesystem::directory_iterator(elastic)) {
@@ -452,6 +456,31 @@ TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
     EXPECT_NE(r.err.find(line), std::string::npos) << line;
   }
   fit.expect_one_workers_result(6);
+}
+
+// BatchNorm in an elastic group, with a backup every 4 updates that the chief writes alone:
+// the buffers are mirrored by every member together first (a lone mirror on the chief met the
+// others' gradient all-reduce), also across the heal of worker 2's death at step 7 and its
+// rejoining. Every member ends with the same parameters and running statistics, bit for bit,
+// and every sample is trained on once per epoch.
+TEST(Launch, AnElasticFitWithBatchNormMirrorsOnEveryMemberBeforeTheChiefSaves) {
+  const ElasticFit fit;
+  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
+                                        {"--batchnorm", "--backup-dir", fit.dir.path() + "/b"}),
+                             {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  const auto first = checkpoint::load_safetensors(fit.elastic + "/weights-0.safetensors");
+  EXPECT_EQ(first.tensors.count("1.running_var"), 1u);
+  for (int slot = 1; slot < 3; ++slot) {
+    const auto got = checkpoint::load_safetensors(fit.elastic + "/weights-" +
+                                                  std::to_string(slot) + ".safetensors");
+    ASSERT_EQ(got.tensors.size(), first.tensors.size());
+    for (const auto& [name, t] : first.tensors) {
+      EXPECT_TRUE(torch::equal(got.tensors.at(name), t)) << "slot " << slot << " " << name;
+    }
+  }
+  fit.expect_every_sample_once(4);
 }
 
 // A frozen worker (SIGSTOP at global step 7) is expelled after the heartbeat timeout and the

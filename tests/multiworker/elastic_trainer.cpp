@@ -12,8 +12,8 @@
 // slot S SIGKILLs itself once at epoch E's end (1-based), WHERE gather: after its last step, the
 // others waiting in the epoch's gather; validation: in its validation, the others waiting in
 // validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
-// vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --reference (one worker,
-// no elastic group). Prints "slot S pid P" once it has joined.
+// vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
+// BatchNorm1d after the first layer); --reference (one worker, no elastic group). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -81,12 +81,12 @@ class Ledger : public train::Callback {
 int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
-  bool reference = false;
+  bool reference = false, batchnorm = false;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--reference") {
-      reference = true;
+    if (flag == "--reference" || flag == "--batchnorm") {
+      (flag == "--reference" ? reference : batchnorm) = true;
       continue;
     }
     if (i + 1 >= argc) break;
@@ -124,10 +124,13 @@ int main(int argc, char** argv) {
         faults.epoch_of.push_back(std::stoi(f.substr(b + 1)));
       }
     }
-    auto net = strategy.scope([] {
+    auto net = strategy.scope([batchnorm] {
       torch::manual_seed(7);
-      return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
-                                   torch::nn::Linear(16, 3));
+      torch::nn::Sequential layers(torch::nn::Linear(8, 16));
+      if (batchnorm) layers->push_back(torch::nn::BatchNorm1d(16));
+      layers->push_back(torch::nn::ReLU());
+      layers->push_back(torch::nn::Linear(16, 3));
+      return layers;
     });
     train::Model model(strategy, net);
     train::CompileOptions compile;
