@@ -340,6 +340,12 @@ struct RendezvousServer::Impl {
           if (static_cast<int>(claimed.size()) == config.world_size) {
             form(claimed, "all " + std::to_string(config.world_size) + " workers joined", false);
           }
+        } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
+          // Nobody is left to admit it at a step boundary (the group finished or died): a
+          // generation of the workers waiting, at once, so each learns there is no training
+          // state to join instead of waiting out its timeout.
+          form(slots_where([](const RankState& s) { return s.claimed; }),
+               "no member left to admit " + config.name(rank), /*departure=*/false);
         } else {
           log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
                    ") is waiting to be admitted at the next step");

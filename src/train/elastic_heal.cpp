@@ -129,7 +129,8 @@ std::string EpochEndRecord::encode() const {
     flatten(p, flat.data());
     phases_json.push_back(flat);
   }
-  return nlohmann::json{{"sums", sums}, {"phases", phases_json}, {"validation", validation}}
+  return nlohmann::json{
+      {"sums", sums}, {"phases", phases_json}, {"validation", validation}, {"stop", stop}}
       .dump();
 }
 
@@ -145,6 +146,7 @@ EpochEndRecord EpochEndRecord::decode(const std::string& text, const std::string
     }
     record.validation =
         j.at("validation").get<std::vector<std::pair<std::string, double>>>();
+    record.stop = j.at("stop").get<bool>();
     return record;
   } catch (const nlohmann::json::exception& e) {
     throw CommError(source + " is not an epoch's end record (" + e.what() + ")");

@@ -69,6 +69,7 @@ struct EpochEndRecord {
   std::vector<double> sums; // the loss, each metric and the example count, over every worker
   std::vector<PhaseTimes> phases;                        // every worker's, in rank order
   std::vector<std::pair<std::string, double>> validation; // "loss" and each metric
+  bool stop = false; // the stop vote's answer (stage kAgreed: the donor left the fit)
 
   std::string encode() const;
   // CommError naming `source` when the text is not a record.

@@ -544,7 +544,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     if (group && admission) {
       const bool admit = admission->wait().any;
       admission.reset();
-      if (admit && group->admit()) on_generation(input);
+      if (admit && group->admit()) on_generation(&input);
     } else if (group && step_in_epoch_ % kAdmitEvery == 0) {
       admission.emplace(strategy_.communicator(), group->waiting() > 0);
     }
@@ -569,7 +569,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     } catch (const std::exception& e) {
       timer_->cancel_step();
       admission.reset(); // on the group that failed: never read
-      heal(e, input);
+      heal(e, &input);
     }
   }
   // The steps' all-reduce time, without the partial accumulation's below (in no step).
@@ -614,7 +614,7 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
       } catch (const CheckpointError&) {
         throw;
       } catch (const std::exception& e) {
-        heal(e, input);
+        heal(e, &input);
       }
     }
   };
@@ -642,8 +642,10 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
     end_stage_ = EpochStage::kEnded;
   }
   // A stop decided by one worker alone (a user's callback) must stop them all.
-  stage(EpochStage::kAgreed,
-        [&] { stop_training = collective::any_true(strategy_.communicator(), stop_training); });
+  stage(EpochStage::kAgreed, [&] {
+    stop_training = collective::any_true(strategy_.communicator(), stop_training);
+    end_->stop = stop_training; // for a member that missed the vote while this one left fit
+  });
 }
 
 void Model::preempt(CallbackList& callbacks) {
@@ -762,15 +764,15 @@ void Model::adopt_group() {
   reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
 }
 
-void Model::on_generation(detail::EpochIterator& input) {
+void Model::on_generation(detail::EpochIterator* input) {
   using detail::EpochStage;
   adopt_group();
   const detail::FitPosition mine = position();
   TrainingState state = committed_;
-  state.iterator = committed_position(input);
+  if (input) state.iterator = committed_position(*input);
   const detail::HealPlan plan = reconcile(mine, state);
   const detail::FitPosition& target = plan.target;
-  if (!state.iterator) {
+  if (input && !state.iterator) {
     throw Error("elastic: the training state from rank " + std::to_string(plan.donor) +
                 " has no input position");
   }
@@ -784,6 +786,10 @@ void Model::on_generation(detail::EpochIterator& input) {
   if (target.epoch == mine.epoch) {
     // The same epoch: its steps from the target's step on, or its end from the target's stage.
     if (target.stage == EpochStage::kSteps) step_in_epoch_ = state.step_in_epoch;
+    // A member that missed the stop vote while the donor, past it, left the fit: its answer.
+    if (target.stage == EpochStage::kAgreed && mine.stage < EpochStage::kAgreed) {
+      stop_training = end_->stop;
+    }
     end_stage_ = target.stage;
     committed_ = state;
   } else {
@@ -796,10 +802,12 @@ void Model::on_generation(detail::EpochIterator& input) {
   // a member that took the state has not trained since, so all count as having trained.
   buffers_dirty_ = true;
   // The input split anew among the members, at the position the group goes on from.
-  elastic_input_ = std::make_unique<data::DistributedDataset>(
-      fit_input_->redistribute(strategy_.input_context()));
-  input.rebind(*elastic_input_, *state.iterator);
-  pulled_since_commit_ = false;
+  if (input) {
+    elastic_input_ = std::make_unique<data::DistributedDataset>(
+        fit_input_->redistribute(strategy_.input_context()));
+    input->rebind(*elastic_input_, *state.iterator);
+    pulled_since_commit_ = false;
+  }
   if (strategy_.is_chief()) {
     const auto* group = strategy_.elastic();
     strategy_.log().info("elastic: generation " + std::to_string(group->generation()) + " with " +
@@ -809,7 +817,7 @@ void Model::on_generation(detail::EpochIterator& input) {
   }
 }
 
-void Model::heal(const std::exception& failure, detail::EpochIterator& input) {
+void Model::heal(const std::exception& failure, detail::EpochIterator* input) {
   const std::string what = failure.what();
   for (;;) {
     try {
@@ -1073,8 +1081,25 @@ EvalResult Model::evaluate(const data::Dataset& data) {
 
 EvalResult Model::evaluate(const data::DistributedDataset& data) {
   require_compiled("evaluate");
-  mirror_buffers();
-  return evaluate_impl(data);
+  // Inside fit (a callback's), fit heals; outside, a failure heals here.
+  if (!strategy_.elastic() || input_) {
+    mirror_buffers();
+    return evaluate_impl(data);
+  }
+  for (;;) {
+    try {
+      mirror_buffers();
+      return evaluate_impl(data.redistribute(strategy_.input_context()));
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const DataError&) {
+      throw;
+    } catch (const CheckpointError&) {
+      throw;
+    } catch (const std::exception& e) {
+      heal(e, nullptr);
+    }
+  }
 }
 
 void Model::mirror_buffers() {

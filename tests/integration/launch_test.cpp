@@ -458,6 +458,37 @@ TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
   fit.expect_one_workers_result(6);
 }
 
+// After the fit, evaluate() is healed too: worker 2 dies inside the final evaluation; the
+// others regroup and evaluate again on the data split between them, and get the one-worker
+// run's result. (Launch restarts worker 2, which finds the group done with training: reported,
+// not a failure of the job.)
+TEST(Launch, AnElasticEvaluateAfterFitHealsAKilledWorker) {
+  ElasticFit fit;
+  fit.epochs = 2;
+  const auto r = run_process(
+      fit.launch("KILL", "0", {"--max-restarts", "1"},
+                 {"--signal-at", "-1", "--evaluate", "--fault", "2:validation:3"}),
+      {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  EXPECT_NE(r.err.find("(slot 2 lost its connection to the rendezvous (the process exited or was "
+                       "killed)); going on from epoch 2's end, stop agreed (update 20)"),
+            std::string::npos);
+  const auto alone = run_process({fit.trainer, "--reference", "--evaluate", "--out", fit.reference,
+                                  "--epochs", std::to_string(fit.epochs)});
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  double expected = 0, got = 0;
+  std::int64_t expected_rows = 0, rows = 0;
+  std::ifstream(fit.reference + "/eval-0.txt") >> expected >> expected_rows;
+  EXPECT_EQ(expected_rows, 96);
+  for (int slot = 0; slot < 2; ++slot) {
+    std::ifstream(fit.elastic + "/eval-" + std::to_string(slot) + ".txt") >> got >> rows;
+    EXPECT_EQ(rows, 96) << "slot " << slot;
+    EXPECT_NEAR(got, expected, 1e-6) << "slot " << slot;
+  }
+  EXPECT_FALSE(std::filesystem::exists(fit.elastic + "/eval-2.txt"));
+}
+
 // BatchNorm in an elastic group, with a backup every 4 updates that the chief writes alone:
 // the buffers are mirrored by every member together first (a lone mirror on the chief met the
 // others' gradient all-reduce), also across the heal of worker 2's death at step 7 and its

@@ -13,7 +13,9 @@
 // others waiting in the epoch's gather; validation: in its validation, the others waiting in
 // validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
 // vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
-// BatchNorm1d after the first layer); --reference (one worker, no elastic group). Prints "slot S pid P" once it has joined.
+// BatchNorm1d after the first layer); --evaluate (after the fit and its files, evaluate() on the
+// validation data, its loss to <out>/eval-<slot>.txt; --fault S:validation:E with E = epochs + 1
+// kills slot S in it); --reference (one worker, no elastic group). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -81,12 +83,12 @@ class Ledger : public train::Callback {
 int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
-  bool reference = false, batchnorm = false;
+  bool reference = false, batchnorm = false, evaluate = false;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--reference" || flag == "--batchnorm") {
-      (flag == "--reference" ? reference : batchnorm) = true;
+    if (flag == "--reference" || flag == "--batchnorm" || flag == "--evaluate") {
+      (flag == "--reference" ? reference : flag == "--batchnorm" ? batchnorm : evaluate) = true;
       continue;
     }
     if (i + 1 >= argc) break;
@@ -181,6 +183,12 @@ int main(int argc, char** argv) {
                                  checkpoint::model_state(*net));
     std::cout << "slot " << slot << " finished at update " << model.iterations() << " with "
               << strategy.num_workers() << " workers" << std::endl;
+    if (evaluate) {
+      faults.epoch = epochs; // --fault S:validation:<epochs + 1> fires in here, not in the fit
+      const train::EvalResult result = model.evaluate(*fit.validation_data);
+      std::ofstream(out + "/eval-" + std::to_string(slot) + ".txt")
+          << std::setprecision(9) << result.loss() << ' ' << result.samples << '\n';
+    }
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;

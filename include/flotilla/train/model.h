@@ -157,7 +157,8 @@ class Model {
   History fit(const data::Dataset& train, const FitOptions& options = {});
   History fit(const data::DistributedDataset& train, const FitOptions& options = {});
   // Loss and metrics over every element, each counted once (a short last batch included),
-  // global across workers.
+  // global across workers. Elastic, outside fit: a member's failure heals, and the evaluation
+  // runs again on the data split among the workers there are.
   EvalResult evaluate(const data::Dataset& data);
   EvalResult evaluate(const data::DistributedDataset& data);
   // The model's outputs for `features` (this worker alone; no collective).
@@ -260,12 +261,12 @@ class Model {
   // be on an abandoned group's wire).
   void adopt_group();
   // After regroup() or admit(): adopt_group(), reconcile(), and this worker where the plan puts
-  // it, the input split anew among the members at its position there.
-  void on_generation(detail::EpochIterator& input);
+  // it, fit's input (null outside fit) split anew among the members at its position there.
+  void on_generation(detail::EpochIterator* input);
   // A collective failed under elastic mode: waits for the group to form without the departed
   // member and heals (on_generation), again if another member leaves meanwhile; rethrows
   // `failure` (as a CommError) when no member left.
-  void heal(const std::exception& failure, detail::EpochIterator& input);
+  void heal(const std::exception& failure, detail::EpochIterator* input);
   // Runs one batch on every replica and applies the update when due; returns the batch's sums:
   // per-example loss, each metric and the example count summed (float64, on the device).
   torch::Tensor train_step(const data::ReplicaBatch& batch, int& micro);
