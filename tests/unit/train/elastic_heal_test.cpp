@@ -77,6 +77,15 @@ TEST(ElasticHeal, AMemberInTheStopVoteWhileAnotherBeganTheNextEpochGoesOnWithout
   EXPECT_FALSE(plan.send_epoch_end);
 }
 
+TEST(ElasticHeal, AMemberInTheStopVoteWhileAnotherLeftTheFitTakesTheVotesAnswer) {
+  // Rank 1 completed the last epoch's vote and is in an evaluate() after fit.
+  const HealPlan plan =
+      plan_heal({at_end(6, EpochStage::kEnded), at_end(6, EpochStage::kAgreed)});
+  EXPECT_EQ(plan.donor, 1);
+  EXPECT_FALSE(plan.send_state);
+  EXPECT_TRUE(plan.send_epoch_end); // the record carries the vote's answer
+}
+
 TEST(ElasticHeal, AJoinerTakesTheStateOfTheMostAdvancedMember) {
   const HealPlan plan = plan_heal({steps(2, 5), joiner(), steps(2, 6)});
   EXPECT_EQ(plan.donor, 2);
@@ -124,11 +133,13 @@ TEST(ElasticHeal, PositionsAndRecordsSurviveTheirEncoding) {
   t.steps = 468;
   record.phases = {t, flotilla::train::PhaseTimes{}};
   record.validation = {{"loss", 0.4321}, {"accuracy", 0.875}};
+  record.stop = true;
   const EpochEndRecord back = EpochEndRecord::decode(record.encode(), "test");
   EXPECT_EQ(back.sums, record.sums); // exactly: the members' logs must not differ
   ASSERT_EQ(back.phases.size(), 2u);
   EXPECT_EQ(back.phases[0].seconds[2], 1.0 / 3);
   EXPECT_EQ(back.phases[0].steps, 468);
   EXPECT_EQ(back.validation, record.validation);
+  EXPECT_TRUE(back.stop);
   EXPECT_THROW(EpochEndRecord::decode("{\"sums\": [1]}", "rank 2's record"), CommError);
 }
