@@ -37,6 +37,14 @@ class NothingToJoin : public CommError {
  public:
   using CommError::CommError;
 };
+
+// Elastic: whether a failure may be a member's departure, to regroup after: a CommError or a
+// backend's own exception. Not flotilla's other errors: configuration, data and checkpoint
+// errors are the same on every worker or this worker's own bad input, a preemption means this
+// worker leaves, and members that cannot agree where to go on would not agree after a regroup.
+bool healable(const std::exception& e) {
+  return dynamic_cast<const CommError*>(&e) || !dynamic_cast<const Error*>(&e);
+}
 } // namespace
 
 void Logs::set(const std::string& key, double value) {
@@ -558,15 +566,8 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     }
     try {
       if (!step()) break;
-    } catch (const ConfigError&) {
-      throw; // the same on every worker, or this worker's own bad input: not a departure
-    } catch (const DataError&) {
-      throw;
-    } catch (const CheckpointError&) {
-      throw;
-    } catch (const Preempted&) {
-      throw;
     } catch (const std::exception& e) {
+      if (!healable(e)) throw;
       timer_->cancel_step();
       admission.reset(); // on the group that failed: never read
       heal(e, &input);
@@ -607,13 +608,8 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
       try {
         collective();
         end_stage_ = done;
-      } catch (const ConfigError&) {
-        throw;
-      } catch (const DataError&) {
-        throw;
-      } catch (const CheckpointError&) {
-        throw;
       } catch (const std::exception& e) {
+        if (!healable(e)) throw;
         heal(e, &input);
       }
     }
@@ -770,6 +766,7 @@ void Model::on_generation(detail::EpochIterator* input) {
   const detail::FitPosition mine = position();
   TrainingState state = committed_;
   if (input) state.iterator = committed_position(*input);
+  const std::optional<data::IteratorState> own_position = state.iterator;
   const detail::HealPlan plan = reconcile(mine, state);
   const detail::FitPosition& target = plan.target;
   if (input && !state.iterator) {
@@ -797,6 +794,7 @@ void Model::on_generation(detail::EpochIterator* input) {
     // said go on. The next epoch begins here as usual (its input position is this worker's own).
     stop_training = false;
     end_stage_ = EpochStage::kAgreed;
+    state.iterator = own_position;
   }
   // Whether a mirror is due must be the same on every member (it is a collective): a joiner or
   // a member that took the state has not trained since, so all count as having trained.
@@ -1090,13 +1088,8 @@ EvalResult Model::evaluate(const data::DistributedDataset& data) {
     try {
       mirror_buffers();
       return evaluate_impl(data.redistribute(strategy_.input_context()));
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const DataError&) {
-      throw;
-    } catch (const CheckpointError&) {
-      throw;
     } catch (const std::exception& e) {
+      if (!healable(e)) throw;
       heal(e, nullptr);
     }
   }
