@@ -140,20 +140,25 @@ CallbackNeeds ProgressBar::needs() const {
 void ProgressBar::on_train_begin() {
   const Verbosity verbose =
       resolve_verbosity(verbose_ == Verbosity::kAuto ? params().verbose : verbose_, out_);
-  progress_.emplace(is_chief() && verbose != Verbosity::kSilent, verbose == Verbosity::kProgressBar,
-                    out_);
+  shown_ = verbose != Verbosity::kSilent;
+  progress_.emplace(shown_ && is_chief(), verbose == Verbosity::kProgressBar, out_);
+}
+
+Progress& ProgressBar::progress() {
+  progress_->set_enabled(shown_ && is_chief());
+  return *progress_;
 }
 
 void ProgressBar::on_epoch_begin(int epoch) {
-  progress_->begin_epoch(epoch + 1, params().epochs, params().steps);
+  progress().begin_epoch(epoch + 1, params().epochs, params().steps);
 }
 
 void ProgressBar::on_train_batch_end(std::int64_t batch, const Logs& logs) {
-  progress_->step(batch + 1, logs);
+  progress().step(batch + 1, logs);
 }
 
 void ProgressBar::on_epoch_end(int epoch, EpochLogs& logs) {
-  progress_->end_epoch(logs);
+  progress().end_epoch(logs);
 }
 
 } // namespace flotilla::train

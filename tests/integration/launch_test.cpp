@@ -436,7 +436,7 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
 // (the others wait in the stop vote), and the chief after epoch 4's last step (the others wait in
 // the gather of the epoch's logs). Each time the others regroup, go on from that collective in
 // the same processes, and admit the restarted worker in a later epoch; the result is still the
-// one-worker run's, each epoch's validation included.
+// one-worker run's, each epoch's validation included. The new chief prints the progress.
 TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
   ElasticFit fit;
   fit.epochs = 7;
@@ -455,6 +455,8 @@ TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
         "going on from epoch 4, 10 steps done (update 40)"}) {
     EXPECT_NE(r.err.find(line), std::string::npos) << line;
   }
+  // Slot 1 took over the chief's duties, the progress lines among them.
+  EXPECT_NE(r.out.find("[worker 1] Epoch 5/7"), std::string::npos) << r.out;
   fit.expect_one_workers_result(6);
 }
 

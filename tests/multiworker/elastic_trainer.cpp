@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
           return e;
         });
     fit.epochs = epochs;
-    fit.verbose = train::Verbosity::kSilent;
+    fit.verbose = train::Verbosity::kOneLinePerEpoch; // the chief's, whoever it is
     fit.callbacks.push_back(
         std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms,
                                  signal_at, signal, &step));

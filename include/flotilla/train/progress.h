@@ -26,6 +26,8 @@ class Progress {
   void step(std::int64_t done, const Logs& logs);
   void end_epoch(const EpochLogs& logs);
   void line(const std::string& text);
+  // An elastic group's chief can change mid-fit: the new one shows progress from then on.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
 
  private:
   bool enabled_;
@@ -42,7 +44,8 @@ class Progress {
 std::string phase_summary(const EpochLogs& logs);
 
 // Keras's ProgbarLogger: a bar with ETA and running loss/metrics on a terminal (verbose 1), one
-// line per epoch otherwise; chief only. fit() adds one unless verbose is silent or one is given.
+// line per epoch otherwise; chief only (whoever is chief at the time: in an elastic group the
+// lowest surviving worker takes over). fit() adds one unless verbose is silent or one is given.
 class ProgressBar : public Callback {
  public:
   // kAuto: fit's verbosity, resolved for `out` (resolve_verbosity).
@@ -54,8 +57,12 @@ class ProgressBar : public Callback {
   CallbackNeeds needs() const override;
 
  private:
+  // The chief's progress, or nothing on the others.
+  Progress& progress();
+
   Verbosity verbose_;
   std::FILE* out_;
+  bool shown_ = false; // not silent
   std::optional<Progress> progress_;
 };
 
