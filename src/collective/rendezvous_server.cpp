@@ -233,8 +233,11 @@ struct RendezvousServer::Impl {
   }
 
   // Elastic: slot `r`'s process is gone (or expelled). Its connections are closed, the slot
-  // is free for a new process, and when it was a member the rest (with any waiting workers)
-  // form the next generation at once.
+  // is free for a new process, and when it was a member the rest form the next generation at
+  // once. Workers waiting to be admitted are not in it: the members may be anywhere in their
+  // program (an epoch's end, an evaluation after the fit), and a joiner can only take up a
+  // training at a step boundary, where the members admit it. When no member is left, the
+  // waiting workers form it, and learn there is nothing to join.
   void release(int r, const std::string& what, bool expel) {
     auto& state = ranks[static_cast<std::size_t>(r)];
     const std::string why = config.name(r) + " " + what;
@@ -247,7 +250,9 @@ struct RendezvousServer::Impl {
     }
     state = RankState{};
     if (was_member) {
-      form(slots_where([](const RankState& s) { return s.claimed; }), why, /*departure=*/true);
+      auto next = slots_where([](const RankState& s) { return s.member; });
+      if (next.empty()) next = slots_where([](const RankState& s) { return s.claimed; });
+      form(next, why, /*departure=*/true);
     } else {
       log.info("rendezvous: " + why + " before it was admitted");
     }

@@ -1077,22 +1077,28 @@ EvalResult Model::evaluate(const data::Dataset& data) {
   return evaluate(data::distribute_dataset(data, strategy_.input_context()));
 }
 
-EvalResult Model::evaluate(const data::DistributedDataset& data) {
-  require_compiled("evaluate");
-  // Inside fit (a callback's), fit heals; outside, a failure heals here.
+template <class Result>
+Result Model::collective_pass(const data::DistributedDataset& data,
+                             const std::function<Result(const data::DistributedDataset&)>& pass) {
   if (!strategy_.elastic() || input_) {
     mirror_buffers();
-    return evaluate_impl(data);
+    return pass(data);
   }
   for (;;) {
     try {
       mirror_buffers();
-      return evaluate_impl(data.redistribute(strategy_.input_context()));
+      return pass(data.redistribute(strategy_.input_context()));
     } catch (const std::exception& e) {
       if (!healable(e)) throw;
       heal(e, nullptr);
     }
   }
+}
+
+EvalResult Model::evaluate(const data::DistributedDataset& data) {
+  require_compiled("evaluate");
+  return collective_pass<EvalResult>(
+      data, [this](const data::DistributedDataset& d) { return evaluate_impl(d); });
 }
 
 void Model::mirror_buffers() {
@@ -1156,7 +1162,11 @@ torch::Tensor Model::predict(const data::Dataset& data) {
 
 torch::Tensor Model::predict(const data::DistributedDataset& data) {
   require_compiled("predict");
-  mirror_buffers();
+  return collective_pass<torch::Tensor>(
+      data, [this](const data::DistributedDataset& d) { return predict_impl(d); });
+}
+
+torch::Tensor Model::predict_impl(const data::DistributedDataset& data) {
   torch::NoGradGuard no_grad;
   EvalMode eval_mode(module());
   const torch::Device device = replicas_->device(0);

@@ -460,17 +460,17 @@ TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
   fit.expect_one_workers_result(6);
 }
 
-// After the fit, evaluate() is healed too: worker 2 dies inside the final evaluation; the
-// others regroup and evaluate again on the data split between them, and get the one-worker
-// run's result. (Launch restarts worker 2, which finds the group done with training: reported,
-// not a failure of the job.)
-TEST(Launch, AnElasticEvaluateAfterFitHealsAKilledWorker) {
+// After the fit, evaluate() and predict() are healed too: worker 2 dies inside the final
+// evaluation, worker 1 inside the prediction after it; each time the others regroup and run it
+// again on the data split among them, and get the one-worker run's result. (Launch restarts
+// both, which find the group done with training: reported, not a failure of the job.)
+TEST(Launch, AnElasticEvaluateAndPredictAfterFitHealKilledWorkers) {
   ElasticFit fit;
   fit.epochs = 2;
-  const auto r = run_process(
-      fit.launch("KILL", "0", {"--max-restarts", "1"},
-                 {"--signal-at", "-1", "--evaluate", "--fault", "2:validation:3"}),
-      {}, std::chrono::seconds(180));
+  const auto r = run_process(fit.launch("KILL", "0", {"--max-restarts", "2"},
+                                        {"--signal-at", "-1", "--evaluate", "--fault",
+                                         "2:validation:3", "--fault", "1:validation:4"}),
+                             {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
   EXPECT_NE(r.err.find("(slot 2 lost its connection to the rendezvous (the process exited or was "
@@ -489,6 +489,16 @@ TEST(Launch, AnElasticEvaluateAfterFitHealsAKilledWorker) {
     EXPECT_NEAR(got, expected, 1e-6) << "slot " << slot;
   }
   EXPECT_FALSE(std::filesystem::exists(fit.elastic + "/eval-2.txt"));
+  EXPECT_NE(r.err.find("(slot 1 lost its connection to the rendezvous (the process exited or was "
+                       "killed)); going on from epoch 2's end, stop agreed (update 20)"),
+            std::string::npos);
+  const auto expected_outputs =
+      checkpoint::load_safetensors(fit.reference + "/predict-0.safetensors").tensors.at("outputs");
+  ASSERT_EQ(expected_outputs.size(0), 96);
+  const auto outputs =
+      checkpoint::load_safetensors(fit.elastic + "/predict-0.safetensors").tensors.at("outputs");
+  EXPECT_TRUE(torch::allclose(outputs, expected_outputs, 0, 1e-6));
+  EXPECT_FALSE(std::filesystem::exists(fit.elastic + "/predict-1.safetensors"));
 }
 
 // BatchNorm in an elastic group, with a backup every 4 updates that the chief writes alone:

@@ -14,8 +14,10 @@
 // validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
 // vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
 // BatchNorm1d after the first layer); --evaluate (after the fit and its files, evaluate() on the
-// validation data, its loss to <out>/eval-<slot>.txt; --fault S:validation:E with E = epochs + 1
-// kills slot S in it); --reference (one worker, no elastic group). Prints "slot S pid P" once it has joined.
+// validation data, its loss to <out>/eval-<slot>.txt, then predict() on it, the outputs to
+// <out>/predict-<slot>.safetensors; --fault S:validation:E kills slot S in the evaluation with
+// E = epochs + 1, in the prediction with E = epochs + 2); --reference (one worker, no elastic
+// group). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -188,6 +190,10 @@ int main(int argc, char** argv) {
       const train::EvalResult result = model.evaluate(*fit.validation_data);
       std::ofstream(out + "/eval-" + std::to_string(slot) + ".txt")
           << std::setprecision(9) << result.loss() << ' ' << result.samples << '\n';
+      faults.epoch = epochs + 1;
+      const torch::Tensor outputs = model.predict(*fit.validation_data);
+      checkpoint::save_safetensors(out + "/predict-" + std::to_string(slot) + ".safetensors",
+                                   {{"outputs", outputs}});
     }
     return 0;
   } catch (const std::exception& e) {

@@ -166,7 +166,8 @@ class Model {
   // Keras's predict over a dataset of (features[, ...]) batches, across workers like evaluate():
   // each worker runs its share of every batch, and every worker returns the outputs of every
   // element, in the dataset's order (with FILE sharding or per-worker pipelines: batch by batch,
-  // each batch's outputs in worker order). A collective.
+  // each batch's outputs in worker order). A collective; elastic, outside fit, healed as
+  // evaluate() is.
   torch::Tensor predict(const data::Dataset& data);
   torch::Tensor predict(const data::DistributedDataset& data);
   // The buffers (BatchNorm's running statistics) as TF keeps them: each replica updates its own
@@ -279,6 +280,13 @@ class Model {
   // one collective.
   void gather_epoch(const PhaseTimes& mine);
   EvalResult evaluate_impl(const data::DistributedDataset& data);
+  torch::Tensor predict_impl(const data::DistributedDataset& data);
+  // evaluate() and predict(): the buffers mirrored, then `pass` over `data`. Elastic, outside
+  // fit: a member's failure heals, and the pass runs again on the data split among the workers
+  // there are (inside fit, fit heals).
+  template <class Result>
+  Result collective_pass(const data::DistributedDataset& data,
+                         const std::function<Result(const data::DistributedDataset&)>& pass);
 
   strategy::Strategy& strategy_;
   std::shared_ptr<torch::nn::Module> module_;
