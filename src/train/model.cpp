@@ -374,6 +374,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
       model.input_ = nullptr;
       model.fit_input_ = nullptr;
       model.elastic_input_.reset();
+      model.admission_.reset(); // a vote left at the fit's end, dropped by every member
       model.timer_->end_fit();
     }
   } end_of_fit{*this};
@@ -488,7 +489,6 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
   const auto comm_before = reducer_->stats();
   const auto start = base::Clock::now();
   collective::ElasticGroup* const group = strategy_.elastic();
-  std::optional<collective::PendingAgreement> admission; // elastic: the vote in flight
   if (group) {
     committed_ = committed_state();
     pulled_since_commit_ = false;
@@ -545,16 +545,18 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     if (vote && vote->at_step_boundary() && step_in_epoch_ % accumulation == 0 && !epoch_last) {
       preempt(callbacks);
     }
-    // Restarted workers wait to be admitted: every kAdmitEvery steps the members start a vote
-    // on whether the rendezvous reported any, read it at the next boundary (it overlapped that
-    // step), and if so all take them in there. After a new generation none is in flight (a
-    // joiner has none either); a vote left at an epoch's end is dropped by every member.
-    if (group && admission) {
-      const bool admit = admission->wait().any;
-      admission.reset();
+    // Restarted workers wait to be admitted: every kAdmitEvery updates the members start a vote
+    // on whether the rendezvous reported any, read it at the next step boundary (it overlapped
+    // that step; across an epoch's end, the next epoch's first), and if so all take them in
+    // there. Counted in updates, not steps of the epoch, so short epochs admit too. After a new
+    // generation none is in flight (a joiner has none either).
+    if (group && admission_) {
+      const bool admit = admission_->wait().any;
+      admission_.reset();
       if (admit && group->admit()) on_generation(&input);
-    } else if (group && step_in_epoch_ % kAdmitEvery == 0) {
-      admission.emplace(strategy_.communicator(), group->waiting() > 0);
+    } else if (group && iterations_ % kAdmitEvery == 0) {
+      admission_ = std::make_unique<collective::PendingAgreement>(strategy_.communicator(),
+                                                                  group->waiting() > 0);
     }
     timer_->end_step();
     return !(batch_ended && stop_training);
@@ -569,7 +571,7 @@ std::optional<EpochLogs> Model::run_epoch(int epoch, bool first, std::int64_t fi
     } catch (const std::exception& e) {
       if (!healable(e)) throw;
       timer_->cancel_step();
-      admission.reset(); // on the group that failed: never read
+      admission_.reset(); // on the group that failed: never read
       heal(e, &input);
     }
   }
@@ -762,6 +764,7 @@ void Model::adopt_group() {
 
 void Model::on_generation(detail::EpochIterator* input) {
   using detail::EpochStage;
+  admission_.reset(); // a vote on the group before, never read
   adopt_group();
   const detail::FitPosition mine = position();
   TrainingState state = committed_;

@@ -25,6 +25,10 @@
 #include "flotilla/train/step_phases.h"
 #include "flotilla/train/training_state.h"
 
+namespace flotilla::collective {
+class PendingAgreement;
+} // namespace flotilla::collective
+
 namespace flotilla::train {
 
 class Callback;
@@ -328,6 +332,8 @@ class Model {
   detail::EpochStage end_stage_{};
   std::unique_ptr<detail::EpochEndRecord> end_;
   bool joined_this_epoch_ = false;
+  // Elastic: the admission vote in flight, started at one step boundary and read at the next.
+  std::unique_ptr<collective::PendingAgreement> admission_;
 };
 
 } // namespace flotilla::train
