@@ -142,12 +142,12 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   }
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
-  // Every worker is here at the same step: the buffers are mirrored together (a collective),
-  // even where only the chief then saves.
-  model().mirror_buffers();
   collective::Communicator* const group = saving_group(strategy);
   if (!group) return;
   if (options_.save_weights_only) {
+    // Every worker saves together (the buffers' mirror is a collective). Elastic: the chief alone,
+    // with the buffers it has (mirrored at each epoch's end).
+    if (!strategy.elastic()) model().mirror_buffers();
     checkpoint::save_model(*group, model().module(),
                            path.parent_path().empty() ? "." : path.parent_path(),
                            path.filename().string(),
@@ -239,12 +239,9 @@ void BackupAndRestore::request_preemption() noexcept {
   }
 }
 
-bool BackupAndRestore::backup(bool together) {
+bool BackupAndRestore::backup() {
   auto& strategy = model().strategy();
   last_backup_iteration_ = model().iterations();
-  // Every worker at the same step: the buffers are mirrored together (a collective), even
-  // where only the chief then saves. An elastic worker preempted alone saves its own.
-  if (together) model().mirror_buffers();
   collective::Communicator* const group = saving_group(strategy);
   if (!group) return false;
   checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
@@ -256,8 +253,7 @@ bool BackupAndRestore::backup(bool together) {
 }
 
 std::string BackupAndRestore::on_preemption() {
-  return backup(/*together=*/!model().strategy().elastic()) ? options_.backup_dir.string()
-                                                              : std::string();
+  return backup() ? options_.backup_dir.string() : std::string();
 }
 
 void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) {
@@ -268,12 +264,12 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
   const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
   if (last_backup_iteration_ < 0) last_backup_iteration_ = model().iterations() - 1; // joined
   if (!epoch_last && model().iterations() - last_backup_iteration_ >= options_.save_freq) {
-    backup(/*together=*/true);
+    backup();
   }
 }
 
 void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) {
-  backup(/*together=*/true);
+  backup();
 }
 
 void BackupAndRestore::on_train_end() {

@@ -93,7 +93,7 @@ const std::string kOptimizerPrefix = "optimizer/";
 
 checkpoint::CheckpointData checkpoint_data(Model& model) {
   // The replicas' mean, as every worker will read them. Elastic: a collective only the saving
-  // chief would join; the callbacks mirror on every member first where all save together.
+  // chief would join; it saves the buffers it has (mirrored at each epoch's end).
   if (!model.strategy().elastic()) model.mirror_buffers();
   return local_checkpoint_data(model, model.training_state());
 }

@@ -455,8 +455,11 @@ TEST(Launch, AnElasticFitHealsFaultsAtAnEpochsEnd) {
         "going on from epoch 4, 10 steps done (update 40)"}) {
     EXPECT_NE(r.err.find(line), std::string::npos) << line;
   }
-  // Slot 1 took over the chief's duties, the progress lines among them.
-  EXPECT_NE(r.out.find("[worker 1] Epoch 5/7"), std::string::npos) << r.out;
+  // A survivor (slot 1 or 2, whichever is lowest then) took over the chief's duties, the
+  // progress lines among them.
+  EXPECT_TRUE(r.out.find("[worker 1] Epoch 5/7") != std::string::npos ||
+              r.out.find("[worker 2] Epoch 5/7") != std::string::npos)
+      << r.out;
   fit.expect_one_workers_result(6);
 }
 
@@ -501,11 +504,11 @@ TEST(Launch, AnElasticEvaluateAndPredictAfterFitHealKilledWorkers) {
   EXPECT_FALSE(std::filesystem::exists(fit.elastic + "/predict-1.safetensors"));
 }
 
-// BatchNorm in an elastic group, with a backup every 4 updates that the chief writes alone:
-// the buffers are mirrored by every member together first (a lone mirror on the chief met the
-// others' gradient all-reduce), also across the heal of worker 2's death at step 7 and its
-// rejoining. Every member ends with the same parameters and running statistics, bit for bit,
-// and every sample is trained on once per epoch.
+// BatchNorm in an elastic group, with a backup every 4 updates that the chief writes alone: no
+// save starts a collective (a lone mirror on the chief met the others' gradient all-reduce), also
+// across the heal of worker 2's death at step 7 and its rejoining. Every member ends with the
+// same parameters and running statistics, bit for bit (each epoch's end mirrors them), and every
+// sample is trained on once per epoch.
 TEST(Launch, AnElasticFitWithBatchNormMirrorsOnEveryMemberBeforeTheChiefSaves) {
   const ElasticFit fit;
   const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},

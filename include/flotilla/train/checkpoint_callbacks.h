@@ -91,9 +91,7 @@ class BackupAndRestore : public Callback {
   void request_preemption() noexcept;
 
  private:
-  // False: another worker writes it (elastic, not the chief). `together`: every worker calls it
-  // at the same step (not an elastic worker preempted alone).
-  bool backup(bool together);
+  bool backup(); // false: another worker writes it (elastic, not the chief)
   BackupOptions options_;
   std::optional<TrainingState> restored_;
   std::int64_t last_backup_iteration_ = -1;
