@@ -26,7 +26,7 @@
 namespace flotilla::train {
 
 namespace {
-// Elastic: steps between two admission votes (one small all-reduce each, started at a step
+// Elastic: updates between two admission votes (one small all-reduce each, started at a step
 // boundary and read at the next, so it overlaps a step). Few enough that a restarted worker
 // waits little; rare enough that a fast step does not pay for it each time.
 constexpr std::int64_t kAdmitEvery = 8;
@@ -602,16 +602,11 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
   // collective runs again in the new group.
   const auto stage = [&](EpochStage done, const std::function<void()>& collective) {
     while (end_stage_ < done) {
-      if (!strategy_.elastic()) {
-        collective();
-        end_stage_ = done;
-        break;
-      }
       try {
         collective();
         end_stage_ = done;
       } catch (const std::exception& e) {
-        if (!healable(e)) throw;
+        if (!strategy_.elastic() || !healable(e)) throw;
         heal(e, &input);
       }
     }

@@ -509,7 +509,7 @@ TEST(Launch, AnElasticEvaluateAndPredictAfterFitHealKilledWorkers) {
 // across the heal of worker 2's death at step 7 and its rejoining. Every member ends with the
 // same parameters and running statistics, bit for bit (each epoch's end mirrors them), and every
 // sample is trained on once per epoch.
-TEST(Launch, AnElasticFitWithBatchNormMirrorsOnEveryMemberBeforeTheChiefSaves) {
+TEST(Launch, AnElasticFitWithBatchNormSavesWithoutACollective) {
   const ElasticFit fit;
   const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
                                         {"--batchnorm", "--backup-dir", fit.dir.path() + "/b"}),
