@@ -127,6 +127,154 @@ class RebatchShardNode : public UnaryNode {
   std::int64_t replicas_, first_, count_;
 };
 
+// batch(G) rewritten for an elastic group that keeps the per-replica batch: the global batches
+// are a stream of per-replica slices of B = G/N rows (N the full cluster's replicas), and each
+// step takes the next `replicas` slices (fewer rows only where the pass ends); this worker's
+// replicas [first, first + count) keep theirs, which may be empty in a pass's last step. Rows
+// come in whole global batches, so drop_remainder drops exactly what the full cluster would.
+// A pass resumed mid-stream (BatchSizes::start_rows) begins that many rows in, anywhere.
+class RebatchSliceStage : public UnaryStage {
+ public:
+  RebatchSliceStage(std::unique_ptr<Stage> input, std::int64_t global, bool drop,
+                    std::int64_t slice, std::int64_t replicas, std::int64_t first,
+                    std::int64_t count, std::shared_ptr<BatchSizes> sizes)
+      : UnaryStage("RebatchSlice", std::move(input)), global_(global), drop_(drop),
+        slice_(slice), replicas_(replicas), first_(first), count_(count),
+        sizes_(std::move(sizes)) {
+    rows_ = input_->rows();
+    if (rows_) name_ = "RebatchSlice(gathered)";
+    lead_ = sizes_ ? sizes_->start_rows : 0;
+  }
+  std::int64_t skip(std::int64_t n) override {
+    std::int64_t moved = 0;
+    for (; moved < n; ++moved) {
+      if (!take_step()) break;
+    }
+    return moved;
+  }
+
+ protected:
+  std::optional<Element> produce() override {
+    const std::int64_t step = take_step();
+    if (step == 0) return std::nullopt;
+    const std::int64_t begin = std::min(first_ * slice_, step);
+    const std::int64_t end = std::min((first_ + count_) * slice_, step);
+    Element out;
+    if (rows_) {
+      const torch::Tensor index =
+          torch::from_blob(taken_rows_.data() + begin, {end - begin}, torch::kInt64).clone();
+      out.reserve(rows_->size());
+      for (const auto& t : *rows_) out.push_back(t.index_select(0, index));
+    } else {
+      out = stack_range(taken_, begin, end, index_);
+    }
+    ++index_;
+    if (sizes_) sizes_->push(step);
+    return out;
+  }
+
+ private:
+  std::int64_t global_;
+  bool drop_;
+  std::int64_t slice_, replicas_, first_, count_;
+  std::shared_ptr<BatchSizes> sizes_;
+  std::int64_t lead_;
+  std::int64_t index_ = 0;
+  const Element* rows_ = nullptr;
+  bool ended_ = false;
+  // Rows of whole global batches read and not yet stepped on (indices in row mode).
+  std::deque<std::int64_t> pending_rows_;
+  std::deque<Element> pending_;
+  // The last step's rows, in order.
+  std::vector<std::int64_t> taken_rows_;
+  std::vector<Element> taken_;
+
+  std::int64_t pending() const {
+    return static_cast<std::int64_t>(rows_ ? pending_rows_.size() : pending_.size());
+  }
+  // Reads one global batch into the pending rows; false at the input's end (a short last batch
+  // is kept unless drop_remainder).
+  bool read_global_batch() {
+    std::int64_t got = 0;
+    for (; got < global_; ++got) {
+      if (rows_) {
+        auto r = input_->next_row();
+        if (!r) break;
+        pending_rows_.push_back(*r);
+      } else {
+        auto e = input_->next();
+        if (!e) break;
+        pending_.push_back(std::move(*e));
+      }
+    }
+    if (got == global_) return true;
+    if (drop_) { // the full cluster would not train on these either
+      for (std::int64_t i = 0; i < got; ++i) rows_ ? pending_rows_.pop_back() : pending_.pop_back();
+    }
+    ended_ = true;
+    return false;
+  }
+  // Moves the next step's rows into taken_; returns how many (0 where the pass ends).
+  std::int64_t take_step() {
+    if (lead_ > 0) { // a resumed pass: whole global batches skipped, then part of one
+      const std::int64_t whole = lead_ / global_;
+      const std::int64_t moved = input_->skip(whole * global_);
+      if (moved < whole * global_) ended_ = true;
+      if (!ended_) read_global_batch();
+      for (std::int64_t i = 0; i < lead_ % global_ && pending() > 0; ++i) {
+        rows_ ? pending_rows_.pop_front() : pending_.pop_front();
+      }
+      lead_ = 0;
+    }
+    const std::int64_t want = replicas_ * slice_;
+    while (pending() < want && !ended_ && read_global_batch()) {
+    }
+    const std::int64_t step = std::min(want, pending());
+    taken_rows_.clear();
+    taken_.clear();
+    for (std::int64_t i = 0; i < step; ++i) {
+      if (rows_) {
+        taken_rows_.push_back(pending_rows_.front());
+        pending_rows_.pop_front();
+      } else {
+        taken_.push_back(std::move(pending_.front()));
+        pending_.pop_front();
+      }
+    }
+    return step;
+  }
+};
+
+class RebatchSliceNode : public UnaryNode {
+ public:
+  RebatchSliceNode(NodePtr input, std::int64_t global, bool drop, std::int64_t slice,
+                   std::int64_t replicas, std::int64_t first, std::int64_t count)
+      : UnaryNode(std::move(input)), global_(global), drop_(drop), slice_(slice),
+        replicas_(replicas), first_(first), count_(count) {}
+  std::unique_ptr<Stage> make_iterator(const IteratorContext& ctx) const override {
+    return std::make_unique<RebatchSliceStage>(input_->make_iterator(ctx), global_, drop_, slice_,
+                                               replicas_, first_, count_, ctx.batch_sizes);
+  }
+  // Steps of a whole pass (one resumed mid-stream takes fewer).
+  std::int64_t cardinality() const override {
+    const std::int64_t c = input_->cardinality();
+    if (c < 0) return c;
+    const std::int64_t rows = drop_ ? c / global_ * global_ : c;
+    const std::int64_t step = replicas_ * slice_;
+    return (rows + step - 1) / step;
+  }
+  std::string describe() const override {
+    return "rebatch_slice(" + std::to_string(global_) + "," + std::to_string(drop_) + "," +
+           std::to_string(slice_) + "," + std::to_string(replicas_) + "," +
+           std::to_string(first_) + "," + std::to_string(count_) + ")";
+  }
+
+ private:
+  std::int64_t global_;
+  bool drop_;
+  std::int64_t slice_, replicas_, first_, count_;
+};
+
 // The fallback when no batch can be rewritten: the whole pipeline runs, and each global batch
 // is split at the end. Components that are not batched (no leading dimension of the batch's
 // size) pass whole.
@@ -217,21 +365,109 @@ std::optional<ReplicaBatch> DistributedIterator::next() {
   const std::int64_t global =
       sizes_ ? sizes_->pop()
              : (e->empty() || e->front().dim() == 0 ? 0 : e->front().size(0)) * workers_;
+  rows_before_last_ = rows_;
+  rows_ += global;
   return ReplicaBatch{std::move(*e), global};
+}
+
+IteratorState DistributedIterator::save(bool before_last) const {
+  IteratorState state = iterator_.save();
+  if (rows_mode_) {
+    state.in_rows = true;
+    state.produced = before_last ? rows_before_last_ : rows_;
+  } else if (before_last) {
+    state.produced -= 1;
+  }
+  return state;
 }
 
 DistributedIterator DistributedDataset::make_iterator() const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
   return DistributedIterator(
       detail::make_iterator(per_worker_.node(), sizes, nullptr, original_.node()), sizes,
-      context_.num_input_pipelines);
+      context_.num_input_pipelines, slice_rows_ > 0, 0);
 }
 
 DistributedIterator DistributedDataset::make_iterator(const IteratorState& state) const {
   auto sizes = records_sizes_ ? std::make_shared<detail::BatchSizes>() : nullptr;
+  IteratorState resume = state;
+  std::int64_t start_rows = 0;
+  if (slice_rows_ > 0) {
+    // Rows into the stream (a position in global batches is that many whole ones); the
+    // rebatching stage begins there.
+    start_rows = state.in_rows ? state.produced : state.produced * global_rows_;
+    sizes->start_rows = start_rows;
+    resume.produced = 0;
+    resume.in_rows = false;
+  } else if (state.in_rows) {
+    const std::int64_t global = per_replica_batch_ * context_.num_replicas_in_sync;
+    if (global <= 0 || state.produced % global != 0) {
+      throw ConfigError("the saved input position is " + std::to_string(state.produced) +
+                        " rows into the pass (an elastic fit that kept the per-replica batch), "
+                        "not at a global batch boundary of this pipeline (" +
+                        std::to_string(global) +
+                        " rows); resume with CommunicationOptions::elastic_batch kPerReplica, "
+                        "as it was saved");
+    }
+    resume.produced = state.produced / global;
+    resume.in_rows = false;
+  }
   return DistributedIterator(
-      detail::make_iterator(per_worker_.node(), sizes, &state, original_.node()), sizes,
-      context_.num_input_pipelines);
+      detail::make_iterator(per_worker_.node(), sizes, &resume, original_.node()), sizes,
+      context_.num_input_pipelines, slice_rows_ > 0, start_rows);
+}
+
+DistributedDataset distribute_keeping_per_replica_batch(const Dataset& dataset,
+                                                       const strategy::InputContext& context) {
+  const std::int64_t full = context.full_replicas;
+  const std::int64_t replicas = context.num_replicas_in_sync;
+  const std::int64_t per_worker = replicas / context.num_input_pipelines;
+  const std::int64_t first = context.input_pipeline_id * per_worker;
+  const Options& options = dataset.options();
+  const AutoShardPolicy policy = options.distribute.auto_shard_policy;
+  if (policy != AutoShardPolicy::kAuto && policy != AutoShardPolicy::kData) {
+    throw ConfigError("distribute_dataset: an elastic group keeping the per-replica batch deals "
+                      "each global batch out in per-replica slices, which needs "
+                      "auto_shard_policy DATA (or AUTO); saw " +
+                      std::string(policy == AutoShardPolicy::kFile ? "FILE" : "OFF"));
+  }
+  const std::string why = dataset.node()->graph_not_replayable(options);
+  if (!why.empty()) {
+    throw ConfigError("distribute_dataset: with DATA sharding every worker must build the same "
+                      "global batches, but " +
+                      why);
+  }
+  std::int64_t global = 0;
+  const detail::NodePtr rewritten = detail::rewrite_batch(
+      dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
+        global = size;
+        if (size % full != 0) {
+          throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic "
+                            "group needs a global batch that the cluster's " +
+                            std::to_string(full) + " workers split evenly; saw batch(" +
+                            std::to_string(size) + "). Use a multiple of " +
+                            std::to_string(full));
+        }
+        return std::make_shared<detail::RebatchSliceNode>(std::move(input), size, drop,
+                                                          size / full, replicas, first, per_worker);
+      });
+  if (!rewritten) {
+    throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic group "
+                      "needs the pipeline's batch(global batch) to rewrite (none was found, or "
+                      "one behind an order-changing stage)");
+  }
+  const std::int64_t slice = global / full;
+  DistributedDataset out(dataset, Dataset(rewritten), context, true,
+                         "DATA: batch(" + std::to_string(global) + ") dealt out in slices of " +
+                             std::to_string(slice) + " per replica, " + std::to_string(replicas) +
+                             " of the cluster's " + std::to_string(full) +
+                             " replicas' slices per step; worker " +
+                             std::to_string(context.input_pipeline_id) + " takes " +
+                             std::to_string(per_worker),
+                         slice, true);
+  out.slice_rows_ = slice;
+  out.global_rows_ = global;
+  return out;
 }
 
 DistributedDataset distribute_dataset(const Dataset& dataset,
@@ -243,6 +479,7 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   const Options& options = dataset.options();
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
+  if (context.full_replicas > 0) return distribute_keeping_per_replica_batch(dataset, context);
   if (replicas == 1) {
     return DistributedDataset(dataset, dataset, context, false, "one replica: the dataset as it is",
                               0, true);

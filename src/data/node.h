@@ -43,6 +43,9 @@ struct BatchSizes {
     sizes.pop_front();
     return n;
   }
+  // An elastic pass keeping the per-replica batch resumes this many rows into the stream of
+  // global batches (set before the pass is made; read by its rebatching stage).
+  std::int64_t start_rows = 0;
 };
 
 struct IteratorContext {

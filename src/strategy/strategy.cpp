@@ -200,6 +200,10 @@ void Strategy::adopt_generation() {
 InputContext Strategy::input_context() const {
   InputContext context{num_workers(), worker_index(), num_replicas_in_sync()};
   context.uneven_split = elastic_ != nullptr; // the global batch stays when the members change
+  if (elastic_ && communicator_.options().elastic_batch ==
+                      collective::CommunicationOptions::ElasticBatch::kPerReplica) {
+    context.full_replicas = cluster_.world_size; // one replica per worker in elastic mode
+  }
   return context;
 }
 

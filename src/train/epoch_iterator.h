@@ -37,10 +37,11 @@ class EpochIterator {
     data_ = &data;
     pass_.emplace(data.make_iterator(position));
   }
-  // The pass's position exactly as it stands (no epoch-end adjustment); nullopt before it.
-  std::optional<data::IteratorState> raw_position() const {
+  // The pass's position exactly as it stands (no epoch-end adjustment), or before the last batch
+  // next() returned; nullopt before the pass.
+  std::optional<data::IteratorState> raw_position(bool before_last = false) const {
     if (!pass_) return std::nullopt;
-    return pass_->save();
+    return pass_->save(before_last);
   }
   // Before each epoch: a new pass unless one continues (see above).
   void begin_epoch(bool first);

@@ -129,7 +129,14 @@ std::vector<torch::optim::Optimizer*> Model::optimizers() {
 
 double Model::learning_rate() const {
   require_compiled("learning_rate");
-  return options_->optimizer.learning_rate_at(iterations_);
+  const double rate = options_->optimizer.learning_rate_at(schedule_step());
+  if (lr_global_rows_ == 0) return rate;
+  // Keeping the per-replica batch: a whole step of the members there are (a pass's last step
+  // may have fewer rows, and a lower rate).
+  const strategy::InputContext context = strategy_.input_context();
+  return context.full_replicas > 0
+             ? rate * context.num_replicas_in_sync / context.full_replicas
+             : rate;
 }
 
 void Model::set_learning_rate(double learning_rate) {
@@ -290,6 +297,7 @@ void Model::compile(const CompileOptions& options) {
   policy_ = policy;
   loss_scale_ = loss_scale;
   iterations_ = 0;
+  trained_rows_ = 0;
   resume_.reset();
   options_ = options;
   if (strategy_.is_chief()) {
@@ -316,6 +324,7 @@ void Model::require_compiled(const char* what) const {
 TrainingState Model::training_state() const {
   TrainingState state;
   state.iterations = iterations_;
+  state.trained_rows = trained_rows_;
   state.epoch = epoch_index_;
   state.step_in_epoch = step_in_epoch_;
   if (input_) state.iterator = input_->position(step_in_epoch_);
@@ -329,6 +338,7 @@ TrainingState Model::training_state() const {
 void Model::restore_training_state(const TrainingState& state) {
   require_compiled("restore_training_state");
   iterations_ = state.iterations;
+  trained_rows_ = state.trained_rows; // -1 from an older checkpoint: counted at the next fit
   if (loss_scale_ && state.loss_scale > 0) {
     loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
   }
@@ -356,7 +366,7 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
   std::optional<data::DistributedDataset> validation;
   if (options.validation_data) {
     validation.emplace(
-        data::distribute_dataset(*options.validation_data, strategy_.input_context()));
+        data::distribute_dataset(*options.validation_data, evaluation_context()));
   }
   const CallbackNeeds needs = callbacks.needs();
   check_finite_ = needs.finite_check;
@@ -410,6 +420,13 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     joined_this_epoch_ = true; // its end is due even if the group was at the last step
     buffers_dirty_ = true;     // as the members count theirs (on_generation)
     replicas_->copy_first_to_others();
+  }
+  // Elastic keeping the per-replica batch: the learning rate follows each update's rows.
+  lr_global_rows_ = train.global_rows();
+  if (trained_rows_ < 0) { // restored from a checkpoint that did not count them
+    trained_rows_ = iterations_ * (lr_global_rows_ > 0
+                                       ? lr_global_rows_
+                                       : train.per_replica_batch() * strategy_.num_replicas_in_sync());
   }
   int first_epoch = options.initial_epoch; // 0-based
   std::int64_t resume_step = 0;
@@ -614,7 +631,7 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
   stage(EpochStage::kGathered, [&] { gather_epoch(logs.phases); });
   const double count = end_->sums.back();
   set_means(logs.values, metrics_, end_->sums.data(), count);
-  logs.values.set("learning_rate", options_->optimizer.learning_rate_at(iterations_));
+  logs.values.set("learning_rate", learning_rate()); // the next update's (Keras's)
   logs.samples_per_s = logs.seconds > 0 ? count / logs.seconds : 0;
   logs.worker_phases = end_->phases;
   step_in_epoch_ = 0; // at the boundary: a backup taken now resumes at the next epoch
@@ -625,7 +642,7 @@ void Model::end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
     if (!validation || (epoch + 1) % options.validation_freq != 0) return;
     // Elastic: split among the workers there are now (fit split it among those at its start).
     const EvalResult val = evaluate_impl(
-        strategy_.elastic() ? validation->redistribute(strategy_.input_context()) : *validation);
+        strategy_.elastic() ? validation->redistribute(evaluation_context()) : *validation);
     replicas_->set_training(true);
     end_->validation = val.values.items();
   });
@@ -685,6 +702,20 @@ void Model::check_elastic(const data::DistributedDataset& train, const FitOption
                       "sharding; saw " +
                       train.sharding() + ")");
   }
+  const bool per_replica = strategy_.input_context().full_replicas > 0;
+  if (per_replica != (train.slice_rows() > 0)) {
+    throw ConfigError(std::string("elastic mode: the training dataset was distributed for ") +
+                      (per_replica ? "a constant global batch" : "a constant per-replica batch") +
+                      ", but the strategy's CommunicationOptions::elastic_batch keeps the " +
+                      (per_replica ? "per-replica batch" : "global batch") +
+                      "; distribute it with this strategy's input_context()");
+  }
+  if (per_replica && options.steps_per_epoch) {
+    throw ConfigError("elastic mode keeping the per-replica batch: an epoch is a pass over the "
+                      "data, whose steps change with the members, so steps_per_epoch (saw " +
+                      std::to_string(*options.steps_per_epoch) +
+                      ") cannot be kept; leave it unset, or keep the global batch");
+  }
 }
 
 TrainingState Model::committed_state() const {
@@ -692,6 +723,7 @@ TrainingState Model::committed_state() const {
   // when needed (committed_position).
   TrainingState state;
   state.iterations = iterations_;
+  state.trained_rows = trained_rows_;
   state.epoch = epoch_index_;
   state.step_in_epoch = step_in_epoch_;
   if (loss_scale_) {
@@ -703,11 +735,9 @@ TrainingState Model::committed_state() const {
 
 std::optional<data::IteratorState>
 Model::committed_position(const detail::EpochIterator& input) const {
-  std::optional<data::IteratorState> position = input.raw_position();
   // Each step pulls one global batch (DATA sharding: no per-step vote): one pulled since the
   // commit is the failed step's, to be pulled again.
-  if (position && pulled_since_commit_) position->produced -= 1;
-  return position;
+  return input.raw_position(pulled_since_commit_);
 }
 
 detail::FitPosition Model::position() const {
@@ -760,6 +790,7 @@ void Model::adopt_group() {
 void Model::on_generation(detail::EpochIterator* input) {
   using detail::EpochStage;
   admission_.reset(); // a vote on the group before, never read
+  update_rows_ = 0;    // a failed step's rows: it is redone (no accumulation in elastic mode)
   adopt_group();
   const detail::FitPosition mine = position();
   TrainingState state = committed_;
@@ -773,6 +804,7 @@ void Model::on_generation(detail::EpochIterator* input) {
   }
   if (plan.send_state) {
     iterations_ = state.iterations;
+    trained_rows_ = state.trained_rows;
     if (loss_scale_ && state.loss_scale > 0) {
       loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
     }
@@ -910,9 +942,15 @@ void Model::apply_update() {
     last_step_finite_ = found_inf.item<float>() == 0;
     if (loss_scale_) apply = loss_scale_->update(last_step_finite_);
   }
+  const std::int64_t rows = std::exchange(update_rows_, 0);
   if (apply) { // skipped otherwise: no update, and the schedules' step does not advance
-    replicas_->step(options_->optimizer.learning_rate_at(iterations_));
+    // Keeping the per-replica batch, the rate scales with the update's rows (the global batch
+    // as it is, over the one the rate was set for): Goyal et al.'s linear rule, per update.
+    const double scale =
+        lr_global_rows_ > 0 ? static_cast<double>(rows) / static_cast<double>(lr_global_rows_) : 1.0;
+    replicas_->step(options_->optimizer.learning_rate_at(schedule_step()) * scale);
     ++iterations_;
+    trained_rows_ += rows;
   }
   timer_->mark(Phase::kOptimizer);
 }
@@ -974,6 +1012,7 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
       static_cast<double>(batch.global_batch_size) / strategy_.num_replicas_in_sync();
   const double scale = loss_scale_ ? loss_scale_->scale() : 1.0;
   buffers_dirty_ = true;
+  update_rows_ += batch.global_batch_size;
   if (captured_ && parts[0][1].size(0) > 0 && captured_->warmed_up()) {
     // What an eager step does between the copy and the optimizer, for the graph to record.
     auto body = [&](const data::Element& e, const torch::Tensor& loss_factor) {
@@ -1072,7 +1111,7 @@ torch::Tensor Model::train_step(const data::ReplicaBatch& batch, int& micro) {
 }
 
 EvalResult Model::evaluate(const data::Dataset& data) {
-  return evaluate(data::distribute_dataset(data, strategy_.input_context()));
+  return evaluate(data::distribute_dataset(data, evaluation_context()));
 }
 
 template <class Result>
@@ -1085,7 +1124,7 @@ Result Model::collective_pass(const data::DistributedDataset& data,
   for (;;) {
     try {
       mirror_buffers();
-      return pass(data.redistribute(strategy_.input_context()));
+      return pass(data.redistribute(evaluation_context()));
     } catch (const std::exception& e) {
       if (!healable(e)) throw;
       heal(e, nullptr);
@@ -1155,7 +1194,7 @@ EvalResult Model::evaluate_impl(const data::DistributedDataset& data) {
 }
 
 torch::Tensor Model::predict(const data::Dataset& data) {
-  return predict(data::distribute_dataset(data, strategy_.input_context()));
+  return predict(data::distribute_dataset(data, evaluation_context()));
 }
 
 torch::Tensor Model::predict(const data::DistributedDataset& data) {

@@ -44,10 +44,12 @@ json to_json(const TrainingState& s) {
             {"step_in_epoch", s.step_in_epoch},
             {"loss_scale", s.loss_scale},
             {"loss_scale_good_steps", s.loss_scale_good_steps}};
+  if (s.trained_rows >= 0) j["trained_rows"] = s.trained_rows;
   if (s.iterator) {
     j["iterator"] = {{"iteration", s.iterator->iteration},
                      {"produced", s.iterator->produced},
                      {"fingerprint", s.iterator->fingerprint}};
+    if (s.iterator->in_rows) j["iterator"]["in_rows"] = true;
   }
   return j;
 }
@@ -64,8 +66,10 @@ TrainingState training_state_from_json(const json& j, const fs::path& where) {
       const json& it = j.at("iterator");
       s.iterator = data::IteratorState{it.at("iteration").get<std::int64_t>(),
                                        it.at("produced").get<std::int64_t>(),
-                                       it.at("fingerprint").get<std::string>()};
+                                       it.at("fingerprint").get<std::string>(),
+                                       it.value("in_rows", false)};
     }
+    s.trained_rows = j.value("trained_rows", std::int64_t{-1});
     return s;
   } catch (const json::exception& e) {
     throw CheckpointError(where.string() + ": the training state in its manifest is incomplete (" +

@@ -431,6 +431,69 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   fit.expect_one_workers_result(4);
 }
 
+// The option that keeps the per-replica batch instead (CommunicationOptions::elastic_batch
+// kPerReplica): worker 2 of 3 is SIGKILLed at global step 7; the two others go on with their 8
+// rows each (16 per update instead of 24) at 16/24 of the learning rate, the updates of the
+// epoch growing to cover its rows, until the restart is admitted. Each process records its rows
+// per update; the sums are the schedule a plain LibTorch loop follows over the same rows in the
+// same order (the learning rate 0.1 x rows / 24): every worker's weights equal its result, and
+// the ledgers hold each sample once per epoch.
+TEST(Launch, AnElasticFitKeepingThePerReplicaBatchScalesTheLearningRate) {
+  const ElasticFit fit;
+  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"}, {"--per-replica"}),
+                             {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  EXPECT_NE(r.err.find("elastic: generation 1 with 2 workers (slot 2 lost its connection to the "
+                       "rendezvous (the process exited or was killed)); going on from epoch 1, "
+                       "7 steps done (update 7)"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); going on from epoch"),
+            std::string::npos);
+  std::map<std::int64_t, std::int64_t> rows; // update -> rows over every process
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(fit.elastic)) {
+    if (entry.path().filename().string().rfind("rows-", 0) != 0) continue;
+    ++files;
+    std::ifstream in(entry.path());
+    for (std::int64_t update = 0, mine = 0; in >> update >> mine;) rows[update] += mine;
+  }
+  EXPECT_EQ(files, 4);
+  ASSERT_FALSE(rows.empty());
+  EXPECT_EQ(rows.begin()->first, 1);
+  EXPECT_EQ(rows.rbegin()->first, static_cast<std::int64_t>(rows.size())) << "an update missing";
+  std::map<std::int64_t, int> sizes; // rows of an update -> updates
+  std::int64_t total = 0;
+  {
+    std::ofstream schedule(fit.dir.path() + "/schedule.txt");
+    for (const auto& [update, n] : rows) {
+      schedule << n << '\n';
+      ++sizes[n];
+      total += n;
+    }
+  }
+  EXPECT_EQ(total, 4 * 240);
+  EXPECT_GT(sizes[16], 0) << "the two survivors kept 8 rows each";
+  EXPECT_GT(static_cast<int>(rows.size()), 40) << "fewer rows per update, so more updates";
+  for (const auto& [n, count] : sizes) {
+    EXPECT_TRUE(n == 24 || n == 16 || n == 8) << n << " rows in " << count << " updates";
+  }
+  const auto alone = run_process({fit.trainer, "--reference-rows", fit.dir.path() + "/schedule.txt",
+                                  "--out", fit.reference, "--epochs", "4"});
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  const auto expected = checkpoint::load_safetensors(fit.reference + "/weights-0.safetensors");
+  for (int slot = 0; slot < 3; ++slot) {
+    const auto got = checkpoint::load_safetensors(fit.elastic + "/weights-" +
+                                                  std::to_string(slot) + ".safetensors");
+    ASSERT_EQ(got.tensors.size(), expected.tensors.size());
+    for (const auto& [name, t] : expected.tensors) {
+      const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
+      EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
+    }
+  }
+  fit.expect_every_sample_once(4);
+}
+
 // Faults at an epoch's end, where the members wait in one of its collectives: worker 2 dies
 // inside epoch 2's validation (the others wait in its reduce), worker 1 in epoch 3's callbacks
 // (the others wait in the stop vote), and the chief after epoch 4's last step (the others wait in
@@ -598,8 +661,9 @@ TEST(Launch, ElasticBelowMinWorkersSavesExits75AndTheJobResumes) {
   fit.expect_one_workers_result(6);
 }
 
-// The CLI: flotilla train --elastic under launch --elastic, worker 1 SIGKILLed from outside
-// once training has started; the run ends with the chief's test result and exit 0.
+// The CLI: flotilla train --elastic --elastic-batch per-replica under launch --elastic, worker 1
+// SIGKILLed from outside once training has started; the run ends with the chief's test result
+// and exit 0. (The default, --elastic-batch global, is what make bench-chaos runs.)
 TEST(Launch, ElasticTrainGoesOnWhenAWorkerIsKilledMidFit) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::Process launch({kCli,        "launch",
@@ -608,11 +672,12 @@ TEST(Launch, ElasticTrainGoesOnWhenAWorkerIsKilledMidFit) {
                            "1",         "--heartbeat-timeout",
                            "3",         "--",
                            "flotilla",  "train",
-                           "--elastic", "--heartbeat-timeout",
+                           "--elastic", "--elastic-batch",
+                           "per-replica", "--heartbeat-timeout",
                            "3",         "--model",
                            "mlp",       "--epochs",
-                           "2",         "--steps-per-epoch",
-                           "150"});
+                           "2",         "--batch-per-replica",
+                           "128"});
   ASSERT_TRUE(launch.wait_for_output("Epoch 1/2")) << launch.output_so_far();
   // Worker 1: the launcher's child whose LOCAL_RANK is 1.
   pid_t victim = -1;

@@ -17,7 +17,12 @@
 // validation data, its loss to <out>/eval-<slot>.txt, then predict() on it, the outputs to
 // <out>/predict-<slot>.safetensors; --fault S:validation:E kills slot S in the evaluation with
 // E = epochs + 1, in the prediction with E = epochs + 2); --reference (one worker, no elastic
-// group). Prints "slot S pid P" once it has joined.
+// group); --per-replica (the group keeps the per-replica batch, 8 rows of the 24, and scales the
+// learning rate by each step's rows; every process also writes <out>/rows-<pid>.txt, "update
+// rows" per step, its own rows of that update); --reference-rows FILE (no fit: a plain LibTorch
+// loop over the same rows in the same order, taking as many rows per update as FILE's lines say,
+// at the learning rate 0.1 x rows / 24, weights to <out>/weights-0.safetensors). Prints "slot S
+// pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -57,8 +62,11 @@ Faults faults;
 
 class Ledger : public train::Callback {
  public:
-  Ledger(std::string path, int sleep_ms, int signal_at, int signal, int* step)
-      : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), signal_(signal), step_(step) {}
+  Ledger(std::string path, std::string rows_path, int sleep_ms, int signal_at, int signal,
+         int* step)
+      : out_(path), sleep_ms_(sleep_ms), signal_at_(signal_at), signal_(signal), step_(step) {
+    if (!rows_path.empty()) rows_.open(rows_path);
+  }
   void on_epoch_begin(int epoch) override { faults.epoch = epoch; }
   void on_train_batch_begin(std::int64_t) override {
     if (*step_ == signal_at_) ::raise(signal_);
@@ -67,6 +75,7 @@ class Ledger : public train::Callback {
     out_ << model().current_epoch();
     for (auto id : pending) out_ << ' ' << id;
     out_ << std::endl; // flushed: a killed process's committed steps stay counted
+    if (rows_.is_open()) rows_ << model().iterations() << ' ' << pending.size() << std::endl;
     ++*step_;
     std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms_));
     // After the sleep: the others have long completed this step and wait in the gather.
@@ -75,22 +84,67 @@ class Ledger : public train::Callback {
   void on_epoch_end(int, train::EpochLogs&) override { faults.at("callbacks"); }
 
  private:
-  std::ofstream out_;
+  std::ofstream out_, rows_;
   int sleep_ms_, signal_at_, signal_;
   int* step_;
 };
 
+// --reference-rows: the model, the data and the optimizer of the fit below, trained by hand.
+int reference_by_rows(const std::string& schedule_path, const std::string& out, int epochs,
+                      const data::Dataset& dataset, torch::nn::Sequential net) {
+  std::vector<std::int64_t> schedule;
+  std::ifstream in(schedule_path);
+  for (std::int64_t rows; in >> rows;) schedule.push_back(rows);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::size_t update = 0;
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    std::vector<torch::Tensor> xs, ys; // the epoch's rows in the order of its global batches
+    data::Iterator pass = dataset.make_iterator();
+    while (auto e = pass.next()) {
+      xs.push_back((*e)[0]);
+      ys.push_back((*e)[1]);
+    }
+    const torch::Tensor x = torch::cat(xs), y = torch::cat(ys);
+    for (std::int64_t at = 0; at < x.size(0); ++update) {
+      if (update >= schedule.size() || at + schedule[update] > x.size(0)) {
+        std::cerr << "error: the schedule does not cover epoch " << epoch + 1 << std::endl;
+        return 1;
+      }
+      const std::int64_t rows = schedule[update];
+      sgd.zero_grad();
+      const torch::Tensor loss = torch::nn::functional::cross_entropy(
+          net->forward(x.narrow(0, at, rows)), y.narrow(0, at, rows),
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      (loss / static_cast<double>(rows)).backward();
+      for (auto& group : sgd.param_groups()) group.options().set_lr(0.1 * rows / 24.0);
+      sgd.step();
+      at += rows;
+    }
+  }
+  if (update != schedule.size()) {
+    std::cerr << "error: " << schedule.size() - update << " updates of the schedule left over"
+              << std::endl;
+    return 1;
+  }
+  checkpoint::save_safetensors(out + "/weights-0.safetensors", checkpoint::model_state(*net));
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
-  std::string out = ".", signal_once, backup_dir;
+  std::string out = ".", signal_once, backup_dir, reference_rows;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
-  bool reference = false, batchnorm = false, evaluate = false;
+  bool reference = false, batchnorm = false, evaluate = false, per_replica = false;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--reference" || flag == "--batchnorm" || flag == "--evaluate") {
-      (flag == "--reference" ? reference : flag == "--batchnorm" ? batchnorm : evaluate) = true;
+    if (flag == "--reference" || flag == "--batchnorm" || flag == "--evaluate" ||
+        flag == "--per-replica") {
+      (flag == "--reference"   ? reference
+       : flag == "--batchnorm" ? batchnorm
+       : flag == "--evaluate"  ? evaluate
+                               : per_replica) = true;
       continue;
     }
     if (i + 1 >= argc) break;
@@ -104,6 +158,7 @@ int main(int argc, char** argv) {
     if (flag == "--backup-dir") backup_dir = value;
     if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
     if (flag == "--fault") fault_flags.push_back(value);
+    if (flag == "--reference-rows") reference_rows = value;
   }
   try {
     at::set_num_threads(1);
@@ -112,7 +167,11 @@ int main(int argc, char** argv) {
     options.timeout = std::chrono::seconds(60);
     options.heartbeat_interval = std::chrono::milliseconds(200);
     options.heartbeat_timeout = std::chrono::seconds(2);
+    if (!reference_rows.empty()) reference = true;
     options.elastic = !reference;
+    if (per_replica) {
+      options.elastic_batch = collective::CommunicationOptions::ElasticBatch::kPerReplica;
+    }
     options.cluster_token = cluster::cluster_token(env);
     const auto spec = reference ? cluster::single_worker() : cluster::resolve_cluster(env);
     strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1);
@@ -136,10 +195,6 @@ int main(int argc, char** argv) {
       layers->push_back(torch::nn::Linear(16, 3));
       return layers;
     });
-    train::Model model(strategy, net);
-    train::CompileOptions compile;
-    compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
-    model.compile(compile);
     // 240 rows, 4 epochs of 10 global batches of 24; the order reshuffled every epoch.
     torch::manual_seed(11);
     const auto x = torch::randn({240, 8});
@@ -157,6 +212,11 @@ int main(int argc, char** argv) {
     // Validation after every epoch: 96 other rows, 4 global batches.
     const auto vx = torch::randn({96, 8});
     const auto vy = torch::randint(0, 3, {96});
+    if (!reference_rows.empty()) return reference_by_rows(reference_rows, out, epochs, dataset, net);
+    train::Model model(strategy, net);
+    train::CompileOptions compile;
+    compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+    model.compile(compile);
     int step = 0;
     train::FitOptions fit;
     fit.validation_data =
@@ -167,8 +227,10 @@ int main(int argc, char** argv) {
     fit.epochs = epochs;
     fit.verbose = train::Verbosity::kOneLinePerEpoch; // the chief's, whoever it is
     fit.callbacks.push_back(
-        std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt", sleep_ms,
-                                 signal_at, signal, &step));
+        std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt",
+                                 per_replica ? out + "/rows-" + std::to_string(::getpid()) + ".txt"
+                                             : std::string(),
+                                 sleep_ms, signal_at, signal, &step));
     if (!backup_dir.empty()) {
       train::BackupOptions backup;
       backup.backup_dir = backup_dir;

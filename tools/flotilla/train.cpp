@@ -85,6 +85,7 @@ struct TrainArgs {
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
   bool elastic = false;            // CommunicationOptions::elastic
+  std::string elastic_batch = "global"; // CommunicationOptions::elastic_batch
   double heartbeat_timeout_s = 10; // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
@@ -275,6 +276,13 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
   comm.elastic = a.elastic;
+  if (!a.elastic && a.elastic_batch != "global") {
+    throw ConfigError("--elastic-batch " + a.elastic_batch +
+                      " says what an elastic group keeps when workers leave; add --elastic");
+  }
+  comm.elastic_batch = a.elastic_batch == "per-replica"
+                           ? collective::CommunicationOptions::ElasticBatch::kPerReplica
+                           : collective::CommunicationOptions::ElasticBatch::kGlobal;
   comm.heartbeat_timeout =
       std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
   // At least four beats per timeout, so one late beat on a busy machine is not a failure.
@@ -959,6 +967,12 @@ Command add_train(CLI::App& parent) {
                 "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
                 "rendezvous): a failed worker is dropped and the others go on with the same "
                 "global batch; a restarted one rejoins from a live peer's memory");
+  app->add_option("--elastic-batch", args->elastic_batch,
+                  "With --elastic, what stays when workers leave: global (the global batch and "
+                  "the learning rate; each survivor's batch grows) or per-replica (each worker's "
+                  "batch; the learning rate scales with the rows each step has)")
+      ->check(CLI::IsMember({"global", "per-replica"}))
+      ->capture_default_str();
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
                   "Seconds of silence after which a worker counts as failed (stopped, hung, cut "
                   "off)")

@@ -71,6 +71,10 @@ struct IteratorState {
       0;                     // which pass over the dataset (reshuffles and augmentations key on it)
   std::int64_t produced = 0; // elements returned so far in that pass
   std::string fingerprint;   // of the pipeline that produced it, checked on restore
+  // `produced` counts rows of the global batches' stream, not elements: the position of an
+  // elastic pass keeping the per-replica batch (distribute.h), whose steps take a varying
+  // number of rows. A distributed pass converts between the two at global batch boundaries.
+  bool in_rows = false;
 };
 
 class Iterator;

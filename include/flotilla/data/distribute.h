@@ -32,16 +32,21 @@ class DistributedIterator {
  public:
   std::optional<ReplicaBatch> next();
   std::vector<StageStats> stats() const { return iterator_.stats(); }
-  IteratorState save() const { return iterator_.save(); }
+  // The pass's position; `before_last`: as it stood before the last batch next() returned (one
+  // must have been).
+  IteratorState save(bool before_last = false) const;
 
  private:
   friend class DistributedDataset;
   DistributedIterator(Iterator iterator, std::shared_ptr<detail::BatchSizes> sizes,
-                      std::int64_t workers)
-      : iterator_(std::move(iterator)), sizes_(std::move(sizes)), workers_(workers) {}
+                      std::int64_t workers, bool rows_mode, std::int64_t start)
+      : iterator_(std::move(iterator)), sizes_(std::move(sizes)), workers_(workers),
+        rows_mode_(rows_mode), rows_(start), rows_before_last_(start) {}
   Iterator iterator_;
   std::shared_ptr<detail::BatchSizes> sizes_; // null: sizes are this worker's batch × workers
   std::int64_t workers_;
+  bool rows_mode_; // positions in rows (an elastic pass keeping the per-replica batch)
+  std::int64_t rows_, rows_before_last_; // rows mode: delivered; before the last batch
 };
 
 class DistributedDataset {
@@ -68,9 +73,16 @@ class DistributedDataset {
   // left or joined): distribute_dataset(the user's dataset, context). A pass saved from any
   // distribution of it resumes on this one (make_iterator(state)).
   DistributedDataset redistribute(const strategy::InputContext& context) const;
+  // Elastic, keeping the per-replica batch (InputContext::full_replicas): the slice of every
+  // replica (B) and the user's global batch (G = B × the full cluster's replicas); 0 otherwise.
+  // Each step's batch is then as many rows as its ReplicaBatch::global_batch_size says.
+  std::int64_t slice_rows() const { return slice_rows_; }
+  std::int64_t global_rows() const { return global_rows_; }
 
  private:
   friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);
+  friend DistributedDataset distribute_keeping_per_replica_batch(const Dataset&,
+                                                                 const strategy::InputContext&);
   friend DistributedDataset
   distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
                                     const strategy::InputContext&);
@@ -90,11 +102,16 @@ class DistributedDataset {
   std::string plan_;
   std::int64_t per_replica_batch_;
   bool same_steps_;
+  std::int64_t slice_rows_ = 0, global_rows_ = 0;
 };
 
 // `dataset` yields global batches (its batch size must split evenly across the replicas).
 DistributedDataset distribute_dataset(const Dataset& dataset,
                                       const strategy::InputContext& context);
+
+// distribute_dataset's path for an elastic group keeping the per-replica batch.
+DistributedDataset distribute_keeping_per_replica_batch(const Dataset& dataset,
+                                                       const strategy::InputContext& context);
 
 // `fn` builds this worker's pipeline itself, batched by the per-replica batch
 // (context.get_per_replica_batch_size(global)) and sharded as it likes; nothing is rewritten.

@@ -196,7 +196,8 @@ class Model {
   torch::optim::Optimizer& optimizer();
   // Every replica's, replica 0's first (restoring a checkpoint loads them all).
   std::vector<torch::optim::Optimizer*> optimizers();
-  // The learning rate of the next update.
+  // The learning rate of the next update (an elastic fit keeping the per-replica batch scales it
+  // by the members there are over the full cluster's workers).
   double learning_rate() const;
   // Replaces a constant learning rate (LearningRateScheduler); ConfigError under a schedule.
   void set_learning_rate(double learning_rate);
@@ -249,6 +250,14 @@ class Model {
                  CallbackList& callbacks);
   // Every worker agreed to stop for preemption: the callbacks save, then Preempted.
   [[noreturn]] void preempt(CallbackList& callbacks);
+  // The input context of validation, evaluate() and predict(): the strategy's, but every
+  // global batch split among the workers there are (an elastic fit keeping the per-replica batch
+  // deals out only its training batches).
+  strategy::InputContext evaluation_context() const {
+    strategy::InputContext context = strategy_.input_context();
+    context.full_replicas = 0;
+    return context;
+  }
   // Elastic (see strategy.h): what fit cannot heal yet, refused by name.
   void check_elastic(const data::DistributedDataset& train, const FitOptions& options) const;
   // Where the last committed step left this worker: updates, epoch, step, loss scale (taken
@@ -311,6 +320,15 @@ class Model {
   std::optional<LossScale> loss_scale_;
   // Where training stands.
   std::int64_t iterations_ = 0;
+  std::int64_t trained_rows_ = 0; // rows of the global batches of those updates (-1: unknown)
+  std::int64_t update_rows_ = 0;  // rows of the update being accumulated
+  // Elastic keeping the per-replica batch: the global batch the learning rate is set for (each
+  // update's rate scales by its rows over it, and the schedules follow trained rows); 0 else.
+  std::int64_t lr_global_rows_ = 0;
+  // The schedules' step: updates applied, or the full global batches' worth of rows trained.
+  std::int64_t schedule_step() const {
+    return lr_global_rows_ > 0 ? trained_rows_ / lr_global_rows_ : iterations_;
+  }
   int epoch_index_ = 0; // during fit: the epoch in progress (0-based)
   std::int64_t step_in_epoch_ = 0;
   std::optional<TrainingState> resume_;          // for the next fit (restore_training_state)

@@ -23,6 +23,9 @@ class Model;
 // Where a fit stands, for checkpoints and BackupAndRestore.
 struct TrainingState {
   std::int64_t iterations = 0;    // optimizer updates applied (the schedules' step)
+  // Rows in the global batches of those updates (the schedules' step, as iterations × the
+  // global batch, in an elastic fit keeping the per-replica batch); -1: not recorded.
+  std::int64_t trained_rows = -1;
   int epoch = 0;                  // epochs completed
   std::int64_t step_in_epoch = 0; // steps of the current epoch done (0 at an epoch boundary)
   std::optional<data::IteratorState> iterator; // the training input's position

@@ -254,6 +254,106 @@ TEST(Distribute, AResplitAtACommittedPositionCoversEverySampleOnce) {
                ConfigError);
 }
 
+// Elastic, keeping the per-replica batch: batch(24) of a 3-worker cluster is a stream of slices
+// of 8 rows. Two workers take 16 rows per step; the pass's last step has what is left (12: the
+// first worker 8, the second 4). With drop_remainder the rows the full cluster would drop (the
+// last 12 of 60) are dropped too. Row mode (ids) and element mode (a map before the batch).
+TEST(Distribute, KeepingThePerReplicaBatchDealsSlicesOfTheFullClusters) {
+  const auto keep = [](int index, int workers) {
+    auto context = worker(index, workers);
+    context.uneven_split = true;
+    context.full_replicas = 3;
+    return context;
+  };
+  for (const bool rows : {true, false}) {
+    for (const bool drop : {false, true}) {
+      Dataset source = ids(60);
+      if (!rows) source = source.map([](Element e) { return e; });
+      const Dataset pipeline = source.batch(24, drop);
+      std::vector<std::int64_t> seen, sizes, mine;
+      for (int w = 0; w < 2; ++w) {
+        const auto ds = distribute_dataset(pipeline, keep(w, 2));
+        EXPECT_EQ(ds.slice_rows(), 8);
+        EXPECT_EQ(ds.global_rows(), 24);
+        EXPECT_EQ(ds.cardinality(), drop ? 3 : 4);
+        auto it = ds.make_iterator();
+        while (auto b = it.next()) {
+          const auto t = b->element[0].contiguous();
+          seen.insert(seen.end(), t.data_ptr<std::int64_t>(),
+                      t.data_ptr<std::int64_t>() + t.numel());
+          if (w == 0) sizes.push_back(b->global_batch_size);
+          if (w == 1) mine.push_back(t.numel());
+        }
+      }
+      const std::string what = std::string(rows ? "rows" : "elements") + (drop ? ", drop" : "");
+      if (drop) {
+        EXPECT_EQ(sizes, (std::vector<std::int64_t>{16, 16, 16})) << what;
+      } else {
+        EXPECT_EQ(sizes, (std::vector<std::int64_t>{16, 16, 16, 12})) << what;
+        EXPECT_EQ(mine, (std::vector<std::int64_t>{8, 8, 8, 4})) << what;
+      }
+      std::sort(seen.begin(), seen.end());
+      ASSERT_EQ(seen.size(), drop ? 48u : 60u) << what;
+      for (std::size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], std::int64_t(i)) << what;
+    }
+  }
+  EXPECT_THROW(distribute_dataset(ids(60).batch(20), keep(0, 2)), ConfigError); // 20 % 3
+}
+
+// A pass saved in rows by 3 workers after 2 steps (48 rows) resumes on 2 workers at row 48, and
+// one saved in global batches resumes there in rows too; a position between global batches
+// cannot resume with the global batch kept, and says why.
+TEST(Distribute, APerReplicaPassResumesAtARowOnOtherMembers) {
+  const auto context = [](int index, int workers, int full) {
+    auto c = worker(index, workers);
+    c.uneven_split = true;
+    c.full_replicas = full;
+    return c;
+  };
+  const Dataset pipeline = ids(96).shuffle(96, 4).batch(24);
+  auto first = distribute_dataset(pipeline, context(0, 3, 3)).make_iterator();
+  std::vector<std::int64_t> order; // the rows of the first two steps, workers 0..2
+  first.next();
+  first.next();
+  const IteratorState at48 = first.save();
+  EXPECT_TRUE(at48.in_rows);
+  EXPECT_EQ(at48.produced, 48);
+  // The whole pass's order, for reference: one worker of a 1-worker cluster takes it all.
+  auto whole = distribute_dataset(pipeline, context(0, 1, 1)).make_iterator(IteratorState{
+      at48.iteration, 0, at48.fingerprint, true});
+  while (auto b = whole.next()) {
+    const auto t = b->element[0].contiguous();
+    order.insert(order.end(), t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+  }
+  ASSERT_EQ(order.size(), 96u);
+  auto second = distribute_dataset(pipeline, context(1, 2, 3)).make_iterator(at48);
+  auto b = second.next();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->global_batch_size, 16);
+  const auto t = b->element[0].contiguous();
+  EXPECT_EQ(std::vector<std::int64_t>(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + 8),
+            std::vector<std::int64_t>(order.begin() + 56, order.begin() + 64));
+  IteratorState at64 = second.save();
+  EXPECT_EQ(at64.produced, 64);
+  EXPECT_EQ(second.save(/*before_last=*/true).produced, 48);
+  // In global batches: 2 of 24 are row 48.
+  auto converted = distribute_dataset(pipeline, context(0, 2, 3))
+                       .make_iterator(IteratorState{at48.iteration, 2, at48.fingerprint, false});
+  const auto c = converted.next()->element[0].contiguous();
+  EXPECT_EQ(c[0].item<std::int64_t>(), order[48]);
+  // Row 48 is global batch 2 with the global batch kept; row 64 is not a global batch's start.
+  auto plain = worker(0, 2);
+  plain.uneven_split = true;
+  auto resumed = distribute_dataset(pipeline, plain).make_iterator(at48);
+  EXPECT_EQ(resumed.next()->element[0].contiguous()[0].item<std::int64_t>(), order[48]);
+  try {
+    distribute_dataset(pipeline, plain).make_iterator(at64);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("64 rows into the pass"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Distribute, ADistributedPassResumesOnTheNextBatch) {
   auto pipeline = ids(200).shuffle(50, 1).batch(8, true).map([](Element e) { return e; }, 2);
   const auto ds = distribute_dataset(pipeline, worker(1, 2));
