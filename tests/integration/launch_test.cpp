@@ -436,8 +436,9 @@ TEST(Launch, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
 // rows each (16 per update instead of 24) at 16/24 of the learning rate, the updates of the
 // epoch growing to cover its rows, until the restart is admitted. Each process records its rows
 // per update; the sums are the schedule a plain LibTorch loop follows over the same rows in the
-// same order (the learning rate 0.1 x rows / 24): every worker's weights equal its result, and
-// the ledgers hold each sample once per epoch.
+// same order (the rate: a warmup and cosine schedule at the global batches' worth of rows
+// trained, x rows / 24): every worker's weights equal its result, and the ledgers hold each
+// sample once per epoch.
 TEST(Launch, AnElasticFitKeepingThePerReplicaBatchScalesTheLearningRate) {
   const ElasticFit fit;
   const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"}, {"--per-replica"}),

@@ -18,11 +18,12 @@
 // <out>/predict-<slot>.safetensors; --fault S:validation:E kills slot S in the evaluation with
 // E = epochs + 1, in the prediction with E = epochs + 2); --reference (one worker, no elastic
 // group); --per-replica (the group keeps the per-replica batch, 8 rows of the 24, and scales the
-// learning rate by each step's rows; every process also writes <out>/rows-<pid>.txt, "update
+// learning rate by each step's rows; the rate follows a warmup and cosine schedule
+// (per_replica_schedule) instead of 0.1; every process also writes <out>/rows-<pid>.txt, "update
 // rows" per step, its own rows of that update); --reference-rows FILE (no fit: a plain LibTorch
 // loop over the same rows in the same order, taking as many rows per update as FILE's lines say,
-// at the learning rate 0.1 x rows / 24, weights to <out>/weights-0.safetensors). Prints "slot S
-// pid P" once it has joined.
+// at the rate per_replica_schedule(rows trained before / 24) x rows / 24, weights to
+// <out>/weights-0.safetensors). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -89,6 +90,11 @@ class Ledger : public train::Callback {
   int* step_;
 };
 
+// --per-replica's schedule: 10 updates' warmup from 0.02 to 0.1, then a cosine decay over 30.
+train::CosineDecay per_replica_schedule() {
+  return train::CosineDecay({0.02, 30, 0.1, 0.1, 10});
+}
+
 // --reference-rows: the model, the data and the optimizer of the fit below, trained by hand.
 int reference_by_rows(const std::string& schedule_path, const std::string& out, int epochs,
                       const data::Dataset& dataset, torch::nn::Sequential net) {
@@ -96,7 +102,9 @@ int reference_by_rows(const std::string& schedule_path, const std::string& out, 
   std::ifstream in(schedule_path);
   for (std::int64_t rows; in >> rows;) schedule.push_back(rows);
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const train::CosineDecay rate = per_replica_schedule();
   std::size_t update = 0;
+  std::int64_t trained = 0; // rows
   for (int epoch = 0; epoch < epochs; ++epoch) {
     std::vector<torch::Tensor> xs, ys; // the epoch's rows in the order of its global batches
     data::Iterator pass = dataset.make_iterator();
@@ -116,9 +124,12 @@ int reference_by_rows(const std::string& schedule_path, const std::string& out, 
           net->forward(x.narrow(0, at, rows)), y.narrow(0, at, rows),
           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
       (loss / static_cast<double>(rows)).backward();
-      for (auto& group : sgd.param_groups()) group.options().set_lr(0.1 * rows / 24.0);
+      for (auto& group : sgd.param_groups()) {
+        group.options().set_lr(rate(trained / 24) * static_cast<double>(rows) / 24.0);
+      }
       sgd.step();
       at += rows;
+      trained += rows;
     }
   }
   if (update != schedule.size()) {
@@ -216,6 +227,9 @@ int main(int argc, char** argv) {
     train::Model model(strategy, net);
     train::CompileOptions compile;
     compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+    if (per_replica) {
+      compile.optimizer.schedule = std::make_shared<train::CosineDecay>(per_replica_schedule());
+    }
     model.compile(compile);
     int step = 0;
     train::FitOptions fit;
