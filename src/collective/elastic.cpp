@@ -25,10 +25,11 @@ std::string text(const std::vector<std::uint8_t>& bytes) {
   return {bytes.begin(), bytes.end()};
 }
 
-// A generation's record: "slot,slot,...\nwhy".
+// A generation's record: "slot,slot,...\nwhy", and "\nafresh" when it starts the training over.
 struct Record {
   std::vector<int> slots;
   std::string reason;
+  bool afresh = false;
 };
 
 Record parse_record(const std::string& value, std::uint64_t generation) {
@@ -36,6 +37,10 @@ Record parse_record(const std::string& value, std::uint64_t generation) {
   const auto newline = value.find('\n');
   const std::string list = value.substr(0, newline);
   record.reason = newline == std::string::npos ? "" : value.substr(newline + 1);
+  if (const auto mark = record.reason.find('\n'); mark != std::string::npos) {
+    record.afresh = record.reason.substr(mark + 1) == "afresh";
+    record.reason.resize(mark);
+  }
   std::size_t at = 0;
   while (at < list.size()) {
     const auto comma = std::min(list.find(',', at), list.size());
@@ -113,6 +118,7 @@ struct ElasticGroup::Impl {
   std::optional<Communicator> communicator;
   std::vector<int> members;
   std::string reason;
+  bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
 
   std::chrono::milliseconds regroup_wait() const {
@@ -271,7 +277,10 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
     next = newest + 1;
     const bool member =
         std::find(record.slots.begin(), record.slots.end(), spec.rank) != record.slots.end();
-    if (member && impl->try_adopt(newest, record)) break;
+    if (member && impl->try_adopt(newest, record)) {
+      impl->afresh = record.afresh;
+      break;
+    }
   }
   return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(impl)));
 }
@@ -293,6 +302,13 @@ const std::string& ElasticGroup::reason() const {
 }
 int ElasticGroup::waiting() const {
   return impl_->waiting;
+}
+bool ElasticGroup::starts_afresh() const {
+  return impl_->afresh;
+}
+
+void ElasticGroup::training_finished() {
+  impl_->store->set(detail::kFinishedKey, std::vector<std::uint8_t>{'1'});
 }
 
 void ElasticGroup::regroup() {

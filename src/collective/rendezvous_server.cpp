@@ -32,6 +32,7 @@ constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading i
 
 const std::string kGenerationKey = "flotilla/elastic/generation/";
 const std::string kLatestKey = "flotilla/elastic/latest";
+const std::string kFinishedKey = "flotilla/elastic/finished";
 
 // Nothing a client sends can block the loop: a slow or silent client only holds its own
 // connection, until its deadline.
@@ -77,6 +78,10 @@ struct RendezvousServer::Impl {
   bool formed = false;
   std::uint64_t generation = 0;
   std::uint64_t intact_from = 0; // no member has left a generation numbered this or higher
+  // Every member left before any finished its fit: the training holds no state in memory, so
+  // the next generation forms when every slot has joined again and starts afresh (from a backup
+  // on disk, if the training keeps one), as generation 0 did.
+  bool lost = false;
   std::pair<std::int32_t, std::string> last_departure{-1, ""};
 
   ~Impl() {
@@ -175,7 +180,9 @@ struct RendezvousServer::Impl {
   // Elastic: records generation `slots` and what made it; a departure also fails every wait
   // for an older generation's keys (its Gloo rendezvous can never complete) and erases the
   // keys of the generations before the previous one.
-  void form(const std::vector<int>& slots, const std::string& why, bool departure) {
+  void form(const std::vector<int>& slots, const std::string& why, bool departure,
+            bool afresh = false) {
+    afresh = afresh || !formed;
     generation = formed ? generation + 1 : 0;
     formed = true;
     if (departure) intact_from = generation;
@@ -189,7 +196,8 @@ struct RendezvousServer::Impl {
              std::to_string(slots.size()) + " of " + std::to_string(config.world_size) +
              " workers [" + text + "]: " + why);
     try {
-      kv.set(kGenerationKey + std::to_string(generation), bytes_of(text + "\n" + why));
+      kv.set(kGenerationKey + std::to_string(generation),
+             bytes_of(text + "\n" + why + (afresh ? "\nafresh" : "")));
       kv.set(kLatestKey, bytes_of(std::to_string(generation)));
     } catch (const KvStoreError& e) {
       log.error("rendezvous: could not record generation " + std::to_string(generation) + " (" +
@@ -251,11 +259,35 @@ struct RendezvousServer::Impl {
     state = RankState{};
     if (was_member) {
       auto next = slots_where([](const RankState& s) { return s.member; });
-      if (next.empty()) next = slots_where([](const RankState& s) { return s.claimed; });
+      const bool none_left = next.empty();
+      if (none_left && finished()) {
+        next = slots_where([](const RankState& s) { return s.claimed; });
+      }
       form(next, why, /*departure=*/true);
+      if (none_left && !finished()) {
+        lost = true;
+        log.warn("rendezvous: every member left before the training finished; the next "
+                 "generation forms when all " +
+                 std::to_string(config.world_size) +
+                 " workers have joined again, and starts the training afresh (from its backup, "
+                 "if it keeps one)");
+        form_afresh_if_all_claimed();
+      }
     } else {
       log.info("rendezvous: " + why + " before it was admitted");
     }
+  }
+
+  bool finished() const { return kv.contains({kFinishedKey}); }
+
+  void form_afresh_if_all_claimed() {
+    const auto claimed = slots_where([](const RankState& s) { return s.claimed; });
+    if (static_cast<int>(claimed.size()) < config.world_size) return;
+    lost = false;
+    form(claimed,
+         "all " + std::to_string(config.world_size) +
+             " workers joined again after the group was lost: the training starts afresh",
+         /*departure=*/false, /*afresh=*/true);
   }
 
   // Elastic kAdvance: the members of generation `from` admit the waiting workers. Idempotent:
@@ -345,10 +377,14 @@ struct RendezvousServer::Impl {
           if (static_cast<int>(claimed.size()) == config.world_size) {
             form(claimed, "all " + std::to_string(config.world_size) + " workers joined", false);
           }
+        } else if (lost) {
+          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
+                   ") joined to start the lost training afresh");
+          form_afresh_if_all_claimed();
         } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
-          // Nobody is left to admit it at a step boundary (the group finished or died): a
-          // generation of the workers waiting, at once, so each learns there is no training
-          // state to join instead of waiting out its timeout.
+          // Nobody is left to admit it at a step boundary (the group finished): a generation of
+          // the workers waiting, at once, so each learns there is no training state to join
+          // instead of waiting out its timeout.
           form(slots_where([](const RankState& s) { return s.claimed; }),
                "no member left to admit " + config.name(rank), /*departure=*/false);
         } else {

@@ -21,9 +21,14 @@
 
 namespace flotilla::collective::detail {
 
-// kGenerationKey + N: "slot,slot,...\nwhy it formed"; kLatestKey: the newest N.
+// kGenerationKey + N: "slot,slot,...\nwhy it formed", and a third line "afresh" when the
+// generation starts the training over (generation 0, or every slot joined again after the whole
+// group was lost); kLatestKey: the newest N. kFinishedKey: set by a member whose fit ran to its
+// end, so that workers claiming a slot once no member is left learn there is nothing to do
+// instead of starting the training afresh.
 extern const std::string kGenerationKey;
 extern const std::string kLatestKey;
+extern const std::string kFinishedKey;
 
 // Listens on config.chief from construction to destruction.
 class RendezvousServer {

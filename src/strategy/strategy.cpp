@@ -188,7 +188,9 @@ Strategy::Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::Ela
     throw ConfigError("an elastic group runs one replica per worker for now; saw " +
                       std::to_string(devices_.size()) + " (start one worker per device instead)");
   }
-  joining_ = group->generation() > 0; // generation 0 is the whole cluster starting together
+  // Generation 0 is the whole cluster starting together; a generation formed after the whole
+  // group was lost starts afresh too.
+  joining_ = !group->starts_afresh();
   elastic_ = std::move(group);
 }
 

@@ -464,6 +464,17 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     history.epochs.push_back(*logs);
     if (input.ran_out()) break;
   }
+  if (auto* group = strategy_.elastic()) {
+    // Workers restarted once every member has left then find nothing to do, instead of
+    // starting the training afresh.
+    try {
+      group->training_finished();
+    } catch (const std::exception& e) {
+      strategy_.log().warn(std::string("elastic: could not tell the rendezvous that training "
+                                       "finished (") +
+                           e.what() + ")");
+    }
+  }
   if (input.ran_out() && strategy_.is_chief()) {
     strategy_.log().warn("your input ran out of data; interrupting training. Make sure the dataset "
                          "can give at least steps_per_epoch x epochs batches (use repeat())");

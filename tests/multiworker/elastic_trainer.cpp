@@ -23,7 +23,8 @@
 // rows" per step, its own rows of that update); --reference-rows FILE (no fit: a plain LibTorch
 // loop over the same rows in the same order, taking as many rows per update as FILE's lines say,
 // at the rate per_replica_schedule(rows trained before / 24) x rows / 24, weights to
-// <out>/weights-0.safetensors). Prints "slot S pid P" once it has joined.
+// <out>/weights-0.safetensors); --all-die-at K (every slot SIGKILLs itself before its step K,
+// once per slot: the whole group lost at once). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -145,7 +146,7 @@ int reference_by_rows(const std::string& schedule_path, const std::string& out, 
 
 int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir, reference_rows;
-  int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL;
+  int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL, all_die_at = -1;
   bool reference = false, batchnorm = false, evaluate = false, per_replica = false;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
@@ -170,6 +171,7 @@ int main(int argc, char** argv) {
     if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
     if (flag == "--fault") fault_flags.push_back(value);
     if (flag == "--reference-rows") reference_rows = value;
+    if (flag == "--all-die-at") all_die_at = std::stoi(value);
   }
   try {
     at::set_num_threads(1);
@@ -189,6 +191,10 @@ int main(int argc, char** argv) {
     const int slot = reference ? 0 : strategy.elastic()->slot();
     std::cout << "slot " << slot << " pid " << ::getpid() << std::endl;
     signal_at = testing::armed_signal_step(signal_at, signal_slot, slot, signal_once);
+    if (all_die_at >= 0) {
+      signal_at = testing::armed_signal_step(all_die_at, -1, slot,
+                                             out + "/all-die-" + std::to_string(slot));
+    }
     for (std::size_t i = 0; i < fault_flags.size(); ++i) {
       const std::string& f = fault_flags[i]; // SLOT:WHERE:EPOCH
       const auto a = f.find(':'), b = f.rfind(':');

@@ -76,6 +76,14 @@ class ElasticGroup {
   const std::string& reason() const;
   // From the rendezvous's last heartbeat answer: how many restarted workers wait to be admitted.
   int waiting() const;
+  // Whether the generation this worker joined starts the training over: generation 0, or every
+  // slot joined again after the whole group was lost (every member left before any finished its
+  // fit). Such a worker makes fit's start-up agreements and restores from a backup on disk, if
+  // any; the others join a running training and take a live peer's state.
+  bool starts_afresh() const;
+  // Tells the rendezvous that this worker's fit ran to its end: workers claiming a slot after
+  // every member has left then learn there is nothing to join, instead of starting it afresh.
+  void training_finished();
 
   // After a collective of this generation failed: waits for the rendezvous to form a generation
   // without the departed member(s) (within heartbeat_timeout and a few heartbeats) and joins
