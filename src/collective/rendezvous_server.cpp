@@ -259,12 +259,13 @@ struct RendezvousServer::Impl {
     state = RankState{};
     if (was_member) {
       auto next = slots_where([](const RankState& s) { return s.member; });
+      // None left: after a finished training the workers waiting learn there is nothing to
+      // join; otherwise the group is lost, and they wait for the others to start afresh.
       const bool none_left = next.empty();
-      if (none_left && finished()) {
-        next = slots_where([](const RankState& s) { return s.claimed; });
-      }
+      const bool done = finished();
+      if (none_left && done) next = slots_where([](const RankState& s) { return s.claimed; });
       form(next, why, /*departure=*/true);
-      if (none_left && !finished()) {
+      if (none_left && !done) {
         lost = true;
         log.warn("rendezvous: every member left before the training finished; the next "
                  "generation forms when all " +

@@ -400,7 +400,7 @@ DistributedIterator DistributedDataset::make_iterator(const IteratorState& state
     resume.produced = 0;
     resume.in_rows = false;
   } else if (state.in_rows) {
-    const std::int64_t global = per_replica_batch_ * context_.num_replicas_in_sync;
+    const std::int64_t global = global_rows_;
     if (global <= 0 || state.produced % global != 0) {
       throw ConfigError("the saved input position is " + std::to_string(state.produced) +
                         " rows into the pass (an elastic fit that kept the per-replica batch), "
@@ -417,59 +417,6 @@ DistributedIterator DistributedDataset::make_iterator(const IteratorState& state
       context_.num_input_pipelines, slice_rows_ > 0, start_rows);
 }
 
-DistributedDataset distribute_keeping_per_replica_batch(const Dataset& dataset,
-                                                       const strategy::InputContext& context) {
-  const std::int64_t full = context.full_replicas;
-  const std::int64_t replicas = context.num_replicas_in_sync;
-  const std::int64_t per_worker = replicas / context.num_input_pipelines;
-  const std::int64_t first = context.input_pipeline_id * per_worker;
-  const Options& options = dataset.options();
-  const AutoShardPolicy policy = options.distribute.auto_shard_policy;
-  if (policy != AutoShardPolicy::kAuto && policy != AutoShardPolicy::kData) {
-    throw ConfigError("distribute_dataset: an elastic group keeping the per-replica batch deals "
-                      "each global batch out in per-replica slices, which needs "
-                      "auto_shard_policy DATA (or AUTO); saw " +
-                      std::string(policy == AutoShardPolicy::kFile ? "FILE" : "OFF"));
-  }
-  const std::string why = dataset.node()->graph_not_replayable(options);
-  if (!why.empty()) {
-    throw ConfigError("distribute_dataset: with DATA sharding every worker must build the same "
-                      "global batches, but " +
-                      why);
-  }
-  std::int64_t global = 0;
-  const detail::NodePtr rewritten = detail::rewrite_batch(
-      dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
-        global = size;
-        if (size % full != 0) {
-          throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic "
-                            "group needs a global batch that the cluster's " +
-                            std::to_string(full) + " workers split evenly; saw batch(" +
-                            std::to_string(size) + "). Use a multiple of " +
-                            std::to_string(full));
-        }
-        return std::make_shared<detail::RebatchSliceNode>(std::move(input), size, drop,
-                                                          size / full, replicas, first, per_worker);
-      });
-  if (!rewritten) {
-    throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic group "
-                      "needs the pipeline's batch(global batch) to rewrite (none was found, or "
-                      "one behind an order-changing stage)");
-  }
-  const std::int64_t slice = global / full;
-  DistributedDataset out(dataset, Dataset(rewritten), context, true,
-                         "DATA: batch(" + std::to_string(global) + ") dealt out in slices of " +
-                             std::to_string(slice) + " per replica, " + std::to_string(replicas) +
-                             " of the cluster's " + std::to_string(full) +
-                             " replicas' slices per step; worker " +
-                             std::to_string(context.input_pipeline_id) + " takes " +
-                             std::to_string(per_worker),
-                         slice, true);
-  out.slice_rows_ = slice;
-  out.global_rows_ = global;
-  return out;
-}
-
 DistributedDataset distribute_dataset(const Dataset& dataset,
                                       const strategy::InputContext& context) {
   const std::int64_t replicas = context.num_replicas_in_sync;
@@ -479,8 +426,8 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   const Options& options = dataset.options();
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
-  if (context.full_replicas > 0) return distribute_keeping_per_replica_batch(dataset, context);
-  if (replicas == 1) {
+  const std::int64_t full = context.full_replicas; // > 0: elastic, keeping the per-replica batch
+  if (replicas == 1 && full == 0) {
     return DistributedDataset(dataset, dataset, context, false, "one replica: the dataset as it is",
                               0, true);
   }
@@ -488,13 +435,13 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   // TF fails on FILE with too few files, fall back to DATA and say why.
   AutoShardPolicy policy = options.distribute.auto_shard_policy;
   const std::int64_t files = dataset.node()->source_files();
-  if (context.uneven_split && policy != AutoShardPolicy::kAuto &&
+  if ((context.uneven_split || full > 0) && policy != AutoShardPolicy::kAuto &&
       policy != AutoShardPolicy::kData) {
     throw ConfigError("distribute_dataset: an elastic group re-splits every global batch among "
                       "the workers it has, which needs auto_shard_policy DATA (or AUTO); saw " +
                       std::string(policy == AutoShardPolicy::kFile ? "FILE" : "OFF"));
   }
-  if (context.uneven_split) {
+  if (context.uneven_split || full > 0) {
     policy = AutoShardPolicy::kData; // FILE shards cannot move to the survivors mid-epoch
   } else if (policy == AutoShardPolicy::kAuto) {
     policy = files >= workers ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
@@ -558,13 +505,44 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                       why + " (or shard it yourself with distribute_datasets_from_function)");
   }
   rewritten = detail::rewrite_batch(
-      dataset.node(), options, [&](detail::NodePtr input, std::int64_t size, bool drop) {
+      dataset.node(), options,
+      [&](detail::NodePtr input, std::int64_t size, bool drop) -> detail::NodePtr {
         global = size;
+        if (full > 0) {
+          if (size % full != 0) {
+            throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic "
+                              "group needs a global batch that the cluster's " +
+                              std::to_string(full) + " workers split evenly; saw batch(" +
+                              std::to_string(size) + "). Use a multiple of " +
+                              std::to_string(full));
+          }
+          return std::make_shared<detail::RebatchSliceNode>(std::move(input), size, drop,
+                                                            size / full, replicas, first,
+                                                            per_worker);
+        }
         // ConfigError unless it splits evenly (or may not: elastic).
         if (!context.uneven_split) context.get_per_replica_batch_size(size);
         return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, replicas,
                                                           first, per_worker);
       });
+  if (rewritten && full > 0) {
+    const std::int64_t slice = global / full;
+    DistributedDataset out(dataset, Dataset(rewritten), context, true,
+                           "DATA: batch(" + std::to_string(global) + ") dealt out in slices of " +
+                               std::to_string(slice) + " per replica, " +
+                               std::to_string(replicas) + " of the cluster's " +
+                               std::to_string(full) + " replicas' slices per step; " + where +
+                               " takes " + std::to_string(per_worker),
+                           slice, true);
+    out.slice_rows_ = slice;
+    out.global_rows_ = global;
+    return out;
+  }
+  if (full > 0) {
+    throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic group "
+                      "needs the pipeline's batch(global batch) to rewrite (none was found, or "
+                      "one behind an order-changing stage)");
+  }
   if (rewritten) {
     const auto [begin, end] = detail::replica_range(global, replicas, first, per_worker);
     const std::string share =
@@ -573,10 +551,12 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                   std::to_string(global / replicas) + " per replica"
             : "rows " + std::to_string(begin) + " to " + std::to_string(end - 1) +
                   " of each global batch (an uneven split: shares differ by at most one row)";
-    return DistributedDataset(dataset, Dataset(rewritten), context, true,
-                              "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
-                                  " stacks only its " + share,
-                              global / replicas, true);
+    DistributedDataset out(dataset, Dataset(rewritten), context, true,
+                           "DATA: batch(" + std::to_string(global) + ") rewritten so " + where +
+                               " stacks only its " + share,
+                           global / replicas, true);
+    out.global_rows_ = global;
+    return out;
   }
   return DistributedDataset(
       dataset,

@@ -134,9 +134,7 @@ double Model::learning_rate() const {
   // Keeping the per-replica batch: a whole step of the members there are (a pass's last step
   // may have fewer rows, and a lower rate).
   const strategy::InputContext context = strategy_.input_context();
-  return context.full_replicas > 0
-             ? rate * context.num_replicas_in_sync / context.full_replicas
-             : rate;
+  return rate * context.num_replicas_in_sync / context.full_replicas;
 }
 
 void Model::set_learning_rate(double learning_rate) {
@@ -422,12 +420,9 @@ History Model::fit(const data::DistributedDataset& train, const FitOptions& opti
     replicas_->copy_first_to_others();
   }
   // Elastic keeping the per-replica batch: the learning rate follows each update's rows.
-  lr_global_rows_ = train.global_rows();
-  if (trained_rows_ < 0) { // restored from a checkpoint that did not count them
-    trained_rows_ = iterations_ * (lr_global_rows_ > 0
-                                       ? lr_global_rows_
-                                       : train.per_replica_batch() * strategy_.num_replicas_in_sync());
-  }
+  lr_global_rows_ = train.slice_rows() > 0 ? train.global_rows() : 0;
+  // Restored from a checkpoint that did not count them: whole global batches (0 unknown).
+  if (trained_rows_ < 0) trained_rows_ = iterations_ * train.global_rows();
   int first_epoch = options.initial_epoch; // 0-based
   std::int64_t resume_step = 0;
   if (resume_) {

@@ -356,16 +356,7 @@ struct ElasticFit {
     const auto alone =
         run_process({trainer, "--reference", "--out", reference, "--epochs", std::to_string(epochs)});
     ASSERT_EQ(alone.exit_code, 0) << alone.err;
-    const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
-    for (int slot = 0; slot < 3; ++slot) {
-      const auto got = checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) +
-                                                    ".safetensors");
-      ASSERT_EQ(got.tensors.size(), expected.tensors.size());
-      for (const auto& [name, t] : expected.tensors) {
-        const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
-        EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
-      }
-    }
+    expect_every_slot_has_the_references_weights();
     // Validation after each epoch a process finished, on the workers there were then.
     std::map<int, double> expected_val;
     {
@@ -386,6 +377,19 @@ struct ElasticFit {
       EXPECT_GT(epochs, 0) << "slot " << slot;
     }
     if (check_ledgers) expect_every_sample_once(processes);
+  }
+  // Every slot's final weights equal the reference run's (<reference>/weights-0) within 1e-6.
+  void expect_every_slot_has_the_references_weights() const {
+    const auto expected = checkpoint::load_safetensors(reference + "/weights-0.safetensors");
+    for (int slot = 0; slot < 3; ++slot) {
+      const auto got = checkpoint::load_safetensors(elastic + "/weights-" + std::to_string(slot) +
+                                                    ".safetensors");
+      ASSERT_EQ(got.tensors.size(), expected.tensors.size());
+      for (const auto& [name, t] : expected.tensors) {
+        const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
+        EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
+      }
+    }
   }
   // The ledgers of `processes` processes hold each (epoch, sample) exactly once.
   void expect_every_sample_once(int processes) const {
@@ -482,16 +486,7 @@ TEST(Launch, AnElasticFitKeepingThePerReplicaBatchScalesTheLearningRate) {
   const auto alone = run_process({fit.trainer, "--reference-rows", fit.dir.path() + "/schedule.txt",
                                   "--out", fit.reference, "--epochs", "4"});
   ASSERT_EQ(alone.exit_code, 0) << alone.err;
-  const auto expected = checkpoint::load_safetensors(fit.reference + "/weights-0.safetensors");
-  for (int slot = 0; slot < 3; ++slot) {
-    const auto got = checkpoint::load_safetensors(fit.elastic + "/weights-" +
-                                                  std::to_string(slot) + ".safetensors");
-    ASSERT_EQ(got.tensors.size(), expected.tensors.size());
-    for (const auto& [name, t] : expected.tensors) {
-      const double diff = (got.tensors.at(name) - t).abs().max().item<double>();
-      EXPECT_LT(diff, 1e-6) << "slot " << slot << " " << name;
-    }
-  }
+  fit.expect_every_slot_has_the_references_weights();
   fit.expect_every_sample_once(4);
 }
 

@@ -74,15 +74,14 @@ class DistributedDataset {
   // distribution of it resumes on this one (make_iterator(state)).
   DistributedDataset redistribute(const strategy::InputContext& context) const;
   // Elastic, keeping the per-replica batch (InputContext::full_replicas): the slice of every
-  // replica (B) and the user's global batch (G = B × the full cluster's replicas); 0 otherwise.
-  // Each step's batch is then as many rows as its ReplicaBatch::global_batch_size says.
+  // replica (B = G / the full cluster's replicas), 0 otherwise. Each step's batch is then as many
+  // rows as its ReplicaBatch::global_batch_size says.
   std::int64_t slice_rows() const { return slice_rows_; }
+  // The user's global batch G where DATA sharding rewrote it (0 where nothing was rewritten).
   std::int64_t global_rows() const { return global_rows_; }
 
  private:
   friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);
-  friend DistributedDataset distribute_keeping_per_replica_batch(const Dataset&,
-                                                                 const strategy::InputContext&);
   friend DistributedDataset
   distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
                                     const strategy::InputContext&);
@@ -108,10 +107,6 @@ class DistributedDataset {
 // `dataset` yields global batches (its batch size must split evenly across the replicas).
 DistributedDataset distribute_dataset(const Dataset& dataset,
                                       const strategy::InputContext& context);
-
-// distribute_dataset's path for an elastic group keeping the per-replica batch.
-DistributedDataset distribute_keeping_per_replica_batch(const Dataset& dataset,
-                                                       const strategy::InputContext& context);
 
 // `fn` builds this worker's pipeline itself, batched by the per-replica batch
 // (context.get_per_replica_batch_size(global)) and sharded as it likes; nothing is rewritten.

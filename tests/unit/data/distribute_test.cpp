@@ -346,6 +346,11 @@ TEST(Distribute, APerReplicaPassResumesAtARowOnOtherMembers) {
   plain.uneven_split = true;
   auto resumed = distribute_dataset(pipeline, plain).make_iterator(at48);
   EXPECT_EQ(resumed.next()->element[0].contiguous()[0].item<std::int64_t>(), order[48]);
+  // Also where the global batch does not split evenly (24 over 5 workers: 4 or 5 rows each).
+  auto uneven = worker(0, 5);
+  uneven.uneven_split = true;
+  auto five = distribute_dataset(pipeline, uneven).make_iterator(at48);
+  EXPECT_EQ(five.next()->element[0].contiguous()[0].item<std::int64_t>(), order[48]);
   try {
     distribute_dataset(pipeline, plain).make_iterator(at64);
     FAIL();
