@@ -260,7 +260,8 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
   if (options_.save_freq == 0) return;
   // Not at an epoch's last step: resumed there, the pass is exhausted and fit would end without
   // the epoch's end (its checkpoint, its logs, the epochs after it). The epoch-end backup comes
-  // right after this step anyway.
+  // right after this step anyway. (params().steps is at most the epoch's steps: see
+  // EpochIterator::known_steps.)
   const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
   if (last_backup_iteration_ < 0) last_backup_iteration_ = model().iterations() - 1; // joined
   if (!epoch_last && model().iterations() - last_backup_iteration_ >= options_.save_freq) {

@@ -9,7 +9,7 @@ EpochIterator::EpochIterator(const data::DistributedDataset& data,
                              std::optional<std::int64_t> steps_per_epoch,
                              collective::Communicator& workers, bool agree)
     : data_(&data), steps_per_epoch_(steps_per_epoch), workers_(workers) {
-  const std::int64_t known = data.cardinality();
+  const std::int64_t known = data.full_cluster_steps();
   // Equal on every worker: a known length, or endless (repeat()) everywhere.
   agreed_ = (!agree || collective::same_value(workers, known)) &&
             (known >= 0 || known == data::kInfiniteCardinality);

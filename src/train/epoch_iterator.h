@@ -25,7 +25,10 @@ class EpochIterator {
   EpochIterator(const data::DistributedDataset& data, std::optional<std::int64_t> steps_per_epoch,
                 collective::Communicator& workers, bool agree = true);
 
-  // Steps in every epoch, when known in advance (Keras's params["steps"]); 0 otherwise.
+  // Steps in every epoch, when known in advance (Keras's params["steps"]); 0 otherwise. An
+  // elastic group keeping the per-replica batch takes more while members are missing: there it
+  // is the full cluster's, a lower bound, so the epoch's real last step is always at or past it
+  // (where fit and BackupAndRestore take no mid-epoch backup: a resume would find the pass over).
   std::int64_t known_steps() const { return known_steps_; }
   // The first epoch continues the pass saved at `position` (a backup's).
   void resume_at(const data::IteratorState& position) {

@@ -94,15 +94,17 @@ void Progress::step(std::int64_t done, const Logs& logs) {
     std::fflush(out_);
     return;
   }
+  // An elastic group keeping the per-replica batch can take more steps than the full cluster's.
+  const std::int64_t steps = std::max(done, steps_);
   constexpr int kWidth = 30;
-  const int filled = static_cast<int>(kWidth * std::min(done, steps_) / steps_);
+  const int filled = static_cast<int>(kWidth * done / steps);
   std::string bar(static_cast<std::size_t>(filled), '=');
   if (filled < kWidth) bar += '>';
   bar.resize(kWidth, '.');
   const double elapsed = std::chrono::duration<double>(now - start_).count();
-  const double eta = done > 0 ? elapsed / static_cast<double>(done) * (steps_ - done) : 0;
+  const double eta = done > 0 ? elapsed / static_cast<double>(done) * (steps - done) : 0;
   std::fprintf(out_, "\r%lld/%lld [%s] - ETA: %s%s   ", static_cast<long long>(done),
-               static_cast<long long>(steps_), bar.c_str(), duration(eta).c_str(),
+               static_cast<long long>(steps), bar.c_str(), duration(eta).c_str(),
                format_logs(logs).c_str());
   std::fflush(out_);
 }

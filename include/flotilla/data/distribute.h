@@ -56,6 +56,13 @@ class DistributedDataset {
   DistributedIterator make_iterator(const IteratorState& state) const;
   // Steps per pass on this worker (kUnknownCardinality when the source cannot say).
   std::int64_t cardinality() const { return per_worker_.cardinality(); }
+  // Steps per pass with every worker of the cluster: cardinality(), except in an elastic group
+  // keeping the per-replica batch, whose passes take more steps while members are missing (and
+  // a pass resumed after a regroup, a number no membership's cardinality gives): there, the
+  // user's global batches, the fewest steps any membership takes, the same on every worker.
+  std::int64_t full_cluster_steps() const {
+    return slice_rows_ > 0 ? original_.cardinality() : cardinality();
+  }
   const strategy::InputContext& input_context() const { return context_; }
   // What was done, for logs: "<sharding>: rewrite or split, per-replica batch".
   const std::string& plan() const { return plan_; }

@@ -257,7 +257,8 @@ TEST(Distribute, AResplitAtACommittedPositionCoversEverySampleOnce) {
 // Elastic, keeping the per-replica batch: batch(24) of a 3-worker cluster is a stream of slices
 // of 8 rows. Two workers take 16 rows per step; the pass's last step has what is left (12: the
 // first worker 8, the second 4). With drop_remainder the rows the full cluster would drop (the
-// last 12 of 60) are dropped too. Row mode (ids) and element mode (a map before the batch).
+// last 12 of 60) are dropped too. The full cluster would take 3 steps (2 with the drop). Row
+// mode (ids) and element mode (a map before the batch).
 TEST(Distribute, KeepingThePerReplicaBatchDealsSlicesOfTheFullClusters) {
   const auto keep = [](int index, int workers) {
     auto context = worker(index, workers);
@@ -276,6 +277,8 @@ TEST(Distribute, KeepingThePerReplicaBatchDealsSlicesOfTheFullClusters) {
         EXPECT_EQ(ds.slice_rows(), 8);
         EXPECT_EQ(ds.global_rows(), 24);
         EXPECT_EQ(ds.cardinality(), drop ? 3 : 4);
+        // The full cluster's steps, whatever the membership: fit's known steps, the fewest.
+        EXPECT_EQ(ds.full_cluster_steps(), drop ? 2 : 3);
         auto it = ds.make_iterator();
         while (auto b = it.next()) {
           const auto t = b->element[0].contiguous();
