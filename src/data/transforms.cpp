@@ -126,12 +126,27 @@ class FilterNode : public UnaryNode {
 class RepeatStage : public Stage {
  public:
   RepeatStage(NodePtr input, IteratorContext ctx, std::int64_t count)
-      : Stage("Repeat"), node_(std::move(input)), ctx_(std::move(ctx)), count_(count) {
+      : Stage("Repeat"), node_(std::move(input)), ctx_(std::move(ctx)), count_(count),
+        pass_length_(node_->cardinality()) {
     start_pass();
   }
   std::int64_t skip(std::int64_t n) override {
     std::int64_t moved = 0;
     while (moved < n && current_) {
+      // Whole passes of a known length are stepped over, not run: a pass's order depends only
+      // on its number. (Running them made a resume cost time in proportion to the passes
+      // before it: an endless stream resumed deep into a long training took seconds.) The
+      // last pass of a counted repeat is still run, to end where it ends.
+      if (produced_in_pass_ == 0 && pass_length_ > 0) {
+        std::int64_t whole = (n - moved) / pass_length_;
+        if (count_ >= 0) whole = std::min(whole, count_ - 1 - pass_);
+        if (whole > 0) {
+          pass_ += whole;
+          moved += whole * pass_length_;
+          start_pass();
+          continue;
+        }
+      }
       const std::int64_t m = current_->skip(n - moved);
       moved += m;
       produced_in_pass_ += m;
@@ -215,6 +230,7 @@ class RepeatStage : public Stage {
   NodePtr node_;
   IteratorContext ctx_;
   std::int64_t count_;
+  std::int64_t pass_length_; // the input's cardinality: elements of every pass, when known
   std::int64_t pass_ = 0;
   std::int64_t produced_in_pass_ = 0;
   mutable std::mutex swap_mutex_;

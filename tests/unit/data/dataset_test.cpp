@@ -288,6 +288,57 @@ TEST(Dataset, SavedIteratorResumesOnExactlyTheNextElement) {
   EXPECT_EQ(rest.size(), 1000u / 7 - 40);
 }
 
+// A resume deep into a repeated stream steps over the passes before its own without running
+// them (a pass's order depends only on its number), and still lands on exactly the next
+// element: counted and endless repeats, each pass reshuffled, positions on and between pass
+// boundaries. The map inside counts what it ran: the passes stepped over never ran it.
+TEST(Dataset, AResumeStepsOverWholeRepeatedPassesWithoutRunningThem) {
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  auto build = [&](std::int64_t count) {
+    return Dataset::range(10)
+        .map([calls](Element e) {
+          ++*calls;
+          return e;
+        })
+        .shuffle(4, 5)
+        .repeat(count)
+        .batch(3);
+  };
+  for (const std::int64_t count : {std::int64_t{4}, std::int64_t{-1}}) {
+    std::vector<std::int64_t> all;
+    auto whole = build(count).make_iterator();
+    for (int i = 0; i < 20; ++i) {
+      auto e = whole.next();
+      if (!e) break;
+      const auto t = (*e)[0].contiguous();
+      all.insert(all.end(), t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+    }
+    ASSERT_EQ(all.size(), count < 0 ? 60u : 40u);
+    const IteratorState start = build(count).make_iterator().save();
+    for (const std::int64_t produced : {3, 7, 10, 11, 12, 14}) {
+      *calls = 0;
+      auto resumed = build(count).make_iterator(
+          IteratorState{start.iteration, produced, start.fingerprint});
+      auto e = resumed.next();
+      const std::string what = "count " + std::to_string(count) + ", batch " +
+                               std::to_string(produced);
+      if (count > 0 && produced * 3 >= 40) {
+        EXPECT_FALSE(e) << what;
+        continue;
+      }
+      ASSERT_TRUE(e) << what;
+      const auto t = (*e)[0].contiguous();
+      const std::vector<std::int64_t> got(t.data_ptr<std::int64_t>(),
+                                          t.data_ptr<std::int64_t>() + t.numel());
+      const auto at = all.begin() + produced * 3;
+      EXPECT_EQ(got, std::vector<std::int64_t>(at, std::min(at + 3, all.end()))) << what;
+      // Rows skipped within the resumed pass, and the pass's buffer: never a whole earlier pass.
+      EXPECT_LT(*calls, 10 + 4 + 3) << what;
+      EXPECT_LT(*calls - (produced * 3) % 10, 10) << what;
+    }
+  }
+}
+
 TEST(Dataset, OnlyReplayablePipelinesCanBeSaved) {
   auto it = Dataset::range(10).shuffle(5).make_iterator();
   try {
