@@ -16,6 +16,11 @@
 # update, the epoch and step it trained on. A global batch is the same rows whoever trains it
 # (the deterministic pipeline; the exactness test in `make test` checks it sample by sample), so
 # the ledgers count samples lost or trained twice as whole global batches.
+# ELASTIC_BATCH=per-replica: both runs keep the per-replica batch (--elastic-batch per-replica;
+# whole passes over the training set, since that option refuses --steps-per-epoch), and the
+# ledgers count rows: each update took the rows of its epoch's pass from where the input stood
+# after it back by the rows the model counted it training on, and every row of every epoch must
+# be taken once.
 #
 # JSON lines: each run's samples/s (the whole run, start to finish) and their ratio, which the
 # VM's speed drift moves since the runs follow each other; so also the chaos run against its own
@@ -26,7 +31,7 @@
 # Usage: bench/chaos.sh [FLOTILLA] [PYTHON]
 #   env: CHAOS_LOGS=DIR (keep both runs' logs there) FAULTS="kill stop cut" GAP_MIN=20 GAP_MAX=40
 #        DURATION=300 (s of faults) EPOCHS=64 STEPS=468 (an epoch: 60000 rows) BATCH=32 MODEL=mlp
-#        HB=2 SEED=1
+#        HB=2 SEED=1 ELASTIC_BATCH=global|per-replica
 set -euo pipefail
 source "$(dirname "$0")/../tests/integration/netns/lib.sh"
 DURATION=${DURATION:-300}
@@ -45,9 +50,14 @@ WORKER_HOSTS=3 # + the chief: 4 workers
 HOSTS=4
 RDZV_HOST=4
 machine=$(bash "$(dirname "$0")/machine.sh")
+ELASTIC_BATCH=${ELASTIC_BATCH:-global}
+case $ELASTIC_BATCH in
+  global) length=(--steps-per-epoch "$STEPS") ;;
+  per-replica) length=(--elastic-batch per-replica) ;;
+  *) die "ELASTIC_BATCH is global or per-replica; saw '$ELASTIC_BATCH'" ;;
+esac
 train_args=(--elastic --heartbeat-timeout "$HB" --timeout 120 --model "$MODEL" --epochs "$EPOCHS"
-  --steps-per-epoch "$STEPS" --batch-per-replica "$BATCH" --seed 7 --threads 1 --verbose 2
-  --no-doctor)
+  "${length[@]}" --batch-per-replica "$BATCH" --seed 7 --threads 1 --verbose 2 --no-doctor)
 
 netns_add_hosts 5
 
@@ -106,6 +116,7 @@ supervise() {
     local pid=$!
     echo "$pid" >"$tmp/$name/pid-$host"
     echo "$SECONDS start $pid" >>"$tmp/$name/starts-$host"
+    sample "$name" "$pid" &
     rc=0
     wait "$pid" || rc=$?
     echo "$SECONDS exit $pid $rc" >>"$tmp/$name/starts-$host"
@@ -115,6 +126,19 @@ supervise() {
       break
     fi
     sleep 1 # a late joiner fails once the group has finished: done says so by then
+  done
+}
+
+# sample RUN PID: the process's open files and threads every 5 s while it lives, "<ms> <fds>
+# <threads>" in res-PID: what a process that lives through others' faults keeps of each (an
+# abandoned group is never joined: its sockets and threads may stay).
+sample() {
+  local name=$1 pid=$2 fds threads
+  while sleep 5; do
+    fds=$(ls "/proc/$pid/fd" 2>/dev/null | wc -l) || break
+    threads=$(awk '/^Threads:/ {print $2}' "/proc/$pid/status" 2>/dev/null) || break
+    [[ -n $threads ]] && ((fds > 0)) || break
+    echo "$(now_ms) $fds $threads" >>"$tmp/$name/res-$pid"
   done
 }
 
@@ -184,13 +208,14 @@ run chaos 23600 1
 chaos_s=$run_seconds
 
 "$PYTHON" - "$tmp" "$EPOCHS" "$STEPS" "$((BATCH * HOSTS))" "$HOSTS" "$free_s" "$chaos_s" \
-  "$MODEL" "$HB" "$machine" "$DURATION" <<'EOF'
+  "$MODEL" "$HB" "$machine" "$DURATION" "$ELASTIC_BATCH" <<'EOF'
 import glob, json, os, re, statistics, sys
 tmp, epochs, steps, global_batch, hosts = sys.argv[1], *map(int, sys.argv[2:6])
 free_s, chaos_s, model, hb, machine = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8], float(sys.argv[9]), json.loads(sys.argv[10])
-duration = int(sys.argv[11])
+duration, elastic_batch = int(sys.argv[11]), sys.argv[12]
+rows_mode = elastic_batch == "per-replica"
 common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": global_batch,
-          "heartbeat_timeout_s": hb, "machine": machine}
+          "heartbeat_timeout_s": hb, "elastic_batch": elastic_batch, "machine": machine}
 def out(**kv):
     print(json.dumps({**common, **kv}, separators=(",", ":")))
 
@@ -207,15 +232,18 @@ def ledger(run):
     for path in glob.glob(f"{tmp}/{run}/ledger/ledger-*.txt"):
         kept = []
         for line in open(path):
-            u, e, s, w, t = map(int, line.split())
+            u, e, s, w, t, read, rows = map(int, line.split())
             while kept and kept[-1][0] >= u:  # rolled back by a heal: redone below
                 kept.pop()
-            kept.append((u, e, s, t))
-        for u, e, s, t in kept:
-            by_update.setdefault(u, set()).add((e, s))
+            # Per-replica: where the pass stood after the update and the rows trained so far.
+            kept.append((u, e, (e, read, rows) if rows_mode else (e, s), t))
+        for u, e, what, t in kept:
+            by_update.setdefault(u, set()).add(what)
             epoch_end[e] = max(epoch_end.get(e, 0), t)
             first = t if first is None else min(first, t)
     conflicts = sum(1 for v in by_update.values() if len(v) > 1)
+    if rows_mode:
+        return rows_ledger(by_update, conflicts), (first, [epoch_end.get(e) for e in range(epochs)])
     trained = {}
     for u, v in by_update.items():
         for batch in v:
@@ -226,7 +254,42 @@ def ledger(run):
             "repeated_samples": repeated * global_batch, "conflicting_updates": conflicts}, \
         (first, [epoch_end.get(e) for e in range(epochs)])
 
-samples = epochs * steps * global_batch
+def rows_ledger(by_update, conflicts):
+    """Update u took rows [read - n, read) of its epoch's pass, n its rows trained less update
+    u - 1's; every row of every epoch (an epoch: the rows the fault-free run's first pass read)
+    must be taken once."""
+    taken, unverifiable = {}, 0
+    for u, v in by_update.items():
+        e, read, rows = min(v)
+        before = by_update.get(u - 1)
+        if u == 1:
+            n = rows
+        elif before:
+            n = rows - min(before)[2]
+        else:  # no process recorded the update before: its rows cannot be told
+            unverifiable += 1
+            continue
+        taken.setdefault(e, []).append((read - n, read))
+    lost = repeated = 0
+    for e in range(epochs):
+        spans, at = sorted(taken.get(e, [])), 0
+        for a, b in spans:
+            lost += max(0, a - at)
+            repeated += max(0, min(b, at) - a)
+            at = max(at, b)
+        lost += max(0, epoch_rows - at)
+    return {"updates": len(by_update), "lost_samples": lost, "repeated_samples": repeated,
+            "conflicting_updates": conflicts, "unverifiable_updates": unverifiable,
+            "rows_per_epoch": epoch_rows}
+
+epoch_rows = 0
+if rows_mode:  # the rows of a pass, as the fault-free run read them
+    for path in glob.glob(f"{tmp}/free/ledger/ledger-*.txt"):
+        for line in open(path):
+            f = list(map(int, line.split()))
+            if f[1] == 0:
+                epoch_rows = max(epoch_rows, f[5])
+samples = epochs * (epoch_rows if rows_mode else steps * global_batch)
 for run, seconds in (("free", free_s), ("chaos", chaos_s)):
     out(config="fault-free" if run == "free" else "chaos", metric="samples_per_s",
         value=round(samples / seconds, 1), seconds=seconds, samples=samples)
@@ -268,6 +331,20 @@ out(metric="faults", value=len(faults), kinds=kinds, duration_s=duration,
     process_starts=starts, survivor_restarts=restarts, goal_survivor_restarts=0)
 for run in ("free", "chaos"):
     out(config="fault-free" if run == "free" else "chaos", metric="ledger", **stats[run][0], goal="0 lost, 0 repeated")
+# What processes keep of the faults they lived through (others' faults, between their first and
+# last sample): open files and threads gained per fault.
+fds = threads = seen = 0
+for path in glob.glob(f"{tmp}/chaos/res-*"):
+    pid = path.rsplit("-", 1)[1]
+    rows = [list(map(int, l.split())) for l in open(path) if len(l.split()) == 3]
+    if len(rows) < 2:
+        continue
+    n = sum(1 for f in faults if f[3] != pid and rows[0][0] < int(f[5]) < rows[-1][0])
+    if n:
+        fds, threads, seen = fds + rows[-1][1] - rows[0][1], threads + rows[-1][2] - rows[0][2], seen + n
+if seen:
+    out(config="chaos", metric="kept_per_fault_lived_through", fds=round(fds / seen, 2),
+        threads=round(threads / seen, 2), faults_lived_through=seen)
 a_free, a_chaos = accuracy("free"), accuracy("chaos")
 out(metric="test_accuracy", fault_free=a_free, chaos=a_chaos,
     diff_points=None if a_free is None or a_chaos is None else round(abs(a_free - a_chaos) * 100, 2), goal="<= 0.5")

@@ -556,10 +556,13 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
 }
 
 // --step-ledger: every process, chief or not, appends one line per optimizer update it
-// committed, "<update> <epoch> <step in epoch> <workers> <unix time in ms>", flushed at once so
-// a killed process's lines stay. Across all processes of a run (restarted ones too), the lines
-// say which global batch each update trained on, and when: bench/chaos.sh counts global
-// batches lost or trained twice, and times each epoch.
+// committed, "<update> <epoch> <step in epoch> <workers> <unix time in ms> <rows of the pass
+// read> <rows trained>", flushed at once so a killed process's lines stay. Across all processes
+// of a run (restarted ones too), the lines say which global batch each update trained on, and
+// when: bench/chaos.sh counts global batches lost or trained twice, and times each epoch. With
+// --elastic-batch per-replica an update trains on a varying number of rows: the input's position
+// in rows after it (the sixth field; -1 where positions count global batches) and the model's
+// count of rows trained (the seventh) say which rows of its epoch it took.
 std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Model& model) {
   const std::string path = dir + "/ledger-" + std::to_string(::getpid()) + ".txt";
   auto out = std::make_shared<std::ofstream>(path, std::ios::app);
@@ -571,8 +574,13 @@ std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Mode
   ledger->batch_end = [out, &model](std::int64_t batch, const train::Logs&) {
     const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::system_clock::now().time_since_epoch());
+    const train::TrainingState state = model.training_state();
+    const std::int64_t read = state.iterator && state.iterator->in_rows
+                                  ? state.iterator->produced
+                                  : std::int64_t{-1};
     *out << model.iterations() << ' ' << model.current_epoch() << ' ' << batch << ' '
-         << model.strategy().num_workers() << ' ' << now.count() << std::endl;
+         << model.strategy().num_workers() << ' ' << now.count() << ' ' << read << ' '
+         << state.trained_rows << std::endl;
   };
   return ledger;
 }
