@@ -331,17 +331,23 @@ out(metric="faults", value=len(faults), kinds=kinds, duration_s=duration,
     process_starts=starts, survivor_restarts=restarts, goal_survivor_restarts=0)
 for run in ("free", "chaos"):
     out(config="fault-free" if run == "free" else "chaos", metric="ledger", **stats[run][0], goal="0 lost, 0 repeated")
-# What processes keep of the faults they lived through (others' faults, between their first and
-# last sample): open files and threads gained per fault.
+# What processes keep of the faults they lived through (others' faults): open files and threads
+# gained per fault, from the last sample before the first of them (a training process; the
+# very first sample can be one still starting) to the fewest of its last three before its own
+# fault, if any (a failed group is destroyed a moment after the heal, or once a stopped or
+# cut-off peer exits).
 fds = threads = seen = 0
 for path in glob.glob(f"{tmp}/chaos/res-*"):
     pid = path.rsplit("-", 1)[1]
-    rows = [list(map(int, l.split())) for l in open(path) if len(l.split()) == 3]
-    if len(rows) < 2:
+    own = min([int(f[5]) for f in faults if f[3] == pid] or [float("inf")])  # its own fault ends it
+    rows = [r for r in (list(map(int, l.split())) for l in open(path) if len(l.split()) == 3) if r[0] < own]
+    lived = [int(f[5]) for f in faults if f[3] != pid and rows and rows[0][0] < int(f[5]) < rows[-1][0]]
+    before = [r for r in rows if lived and r[0] < min(lived)]
+    if len(before) < 2:
         continue
-    n = sum(1 for f in faults if f[3] != pid and rows[0][0] < int(f[5]) < rows[-1][0])
-    if n:
-        fds, threads, seen = fds + rows[-1][1] - rows[0][1], threads + rows[-1][2] - rows[0][2], seen + n
+    end = min(rows[-3:], key=lambda r: (r[1], r[2]))
+    fds, threads = fds + end[1] - before[-1][1], threads + end[2] - before[-1][2]
+    seen += sum(1 for t in lived if t < end[0])
 if seen:
     out(config="chaos", metric="kept_per_fault_lived_through", fds=round(fds / seen, 2),
         threads=round(threads / seen, 2), faults_lived_through=seen)
