@@ -251,6 +251,20 @@ void set_means(Logs& logs, const std::vector<Metric>& metrics, const double* sum
   for (std::size_t m = 0; m < metrics.size(); ++m) logs.set(metrics[m].name, sums[m + 1] / count);
 }
 
+// Each replica's SyncBatchNorm layers meet the others through its own context, over the
+// worker's current group; the number of layers bound.
+int bind_replica_contexts(strategy::Strategy& strategy, detail::ReplicaSet& replicas,
+                          std::vector<strategy::ReplicaContext>& contexts) {
+  contexts = strategy::make_replica_contexts(strategy.communicator(), replicas.size());
+  int layers = 0;
+  for (int r = 0; r < replicas.size(); ++r) {
+    const int bound =
+        bind_sync_batchnorm(replicas.module(r), contexts[static_cast<std::size_t>(r)]);
+    if (r == 0) layers = bound; // the replicas are copies: the same count
+  }
+  return layers;
+}
+
 } // namespace
 
 void Model::compile(const CompileOptions& options) {
@@ -269,12 +283,7 @@ void Model::compile(const CompileOptions& options) {
   replicas_.reset();
   replicas_ = std::make_unique<detail::ReplicaSet>(strategy_.devices(), Replica{module_, forward_},
                                                    clone_, options.optimizer);
-  // Each replica's SyncBatchNorm layers meet the others through its own context.
-  replica_contexts_ = strategy::make_replica_contexts(strategy_.communicator(), replicas_->size());
-  for (int r = 0; r < replicas_->size(); ++r) {
-    const int layers = bind_sync_batchnorm(replicas_->module(r), replica_contexts_[r]);
-    if (r == 0) sync_batchnorm_layers_ = layers; // the replicas are copies: the same count
-  }
+  sync_batchnorm_layers_ = bind_replica_contexts(strategy_, *replicas_, replica_contexts_);
   buffers_dirty_ = false; // the replicas are copies of the model
   std::string why_no_graph = why_no_captured_step(strategy_, options.gradient_accumulation_steps);
   if (why_no_graph.empty() && sync_batchnorm_layers_ > 0) {
@@ -791,6 +800,9 @@ detail::HealPlan Model::reconcile(const detail::FitPosition& mine, TrainingState
 void Model::adopt_group() {
   strategy_.adopt_generation();
   reducer_ = strategy_.make_gradient_reducer(replicas_->modules());
+  // The replicas' contexts held the group they were made on: generation 0's stayed alive (its
+  // backend's threads and sockets) for as long as the model.
+  bind_replica_contexts(strategy_, *replicas_, replica_contexts_);
 }
 
 void Model::on_generation(detail::EpochIterator* input) {
