@@ -130,12 +130,12 @@ supervise() {
 }
 
 # sample RUN PID: the process's open files and threads every 5 s while it lives, "<ms> <fds>
-# <threads>" in res-PID: what a process that lives through others' faults keeps of each (an
-# abandoned group is never joined: its sockets and threads may stay).
+# <threads>" in res-PID: what a process that lives through others' faults keeps of each (a
+# failed group's backend must be destroyed, not left to its threads and sockets).
 sample() {
   local name=$1 pid=$2 fds threads
   while sleep 5; do
-    fds=$(ls "/proc/$pid/fd" 2>/dev/null | wc -l) || break
+    fds=$(ls "/proc/$pid/fd" 2>/dev/null | wc -l)
     threads=$(awk '/^Threads:/ {print $2}' "/proc/$pid/status" 2>/dev/null) || break
     [[ -n $threads ]] && ((fds > 0)) || break
     echo "$(now_ms) $fds $threads" >>"$tmp/$name/res-$pid"

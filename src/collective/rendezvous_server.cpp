@@ -182,7 +182,6 @@ struct RendezvousServer::Impl {
   // keys of the generations before the previous one.
   void form(const std::vector<int>& slots, const std::string& why, bool departure,
             bool afresh = false) {
-    afresh = afresh || !formed;
     generation = formed ? generation + 1 : 0;
     formed = true;
     if (departure) intact_from = generation;
@@ -272,7 +271,7 @@ struct RendezvousServer::Impl {
                  std::to_string(config.world_size) +
                  " workers have joined again, and starts the training afresh (from its backup, "
                  "if it keeps one)");
-        form_afresh_if_all_claimed();
+        form_afresh_when_all_claimed();
       }
     } else {
       log.info("rendezvous: " + why + " before it was admitted");
@@ -281,14 +280,16 @@ struct RendezvousServer::Impl {
 
   bool finished() const { return kv.contains({kFinishedKey}); }
 
-  void form_afresh_if_all_claimed() {
+  // Generation 0, or the first after the whole group was lost: once every slot is claimed, a
+  // generation that starts the training afresh.
+  void form_afresh_when_all_claimed() {
     const auto claimed = slots_where([](const RankState& s) { return s.claimed; });
     if (static_cast<int>(claimed.size()) < config.world_size) return;
-    lost = false;
+    const std::string all = "all " + std::to_string(config.world_size) + " workers joined";
     form(claimed,
-         "all " + std::to_string(config.world_size) +
-             " workers joined again after the group was lost: the training starts afresh",
+         formed ? all + " again after the group was lost: the training starts afresh" : all,
          /*departure=*/false, /*afresh=*/true);
+    lost = false;
   }
 
   // Elastic kAdvance: the members of generation `from` admit the waiting workers. Idempotent:
@@ -373,15 +374,12 @@ struct RendezvousServer::Impl {
       state.session = join->session;
       state.peer = c.peer;
       if (config.elastic && first) {
-        if (!formed) {
-          const auto claimed = slots_where([](const RankState& s) { return s.claimed; });
-          if (static_cast<int>(claimed.size()) == config.world_size) {
-            form(claimed, "all " + std::to_string(config.world_size) + " workers joined", false);
+        if (!formed || lost) {
+          if (lost) {
+            log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
+                     ") joined to start the lost training afresh");
           }
-        } else if (lost) {
-          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
-                   ") joined to start the lost training afresh");
-          form_afresh_if_all_claimed();
+          form_afresh_when_all_claimed();
         } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
           // Nobody is left to admit it at a step boundary (the group finished): a generation of
           // the workers waiting, at once, so each learns there is no training state to join

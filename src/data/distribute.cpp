@@ -525,7 +525,12 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
         return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, replicas,
                                                           first, per_worker);
       });
-  if (rewritten && full > 0) {
+  if (full > 0) {
+    if (!rewritten) {
+      throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic group "
+                        "needs the pipeline's batch(global batch) to rewrite (none was found, or "
+                        "one behind an order-changing stage)");
+    }
     const std::int64_t slice = global / full;
     DistributedDataset out(dataset, Dataset(rewritten), context, true,
                            "DATA: batch(" + std::to_string(global) + ") dealt out in slices of " +
@@ -537,11 +542,6 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     out.slice_rows_ = slice;
     out.global_rows_ = global;
     return out;
-  }
-  if (full > 0) {
-    throw ConfigError("distribute_dataset: keeping the per-replica batch in an elastic group "
-                      "needs the pipeline's batch(global batch) to rewrite (none was found, or "
-                      "one behind an order-changing stage)");
   }
   if (rewritten) {
     const auto [begin, end] = detail::replica_range(global, replicas, first, per_worker);

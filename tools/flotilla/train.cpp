@@ -560,10 +560,11 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
 // read> <rows trained>", flushed at once so a killed process's lines stay. Across all processes
 // of a run (restarted ones too), the lines say which global batch each update trained on, and
 // when: bench/chaos.sh counts global batches lost or trained twice, and times each epoch. With
-// --elastic-batch per-replica an update trains on a varying number of rows: the input's position
-// in rows after it (the sixth field; -1 where positions count global batches) and the model's
-// count of rows trained (the seventh) say which rows of its epoch it took.
-std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Model& model) {
+// --elastic-batch per-replica (`rows`) an update trains on a varying number of rows: the input's
+// position in rows after it (the sixth field) and the model's count of rows trained (the
+// seventh) say which rows of its epoch it took; both are -1 otherwise (not read every step).
+std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Model& model,
+                                             bool rows) {
   const std::string path = dir + "/ledger-" + std::to_string(::getpid()) + ".txt";
   auto out = std::make_shared<std::ofstream>(path, std::ios::app);
   if (!*out) {
@@ -571,16 +572,18 @@ std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Mode
                       "; check that the directory exists and is writable");
   }
   auto ledger = std::make_shared<train::LambdaCallback>();
-  ledger->batch_end = [out, &model](std::int64_t batch, const train::Logs&) {
+  ledger->batch_end = [out, &model, rows](std::int64_t batch, const train::Logs&) {
     const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::system_clock::now().time_since_epoch());
-    const train::TrainingState state = model.training_state();
-    const std::int64_t read = state.iterator && state.iterator->in_rows
-                                  ? state.iterator->produced
-                                  : std::int64_t{-1};
+    std::int64_t read = -1, trained = -1;
+    if (rows) {
+      const train::TrainingState state = model.training_state();
+      if (state.iterator) read = state.iterator->produced; // in rows in this mode
+      trained = state.trained_rows;
+    }
     *out << model.iterations() << ' ' << model.current_epoch() << ' ' << batch << ' '
-         << model.strategy().num_workers() << ' ' << now.count() << ' ' << read << ' '
-         << state.trained_rows << std::endl;
+         << model.strategy().num_workers() << ' ' << now.count() << ' ' << read << ' ' << trained
+         << std::endl;
   };
   return ledger;
 }
@@ -825,7 +828,7 @@ int run(const TrainArgs& a) {
                         std::to_string(a.steps_per_execution) +
                         " calls it every that many steps; leave --steps-per-execution at 1");
     }
-    fit.callbacks.push_back(step_ledger(a.step_ledger, model));
+    fit.callbacks.push_back(step_ledger(a.step_ledger, model, a.elastic_batch == "per-replica"));
   }
   fit.callbacks.push_back(std::make_shared<profile::Profiler>(
       profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose)));
