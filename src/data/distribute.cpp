@@ -516,9 +516,8 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
                               std::to_string(size) + "). Use a multiple of " +
                               std::to_string(full));
           }
-          return std::make_shared<detail::RebatchSliceNode>(std::move(input), size, drop,
-                                                            size / full, replicas, first,
-                                                            per_worker);
+          return std::make_shared<detail::RebatchSliceNode>(
+              std::move(input), size, drop, size / full, replicas, first, per_worker);
         }
         // ConfigError unless it splits evenly (or may not: elastic).
         if (!context.uneven_split) context.get_per_replica_batch_size(size);
@@ -534,10 +533,10 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     const std::int64_t slice = global / full;
     DistributedDataset out(dataset, Dataset(rewritten), context, true,
                            "DATA: batch(" + std::to_string(global) + ") dealt out in slices of " +
-                               std::to_string(slice) + " per replica, " +
-                               std::to_string(replicas) + " of the cluster's " +
-                               std::to_string(full) + " replicas' slices per step; " + where +
-                               " takes " + std::to_string(per_worker),
+                               std::to_string(slice) + " per replica, " + std::to_string(replicas) +
+                               " of the cluster's " + std::to_string(full) +
+                               " replicas' slices per step; " + where + " takes " +
+                               std::to_string(per_worker),
                            slice, true);
     out.slice_rows_ = slice;
     out.global_rows_ = global;

@@ -667,10 +667,10 @@ TEST(Launch, ElasticBelowMinWorkersSavesExits75AndTheJobResumes) {
 TEST(Launch, AnElasticGroupLostWholeStartsAfreshFromItsBackup) {
   const ElasticFit fit;
   const std::string backup = fit.dir.path() + "/backup";
-  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "3"},
-                                        {"--signal-at", "-1", "--all-die-at", "7",
-                                         "--backup-dir", backup}),
-                             {}, std::chrono::seconds(180));
+  const auto r =
+      run_process(fit.launch("KILL", "100", {"--max-restarts", "3"},
+                             {"--signal-at", "-1", "--all-die-at", "7", "--backup-dir", backup}),
+                  {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
   // Once: the members leaving after the training finished are not a lost group.

@@ -317,11 +317,11 @@ TEST(Dataset, AResumeStepsOverWholeRepeatedPassesWithoutRunningThem) {
     const IteratorState start = build(count).make_iterator().save();
     for (const std::int64_t produced : {3, 7, 10, 11, 12, 14}) {
       *calls = 0;
-      auto resumed = build(count).make_iterator(
-          IteratorState{start.iteration, produced, start.fingerprint});
+      auto resumed =
+          build(count).make_iterator(IteratorState{start.iteration, produced, start.fingerprint});
       auto e = resumed.next();
-      const std::string what = "count " + std::to_string(count) + ", batch " +
-                               std::to_string(produced);
+      const std::string what =
+          "count " + std::to_string(count) + ", batch " + std::to_string(produced);
       if (count > 0 && produced * 3 >= 40) {
         EXPECT_FALSE(e) << what;
         continue;
