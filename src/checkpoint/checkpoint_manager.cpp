@@ -23,6 +23,7 @@
 #include "checkpoint/manifest.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/base/hashes.h"
+#include "flotilla/checkpoint/directory.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 
@@ -92,16 +93,6 @@ void rename_or_throw(const fs::path& from, const fs::path& to) {
     throw CheckpointError("cannot rename " + from.string() + " to " + to.string() + " (" +
                           std::strerror(errno) + ")");
   }
-}
-
-// Renames a directory to a hidden name first, so no reader ever sees it half deleted.
-void remove_directory(const fs::path& dir) {
-  const fs::path hidden =
-      dir.parent_path() / ("." + dir.filename().string() + ".deleting-" + random_suffix());
-  std::error_code ec;
-  fs::rename(dir, hidden, ec);
-  fs::remove_all(ec ? dir : hidden, ec);
-  if (ec) throw CheckpointError("cannot delete " + dir.string() + " (" + ec.message() + ")");
 }
 
 std::string read_text(const fs::path& path) {
@@ -314,7 +305,12 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
       {"files", files},
       {"state", ordered_json::parse(data.state.dump())},
   };
-  base::write_file_atomic(dir / kManifestFile, manifest.dump(2) + "\n");
+  const std::string manifest_text = manifest.dump(2) + "\n";
+  base::write_file_atomic(dir / kManifestFile, manifest_text);
+  // The manifest holds the training state (epoch, position, ...): it is checked like the rest.
+  base::write_file_atomic(dir / kManifestChecksumFile,
+                          base::sha256_hex(manifest_text.data(), manifest_text.size()) + "  " +
+                              kManifestFile + "\n");
   sync_directory(dir);
 }
 
@@ -395,15 +391,16 @@ void delete_old(const fs::path& dir, const std::vector<std::string>& names, cons
     if (!plain_name(name)) continue; // only what this manager wrote, inside its directory
     try {
       const fs::path path = dir / name;
-      if (fs::is_directory(fs::symlink_status(path))) remove_directory(path);
+      if (fs::is_directory(fs::symlink_status(path))) remove_checkpoint_directory(path);
     } catch (const std::exception& e) {
-      log.warn(std::string(e.what()) + "; delete it by hand");
+      log.warn(e.what());
     }
   }
 }
 
 // Hidden directories that a save or deletion interrupted between its steps (a crash, a kill)
-// left behind: ".<prefix>-<n>.tmp-*", ".<prefix>-<n>.old-*" and their ".deleting-*" forms.
+// left behind: ".<prefix>-<n>.tmp-*", ".<prefix>-<n>.old-*" and their ".deleting-*" forms. Only
+// their checkpoint files are deleted: anything else in them is the user's.
 void sweep_debris(const fs::path& dir, const std::string& prefix, const Logger& log) {
   std::vector<fs::path> debris;
   std::error_code ec;
@@ -417,11 +414,10 @@ void sweep_debris(const fs::path& dir, const std::string& prefix, const Logger& 
     if (ours && entry.is_directory(type_error)) debris.push_back(entry.path());
   }
   for (const auto& path : debris) {
-    std::error_code removed;
-    fs::remove_all(path, removed);
-    if (removed) {
-      log.warn("cannot delete " + path.string() + ", left by an interrupted save (" +
-               removed.message() + "); delete it by hand");
+    try {
+      remove_checkpoint_directory(path);
+    } catch (const std::exception& e) {
+      log.warn(std::string(e.what()) + " (left by an interrupted save)");
     }
   }
 }
@@ -652,6 +648,28 @@ std::vector<fs::path> CheckpointManager::checkpoints() const {
 
 // ---- reading ------------------------------------------------------------------------------------
 
+namespace {
+// Whether the manifest has a checksum file (version 1 checkpoints have none); CheckpointError
+// when it does and the manifest does not match it.
+bool check_manifest_checksum(const fs::path& checkpoint_dir, const std::string& manifest_text) {
+  const fs::path file = checkpoint_dir / kManifestChecksumFile;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(file, ec))) return false;
+  const std::string line = read_text(file);
+  const std::string expected = line.substr(0, line.find_first_of(" \n"));
+  const std::string actual = base::sha256_hex(manifest_text.data(), manifest_text.size());
+  if (expected != actual) {
+    throw CheckpointError((checkpoint_dir / kManifestFile).string() + ": SHA-256 is " + actual +
+                          ", " + kManifestChecksumFile + " says " +
+                          (expected.empty() ? std::string("nothing") : expected.substr(0, 64)) +
+                          "; the manifest (the training state: epoch, step, position) changed "
+                          "after it was written. " +
+                          restore_advice(checkpoint_dir));
+  }
+  return true;
+}
+} // namespace
+
 CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
   const fs::path manifest_path = checkpoint_dir / kManifestFile;
   if (!fs::is_directory(checkpoint_dir)) {
@@ -664,9 +682,18 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
                           "that does not finish never gets a checkpoint's name). " +
                           restore_advice(checkpoint_dir));
   }
+  const std::string manifest_text = read_text(manifest_path);
+  const bool has_checksum = check_manifest_checksum(checkpoint_dir, manifest_text);
   const detail::Manifest manifest = detail::parse_manifest(
-      read_text(manifest_path), manifest_path,
+      manifest_text, manifest_path,
       {kCheckpointFormat, kCheckpointFormatVersion, {kModelFile, kOptimizerFile}});
+  if (!has_checksum && manifest.format_version >= 2) {
+    throw CheckpointError((checkpoint_dir / kManifestChecksumFile).string() +
+                          ": missing, though the manifest is of format version " +
+                          std::to_string(manifest.format_version) +
+                          ", which has one; the checkpoint is incomplete. " +
+                          restore_advice(checkpoint_dir));
+  }
   CheckpointData data;
   data.epoch = manifest.epoch;
   data.step = manifest.step;
@@ -701,7 +728,8 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
 
 std::optional<CheckpointData> restore_latest(const fs::path& directory,
                                              std::vector<std::string>* skipped,
-                                             fs::path* restored_from) {
+                                             fs::path* restored_from,
+                                             const AcceptCheckpoint& accept) {
   if (!fs::is_directory(directory)) return std::nullopt;
   std::vector<fs::path> candidates;
   auto add = [&](const fs::path& path) {
@@ -740,8 +768,11 @@ std::optional<CheckpointData> restore_latest(const fs::path& directory,
   for (const auto& candidate : candidates) {
     try {
       CheckpointData data = read_checkpoint(candidate);
+      if (accept) accept(data, candidate);
       if (restored_from) *restored_from = candidate;
       return data;
+    } catch (const ConfigError&) {
+      throw;
     } catch (const std::exception& e) {
       if (skipped) skipped->push_back(candidate.string() + ": " + e.what());
     }

@@ -1,9 +1,13 @@
 #include "flotilla/train/checkpoint_callbacks.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <ctime>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/directory.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -174,6 +178,20 @@ void ModelCheckpoint::on_epoch_end(int epoch, EpochLogs& logs) {
   if (options_.save_freq == 0) save(epoch + 1, logs.values);
 }
 
+CallbackNeeds ModelCheckpoint::needs() const {
+  // The part of filepath no template changes: "run/ckpt" (a directory of checkpoints) as it is,
+  // "run/ckpt-{epoch}" and "run/weights.safetensors" their directory.
+  fs::path fixed = options_.filepath;
+  const std::size_t brace = options_.filepath.find('{');
+  if (brace != std::string::npos)
+    fixed = fs::path(options_.filepath.substr(0, brace)).parent_path();
+  if (options_.save_weights_only && brace == std::string::npos) fixed = fixed.parent_path();
+  CallbackNeeds needs;
+  needs.directories.push_back(
+      {"ModelCheckpointOptions::filepath", fixed.empty() ? fs::path(".") : fixed});
+  return needs;
+}
+
 // ---------------------------------------------------------------------------------------------
 // BackupAndRestore
 
@@ -190,44 +208,197 @@ void BackupAndRestore::on_train_begin() {
   restored_.reset();
   if (requested_.exchange(false)) model().request_preemption();
   number_ = 0;
+  claimed_ = false;
   if (model().strategy().joining()) {
     // Joining an elastic group mid-fit: the state comes from a live peer, not from here, and
     // the others are past this agreement. Backups are counted from this worker's first step.
     last_backup_iteration_ = -1;
     return;
   }
+  auto& strategy = model().strategy();
+  // The chief looks; every worker stops on what it found, so none waits for the others.
+  const std::string refusal = collective::broadcast_string(
+      strategy.communicator(), strategy.is_chief() ? claim_directory() : std::string(), 0);
+  if (!refusal.empty()) throw ConfigError(refusal);
+  const std::optional<TrainingState> state = restore();
+  last_backup_iteration_ = state ? state->iterations : model().iterations();
+  if (state) {
+    model().restore_training_state(*state);
+    restored_ = state;
+  }
+}
+
+namespace {
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  ::gmtime_r(&now, &utc);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return text;
+}
+
+// "host h, process p, since t, training <model> (<n> parameters, seed s, w workers)"
+std::string describe_holder(const nlohmann::json& holder) {
+  if (!holder.is_object() || !holder.contains("pid")) {
+    return "a process that has not written its name into the lock file yet";
+  }
+  std::string text = "the process " + holder.value("pid", nlohmann::json()).dump() + " on " +
+                     holder.value("host", std::string("?")) + ", since " +
+                     holder.value("started", std::string("?"));
+  const nlohmann::json run = holder.value("run", nlohmann::json::object());
+  if (run.is_object() && run.contains("model")) {
+    text += ", training " + run.value("model", std::string("?")) + " (" +
+            run.value("parameter_count", nlohmann::json()).dump() + " parameters, seed " +
+            run.value("seed", nlohmann::json()).dump() + ", " +
+            run.value("workers", nlohmann::json()).dump() + " workers)";
+  }
+  return text;
+}
+
+std::string start_afresh(const fs::path& dir) {
+  return "To start afresh, move it away (mv " + dir.string() + " " + dir.string() +
+         ".old) or give BackupOptions::backup_dir another directory";
+}
+
+} // namespace
+
+std::string BackupAndRestore::claim_directory(bool elastic_takeover) {
+  const fs::path& dir = options_.backup_dir;
+  std::error_code ec;
+  const bool existed = fs::exists(fs::symlink_status(dir, ec));
+  if (existed && !fs::is_directory(dir, ec)) {
+    return "BackupOptions::backup_dir " + dir.string() +
+           " exists and is not a directory; give a directory of its own";
+  }
+  if (!existed) {
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return "BackupOptions::backup_dir " + dir.string() + " cannot be made (" + ec.message() +
+             "); give a writable directory";
+    }
+  }
+  if (!elastic_takeover) {
+    const auto foreign = checkpoint::foreign_entries(dir, "backup", {checkpoint::kLockFile});
+    if (!foreign.empty()) {
+      std::string names;
+      for (std::size_t i = 0; i < foreign.size() && i < 5; ++i) {
+        names += (i ? ", " : "") + foreign[i];
+      }
+      if (foreign.size() > 5) names += ", ... (" + std::to_string(foreign.size()) + " in all)";
+      return "BackupOptions::backup_dir " + dir.string() + " holds what flotilla did not write (" +
+             names +
+             "); BackupAndRestore deletes its backups when the fit completes, so it needs a "
+             "directory of its own: give a new or empty one";
+    }
+  }
+  // Made by an earlier fit of this directory's jobs: deleted again at the end, as then.
+  const auto previous = checkpoint::DirectoryLock::record(dir);
+  const bool created = !existed || (previous && previous->value("created_directory", false));
+  const nlohmann::json record = {{"holder", "flotilla BackupAndRestore"},
+                                 {"host", host_name()},
+                                 {"pid", ::getpid()},
+                                 {"started", utc_now()},
+                                 {"run", run_identity(model())},
+                                 {"created_directory", created}};
+  nlohmann::json holder;
+  try {
+    // A fit after a preempted one, with the same callback: its lock is still held.
+    if (!lock_.held()) lock_ = checkpoint::DirectoryLock::try_acquire(dir, record, holder);
+  } catch (const std::exception& e) {
+    return "BackupAndRestore: " + std::string(e.what());
+  }
+  claimed_ = true;
+  if (lock_.held()) return "";
+  // This very process (ranks as threads, or an earlier fit's callback still alive) is not
+  // another job.
+  if (holder.value("pid", -1) == ::getpid() && holder.value("host", "") == host_name()) return "";
+  if (elastic_takeover) {
+    model().strategy().log().warn("BackupAndRestore: " + dir.string() + " is still locked by " +
+                                  describe_holder(holder) +
+                                  ", the group's chief before this one (frozen or cut off); "
+                                  "going on without the lock");
+    return "";
+  }
+  claimed_ = false;
+  return "BackupOptions::backup_dir " + dir.string() +
+         " is in use by another job: " + describe_holder(holder) +
+         ". Two jobs on one backup directory would resume from and overwrite each other's "
+         "backups: give this job a directory of its own, or wait for that one to end";
+}
+
+std::optional<TrainingState> BackupAndRestore::restore() {
+  auto& strategy = model().strategy();
+  const fs::path& dir = options_.backup_dir;
+  const nlohmann::json identity = run_identity(model());
   std::vector<std::string> skipped;
   fs::path from;
-  const auto data = checkpoint::restore_latest(options_.backup_dir, &skipped, &from);
-  auto& strategy = model().strategy();
+  std::optional<TrainingState> state;
+  // The newest backup that verifies and loads; one of another model stops the search (its
+  // parameters cannot take this model's place, and an older one is no better).
+  const auto data = checkpoint::restore_latest(
+      dir, &skipped, &from, [&](const checkpoint::CheckpointData& data, const fs::path& path) {
+        const nlohmann::json run = data.state.value("run", nlohmann::json::object());
+        if (run.is_object() && run.contains("parameters") &&
+            run["parameters"] != identity["parameters"]) {
+          throw ConfigError(
+              "BackupAndRestore: " + path.string() +
+              " is a backup of another model: " + run.value("model", std::string("?")) + " with " +
+              run.value("parameter_count", nlohmann::json()).dump() +
+              " parameters, where this fit trains " + identity["model"].get<std::string>() +
+              " with " + identity["parameter_count"].dump() +
+              " (their parameters' names and shapes differ). " + start_afresh(dir));
+        }
+        state = load_checkpoint_data(model(), data, path);
+      });
   if (strategy.is_chief()) {
     for (const auto& reason : skipped) strategy.log().warn("BackupAndRestore: " + reason);
   }
-  // Every worker must resume from the same backup, or none: agree before touching the model.
-  if (!collective::same_value(strategy.communicator(), data ? data->step : -1)) {
-    throw CheckpointError("BackupAndRestore: the workers see different backups in " +
-                          options_.backup_dir.string() +
+  // Backups that none of could be resumed from are not overwritten with a fresh start's.
+  bool any_backup = false;
+  if (!data) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      any_backup = any_backup || (name.rfind("backup-", 0) == 0 &&
+                                  fs::exists(entry.path() / checkpoint::kManifestFile, ec));
+    }
+  }
+  // Every worker must resume from the same backup, or none: agree before training.
+  const std::int64_t outcome = data ? data->step : (any_backup ? -2 : -1);
+  if (!collective::same_value(strategy.communicator(), outcome)) {
+    throw CheckpointError("BackupAndRestore: the workers see different backups in " + dir.string() +
                           " (or some see none); backup_dir must be storage every worker shares");
   }
-  last_backup_iteration_ = model().iterations();
+  if (any_backup) {
+    throw ConfigError("BackupAndRestore: " + dir.string() +
+                      " holds backups, but none verifies and loads (the reasons are above); "
+                      "they are left as they are. " +
+                      start_afresh(dir));
+  }
   if (data) {
-    const TrainingState state = load_checkpoint_data(model(), *data, from);
-    model().restore_training_state(state);
-    restored_ = state;
-    last_backup_iteration_ = state.iterations;
     number_ = data->state.value("backup_number", std::int64_t{0});
     if (strategy.is_chief()) {
       strategy.log().info("BackupAndRestore: resuming from " + from.string() + " at epoch " +
-                          std::to_string(state.epoch + 1) + ", step " +
-                          std::to_string(state.step_in_epoch) + " (" +
-                          std::to_string(state.iterations) + " updates done)");
+                          std::to_string(state->epoch + 1) + ", step " +
+                          std::to_string(state->step_in_epoch) + " (" +
+                          std::to_string(state->iterations) + " updates done)");
     }
   }
+  return state;
 }
 
 CallbackNeeds BackupAndRestore::needs() const {
   CallbackNeeds needs;
   if (options_.handle_preemption) needs.preemption_check = options_.preemption_check_interval;
+  needs.directories.push_back({"BackupOptions::backup_dir", options_.backup_dir, true});
   return needs;
 }
 
@@ -244,6 +415,11 @@ bool BackupAndRestore::backup() {
   last_backup_iteration_ = model().iterations();
   collective::Communicator* const group = saving_group(strategy);
   if (!group) return false;
+  // A member that became the elastic group's chief mid-fit takes its predecessor's lock.
+  if (strategy.elastic() && !claimed_) {
+    const std::string refusal = claim_directory(/*elastic_takeover=*/true);
+    if (!refusal.empty()) throw ConfigError(refusal);
+  }
   checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
   if (strategy.elastic()) number_ = std::max(number_, newest_number(manager));
   checkpoint::CheckpointData data = checkpoint_data(model());
@@ -274,19 +450,34 @@ void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) {
 }
 
 void BackupAndRestore::on_train_end() {
-  // Only a fit that ran to its end removes the backup (one that stopped early was asked to).
-  if (!options_.delete_checkpoint) return;
+  // Only a fit that ran to its end deletes the backups (one that stopped early was asked to).
+  if (!options_.delete_checkpoint) {
+    lock_ = {};
+    return;
+  }
   auto& strategy = model().strategy();
   // Nobody still reads it. (Elastic: no collective after the fit's last agreement, which the
   // group could not heal; every member restored, or joined without reading, long before.)
   if (!strategy.elastic()) strategy.communicator().barrier().wait();
-  if (strategy.is_chief()) {
-    std::error_code ec;
-    fs::remove_all(options_.backup_dir, ec);
-    if (ec) {
-      strategy.log().warn("BackupAndRestore: could not remove " + options_.backup_dir.string() +
-                          " (" + ec.message() + "); remove it before the next run");
-    }
+  if (!strategy.is_chief()) return;
+  const fs::path& dir = options_.backup_dir;
+  const auto record = checkpoint::DirectoryLock::record(dir);
+  std::vector<std::string> problems = checkpoint::remove_checkpoints(dir, "backup");
+  if (lock_.held()) {
+    lock_.release_and_remove();
+  } else {
+    std::error_code ignored;
+    fs::remove(dir / checkpoint::kLockFile, ignored);
+  }
+  lock_ = {};
+  claimed_ = false;
+  // The directory itself only when flotilla made it, and only when nothing else is in it.
+  std::error_code ec;
+  if (record && record->value("created_directory", false) && fs::is_empty(dir, ec)) {
+    fs::remove(dir, ec);
+  }
+  for (const auto& problem : problems) {
+    strategy.log().warn("BackupAndRestore: " + problem);
   }
 }
 

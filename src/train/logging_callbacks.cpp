@@ -113,4 +113,17 @@ void CSVLogger::on_epoch_end(int epoch, EpochLogs& logs) {
   }
 }
 
+CallbackNeeds TensorBoard::needs() const {
+  CallbackNeeds needs;
+  needs.directories.push_back({"TensorBoardOptions::log_dir", options_.log_dir});
+  return needs;
+}
+
+CallbackNeeds CSVLogger::needs() const {
+  CallbackNeeds needs;
+  const auto parent = filename_.parent_path();
+  needs.directories.push_back({"CSVLogger's file", parent.empty() ? "." : parent});
+  return needs;
+}
+
 } // namespace flotilla::train

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "flotilla/base/hashes.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -95,11 +96,30 @@ const std::string kModelPrefix = "model/";
 const std::string kOptimizerPrefix = "optimizer/";
 } // namespace
 
+json run_identity(Model& model) {
+  std::string shapes;
+  std::int64_t count = 0;
+  for (const auto& item : model.module().named_parameters()) {
+    shapes += item.key() + c10::str(item.value().sizes()) + "\n";
+    count += item.value().numel();
+  }
+  std::string name = model.module().name(); // "torch::nn::SequentialImpl": the holder's name
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0)
+    name.resize(name.size() - 4);
+  return {{"model", name},
+          {"parameters", base::sha256_hex(shapes.data(), shapes.size())},
+          {"parameter_count", count},
+          {"seed", at::detail::getDefaultCPUGenerator().current_seed()},
+          {"workers", model.strategy().num_workers()}};
+}
+
 checkpoint::CheckpointData checkpoint_data(Model& model) {
   // The replicas' mean, as every worker will read them. Elastic: a collective only the saving
   // chief would join; it saves the buffers it has (mirrored at each epoch's end).
   if (!model.strategy().elastic()) model.mirror_buffers();
-  return local_checkpoint_data(model, model.training_state());
+  checkpoint::CheckpointData data = local_checkpoint_data(model, model.training_state());
+  data.state["run"] = run_identity(model);
+  return data;
 }
 
 TrainingState share_training_state(Model& model, collective::Communicator& comm, int donor,
@@ -139,6 +159,9 @@ TrainingState share_training_state(Model& model, collective::Communicator& comm,
 
 TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointData& data,
                                    const fs::path& where) {
+  // Read before anything changes (the loaders below check every name and shape before they
+  // copy), so a backup that fails to load leaves the model as it was for the next one.
+  TrainingState state = training_state_from_json(data.state, where);
   checkpoint::load_model_state(model.module(), data.model, where.string());
   // Every replica's optimizer: fit() re-syncs the replicas' weights, not their optimizer state.
   for (auto* optimizer : model.optimizers()) {
@@ -148,7 +171,7 @@ TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointDat
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(from_hex(data.state.at("rng_cpu").get<std::string>()));
   }
-  return training_state_from_json(data.state, where);
+  return state;
 }
 
 } // namespace flotilla::train

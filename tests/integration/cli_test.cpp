@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -85,6 +87,44 @@ TEST(TrainCommand, TheEvaluatorTaskNeedsTheChiefsCheckpointDir) {
   EXPECT_NE(r.err.find("it evaluates the chief's checkpoints, so give it --checkpoint-dir"),
             std::string::npos)
       << r.err;
+}
+
+// The case, as a user typed it: the backup directory held the checkpoints and a file of
+// the user's, and a completed fit deleted all of it. Now refused before training, one line,
+// exit 2; a run with directories of their own keeps its checkpoints and drops only the backups.
+TEST(TrainCommand, ABackupDirHoldingTheCheckpointDirOrOtherFilesIsRefusedAndKept) {
+  testing::TempDir dir;
+  const std::string run = dir.path() + "/run";
+  std::filesystem::create_directories(run);
+  std::ofstream(run + "/notes.txt") << "mine";
+  const std::vector<std::string> train = {kCli,       "train", "--model",           "mlp",
+                                          "--epochs", "2",     "--steps-per-epoch", "10"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> argv = train;
+    argv.insert(argv.end(), more.begin(), more.end());
+    return run_process(argv);
+  };
+  auto r = with({"--backup-dir", run, "--checkpoint-dir", run + "/ckpt"});
+  EXPECT_EQ(r.exit_code, kExitBadInput) << r.err;
+  // The recipe's lines, then the error as one line.
+  const std::string last = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
+  EXPECT_EQ(last, "flotilla train: error: BackupOptions::backup_dir (--backup-dir) " + run +
+                      " and ModelCheckpointOptions::filepath (--checkpoint-dir) " + run +
+                      "/ckpt overlap: the second is inside the first; the first holds only the "
+                      "files it writes, and deletes them when the fit ends, so give it a "
+                      "directory of its own, neither inside the other nor containing it\n");
+  r = with({"--backup-dir", run});
+  EXPECT_EQ(r.exit_code, kExitBadInput) << r.err;
+  EXPECT_NE(r.err.find(run + " holds what flotilla did not write (notes.txt)"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(testing::entries(run), std::vector<std::string>{"notes.txt"});
+
+  r = with({"--backup-dir", dir.path() + "/backup", "--checkpoint-dir", run + "/ckpt"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(testing::entries(run), (std::vector<std::string>{"ckpt", "notes.txt"}));
+  EXPECT_EQ(testing::entries(run + "/ckpt"),
+            (std::vector<std::string>{"checkpoint", "ckpt-1", "ckpt-2"}));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/backup")); // flotilla made it
 }
 
 TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {

@@ -6,9 +6,13 @@
 #include <signal.h>
 
 #include <fstream>
+#include <functional>
 #include <mutex>
+#include <nlohmann/json.hpp>
 
+#include "flotilla/base/hashes.h"
 #include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callbacks.h"
 #include "flotilla/train/schedules.h"
@@ -210,6 +214,210 @@ TEST(Callbacks, BackupAndRestoreFallsBackWhenTheNewestBackupHasAChangedByte) {
     f.put(byte);
   };
   expect_exact_resume(c);
+}
+
+// The manifest holds the training state (epoch, step, position): an edit (here: state.epoch 99,
+// which would make the resume train nothing, then delete the backups) is caught by its checksum.
+TEST(Callbacks, BackupAndRestoreFallsBackWhenTheNewestManifestWasEdited) {
+  Interruption c{/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/6, 1, 0};
+  c.damage = [](const fs::path& newest) {
+    auto manifest = nlohmann::json::parse(testing::read_file(newest / "manifest.json"));
+    manifest["state"]["epoch"] = 99;
+    manifest["epoch"] = 99;
+    std::ofstream(newest / "manifest.json") << manifest.dump(2) << "\n";
+  };
+  expect_exact_resume(c);
+}
+
+// A newest backup whose files all match their checksums but that does not load into the model
+// (its weights have the wrong shapes) is passed over for the one before, like a damaged one.
+TEST(Callbacks, BackupAndRestoreFallsBackWhenTheNewestBackupVerifiesButDoesNotLoad) {
+  Interruption c{/*backup_every=*/4, /*crash_after=*/11, /*resumed_at=*/6, 1, 0};
+  c.damage = [](const fs::path& newest) {
+    auto manifest = nlohmann::json::parse(testing::read_file(newest / "manifest.json"));
+    checkpoint::save_safetensors(newest / "model.safetensors",
+                                 {{"0.weight", torch::zeros({2, 2})}});
+    manifest["files"]["model.safetensors"] = {
+        {"sha256", base::sha256_file(newest / "model.safetensors")},
+        {"bytes", fs::file_size(newest / "model.safetensors")}};
+    const std::string text = manifest.dump(2) + "\n";
+    std::ofstream(newest / "manifest.json") << text;
+    std::ofstream(newest / "manifest.sha256")
+        << base::sha256_hex(text.data(), text.size()) << "  manifest.json\n";
+    ASSERT_NO_THROW(checkpoint::read_checkpoint(newest)); // it verifies
+  };
+  expect_exact_resume(c);
+}
+
+// Fits `epochs` epochs of the test's data on two thread-ranks with a BackupAndRestore in
+// `backup` (and each rank's `more` callbacks); each rank's ConfigError, "" when fit ended.
+std::vector<std::string>
+fit_with_backup(const fs::path& backup, int epochs = 1,
+                std::function<nn::Sequential()> build = make_net,
+                std::function<std::vector<std::shared_ptr<train::Callback>>(int)> more = {}) {
+  const Data data;
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = build();
+    train::Model model(s, net);
+    compile_locked(model);
+    train::FitOptions fit;
+    fit.epochs = epochs;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {std::make_shared<train::BackupAndRestore>(train::BackupOptions{backup, 4})};
+    if (more) {
+      for (auto& c : more(rank)) fit.callbacks.push_back(c);
+    }
+    try {
+      model.fit(data.batches(), fit);
+    } catch (const ConfigError& e) {
+      errors[rank] = e.what();
+    }
+  });
+  return errors;
+}
+
+// The issue's case: `--backup-dir run --checkpoint-dir run/ckpt` (and the same directory for
+// both) removed the checkpoints and the user's files with the backups at the end of the fit.
+TEST(Callbacks, ABackupDirectoryThatOverlapsTheCheckpointDirectoryIsRefusedNamingBoth) {
+  testing::TempDir dir;
+  const fs::path run = fs::path(dir.path()) / "run";
+  fs::create_directories(run);
+  std::ofstream(run / "notes.txt") << "mine";
+  for (const fs::path& checkpoints : {run / "ckpt", run, fs::path(dir.path())}) {
+    const auto errors = fit_with_backup(run, 1, make_net, [&](int) {
+      train::ModelCheckpointOptions options;
+      options.filepath = checkpoints.string();
+      return std::vector<std::shared_ptr<train::Callback>>{
+          std::make_shared<train::ModelCheckpoint>(options)};
+    });
+    const std::string expected = "BackupOptions::backup_dir " + run.string() +
+                                 " and ModelCheckpointOptions::filepath " + checkpoints.string();
+    for (const auto& error : errors) {
+      EXPECT_EQ(error.rfind(expected, 0), 0u) << error;
+      EXPECT_NE(error.find("give it a directory of its own"), std::string::npos) << error;
+    }
+  }
+  EXPECT_EQ(testing::entries(run), std::vector<std::string>{"notes.txt"});
+  EXPECT_EQ(testing::read_file(run / "notes.txt"), "mine");
+}
+
+TEST(Callbacks, ABackupDirectoryHoldingOtherFilesIsRefusedAndLeftAsItWas) {
+  testing::TempDir dir;
+  const fs::path run = dir.path();
+  std::ofstream(run / "notes.txt") << "mine";
+  fs::create_directories(run / "ckpt-3");
+  fs::create_directories(run / "backup-7"); // a backup's name, but not a backup's files
+  std::ofstream(run / "backup-7" / "data.csv") << "1,2";
+  for (const auto& error : fit_with_backup(run)) {
+    EXPECT_EQ(error, "BackupOptions::backup_dir " + run.string() +
+                         " holds what flotilla did not write (backup-7/, ckpt-3/, notes.txt); "
+                         "BackupAndRestore deletes its backups when the fit completes, so it "
+                         "needs a directory of its own: give a new or empty one");
+  }
+  EXPECT_EQ(testing::entries(run), (std::vector<std::string>{"backup-7", "ckpt-3", "notes.txt"}));
+  EXPECT_EQ(testing::entries(run / "backup-7"), std::vector<std::string>{"data.csv"});
+}
+
+// What the user adds while the fit runs stays; so does a directory the user made.
+TEST(Callbacks, AFitThatEndsDeletesOnlyTheBackupsOwnFiles) {
+  testing::TempDir dir;
+  const fs::path backup = fs::path(dir.path()) / "mine";
+  fs::create_directories(backup); // the user's (empty): kept
+  const auto errors = fit_with_backup(backup, 3, make_net, [&](int rank) {
+    auto drop = std::make_shared<train::LambdaCallback>();
+    drop->batch_end = [rank, backup, batches = 0](std::int64_t, const train::Logs&) mutable {
+      // After update 4 the first backup is there; the third backup (update 10) deletes it.
+      if (rank != 0 || ++batches != 5) return;
+      std::ofstream(backup / "added.txt") << "mine";
+      std::ofstream(backup / "backup-1" / "keep.txt") << "mine too";
+    };
+    return std::vector<std::shared_ptr<train::Callback>>{drop};
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(2));
+  EXPECT_EQ(testing::entries(backup), (std::vector<std::string>{"added.txt", "backup-1"}));
+  // The backup holding the user's file is left whole.
+  EXPECT_EQ(testing::entries(backup / "backup-1"),
+            (std::vector<std::string>{"keep.txt", "manifest.json", "manifest.sha256",
+                                      "model.safetensors", "optimizer.safetensors"}));
+  EXPECT_EQ(testing::read_file(backup / "backup-1" / "keep.txt"), "mine too");
+
+  // An empty directory of the user's stays; one flotilla made goes (expect_exact_resume).
+  const fs::path empty = fs::path(dir.path()) / "empty";
+  fs::create_directories(empty);
+  EXPECT_EQ(fit_with_backup(empty, 2), std::vector<std::string>(2));
+  EXPECT_TRUE(fs::is_directory(empty));
+  EXPECT_TRUE(testing::entries(empty).empty());
+}
+
+// A backup of another model was a hard stop deep in the restore with no way out named.
+TEST(Callbacks, ABackupOfAnotherModelIsRefusedSayingHowToStartAfresh) {
+  testing::TempDir dir;
+  const fs::path backup = fs::path(dir.path()) / "backup";
+  const Data data;
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = make_net();
+    train::Model model(s, net);
+    compile_locked(model);
+    auto counter = std::make_shared<CountingCallback>();
+    counter->crash_after = 5;
+    train::FitOptions fit;
+    fit.epochs = 2;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.callbacks = {std::make_shared<train::BackupAndRestore>(train::BackupOptions{backup, 4}),
+                     counter};
+    EXPECT_THROW(model.fit(data.batches(), fit), Crash);
+  });
+  const auto before = testing::entries(backup);
+  ASSERT_EQ(before, (std::vector<std::string>{".flotilla.lock", "backup-1", "checkpoint"}));
+  const auto wider = [] {
+    std::lock_guard<std::mutex> lock(build_mutex);
+    return nn::Sequential(nn::Linear(8, 32), nn::ReLU(), nn::Linear(32, 3));
+  };
+  for (const auto& error : fit_with_backup(backup, 2, wider)) {
+    EXPECT_NE(error.find((backup / "backup-1").string() +
+                         " is a backup of another model: torch::nn::Sequential with 195 "
+                         "parameters, where this fit trains torch::nn::Sequential with 387 "
+                         "(their parameters' names and shapes differ). To start afresh, move it "
+                         "away (mv " +
+                         backup.string() + " " + backup.string() +
+                         ".old) or give BackupOptions::backup_dir another directory"),
+              std::string::npos)
+        << error;
+  }
+  EXPECT_EQ(testing::entries(backup), before);
+}
+
+// Two jobs on one backup directory resumed from and overwrote each other's backups. Another
+// process holding the lock (flock(1) here, with the record a job writes) keeps a fit out; once
+// it is gone (killed: the kernel drops its lock), its record no longer does.
+TEST(Callbacks, ABackupDirectoryAnotherJobHoldsIsRefusedNamingThatJob) {
+  testing::TempDir dir;
+  const fs::path backup = dir.path();
+  const fs::path lock = backup / ".flotilla.lock";
+  const std::string record =
+      R"({"holder": "flotilla BackupAndRestore", "host": "node-7", "pid": 4242, )"
+      R"("started": "2026-12-01T10:00:00Z", "run": {"model": "cnn", "parameter_count": 1200, )"
+      R"("seed": 42, "workers": 4}})";
+  testing::Process other({"flock", "--exclusive", lock.string(), "sh", "-c",
+                          "printf '%s' \"$RECORD\" > \"$LOCK\"; echo locked; exec sleep 120"},
+                         {{"RECORD", record}, {"LOCK", lock.string()}});
+  ASSERT_TRUE(other.wait_for_output("locked"));
+  for (const auto& error : fit_with_backup(backup)) {
+    EXPECT_EQ(error, "BackupOptions::backup_dir " + backup.string() +
+                         " is in use by another job: the process 4242 on node-7, since "
+                         "2026-12-01T10:00:00Z, training cnn (1200 parameters, seed 42, 4 "
+                         "workers). Two jobs on one backup directory would resume from and "
+                         "overwrite each other's backups: give this job a directory of its own, "
+                         "or wait for that one to end");
+  }
+  EXPECT_EQ(testing::read_file(lock), record); // not taken over
+  ::kill(-other.pid(), SIGKILL);               // flock and the command that inherited its lock
+  other.wait();
+  EXPECT_EQ(fit_with_backup(backup), std::vector<std::string>(2));
+  EXPECT_TRUE(testing::entries(backup).empty()); // its lock file went with the backups
 }
 
 // Every replica's optimizer state comes back, not only replica 0's.

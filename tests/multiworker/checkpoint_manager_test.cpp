@@ -101,8 +101,9 @@ TEST(CheckpointManager, KeepsTheNewestMaxToKeepAndPointsAtTheNewest) {
   // No worker directory beside it, no temporary or half-deleted directory inside it.
   EXPECT_EQ(entries(root.path()), std::vector<std::string>{"ckpts"});
   EXPECT_EQ(entries(dir), (std::vector<std::string>{"checkpoint", "ckpt-2", "ckpt-3"}));
-  EXPECT_EQ(entries(dir / "ckpt-3"), (std::vector<std::string>{"manifest.json", "model.safetensors",
-                                                               "optimizer.safetensors"}));
+  EXPECT_EQ(entries(dir / "ckpt-3"),
+            (std::vector<std::string>{"manifest.json", "manifest.sha256", "model.safetensors",
+                                      "optimizer.safetensors"}));
   // TensorFlow's CheckpointState text, relative paths, oldest first.
   EXPECT_EQ(read_file(dir / "checkpoint"), "model_checkpoint_path: \"ckpt-3\"\n"
                                            "all_model_checkpoint_paths: \"ckpt-2\"\n"
@@ -124,7 +125,10 @@ TEST(CheckpointManager, ManifestDescribesTheCheckpointAndItsFiles) {
   const fs::path ckpt = dir / "ckpt-7";
   const auto manifest = manifest_of(ckpt);
   EXPECT_EQ(manifest["format"], "flotilla-checkpoint");
-  EXPECT_EQ(manifest["format_version"], 1);
+  EXPECT_EQ(manifest["format_version"], 2);
+  // The manifest's own checksum, in the form `sha256sum -c` checks.
+  EXPECT_EQ(read_file(ckpt / "manifest.sha256"),
+            base::sha256_file(ckpt / "manifest.json") + "  manifest.json\n");
   EXPECT_EQ(manifest["number"], 7);
   EXPECT_EQ(manifest["epoch"], 7);
   EXPECT_EQ(manifest["step"], 700);
@@ -188,6 +192,28 @@ TEST(CheckpointManager, DebrisOfAnInterruptedSaveGoesWithTheNextSave) {
   EXPECT_EQ(checkpoint::restore_latest(dir)->epoch, 1);
   save_all(2, dir, 3, 2);
   EXPECT_EQ(entries(dir), (std::vector<std::string>{".mine", "checkpoint", "ckpt-1", "ckpt-2"}));
+}
+
+// max_to_keep deletes old checkpoints, and the next save sweeps debris: only ever flotilla's
+// files. A checkpoint or debris directory holding anything else is left whole, with a warning.
+TEST(CheckpointManager, ACheckpointHoldingAFileFlotillaDidNotWriteIsNeverDeleted) {
+  TempDir root;
+  const fs::path dir = fs::path(root.path()) / "ckpts";
+  save_all(1, dir, 2, 1);
+  save_all(1, dir, 2, 2);
+  std::ofstream(dir / "ckpt-1" / "notes.txt") << "mine";
+  fs::create_directories(dir / ".ckpt-5.tmp-1f2e" / "results");
+  std::ofstream(dir / ".ckpt-5.tmp-1f2e" / "model.safetensors") << "partial";
+  save_all(1, dir, 2, 3); // ckpt-1 is beyond max_to_keep now
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{".ckpt-5.tmp-1f2e", "checkpoint", "ckpt-1",
+                                                    "ckpt-2", "ckpt-3"}));
+  EXPECT_EQ(entries(dir / "ckpt-1"),
+            (std::vector<std::string>{"manifest.json", "manifest.sha256", "model.safetensors",
+                                      "notes.txt", "optimizer.safetensors"}));
+  EXPECT_EQ(entries(dir / ".ckpt-5.tmp-1f2e"),
+            (std::vector<std::string>{"model.safetensors", "results"}));
+  EXPECT_EQ(CheckpointManager(dir, 2).checkpoints(),
+            (std::vector<fs::path>{dir / "ckpt-2", dir / "ckpt-3"}));
 }
 
 TEST(CheckpointManager, ReadsAPointerFileTensorFlowWrote) {
@@ -530,7 +556,19 @@ TEST(CheckpointManager, ATruncatedOrMissingManifestIsAClearError) {
   save_all(1, dir, 3, 1);
   save_all(1, dir, 3, 2);
   const fs::path manifest = dir / "ckpt-2" / "manifest.json";
+  const std::string whole = read_file(manifest);
   fs::resize_file(manifest, fs::file_size(manifest) / 2);
+  // The manifest's checksum catches it first.
+  const std::string checksum_error = read_error(dir / "ckpt-2");
+  EXPECT_EQ(checksum_error.rfind(manifest.string() + ": SHA-256 is ", 0), 0u) << checksum_error;
+  EXPECT_NE(checksum_error.find(", manifest.sha256 says " +
+                                base::sha256_hex(whole.data(), whole.size()) +
+                                "; the manifest (the training state: epoch, step, position) "
+                                "changed after it was written. Restore from an older checkpoint"),
+            std::string::npos)
+      << checksum_error;
+  // Without the checksum file (a version 1 checkpoint had none), parsing still catches it.
+  fs::remove(dir / "ckpt-2" / "manifest.sha256");
   const std::string error = read_error(dir / "ckpt-2");
   EXPECT_EQ(error.rfind(manifest.string() + ": not valid JSON (", 0), 0u) << error;
   EXPECT_NE(error.find("); the file is truncated or damaged. Restore from an older checkpoint"),
@@ -542,6 +580,14 @@ TEST(CheckpointManager, ATruncatedOrMissingManifestIsAClearError) {
   EXPECT_EQ(from, dir / "ckpt-1");
   EXPECT_EQ(skipped.size(), 1u);
 
+  // A whole version 2 manifest whose checksum file is missing: incomplete.
+  std::ofstream(manifest) << whole;
+  EXPECT_EQ(read_error(dir / "ckpt-2")
+                .rfind((dir / "ckpt-2" / "manifest.sha256").string() +
+                           ": missing, though the manifest is of format version 2",
+                       0),
+            0u)
+      << read_error(dir / "ckpt-2");
   std::ofstream(manifest) << R"({"format": "something-else"})";
   EXPECT_EQ(read_error(dir / "ckpt-2"),
             manifest.string() + ": format is \"something-else\", expected "

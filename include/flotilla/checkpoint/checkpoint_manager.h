@@ -9,6 +9,7 @@
 //   <dir>/ckpt-7/manifest.json          format, version, epoch, step, policy, cluster size,
 //                                       versions, time, each file's SHA-256 and size, and the
 //                                       caller's own JSON state (loss scale, iterator, RNG...)
+//   <dir>/ckpt-7/manifest.sha256        the manifest's own SHA-256, as `sha256sum -c` reads it
 //
 // A checkpoint directory is written whole under a hidden temporary name, flushed, and renamed
 // into place; only then does the pointer file move to it, and only then are checkpoints beyond
@@ -22,6 +23,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -35,10 +37,12 @@
 namespace flotilla::checkpoint {
 
 inline constexpr const char* kCheckpointFormat = "flotilla-checkpoint";
-inline constexpr int kCheckpointFormatVersion = 1;
+// Version 2 added manifest.sha256; version 1 checkpoints (without it) are still read.
+inline constexpr int kCheckpointFormatVersion = 2;
 inline constexpr const char* kModelFile = "model.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kManifestChecksumFile = "manifest.sha256";
 inline constexpr const char* kPointerFile = "checkpoint"; // TensorFlow's name
 
 struct CheckpointData {
@@ -84,19 +88,24 @@ class CheckpointManager {
   std::string prefix_;
 };
 
-// Reads and verifies one checkpoint directory: the manifest parses and has this format and a
-// version this build reads; every file it lists exists with the recorded size and SHA-256; then
-// the tensors load. Any mismatch is a CheckpointError naming the file, what was expected and
-// found, and what to do.
+// Reads and verifies one checkpoint directory: the manifest matches its checksum, parses and has
+// this format and a version this build reads; every file it lists exists with the recorded size
+// and SHA-256; then the tensors load. Any mismatch is a CheckpointError naming the file, what was
+// expected and found, and what to do.
 CheckpointData read_checkpoint(const std::filesystem::path& checkpoint_dir);
 
-// The newest checkpoint in `directory` that verifies (read_checkpoint): those the pointer file
-// names, newest first, then, as a last resort, any other checkpoint directory there by number.
-// Each one passed over goes into `skipped` as "<path>: <reason>" (for a warning); the one
-// restored goes into `restored_from`. nullopt when none exists or none verifies.
+// The newest checkpoint in `directory` that verifies (read_checkpoint) and that `accept` takes:
+// those the pointer file names, newest first, then, as a last resort, any other checkpoint
+// directory there by number. `accept` loads it (into a model, say) and throws to pass it over;
+// a ConfigError from it is not a damaged checkpoint and ends the search (it propagates). Each
+// one passed over goes into `skipped` as "<path>: <reason>" (for a warning); the one restored
+// goes into `restored_from`. nullopt when none exists or none verifies and loads.
+using AcceptCheckpoint =
+    std::function<void(const CheckpointData& data, const std::filesystem::path& path)>;
 std::optional<CheckpointData> restore_latest(const std::filesystem::path& directory,
                                              std::vector<std::string>* skipped = nullptr,
-                                             std::filesystem::path* restored_from = nullptr);
+                                             std::filesystem::path* restored_from = nullptr,
+                                             const AcceptCheckpoint& accept = {});
 
 // The pointer file's contents. TensorFlow's CheckpointState in protobuf text format; paths are
 // as written (relative to the directory unless absolute).

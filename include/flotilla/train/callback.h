@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,6 +33,14 @@ struct CallbackNeeds {
   // Preemption handling (preemption.h): the workers vote on requests about this often, and on
   // an agreed request fit calls on_preemption() and throws Preempted. Unset: no vote.
   std::optional<std::chrono::milliseconds> preemption_check;
+  // The directories it writes into. An exclusive one is a directory it deletes its files from
+  // when the fit ends: fit refuses to start when it overlaps any other callback's directory.
+  struct Directory {
+    std::string owner; // for messages: "BackupOptions::backup_dir"
+    std::filesystem::path path;
+    bool exclusive = false;
+  };
+  std::vector<Directory> directories;
 };
 
 class Callback {
@@ -72,10 +81,12 @@ Verbosity resolve_verbosity(Verbosity verbose, std::FILE* out = stdout);
 // is silent or one of them shows progress itself; each hook runs on every callback in order.
 class CallbackList {
  public:
-  // ConfigError for a null callback.
+  // ConfigError for a null callback, or an exclusive directory that overlaps another (the same
+  // directory, or one inside the other).
   CallbackList(std::vector<std::shared_ptr<Callback>> callbacks, Verbosity verbose);
   Verbosity verbosity() const { return verbose_; }
-  // Everything the callbacks need, together (the shortest preemption interval).
+  // Everything the callbacks need, together (the shortest preemption interval, every
+  // directory).
   CallbackNeeds needs() const;
   void set_model(Model* model, const TrainParams& params);
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "flotilla/checkpoint/directory.h"
 #include "flotilla/train/callback.h"
 #include "flotilla/train/training_state.h"
 
@@ -41,6 +42,7 @@ class ModelCheckpoint : public Callback {
   void on_train_begin() override;
   void on_train_batch_end(std::int64_t batch, const Logs& logs) override;
   void on_epoch_end(int epoch, EpochLogs& logs) override;
+  CallbackNeeds needs() const override;
   // The chief's paths, oldest first.
   const std::vector<std::filesystem::path>& saved() const { return saved_; }
 
@@ -53,9 +55,10 @@ class ModelCheckpoint : public Callback {
 };
 
 struct BackupOptions {
+  // A directory of its own (see BackupAndRestore); made when missing.
   std::filesystem::path backup_dir;
   std::int64_t save_freq = 0;    // 0: at every epoch end; N: also every N optimizer updates
-  bool delete_checkpoint = true; // remove the backup after a fit that completes
+  bool delete_checkpoint = true; // delete the backups after a fit that completes
   // TF's PreemptionCheckpointHandler (preemption.h): during fit, SIGTERM to any one worker makes
   // every worker save a backup at the same step and leave fit with Preempted. Elastic: the
   // worker that got it leaves alone at its next step boundary (the chief saves first) and the
@@ -75,6 +78,14 @@ struct BackupOptions {
 // group) and never an epoch's last step: a request that lands there is carried out after the
 // first step of the next epoch (or not at all, if that was the last epoch: the fit has finished
 // its work).
+// The backup directory is its own, since a completed fit deletes the backups: fit refuses to
+// start (ConfigError, on every worker) when it holds anything flotilla did not write, when it
+// overlaps another callback's directory (a checkpoint or log directory), or when another job
+// holds its lock (checkpoint/directory.h: the lock file names that job's host, process and
+// model). A backup of another model (its parameters' names and shapes differ) is refused, not
+// resumed, and so is a directory whose backups all fail to verify or to load; a newest backup
+// that fails either is passed over for the one before. At the end it deletes only its own files,
+// and the directory itself only when it made it.
 class BackupAndRestore : public Callback {
  public:
   explicit BackupAndRestore(BackupOptions options);
@@ -92,7 +103,14 @@ class BackupAndRestore : public Callback {
 
  private:
   bool backup(); // false: another worker writes it (elastic, not the chief)
+  // The chief's claim on the directory at the fit's start: "" when it is this job's, else why
+  // not. `elastic_takeover`: a member that became chief mid-fit takes the lock its predecessor
+  // held (one frozen but alive still holds it: going on, with a warning).
+  std::string claim_directory(bool elastic_takeover = false);
+  std::optional<TrainingState> restore();
   BackupOptions options_;
+  checkpoint::DirectoryLock lock_;
+  bool claimed_ = false; // this process has claimed the directory for the current fit
   std::optional<TrainingState> restored_;
   std::int64_t last_backup_iteration_ = -1;
   std::int64_t number_ = 0;

@@ -26,6 +26,7 @@ class TensorBoard : public Callback {
   void on_train_batch_end(std::int64_t batch, const Logs& logs) override;
   void on_epoch_end(int epoch, EpochLogs& logs) override;
   void on_train_end() override;
+  CallbackNeeds needs() const override;
 
  private:
   struct Writers;
@@ -39,6 +40,7 @@ class CSVLogger : public Callback {
   explicit CSVLogger(std::filesystem::path filename, char separator = ',', bool append = false);
   void on_train_begin() override;
   void on_epoch_end(int epoch, EpochLogs& logs) override;
+  CallbackNeeds needs() const override;
 
  private:
   std::filesystem::path filename_;

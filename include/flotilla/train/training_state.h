@@ -38,9 +38,14 @@ nlohmann::json to_json(const TrainingState& state);
 TrainingState training_state_from_json(const nlohmann::json& state,
                                        const std::filesystem::path& where);
 
+// What a backup was written by: the module's name, a SHA-256 over its parameters' names and
+// shapes (the part compared: a backup of another model cannot be resumed), the parameter count,
+// torch's seed and the number of workers.
+nlohmann::json run_identity(Model& model);
+
 // Everything a checkpoint directory holds for `model`: weights, replica 0's optimizer state,
-// the training state and the CPU generator's state (dropout masks and other draws continue as if
-// never interrupted).
+// the training state, the CPU generator's state (dropout masks and other draws continue as if
+// never interrupted) and the run's identity ("run").
 checkpoint::CheckpointData checkpoint_data(Model& model);
 // Loads weights into the model, optimizer state into every replica's optimizer and the CPU
 // generator's state; returns the training state for Model::restore_training_state.
