@@ -281,8 +281,10 @@ void Model::compile(const CompileOptions& options) {
   reducer_.reset(); // its hooks sit on the replicas being replaced
   captured_.reset();
   replicas_.reset();
+  const bool channels_last = options.channels_last.value_or(detail::has_convolutions(*module_));
   replicas_ = std::make_unique<detail::ReplicaSet>(strategy_.devices(), Replica{module_, forward_},
-                                                   clone_, options.optimizer);
+                                                   clone_, options.optimizer, channels_last);
+  channels_last_ = channels_last;
   sync_batchnorm_layers_ = bind_replica_contexts(strategy_, *replicas_, replica_contexts_);
   buffers_dirty_ = false; // the replicas are copies of the model
   std::string why_no_graph = why_no_captured_step(strategy_, options.gradient_accumulation_steps);

@@ -43,9 +43,58 @@ struct ReplicaSet::Threads {
   std::vector<std::exception_ptr> errors;
 };
 
+namespace {
+
+// NHWC strides for an NCHW shape, even where a dimension of 1 makes the contiguous strides
+// channels-last too: kernels choose their layout by the strides' form (suggest_memory_format),
+// so a one-channel image or a 1 -> C convolution's weight with NCHW strides would run NCHW.
+std::vector<std::int64_t> nhwc_strides(torch::IntArrayRef s) {
+  return {s[1] * s[2] * s[3], 1, s[3] * s[1], s[1]};
+}
+
+void set_memory_format(torch::nn::Module& module, bool channels_last) {
+  torch::NoGradGuard no_grad;
+  const auto format =
+      channels_last ? torch::MemoryFormat::ChannelsLast : torch::MemoryFormat::Contiguous;
+  auto convert = [&](torch::Tensor t) {
+    if (t.dim() != 4 || t.suggest_memory_format() == format) return;
+    // set_data keeps the tensor's identity: the optimizer and autograd see the same parameter.
+    t.set_data(torch::empty_strided(t.sizes(),
+                                    channels_last ? nhwc_strides(t.sizes())
+                                                  : t.contiguous().strides().vec(),
+                                    t.options())
+                   .copy_(t));
+  };
+  for (const auto& p : module.parameters()) convert(p);
+  for (const auto& b : module.buffers()) convert(b);
+}
+
+// The forward, taking a 4-D input channels-last: a view where its memory is in that order
+// already (any one-channel image), else a copy.
+Model::Forward channels_last_input(Model::Forward forward) {
+  return [forward = std::move(forward)](const torch::Tensor& x) {
+    if (x.dim() != 4 || x.suggest_memory_format() == torch::MemoryFormat::ChannelsLast) {
+      return forward(x);
+    }
+    if (x.is_contiguous(torch::MemoryFormat::ChannelsLast)) {
+      return forward(x.as_strided(x.sizes(), nhwc_strides(x.sizes()), x.storage_offset()));
+    }
+    return forward(x.contiguous(torch::MemoryFormat::ChannelsLast));
+  };
+}
+
+} // namespace
+
+bool has_convolutions(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) {
+    if (p.dim() == 4) return true;
+  }
+  return false;
+}
+
 ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
                        const std::function<Model::Replica()>& clone,
-                       const OptimizerOptions& optimizer)
+                       const OptimizerOptions& optimizer, bool channels_last)
     : devices_(devices) {
   const int replicas = static_cast<int>(devices.size());
   if (replicas > 1 && !clone) {
@@ -72,7 +121,9 @@ ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica
     }
     replicas_.back().first->to(devices[static_cast<std::size_t>(r)]);
   }
-  for (const auto& [module, forward] : replicas_) {
+  for (auto& [module, forward] : replicas_) {
+    set_memory_format(*module, channels_last);
+    if (channels_last) forward = channels_last_input(std::move(forward));
     optimizers_.push_back(make_optimizer(optimizer, module->parameters()));
   }
   if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);

@@ -19,10 +19,14 @@ namespace flotilla::train::detail {
 class ReplicaSet {
  public:
   // `first` moves to devices[0]; `clone` makes each other replica, moved to its device.
+  // `channels_last`: every replica's 4-D parameters and buffers are kept channels-last (NHWC in
+  // memory, the same NCHW shape), and so is a 4-D input its forward gets (free for one channel:
+  // that layout is both); otherwise they are made contiguous (NCHW).
   // ConfigError when several replicas are asked for without a clone function, or when the model
   // sits on a GPU the CPU replicas cannot use.
   ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
-             const std::function<Model::Replica()>& clone, const OptimizerOptions& optimizer);
+             const std::function<Model::Replica()>& clone, const OptimizerOptions& optimizer,
+             bool channels_last);
   ~ReplicaSet();
 
   int size() const { return static_cast<int>(replicas_.size()); }
@@ -57,5 +61,8 @@ class ReplicaSet {
   std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
   std::unique_ptr<Threads> threads_;
 };
+
+// Whether `module` has 4-D parameters (2-D convolutions), whose kernels run faster on NHWC.
+bool has_convolutions(const torch::nn::Module& module);
 
 } // namespace flotilla::train::detail

@@ -128,10 +128,12 @@ testing::TempDir* TorchScript::dir_ = nullptr;
 torch::Tensor TorchScript::images_;
 torch::Tensor TorchScript::labels_;
 
+// flotilla keeps these conv models channels-last (CompileOptions::channels_last's default), so
+// the reference trains channels-last too: the same kernels, summing in the same order.
 TEST_F(TorchScript, TwentySgdStepsEqualPyTorchsOwn) {
   OneThread one;
   const auto ours = train("bn", 1);
-  python({"train", dir_->path(), "bn", "1", std::to_string(kSteps)});
+  python({"train", dir_->path(), "bn", "1", std::to_string(kSteps), "float32", "channels_last"});
   expect_equal_to(ours, "expected_bn_1.safetensors", 1e-5);
   // Control: the steps moved the weights well beyond the tolerance.
   const auto initial = train::load_torchscript(path("bn.pt"));
@@ -143,7 +145,7 @@ TEST_F(TorchScript, ATracedModuleTrainsLikeTheScriptedOne) {
   // The same weights (same seed), traced in training mode: the same 20 steps.
   OneThread one;
   const auto ours = train("bn_traced", 1);
-  python({"train", dir_->path(), "bn", "1", std::to_string(kSteps)});
+  python({"train", dir_->path(), "bn", "1", std::to_string(kSteps), "float32", "channels_last"});
   expect_equal_to(ours, "expected_bn_1.safetensors", 1e-5);
 }
 
@@ -153,7 +155,7 @@ TEST_F(TorchScript, TwoWorkersOfHalfBatchesEqualPyTorchsTwoReplicas) {
   // averaged at the end.
   OneThread one;
   const auto ours = train("bn", 2);
-  python({"train", dir_->path(), "bn", "2", std::to_string(kSteps)});
+  python({"train", dir_->path(), "bn", "2", std::to_string(kSteps), "float32", "channels_last"});
   expect_equal_to(ours, "expected_bn_2.safetensors", 1e-5);
 }
 
@@ -161,7 +163,7 @@ TEST_F(TorchScript, TwoReplicasOnOneWorkerEqualPyTorchsTwoReplicas) {
   // Replica 1 is a deep copy (TorchScriptModuleImpl::clone) on its own thread.
   OneThread one;
   const auto ours = train("bn", 1, torch::kFloat32, {}, 2);
-  python({"train", dir_->path(), "bn", "2", std::to_string(kSteps)});
+  python({"train", dir_->path(), "bn", "2", std::to_string(kSteps), "float32", "channels_last"});
   expect_equal_to(ours, "expected_bn_2.safetensors", 1e-5);
 }
 

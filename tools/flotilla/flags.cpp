@@ -63,6 +63,7 @@ const std::vector<FlagFor>& flag_table() {
       {"FitOptions::validation_data", "--validation", Form::kSwitch},
       {"FitOptions::verbose", "--verbose"},
       {"CompileOptions::jit_compile", "--jit-compile", Form::kSwitch},
+      {"CompileOptions::channels_last", "--channels-last"},
       {"train::convert_sync_batchnorm", "--sync-batchnorm", Form::kSwitch},
       {"train::load_torchscript", "--model PATH"},
       {"ImageFolderOptions::validation_split", "--validation-split"},

@@ -59,6 +59,7 @@ struct TrainArgs {
   double weight_decay = -1; // -1: the optimizer's default (0; AdamW 0.004)
   double label_smoothing = 0;
   std::string precision = "auto";
+  std::string channels_last = "auto";
   bool jit_compile = false;
   bool sync_batchnorm = false;
   int steps_per_execution = 1;
@@ -500,12 +501,23 @@ train::CompileOptions compile_options(const TrainArgs& a, const Recipe& recipe) 
   compile.jit_compile = a.jit_compile;
   compile.steps_per_execution = a.steps_per_execution;
   compile.gradient_accumulation_steps = a.accumulation_steps;
+  if (a.channels_last != "auto") compile.channels_last = a.channels_last == "on";
   return compile;
 }
 
 void log_recipe(const strategy::Strategy& strategy, const Recipe& recipe, const Input& input,
                 const train::Model& model, const collective::CommunicationOptions& comm) {
   for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
+  strategy.log().info(
+      std::string("recipe: memory format: ") +
+      (model.channels_last()
+           ? "channels-last (the model has 2-D convolutions, whose NHWC kernels are faster; "
+             "--channels-last off keeps NCHW)"
+           : "contiguous NCHW (" +
+                 std::string(model.compile_options().channels_last
+                                 ? "--channels-last off)"
+                                 : "no 2-D convolutions to speed up; --channels-last on forces "
+                                   "it)")));
   strategy.log().info("input: " + input.train.plan());
   strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
                       (comm.overlap ? "on" : "off") + ", compression " +
@@ -914,6 +926,11 @@ Command add_train(CLI::App& parent) {
                   "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
                   "mixed_float16 or mixed_bfloat16")
       ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
+      ->capture_default_str();
+  app->add_option("--channels-last", args->channels_last,
+                  "Keep the model's 2-D convolution weights and activations channels-last "
+                  "(NHWC): auto (on for models with 2-D convolutions), on or off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   app->add_flag("--sync-batchnorm", args->sync_batchnorm,
                 "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "

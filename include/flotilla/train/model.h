@@ -67,6 +67,11 @@ struct CompileOptions {
   // Dynamic loss scaling (Keras's LossScaleOptimizer). Default: on under mixed_float16, off
   // otherwise; set it to force either.
   std::optional<LossScaleOptions> loss_scale;
+  // Keep the replicas' 4-D parameters and buffers, and so the activations of their 2-D
+  // convolutions, channels-last (NHWC in memory; shapes stay NCHW): oneDNN's and cuDNN's faster
+  // kernels. Unset: on for a model with 2-D convolutions, off otherwise. Checkpoints are written
+  // in NCHW order either way. See Model::channels_last().
+  std::optional<bool> channels_last;
 };
 
 // Why CompileOptions::jit_compile cannot capture the step in a CUDA graph under `strategy` with
@@ -190,6 +195,8 @@ class Model {
   strategy::Strategy& strategy() { return strategy_; }
   const CompileOptions& compile_options() const;
   Policy policy() const { return policy_; }
+  // Whether compile() keeps the replicas channels-last (CompileOptions::channels_last).
+  bool channels_last() const { return channels_last_; }
   // The gradient engine (after compile): bucket plan and communication statistics.
   const strategy::GradientReducer& gradient_reducer() const;
   // Replica 0's optimizer (every replica's holds the same state).
@@ -317,6 +324,7 @@ class Model {
   bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored
   std::vector<Metric> metrics_;
   Policy policy_ = Policy::kFloat32;
+  bool channels_last_ = false;
   std::optional<LossScale> loss_scale_;
   // Where training stands.
   std::int64_t iterations_ = 0;
