@@ -1,35 +1,54 @@
 #!/usr/bin/env bash
-# `make bench-peers`: training throughput of flotilla against its peers, side by side on this
+# `make bench-peers`: training throughput of flotilla against its peers, like for like, on this
 # machine: PyTorch DDP (gloo, bench/peers/ddp_train.py) and TF MultiWorkerMirroredStrategy
-# (Keras fit, bench/peers/tf_mwms_train.py). All three train the same models (models/zoo.cpp)
-# on Fashion-MNIST with 2 workers on 127.0.0.1, the same global batch, SGD (lr 0.04, momentum
-# 0.9), cross-entropy from logits, and cores/2 intra-op threads per worker (OMP_NUM_THREADS
-# too). Each run trains S untimed warm-up steps, then times S steps on worker 0 between syncs
+# (Keras fit, bench/peers/tf_mwms_train.py). All train the same models (models/zoo.cpp) on
+# Fashion-MNIST with 2 workers on 127.0.0.1, the same global batch, SGD (lr 0.04, momentum 0.9),
+# cross-entropy from logits, cores/2 intra-op threads per worker (OMP_NUM_THREADS too), and the
+# same precision: each PRECISIONS entry runs every system at it (float32; mixed_bfloat16: bf16
+# compute, float32 weights: flotilla's policy, DDP under torch.autocast, Keras' policy).
+#
+# Each peer runs twice, as its users would write it and at its fastest settings found here:
+#   pytorch-ddp        NCHW, torch.optim.SGD's default loop
+#   pytorch-ddp-best   channels_last model and batches, SGD(fused=True)
+#   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
+#   tf-mwms-xla        model.compile(jit_compile=True) fails under MWMS on the CPU ("Collectives
+#                      are not yet implemented for CPU devices when compiling with XLA", TF
+#                      2.21); not in the default PEERS, its note printed when asked for
+# flotilla runs as its users get it: its defaults (channels-last for models with 2-D
+# convolutions). Every line names each side's precision and memory format.
+#
+# Each run trains S untimed warm-up steps, then times S steps on worker 0 between syncs
 # (flotilla: its second epoch of --steps-per-epoch S; DDP: barriers; TF: fit's second epoch,
-# between all-reduce barriers): samples/s = S x global batch / wall seconds. Runs alternate
-# systems (flotilla, ddp, tf, flotilla, ...) so drift on a shared machine hits all alike.
-# Prints JSON lines only: per system, model and global batch the median samples/s over RUNS,
-# then per model and batch the ratios flotilla/peer. Logs go to a temporary directory; on a
-# failure the command and the tail of its log go to stderr and the exit status is non-zero.
+# between all-reduce barriers): samples/s = S x global batch / wall seconds. The RUNS runs of
+# each configuration alternate systems (flotilla, ddp, ddp-best, tf, tf-xla, flotilla, ...) so
+# drift on a shared machine hits all alike. Prints JSON lines only: per system the median
+# samples/s over the runs with its spread (min, max), its share of the machine's matmul peak
+# (train FLOPs per sample from bench/peers/utilisation.py x samples/s over workers x threads x
+# one thread's measured peak at that precision), then per configuration the ratios
+# flotilla/peer: of the medians, and the spread of the runs' own ratios (run i against run i).
+# Logs go to a temporary directory; on a failure the command and the tail of its log go to
+# stderr and the exit status is non-zero.
 #
 # flotilla's input makes one pass over the 60,000 training images without repeating, so both
 # epochs must fit in it: S <= 60000 / (2 x global batch). Hence the short mlp epochs.
 # The TF peer uses tf-keras (Keras 2): Keras 3's fit fails under MWMS (keras-team/keras#20585).
 #
-# Usage: bench/peers.sh [RUNS=1]
-#   env: MODELS="mlp mlp-wide cnn" (also resnet20, vit-tiny, resnet18)  BATCHES="128 512" (global)
+# Usage: bench/peers.sh [RUNS=5]
+#   env: MODELS="cnn resnet20 resnet18 vit-tiny" (also mlp, mlp-wide)  BATCHES="128 512" (global)
+#        PRECISIONS="float32 mixed_bfloat16" (mixed_bfloat16 only on CPUs with AVX512-BF16/AMX)
 #        STEPS=S (all configurations)
-#        PRECISION=auto|float32 (flotilla's --precision; the peers train in float32)
 #        FLOTILLA=build/flotilla  PYTHON=.venv/bin/python  TIMEOUT=600 (seconds, per process)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
 #        BASELINE=path/to/another/flotilla: that build too, alternating with FLOTILLA in the same
 #          runs ("system":"flotilla-baseline"), with the ratio flotilla/baseline: a change's
 #          before and after in one sitting
-#        PEERS="pytorch-ddp tf-mwms" (the peers to run; PEERS= runs flotilla alone)
+#        PEERS="pytorch-ddp pytorch-ddp-best tf-mwms" (also tf-mwms-xla; PEERS= runs flotilla
+#          alone)
+#        FLOTILLA_ARGS="..." more flags for flotilla train (e.g. --channels-last off)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${1:-1}
-MODELS=${MODELS:-mlp mlp-wide cnn}
+RUNS=${1:-5}
+MODELS=${MODELS:-cnn resnet20 resnet18 vit-tiny}
 BATCHES=${BATCHES:-128 512}
 FLOTILLA=${FLOTILLA:-${BUILD_DIR:-build}/flotilla}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -41,9 +60,14 @@ WORKERS=2
 THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
 TF_KERAS_VERSION=2.21.0
 BASELINE=${BASELINE:-}
-PRECISION=${PRECISION:-auto}
+FLOTILLA_ARGS=${FLOTILLA_ARGS:-}
 machine=$(bench/machine.sh)
-PEERS=${PEERS-pytorch-ddp tf-mwms}
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+  PRECISIONS=${PRECISIONS:-float32 mixed_bfloat16}
+else
+  PRECISIONS=${PRECISIONS:-float32}
+fi
+PEERS=${PEERS-pytorch-ddp pytorch-ddp-best tf-mwms}
 
 tmp=$(mktemp -d)
 keep_logs=0
@@ -131,13 +155,14 @@ wait_all() {  # label, pids...
   done
 }
 
-run_flotilla() {  # model, global batch, steps, run[, binary] -> samples/s on stdout
-  local model=$1 batch=$2 steps=$3 binary=${5:-$FLOTILLA} name=flotilla${5:+-baseline}
-  local log="$tmp/$name-$1-$2-$4.log" metrics="$tmp/$name-$1-$2-$4.json"
+run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samples/s on stdout
+  local model=$1 batch=$2 steps=$3 precision=$5 binary=${6:-$FLOTILLA} name=flotilla${6:+-baseline}
+  local log="$tmp/$name-$1-$2-$5-$4.log" metrics="$tmp/$name-$1-$2-$5-$4.json"
+  # shellcheck disable=SC2206
   local cmd=("$binary" launch --workers "$WORKERS" -- flotilla train --model "$model"
     --data-dir "$DATA_DIR" --batch-per-replica $((batch / WORKERS)) --steps-per-epoch "$steps"
     --epochs 2 --lr 0.04 --momentum 0.9 --metrics-json "$metrics" --verbose 0
-    --precision "$PRECISION")
+    --precision "$precision" $FLOTILLA_ARGS)
   for _ in $(seq 30); do [ -x "$binary" ] && break; sleep 2; done  # may be being relinked
   start "$log" env -u OMP_NUM_THREADS "${cmd[@]}"
   wait_all "${cmd[*]}" "$started"
@@ -146,6 +171,11 @@ run_flotilla() {  # model, global batch, steps, run[, binary] -> samples/s on st
   [ -n "$epoch2" ] || fail "${cmd[*]}: no epoch 2 in $metrics" "$log"
   [ "$(json_number steps <<<"$epoch2")" = "$steps" ] ||
     fail "${cmd[*]}: epoch 2 ran $(json_number steps <<<"$epoch2") steps, not $steps" "$log"
+  if grep -q 'recipe: memory format: channels-last' "$log"; then
+    echo channels_last >"$tmp/format-$name-$model"
+  else
+    echo nchw >"$tmp/format-$name-$model"
+  fi
   json_number samples_per_s <<<"$epoch2"
 }
 
@@ -157,10 +187,11 @@ peer_result() {  # system, short name, rank 0's log, command -> samples/s; versi
   json_number samples_per_s <<<"$line"
 }
 
-run_ddp() {  # model, global batch, steps, run -> samples/s on stdout; torch version in $tmp
-  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$4" port rank pids=()
+run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer -> samples/s
+  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=()
   port=$(free_ports 1)
-  local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR")
+  local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR"
+    "$5" "$6" "$7")
   for rank in $(seq 0 $((WORKERS - 1))); do
     start "$log.$rank.log" env OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
       RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
@@ -170,18 +201,35 @@ run_ddp() {  # model, global batch, steps, run -> samples/s on stdout; torch ver
   peer_result pytorch-ddp ddp "$log.0.log" "${cmd[*]}"
 }
 
-run_tf() {  # model, global batch, steps, run -> samples/s on stdout; TF version in $tmp
-  local model=$1 batch=$2 steps=$3 log="$tmp/tf-$1-$2-$4" ports task pids=() cluster
+run_tf() {  # model, global batch, steps, run, precision, xla -> samples/s ("" when XLA fails)
+  local model=$1 batch=$2 steps=$3 log="$tmp/tf-$1-$2-$5-$6-$4" ports task pids=() cluster
   read -r -a ports <<<"$(free_ports "$WORKERS")"
   cluster=$(printf '"127.0.0.1:%s",' "${ports[@]}")
-  local cmd=("$TF_PYTHON" bench/peers/tf_mwms_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR")
+  local cmd=("$TF_PYTHON" bench/peers/tf_mwms_train.py "$model" "$batch" "$steps" "$THREADS"
+    "$DATA_DIR" "$5" "$6")
   for task in $(seq 0 $((WORKERS - 1))); do
     start "$log.$task.log" env OMP_NUM_THREADS="$THREADS" TF_CPP_MIN_LOG_LEVEL=2 \
       TF_CONFIG="{\"cluster\":{\"worker\":[${cluster%,}]},\"task\":{\"type\":\"worker\",\"index\":$task}}" \
       "${cmd[@]}"
     pids+=("$started")
   done
-  wait_all "${cmd[*]}" "${pids[@]}"
+  if [ "$6" = on ]; then  # XLA may not run under MWMS here: a note, not a failure
+    local pid done_pid rc=0 pending=("${pids[@]}") rest
+    while [ ${#pending[@]} -gt 0 ] && [ "$rc" -eq 0 ]; do
+      wait -n -p done_pid "${pending[@]}" || rc=$?
+      rest=()
+      for pid in "${pending[@]}"; do [ "$pid" = "$done_pid" ] || rest+=("$pid"); done
+      pending=("${rest[@]+"${rest[@]}"}")
+    done
+    if [ "$rc" -ne 0 ]; then
+      for pid in "${pending[@]+"${pending[@]}"}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+      grep -v '^[IWE]0000' "$log.0.log" | grep -m1 -iE 'not yet implemented|error:' |
+        cut -c1-300 >"$tmp/xla-failed" || true
+      return 0
+    fi
+  else
+    wait_all "${cmd[*]}" "${pids[@]}"
+  fi
   peer_result tf-mwms tf "$log.0.log" "${cmd[*]}"
 }
 
@@ -204,55 +252,99 @@ for model in $MODELS; do
   done
 done
 
+# What utilisation is measured against: each model's training FLOPs per sample, and one
+# thread's matmul peak at each precision (measured now, on this machine).
+declare -A flops=()
+for model in $MODELS; do
+  flops[$model]=$(cd bench/peers && "../../$PYTHON" utilisation.py flops "$model" | json_number train_flops_per_sample)
+done
+peak_line=$(cd bench/peers && OMP_NUM_THREADS=1 "../../$PYTHON" utilisation.py peak)
+peak_float32=$(sed 's/.*"float32": *\([0-9.]*\).*/\1/' <<<"$peak_line")
+peak_bfloat16=$(sed 's/.*"bfloat16": *\([0-9.]*\).*/\1/' <<<"$peak_line")
+printf '{"bench":"peers","metric":"matmul_peak_gflops_per_thread","float32":%s,"bfloat16":%s,"how":"1024x1024 torch.mm, one thread, median of 7","machine":%s}\n' \
+  "$peak_float32" "$peak_bfloat16" "$machine"
+
+# The settings each system ran at, for the JSON lines: precision and memory format.
+settings_of() {  # system, model, precision -> JSON fields
+  local format=nchw
+  case "$1" in
+    flotilla*) format=$(cat "$tmp/format-$1-$2" 2>/dev/null || echo nchw)
+      printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)"' "$3" "$format" ;;
+    pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
+    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused"' "$3" ;;
+    tf-mwms) printf '"precision":"%s","memory_format":"channels_last","xla":false' "$3" ;;
+    tf-mwms-xla) printf '"precision":"%s","memory_format":"channels_last","xla":true' "$3" ;;
+  esac
+}
+
 for run in $(seq "$RUNS"); do
-  for model in $MODELS; do
-    for batch in $BATCHES; do
-      steps=$(steps_for "$model" "$batch")
-      run_flotilla "$model" "$batch" "$steps" "$run" >>"$tmp/flotilla-$model-$batch"
-      if [ -n "$BASELINE" ]; then
-        run_flotilla "$model" "$batch" "$steps" "$run" "$BASELINE" >>"$tmp/flotilla-baseline-$model-$batch"
-      fi
-      case " $PEERS " in *" pytorch-ddp "*)
-        run_ddp "$model" "$batch" "$steps" "$run" >>"$tmp/pytorch-ddp-$model-$batch" ;;
-      esac
-      case " $PEERS " in *" tf-mwms "*)
-        run_tf "$model" "$batch" "$steps" "$run" >>"$tmp/tf-mwms-$model-$batch" ;;
-      esac
+  for precision in $PRECISIONS; do
+    for model in $MODELS; do
+      for batch in $BATCHES; do
+        steps=$(steps_for "$model" "$batch")
+        key="$model-$batch-$precision"
+        run_flotilla "$model" "$batch" "$steps" "$run" "$precision" >>"$tmp/flotilla-$key"
+        if [ -n "$BASELINE" ]; then
+          run_flotilla "$model" "$batch" "$steps" "$run" "$precision" "$BASELINE" \
+            >>"$tmp/flotilla-baseline-$key"
+        fi
+        for peer in $PEERS; do
+          case $peer in
+            pytorch-ddp) run_ddp "$model" "$batch" "$steps" "$run" "$precision" nchw default ;;
+            pytorch-ddp-best) run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused ;;
+            tf-mwms) run_tf "$model" "$batch" "$steps" "$run" "$precision" off ;;
+            tf-mwms-xla) run_tf "$model" "$batch" "$steps" "$run" "$precision" on ;;
+            *) fail "unknown peer $peer" ;;
+          esac >>"$tmp/$peer-$key"
+        done
+      done
     done
   done
 done
 
-median() { sort -g "$1" | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+median() { sort -g "$1" | awk '{v[NR] = $1} END {if (NR == 0) print ""; else print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 flotilla_version=$("$FLOTILLA" --version | awk '{print $NF}')
 systems=(flotilla)
 [ -z "$BASELINE" ] || systems+=(flotilla-baseline)
 for peer in $PEERS; do systems+=("$peer"); done
-for model in $MODELS; do
-  for batch in $BATCHES; do
-    declare -A value=()
-    for system in "${systems[@]}"; do
-      value[$system]=$(median "$tmp/$system-$model-$batch")
-      case $system in
-        flotilla) version=$flotilla_version ;;
-        flotilla-baseline) version=$("$BASELINE" --version | awk '{print $NF}') ;;
-        pytorch-ddp) version=$(cat "$tmp/version-ddp") ;;
-        tf-mwms) version=$(cat "$tmp/version-tf") ;;
-      esac
-      printf '{"bench":"peers","system":"%s","model":"%s","global_batch":%d,"metric":"samples_per_s","value":%.1f,"runs":%d,"version":"%s","machine":%s}\n' \
-        "$system" "$model" "$batch" "${value[$system]}" "$RUNS" "$version" "$machine"
+for precision in $PRECISIONS; do
+  peak=$peak_float32
+  [ "$precision" = float32 ] || peak=$peak_bfloat16
+  for model in $MODELS; do
+    for batch in $BATCHES; do
+      key="$model-$batch-$precision"
+      declare -A value=()
+      for system in "${systems[@]}"; do
+        value[$system]=$(median "$tmp/$system-$key")
+        [ -n "${value[$system]}" ] || continue  # XLA did not run
+        case $system in
+          flotilla) version=$flotilla_version ;;
+          flotilla-baseline) version=$("$BASELINE" --version | awk '{print $NF}') ;;
+          pytorch-ddp*) version=$(cat "$tmp/version-ddp") ;;
+          tf-mwms*) version=$(cat "$tmp/version-tf") ;;
+        esac
+        read -r lo hi < <(sort -g "$tmp/$system-$key" | awk 'NR == 1 {lo = $1} {hi = $1} END {print lo, hi}')
+        utilisation=$(awk -v s="${value[$system]}" -v f="${flops[$model]}" -v p="$peak" -v n=$((WORKERS * THREADS)) \
+          'BEGIN { printf "%.3f", s * f / (n * p * 1e9) }')
+        printf '{"bench":"peers","system":"%s","model":"%s","global_batch":%d,%s,"metric":"samples_per_s","value":%.1f,"min":%.1f,"max":%.1f,"runs":%d,"train_flops_per_sample":%s,"share_of_matmul_peak":%s,"version":"%s","machine":%s}\n' \
+          "$system" "$model" "$batch" "$(settings_of "$system" "$model" "$precision")" \
+          "${value[$system]}" "$lo" "$hi" "$(wc -l <"$tmp/$system-$key")" "${flops[$model]}" \
+          "$utilisation" "$version" "$machine"
+      done
+      for system in "${systems[@]:1}"; do
+        [ -n "${value[$system]}" ] || continue
+        read -r lo hi < <(paste "$tmp/flotilla-$key" "$tmp/$system-$key" |
+          awk '$2 > 0 {r = $1 / $2; if (lo == "" || r < lo) lo = r; if (r > hi) hi = r} END {printf "%.3f %.3f\n", lo, hi}')
+        printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s","ratio":%.3f,"of":"flotilla/%s","runs_ratio_min":%s,"runs_ratio_max":%s,"flotilla":{%s},"peer":{%s},"machine":%s}\n' \
+          "$model" "$batch" "$(awk -v f="${value[flotilla]}" -v p="${value[$system]}" 'BEGIN {print f / p}')" \
+          "$system" "$lo" "$hi" "$(settings_of flotilla "$model" "$precision")" \
+          "$(settings_of "$system" "$model" "$precision")" "$machine"
+      done
+      unset value
     done
-    ratios=""
-    for system in "${systems[@]:1}"; do
-      case $system in
-        flotilla-baseline) key=ratio_vs_baseline ;;
-        pytorch-ddp) key=ratio_vs_ddp ;;
-        tf-mwms) key=ratio_vs_tf ;;
-      esac
-      ratios+=$(awk -v k="$key" -v f="${value[flotilla]}" -v p="${value[$system]}" \
-        'BEGIN { printf ",\"%s\":%.3f", k, f / p }')
-    done
-    printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s"%s,"of":"flotilla/peer","precision":"%s","machine":%s}\n' \
-      "$model" "$batch" "$ratios" "$PRECISION" "$machine"
-    unset value
   done
 done
+if [ -f "$tmp/xla-failed" ]; then
+  printf '{"bench":"peers","system":"tf-mwms-xla","note":"did not run: %s"}\n' \
+    "$(sed 's/["\\]/ /g' "$tmp/xla-failed")"
+fi

@@ -6,10 +6,21 @@ Each step, every rank takes its slice of one shuffled global batch from tensors 
 Runs `steps` untimed warm-up steps, then times `steps` more between two barriers; rank 0
 prints one JSON line with the global samples per second.
 
+Settings (bench/peers.sh runs DDP at flotilla's precision twice: as a DDP user writes it by
+default, and at the fastest settings found for this CPU):
+  PRECISION  float32, or mixed_bfloat16: forward and loss under torch.autocast("cpu",
+             dtype=torch.bfloat16), as flotilla's mixed_bfloat16 (float32 weights and optimizer)
+  LAYOUT     nchw (PyTorch's default), or channels_last: the model and each batch in
+             torch.channels_last (a no-op for models without 2-D convolutions)
+  OPTIMIZER  default (torch.optim.SGD as constructed by default: its per-parameter loop on the
+             CPU), or fused (SGD(fused=True): one kernel over every parameter)
+
 Started once per rank by bench/peers.sh, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment.
-Usage: python ddp_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR]
+Usage: python ddp_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR] [PRECISION] [LAYOUT]
+       [OPTIMIZER]
 """
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +39,13 @@ from common import LR, MEAN, MOMENTUM, SEED, STD, make_torch_model, parse_args, 
 
 def main():
     model_name, global_batch, steps, threads, data_dir = parse_args(sys.argv)
+    precision = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    layout = sys.argv[7] if len(sys.argv) > 7 else "nchw"
+    optimizer_kind = sys.argv[8] if len(sys.argv) > 8 else "default"
+    if precision not in ("float32", "mixed_bfloat16") or layout not in ("nchw", "channels_last") \
+            or optimizer_kind not in ("default", "fused"):
+        raise SystemExit(f"bad settings {precision} {layout} {optimizer_kind}")
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.set_num_threads(threads)
 
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the env
@@ -43,8 +61,11 @@ def main():
     n = x.shape[0]
 
     torch.manual_seed(SEED)  # DDP broadcasts rank 0's parameters anyway
-    model = DistributedDataParallel(make_torch_model(model_name))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model = DistributedDataParallel(make_torch_model(model_name).to(memory_format=fmt))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
+                                **({"fused": True} if optimizer_kind == "fused" else {}))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) \
+        if precision == "mixed_bfloat16" else contextlib.nullcontext
 
     def local_batches():
         """This rank's slice of each global batch; every rank draws the same permutation."""
@@ -63,9 +84,10 @@ def main():
         model.train()
         for _ in range(count):
             idx = next(batches)
-            xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-            logits = model(xb)
-            loss = F.cross_entropy(logits, yb)
+            xb, yb = x.index_select(0, idx).to(memory_format=fmt), y.index_select(0, idx)
+            with autocast():
+                logits = model(xb)
+                loss = F.cross_entropy(logits, yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -88,7 +110,8 @@ def main():
             "workers": world, "threads": threads, "steps": steps, "seconds": seconds,
             "samples_per_s": steps * global_batch / seconds,
             "loss": loss_sum.item() / steps, "accuracy": correct.item() / (steps * local_batch),
-            "version": torch.__version__,
+            "version": torch.__version__, "precision": precision, "memory_format": layout,
+            "optimizer": "SGD" + (" fused" if optimizer_kind == "fused" else ""),
         }), flush=True)
     dist.destroy_process_group()
 

@@ -11,8 +11,15 @@ Keras is tf-keras (Keras 2, TF_USE_LEGACY_KERAS=1): Keras 3's fit (TF backend) f
 MWMS: it strategy.reduce()s the first (x, y) batch to build the model, which MWMS can't, and
 then all-reduces the scalar logs of each step along axis 0 (keras-team/keras#20585).
 
+Settings (bench/peers.sh runs TF at flotilla's precision, as a Keras user writes it by default
+and with XLA, TF's own compiler, where it runs):
+  PRECISION  float32, or mixed_bfloat16: Keras' mixed-precision policy of that name (bfloat16
+             compute, float32 variables), the logits in float32 as Keras' guide does it
+  XLA        off, or on: model.compile(jit_compile=True)
+Keras layers are NHWC (channels-last) only on the CPU.
+
 Started once per worker by bench/peers.sh, with TF_CONFIG in the environment.
-Usage: python tf_mwms_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR]
+Usage: python tf_mwms_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR] [PRECISION] [XLA]
 """
 import json
 import os
@@ -136,6 +143,11 @@ class EpochTimer(keras.callbacks.Callback):
 
 def main():
     model_name, global_batch, steps, threads, data_dir = parse_args(sys.argv)
+    precision = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    xla = (sys.argv[7] if len(sys.argv) > 7 else "off") == "on"
+    if precision not in ("float32", "mixed_bfloat16"):
+        raise SystemExit(f"bad precision {precision}")
+    keras.mixed_precision.set_global_policy(precision)
     # Before the strategy: that initialises the runtime, after which these can't change.
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -161,9 +173,12 @@ def main():
 
     with strategy.scope():
         model = make_model(model_name)
+        if precision != "float32":  # the loss on float32 logits, as Keras' guide does it
+            model = keras.Model(model.inputs,
+                                keras.layers.Activation("linear", dtype="float32")(model.output))
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+                      metrics=["accuracy"], jit_compile=xla)
 
     @tf.function
     def barrier():
@@ -181,7 +196,8 @@ def main():
             "samples_per_s": steps * global_batch / timer.seconds,
             "loss": float(timer.logs.get("loss", float("nan"))),
             "accuracy": float(timer.logs.get("accuracy", float("nan"))),
-            "version": tf.__version__, "keras": keras.__version__,
+            "version": tf.__version__, "keras": keras.__version__, "precision": precision,
+            "memory_format": "channels_last", "xla": xla,
         }), flush=True)
 
 
