@@ -9,13 +9,15 @@
 #   $OUT/gpu_tests.log   the gpu-labelled GoogleTest suite
 #   $OUT/bench.jsonl     one JSON line per configuration (or an error line naming it):
 #       for model in cnn mlp-wide, per-replica batch in 256 1024:
-#         flotilla float32 / mixed_bfloat16 / mixed_float16, CUDA graph (jit_compile) off and on;
-#         PyTorch eager float32 / bf16 autocast / fp16 autocast + GradScaler (torch_peer.py);
+#         flotilla float32 / mixed_bfloat16 / mixed_float16, CUDA graph (jit_compile) off and on
+#         (its default memory format: channels-last for conv models), and graph off in NCHW;
+#         PyTorch eager float32 / bf16 autocast / fp16 autocast + GradScaler (torch_peer.py),
+#         each in NCHW and in channels_last;
 #       2 processes on the one GPU (flotilla launch --workers 2): NCCL first; if NCCL refuses
 #         two ranks on one device, {"bench":"gpu_train_2proc","nccl":"refused",...} and the
 #         Gloo ring instead;
-#       last, torch.compile (bf16 first, then float32, float16) while the time budget lasts:
-#         compiling costs tens of seconds per configuration.
+#       last, torch.compile (bf16 first, then float32, float16; channels_last) while the time
+#         budget lasts: compiling costs tens of seconds per configuration.
 #   $OUT/summary.json    bench/gpu/summarize.py's ratios (flotilla best bf16 / torch-eager bf16,
 #                        goal >= 1.1; / torch-compile bf16, goal >= 1.0), rewritten after each
 #                        phase
@@ -216,11 +218,12 @@ flotilla_run() {  # model batch precision graph(on|off) [extra args...]
     "{\"impl\":\"flotilla\",\"model\":\"$model\",\"batch\":$batch,\"precision\":\"$precision\",\"cuda_graph\":$cuda_graph,\"workers\":1}" \
     90 "${bin_env[@]}" "$BIN/gpu_train_bench" "${args[@]}" "$@"
 }
-torch_run() {  # mode model batch precisions(comma-separated) timeout
+torch_run() {  # mode model batch precisions(comma-separated) timeout [memory formats]
   record "torch-$1 $2 b$3 $4" \
     "{\"impl\":\"torch-$1\",\"model\":\"$2\",\"batch\":$3,\"precision\":\"$4\",\"workers\":1}" "$5" \
     "$PYTHON" bench/gpu/torch_peer.py --modes "$1" --model "$2" --batch "$3" --precisions "$4" \
-    --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP"
+    --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" \
+    --memory-formats "${6:-nchw,channels_last}"
 }
 
 for model in $MODELS; do
@@ -229,6 +232,8 @@ for model in $MODELS; do
     if [ "$flotilla_ok" = 1 ]; then
       for precision in $PRECISIONS; do
         for graph in off on; do flotilla_run "$model" "$batch" "$precision" "$graph"; done
+        # flotilla's default is channels-last for conv models: NCHW too, for the comparison.
+        flotilla_run "$model" "$batch" "$precision" off --channels-last off
       done
     fi
     torch_run eager "$model" "$batch" "${PRECISIONS// /,}" 150
@@ -272,7 +277,7 @@ else
       for batch in $BATCHES; do
         budget=$(($(left) - 10))
         if [ "$budget" -lt 45 ]; then say "budget spent: skipping torch-compile $model b$batch $precision"; continue; fi
-        torch_run compile "$model" "$batch" "$precision" $((budget < 150 ? budget : 150))
+        torch_run compile "$model" "$batch" "$precision" $((budget < 150 ? budget : 150)) channels_last
       done
     done
     summarize

@@ -1,9 +1,11 @@
 """Ratios of the GPU benchmark (bench/gpu/run.sh) from its bench.jsonl, into summary.json.
 
 For each (model, batch) of one-worker runs: flotilla's best mixed_bfloat16 samples/s (CUDA graph
-on or off) against PyTorch eager with bf16 autocast (goal >= 1.1) and against torch.compile with
-bf16 autocast (goal >= 1.0); the same ratios for float32 and mixed_float16 as information; what
-the CUDA graph changes (graph on / off) for each precision. Several lines for one configuration
+on or off, either memory format) against PyTorch eager with bf16 autocast at its best memory
+format (NCHW or channels_last; goal >= 1.1) and against torch.compile with bf16 autocast (goal
+>= 1.0); the same ratios for float32 and mixed_float16 as information; what the CUDA graph
+changes (graph on / off, flotilla's default memory format) and what channels-last changes for
+each side (channels_last / NCHW) for each precision. Several lines for one configuration
 (reruns) count by their median. Two-process lines (workers 2) are listed with their scaling
 against the same configuration on one worker. Error lines are counted and listed, never used.
 
@@ -40,6 +42,14 @@ def pick(results, **want):
     return [r for r in results if all(r.get(k) == v for k, v in want.items())]
 
 
+def best_rate(lines):
+    """The median of the fastest memory format's lines (a peer at its best)."""
+    formats = {l.get("memory_format", "nchw") for l in lines}
+    rates = [median_rate([l for l in lines if l.get("memory_format", "nchw") == f])
+             for f in formats]
+    return max([r for r in rates if r], default=None)
+
+
 def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
@@ -52,18 +62,27 @@ def summarize(lines):
     for model, batch in sorted({(r["model"], r["batch"]) for r in single}):
         here = pick(single, model=model, batch=batch)
         row = {"model": model, "batch": batch, "samples_per_s": {}, "ratios": {},
-               "cuda_graph_speedup": {}}
+               "cuda_graph_speedup": {}, "channels_last_speedup": {}}
         for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
-            graph_off = median_rate(pick(here, impl="flotilla", precision=precision,
-                                         cuda_graph=False))
-            graph_on = median_rate(pick(here, impl="flotilla", precision=precision,
-                                        cuda_graph=True))
-            best = max([r for r in (graph_off, graph_on) if r], default=None)
-            rates = {"flotilla": graph_off, "flotilla+cuda_graph": graph_on}
+            flotilla = pick(here, impl="flotilla", precision=precision)
+            nchw = median_rate([r for r in flotilla if r.get("memory_format") == "nchw"
+                                and not r.get("cuda_graph")])
+            default = [r for r in flotilla if r.get("memory_format") != "nchw"] or flotilla
+            graph_off = median_rate([r for r in default if not r.get("cuda_graph")])
+            graph_on = median_rate([r for r in default if r.get("cuda_graph")])
+            best = max([r for r in (graph_off, graph_on, nchw) if r], default=None)
+            rates = {"flotilla": graph_off, "flotilla+cuda_graph": graph_on,
+                     "flotilla nchw": nchw}
             for peer in GOALS:
-                rates[peer] = median_rate(pick(here, impl=peer, precision=precision))
+                rates[peer] = best_rate(pick(here, impl=peer, precision=precision))
                 key = f"flotilla_best/{peer}"
                 row["ratios"].setdefault(precision, {})[key] = ratio(best, rates[peer])
+            eager = pick(here, impl="torch-eager", precision=precision)
+            row["channels_last_speedup"][precision] = {
+                "flotilla": ratio(graph_off, nchw) if nchw and default is not flotilla else None,
+                "torch-eager": ratio(
+                    median_rate([r for r in eager if r.get("memory_format") == "channels_last"]),
+                    median_rate([r for r in eager if r.get("memory_format", "nchw") == "nchw"]))}
             row["samples_per_s"][precision] = {k: round(v, 1) if v else None
                                                for k, v in rates.items()}
             row["cuda_graph_speedup"][precision] = ratio(graph_on, graph_off)

@@ -4,8 +4,9 @@ gpu_train_bench times, written the way a PyTorch user would write it.
 The same layers as flotilla's models/zoo.cpp, the same kind of input (a few random batches of
 [N, 1, 28, 28] images and int64 labels, resident on the device), SGD(lr=0.01, momentum=0.9)
 (Adam/AdamW as in train_bench.cpp), cross-entropy from logits. Precisions: float32; bfloat16
-autocast; float16 autocast with torch.amp.GradScaler. Modes: eager, and torch.compile of the
-model (default mode; the optimizer step stays eager, as in most code). The timed loop reads
+autocast; float16 autocast with torch.amp.GradScaler. Memory formats: PyTorch's default (NCHW)
+and channels_last (model and batches, as flotilla keeps conv models by default). Modes: eager,
+and torch.compile of the model (default mode; the optimizer step stays eager, as in most code). The timed loop reads
 nothing back to the host (no .item()) and zero_grad sets gradients to None. After `warmup`
 untimed steps (compilation happens there) the device is synchronised, `steps` steps are timed,
 and it is synchronised again. One JSON line per configuration, in train_bench.cpp's shape; a
@@ -55,18 +56,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def run_one(args, device, mode, precision_flag):
+def run_one(args, device, mode, precision_flag, memory_format):
     precision, dtype = PRECISIONS[precision_flag]
+    fmt = torch.channels_last if memory_format == "channels_last" else torch.contiguous_format
     torch.manual_seed(args.seed)
     images = torch.randn(args.distinct_batches, args.batch, 1, 28, 28, device=device)
+    images = torch.stack([b.to(memory_format=fmt) for b in images])  # each batch in `fmt`
     labels = torch.randint(0, 10, (args.distinct_batches, args.batch), device=device)
-    model = make_torch_model(args.model).to(device)
+    model = make_torch_model(args.model).to(device).to(memory_format=fmt)
     optimizer = make_optimizer(args.optimizer, model.parameters())
     forward = torch.compile(model) if mode == "compile" else model
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def step(i):
-        x, y = images[i % args.distinct_batches], labels[i % args.distinct_batches]
+        x, y = images[i % args.distinct_batches].to(memory_format=fmt), \
+            labels[i % args.distinct_batches]
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = F.cross_entropy(forward(x), y)
         if scaler is not None:
@@ -101,6 +105,7 @@ def run_one(args, device, mode, precision_flag):
         "model": args.model,
         "batch": args.batch,
         "precision": precision,
+        "memory_format": memory_format,
         "cuda_graph": False,
         "workers": 1,
         "samples_per_s": args.steps * args.batch / seconds,
@@ -129,6 +134,8 @@ def main():
     parser.add_argument("--precisions", default="float32,mixed_bfloat16,mixed_float16",
                         help="comma-separated: float32 (fp32), mixed_bfloat16 (bf16), "
                              "mixed_float16 (fp16)")
+    parser.add_argument("--memory-formats", default="nchw,channels_last",
+                        help="comma-separated: nchw, channels_last")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
@@ -137,25 +144,28 @@ def main():
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
+    formats = [f for f in args.memory_formats.split(",") if f]
     bad = [m for m in modes if m not in ("eager", "compile")] + \
-          [p for p in precisions if p not in PRECISIONS]
+          [p for p in precisions if p not in PRECISIONS] + \
+          [f for f in formats if f not in ("nchw", "channels_last")]
     if bad or args.batch < 1 or args.steps < 1 or args.warmup < 0:
         parser.error(f"bad --modes/--precisions {bad} or non-positive --batch/--steps")
     device = torch.device(args.device)
 
     failed = False
-    for mode in modes:
-        for precision in precisions:
-            try:
-                line = run_one(args, device, mode, precision)
-            except Exception as e:  # noqa: BLE001 - one failed configuration must not end the run
-                failed = True
-                line = {"bench": "gpu_train",
-                        "impl": "torch-compile" if mode == "compile" else "torch-eager",
-                        "model": args.model, "batch": args.batch,
-                        "precision": PRECISIONS[precision][0], "device": str(device),
-                        "error": f"{type(e).__name__}: {e}".splitlines()[0][:500]}
-            print(json.dumps(line), flush=True)
+    for mode, precision, memory_format in [(m, p, f) for m in modes for p in precisions
+                                           for f in formats]:
+        try:
+            line = run_one(args, device, mode, precision, memory_format)
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not end the run
+            failed = True
+            line = {"bench": "gpu_train",
+                    "impl": "torch-compile" if mode == "compile" else "torch-eager",
+                    "model": args.model, "batch": args.batch,
+                    "precision": PRECISIONS[precision][0], "memory_format": memory_format,
+                    "device": str(device),
+                    "error": f"{type(e).__name__}: {e}".splitlines()[0][:500]}
+        print(json.dumps(line), flush=True)
     return 1 if failed else 0
 
 

@@ -43,6 +43,7 @@ struct Args {
   std::int64_t batch = 256;
   std::string precision = "float32";
   bool jit_compile = false;
+  std::string channels_last = "auto"; // CompileOptions::channels_last: auto (unset), on, off
   std::string devices = "cuda:0";
   std::int64_t steps = 200;
   std::int64_t warmup = 50;
@@ -159,6 +160,7 @@ int run(const Args& a) {
   // The PyTorch loop computes no accuracy either: only the loss, which fit() always reports.
   compile.metrics = {};
   compile.jit_compile = a.jit_compile;
+  if (a.channels_last != "auto") compile.channels_last = a.channels_last == "on";
   compile.steps_per_execution = every;
   model.compile(compile);
 
@@ -185,6 +187,7 @@ int run(const Args& a) {
         {"batch", a.batch},
         {"precision", train::to_string(policy)},
         {"cuda_graph", a.jit_compile && device.is_cuda()},
+        {"memory_format", model.channels_last() ? "channels_last" : "nchw"},
         {"workers", strategy.num_workers()},
         {"samples_per_s", samples / seconds},
         {"step_ms", seconds * 1000 / static_cast<double>(a.steps)},
@@ -216,6 +219,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"float32", "mixed_bfloat16", "mixed_float16"}))
       ->capture_default_str();
   app.add_flag("--jit-compile", a.jit_compile, "Capture the step as a CUDA graph");
+  app.add_option("--channels-last", a.channels_last,
+                 "auto (on for models with 2-D convolutions), on or off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   app.add_option("--devices", a.devices, "One device: cuda:0, cpu")->capture_default_str();
   app.add_option("--steps", a.steps, "Timed steps")->capture_default_str();
   app.add_option("--warmup", a.warmup,

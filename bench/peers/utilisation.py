@@ -4,7 +4,9 @@ divides by to give each system's share of the machine.
   flops MODEL   one JSON line: forward and training (forward + backward) FLOPs per sample of
                 the model's PyTorch twin (common.py), counted by torch.utils.flop_counter (every
                 matmul and convolution, backward included: the first convolution computes no
-                input gradient). The CNN's count equals the hand count: forward 8,482,304
+                input gradient; it leaves out the CPU's fused attention kernel: ViT-tiny's
+                attention, 11.5 MFLOP of 277 per forward, is not in its count). The CNN's count
+                equals the hand count: forward 8,482,304
                 (conv 451,584 + conv 7,225,344 + linear 802,816 + linear 2,560); training
                 3 x forward - 451,584 (the first input gradient) = 24,995,328.
   peak          one JSON line: one thread's matmul rate in GFLOP/s, float32 and bfloat16 (the

@@ -533,6 +533,42 @@ const char* to_string(Finding::Status status) {
   return "?";
 }
 
+// How much of the processor's matrix-product rate the training used: FLOPs per sample times
+// samples per second per worker, over one worker's measured peak at the run's precision.
+Finding compute(const RunSummary& run) {
+  const RecipeFacts& r = run.recipe;
+  Finding f;
+  f.item = "compute";
+  const double samples_per_s = run.epochs.empty() ? 0 : run.epochs.back().samples_per_s;
+  if (r.train_flops_per_sample <= 0 || r.matmul_peak_gflops <= 0 || samples_per_s <= 0) {
+    f.status = Status::kUnknown;
+    f.evidence = r.train_flops_per_sample <= 0
+                     ? "the model's FLOPs per sample were not counted "
+                       "(RecipeFacts::train_flops_per_sample)"
+                     : "this device's matrix-product peak was not measured";
+    return f;
+  }
+  const double achieved = r.train_flops_per_sample * samples_per_s / std::max(r.workers, 1) / 1e9;
+  const double share = achieved / r.matmul_peak_gflops;
+  const char* precision = r.precision == "float32"         ? "float32"
+                          : r.precision == "mixed_float16" ? "float16"
+                                                           : "bf16";
+  f.evidence = percent(share) + " of this " + (on_cuda(r) ? "GPU" : "CPU") + "'s " + precision +
+               " matmul peak: " + format("%.1f of %.1f", achieved, r.matmul_peak_gflops) +
+               " GFLOP/s per worker, " + format("%.3g", r.train_flops_per_sample / 1e6) +
+               " MFLOP per sample";
+  if (share >= 0.5) {
+    f.status = Status::kGood;
+    return f;
+  }
+  f.status = Status::kConsider;
+  f.recommendation =
+      "most of the step runs outside large matrix products (normalisations, activations, small "
+      "layers, memory traffic); a larger batch per replica (RecipeFacts::batch_per_replica) "
+      "gives the kernels larger matrices, and the items above say what else takes time";
+  return f;
+}
+
 std::vector<Finding> diagnose(const RunSummary& run) {
   const std::vector<PhaseTimes> workers = run.steady_phases();
   std::vector<Finding> findings = {
@@ -543,6 +579,7 @@ std::vector<Finding> diagnose(const RunSummary& run) {
       learning_rate(run),
       threads(run.recipe, workers),
       communication(run.recipe, workers),
+      compute(run),
   };
   // Stable: items of equal status and gain keep the recipe's order.
   std::stable_sort(findings.begin(), findings.end(), [](const Finding& a, const Finding& b) {

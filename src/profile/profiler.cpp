@@ -7,6 +7,7 @@
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/profile/batch_search.h"
+#include "flotilla/profile/compute.h"
 #include "flotilla/profile/doctor.h"
 #include "flotilla/profile/report.h"
 #include "flotilla/profile/timeline.h"
@@ -77,6 +78,13 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
       bytes += elements * (wire > 0 ? wire : static_cast<std::int64_t>(c10::elementSize(b.dtype)));
     }
     f.gradient_bytes = bytes;
+  }
+  if (f.matmul_peak_gflops == 0 && !cuda) { // ~0.2 s, after the training
+    const train::Policy policy = model.policy();
+    f.matmul_peak_gflops =
+        matmul_peak_gflops(policy == train::Policy::kFloat32        ? torch::kFloat32
+                           : policy == train::Policy::kMixedFloat16 ? torch::kHalf
+                                                                    : torch::kBFloat16);
   }
   try {
     f.peak_memory_bytes = resident_peak_bytes();

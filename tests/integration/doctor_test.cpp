@@ -16,7 +16,7 @@ using testing::run_process;
 const std::string kCli = flotilla::testing::flotilla_cli();
 
 const char* const kItems[] = {"input pipeline", "mixed precision",    "compiled step", "batch size",
-                              "learning rate",  "threads per worker", "communication"};
+                              "learning rate",  "threads per worker", "communication", "compute"};
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

@@ -20,6 +20,7 @@
 #include "flotilla/data/image.h"
 #include "flotilla/data/image_folder.h"
 #include "flotilla/error.h"
+#include "flotilla/profile/compute.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/callbacks.h"
@@ -532,6 +533,16 @@ train::Verbosity verbosity(const TrainArgs& a, const cluster::Environment& env) 
                                                                : train::Verbosity::kAuto);
 }
 
+// For the doctor's "compute" item: one forward pass over 8 blank images of the data's shape,
+// its products counted from their shapes (profile::counted_flops), times 3 (the backward pass
+// computes two products for each of the forward's).
+double train_flops_per_sample(train::Model& model, const Sources& sources) {
+  std::vector<std::int64_t> shape = {8};
+  shape.insert(shape.end(), sources.shape.begin(), sources.shape.end());
+  const torch::Tensor blank = torch::zeros(shape);
+  return 3 * profile::counted_flops([&] { model.predict(blank); }) / 8;
+}
+
 // Everything but the callbacks.
 train::FitOptions fit_options(const TrainArgs& a, const cluster::Environment& env,
                               const Input& input) {
@@ -842,8 +853,13 @@ int run(const TrainArgs& a) {
     }
     fit.callbacks.push_back(step_ledger(a.step_ledger, model, a.elastic_batch == "per-replica"));
   }
-  fit.callbacks.push_back(std::make_shared<profile::Profiler>(
-      profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose)));
+  profile::ProfilerOptions profiling =
+      profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose);
+  const bool reported = profiling.doctor || !a.profile_json.empty() || !a.report.empty();
+  if (strategy.is_chief() && reported) {
+    profiling.recipe.train_flops_per_sample = train_flops_per_sample(model, sources);
+  }
+  fit.callbacks.push_back(std::make_shared<profile::Profiler>(profiling));
   model.fit(input.train, fit);
   evaluate_on_test(model, input.test, metrics_json);
   return kExitOk;

@@ -58,6 +58,13 @@ struct RecipeFacts {
   bool overlap = true;
   std::string compression = "none";
   std::string input_pipeline; // the input's plan
+  // Training FLOPs per sample (forward and backward; 0: not counted): `flotilla train` counts a
+  // forward pass's products (profile::counted_flops) and takes 3x it, the usual rule (the
+  // backward pass computes two products for each of the forward's).
+  double train_flops_per_sample = 0;
+  // One worker's matrix-product rate at the run's compute precision with its threads, GFLOP/s
+  // (profile::matmul_peak_gflops; measured at the end of fit on the CPU; 0: not measured).
+  double matmul_peak_gflops = 0;
 };
 
 struct EpochSummary {

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "flotilla/error.h"
+#include "flotilla/profile/compute.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "models/zoo.h"
 
@@ -30,6 +31,30 @@ TEST(Zoo, ShapesMatchWhatPeersBuild) {
     const auto y = m->forward(torch::randn({3, 1, 28, 28}));
     EXPECT_EQ(y.sizes(), (std::vector<std::int64_t>{3, 10})) << name;
   }
+}
+
+// The doctor's FLOP count (profile::counted_flops) of one forward pass, per sample: the CNN's
+// by hand; the others equal torch.utils.flop_counter's count of their PyTorch twins
+// (bench/peers/utilisation.py flops MODEL), an independent counter, which leaves out the CPU's
+// fused attention kernel: ViT-tiny's attention is added by hand (6 layers, 3 heads, 50 tokens
+// of 64: Q K^T and the weights times V, 2 x 50 x 50 x 64 each).
+TEST(Zoo, ForwardFlopsCountedFromShapesEqualIndependentCounts) {
+  const std::map<std::string, std::int64_t> expected = {
+      {"mlp", 2 * (784 * 256 + 256 * 256 + 256 * 10)},
+      {"cnn", 2 * (28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 3136 * 128 + 128 * 10)},
+      {"resnet20", 62043904},
+      {"resnet18", 911601664},
+      {"vit-tiny", 265725696 + 6 * 3 * 2 * (2 * 50 * 50 * 64)},
+  };
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, flops] : expected) {
+    auto m = make_model(name);
+    m->eval();
+    const torch::Tensor x = torch::zeros({4, 1, 28, 28});
+    EXPECT_EQ(profile::counted_flops([&] { m->forward(x); }), 4.0 * static_cast<double>(flops))
+        << name;
+  }
+  EXPECT_EQ(profile::counted_flops([] {}), 0.0);
 }
 
 TEST(Zoo, TheResNetsConvertToSyncBatchNormWithTheirNamesAndValues) {

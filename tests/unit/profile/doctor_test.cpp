@@ -53,10 +53,13 @@ RunSummary healthy() {
   r.local_workers = 1;
   r.buckets = 1;
   r.bytes_per_pack = 25 << 20;
+  r.train_flops_per_sample = 50e6;
+  r.matmul_peak_gflops = 70;
   for (int e = 1; e <= 2; ++e) {
     EpochSummary epoch;
     epoch.epoch = e;
     epoch.steps = 100;
+    epoch.samples_per_s = 1000; // 50 of 70 GFLOP/s
     epoch.workers = {phases(0.01)};
     run.epochs.push_back(epoch);
   }
@@ -99,8 +102,8 @@ TEST(Doctor, OneFindingPerRecipeItemAllOkForAHealthyRun) {
   for (const auto& f : findings) items.push_back(f.item);
   std::sort(items.begin(), items.end());
   EXPECT_EQ(items, (std::vector<std::string>{"batch size", "communication", "compiled step",
-                                             "input pipeline", "learning rate", "mixed precision",
-                                             "threads per worker"}));
+                                             "compute", "input pipeline", "learning rate",
+                                             "mixed precision", "threads per worker"}));
   for (const auto& f : findings) {
     if (f.item == "compiled step") {
       EXPECT_EQ(f.status, Status::kUnknown); // nothing to compile with on the CPU
@@ -362,6 +365,29 @@ TEST(Doctor, CommunicationFollowsTheExposedShare) {
   }
 }
 
+// The training's FLOPs (per sample x samples/s per worker) over one worker's measured peak.
+TEST(Doctor, ComputeIsTheShareOfTheMeasuredMatmulPeak) {
+  RunSummary run = healthy();
+  Finding f = item(run, "compute");
+  EXPECT_EQ(f.status, Status::kGood) << f.evidence;
+  EXPECT_EQ(f.evidence, "71% of this CPU's float32 matmul peak: 50.0 of 70.0 GFLOP/s per worker, "
+                        "50 MFLOP per sample");
+  // Two workers share the global samples/s: half each.
+  run.recipe.workers = 2;
+  run.recipe.precision = "mixed_bfloat16";
+  run.recipe.matmul_peak_gflops = 200;
+  f = item(run, "compute");
+  EXPECT_EQ(f.status, Status::kConsider);
+  EXPECT_EQ(f.evidence, "12% of this CPU's bf16 matmul peak: 25.0 of 200.0 GFLOP/s per worker, "
+                        "50 MFLOP per sample");
+  EXPECT_TRUE(contains(f.recommendation, "RecipeFacts::batch_per_replica")) << advice(f);
+  EXPECT_EQ(f.gain, 0); // not a share of step time anyone can promise
+  run.recipe.train_flops_per_sample = 0;
+  f = item(run, "compute");
+  EXPECT_EQ(f.status, Status::kUnknown);
+  EXPECT_TRUE(contains(f.evidence, "RecipeFacts::train_flops_per_sample")) << f.evidence;
+}
+
 TEST(Doctor, MostValuableFirst) {
   RunSummary run = healthy();
   run.recipe.peak_lr = 0.5;             // act, no speed to gain
@@ -374,7 +400,7 @@ TEST(Doctor, MostValuableFirst) {
   for (const auto& f : findings) order.push_back(f.item);
   EXPECT_EQ(order, (std::vector<std::string>{"input pipeline", "learning rate",
                                              "threads per worker", "compiled step", "batch size",
-                                             "mixed precision", "communication"}));
+                                             "mixed precision", "communication", "compute"}));
   auto rank = [](Status s) {
     return s == Status::kAct ? 0 : s == Status::kConsider ? 1 : s == Status::kUnknown ? 2 : 3;
   };
@@ -407,7 +433,7 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
                     "step time)");
   // Every item once; "ok" items carry no recommendation line.
   for (const char* name : {"input pipeline", "mixed precision", "compiled step", "batch size",
-                           "learning rate", "threads per worker", "communication"}) {
+                           "learning rate", "threads per worker", "communication", "compute"}) {
     EXPECT_EQ(std::count_if(all.begin(), all.end(),
                             [&](const std::string& l) {
                               return contains(l, std::string("] ") + name + ":");
@@ -418,7 +444,7 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
   const auto recommendation_lines =
       std::count_if(all.begin(), all.end(), [](const std::string& l) { return contains(l, "->"); });
   EXPECT_EQ(recommendation_lines, 2); // input pipeline and the CPU's missing compiled step
-  EXPECT_EQ(all.size(), 1u + 7u + 2u);
+  EXPECT_EQ(all.size(), 1u + 8u + 2u);
   EXPECT_TRUE(contains(text, "  [ok] mixed precision: float32 on cpu")) << text;
   EXPECT_EQ(format_findings({}), "Recipe doctor (most valuable first):\n  nothing to check\n");
 }
