@@ -78,27 +78,43 @@ double flops_of(const std::string& name, c10::ArrayRef<const c10::IValue> in) {
 }
 
 thread_local double* counting = nullptr;
+// Counted operators open on this thread: one inside another (autocast's wrapper calling the
+// same operator again, a math attention calling bmm) is the same work, counted once.
+thread_local int counted_open = 0;
+
+struct Counted : at::ObserverContext {};
 
 } // namespace
 
 double counted_flops(const std::function<void()>& run) {
   double total = 0;
   counting = &total;
+  counted_open = 0;
   const at::CallbackHandle handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback([](const at::RecordFunction& fn)
-                                     -> std::unique_ptr<at::ObserverContext> {
-        if (counting) *counting += flops_of(fn.name(), fn.inputs());
-        return nullptr;
-      }).needsInputs(true));
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (!counting) return nullptr;
+            const double flops = flops_of(fn.name(), fn.inputs());
+            if (flops == 0) return nullptr;
+            if (counted_open++ == 0) *counting += flops;
+            return std::make_unique<Counted>();
+          },
+          [](const at::RecordFunction&, at::ObserverContext* context) {
+            if (context) --counted_open;
+          })
+          .needsInputs(true));
+  auto stop = [&] {
+    at::removeCallback(handle);
+    counting = nullptr;
+    counted_open = 0;
+  };
   try {
     run();
   } catch (...) {
-    at::removeCallback(handle);
-    counting = nullptr;
+    stop();
     throw;
   }
-  at::removeCallback(handle);
-  counting = nullptr;
+  stop();
   return total;
 }
 

@@ -11,8 +11,10 @@ namespace flotilla::profile {
 // The floating-point operations of the products `run` computes on the calling thread, counted
 // from the operators' input shapes as LibTorch records them (RecordFunction): convolutions
 // (aten::convolution), matrix products (mm, addmm, bmm, baddbmm) and fused attention (Q K^T and
-// the weights times V); a multiply-add counts 2. Normalisations, activations and elementwise
-// kernels count nothing. Run a forward pass: backward kernels are not counted.
+// the weights times V); a multiply-add counts 2, and a counted operator inside another (autocast
+// calling addmm again, a math attention's bmm) is not counted twice. Normalisations,
+// activations and elementwise kernels count nothing. Run a forward pass: backward kernels are
+// not counted.
 double counted_flops(const std::function<void()>& run);
 
 // The rate of a 1024 x 1024 matrix product in `dtype` with LibTorch's current threads, in

@@ -2,6 +2,7 @@
 
 #include "flotilla/error.h"
 #include "flotilla/profile/compute.h"
+#include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "models/zoo.h"
 
@@ -53,6 +54,13 @@ TEST(Zoo, ForwardFlopsCountedFromShapesEqualIndependentCounts) {
     const torch::Tensor x = torch::zeros({4, 1, 28, 28});
     EXPECT_EQ(profile::counted_flops([&] { m->forward(x); }), 4.0 * static_cast<double>(flops))
         << name;
+    // The same under bf16 autocast: the count does not depend on the precision.
+    EXPECT_EQ(profile::counted_flops([&] {
+                train::AutocastGuard autocast(train::Policy::kMixedBFloat16, torch::kCPU);
+                m->forward(x);
+              }),
+              4.0 * static_cast<double>(flops))
+        << name << " under autocast";
   }
   EXPECT_EQ(profile::counted_flops([] {}), 0.0);
 }
