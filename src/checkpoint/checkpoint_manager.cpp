@@ -12,7 +12,6 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -23,6 +22,7 @@
 #include "checkpoint/manifest.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/base/hashes.h"
+#include "flotilla/base/system.h"
 #include "flotilla/checkpoint/directory.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -60,15 +60,6 @@ std::string random_suffix() {
   std::ostringstream out;
   out << std::hex << generator();
   return out.str();
-}
-
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  ::gmtime_r(&now, &utc);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
-  return text;
 }
 
 // Makes a directory's entries (a rename into it, a new file) durable.
@@ -301,7 +292,7 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
       {"cluster_size", cluster_size},
       {"flotilla_version", FLOTILLA_VERSION},
       {"libtorch_version", TORCH_VERSION},
-      {"created", utc_now()},
+      {"created", base::utc_now()},
       {"files", files},
       {"state", ordered_json::parse(data.state.dump())},
   };

@@ -1,7 +1,5 @@
 #include "flotilla/profile/profiler.h"
 
-#include <ctime>
-
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/base/system.h"
 #include "flotilla/collective/agreement.h"
@@ -13,19 +11,6 @@
 #include "flotilla/profile/timeline.h"
 
 namespace flotilla::profile {
-
-namespace {
-
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-} // namespace
 
 RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   auto& strategy = model.strategy();
@@ -99,7 +84,7 @@ Profiler::Profiler(ProfilerOptions options) : options_(std::move(options)) {}
 void Profiler::on_train_begin() {
   summary_ = RunSummary{};
   summary_.command = options_.command;
-  summary_.started = utc_now();
+  summary_.started = base::utc_now();
   // The timeline's gather is a collective: every worker must take part, or none.
   const bool mine = !options_.trace.empty();
   // A worker rejoining an elastic group mid-fit cannot ask (its peers are training): it was

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <ctime>
 
+#include "flotilla/base/system.h"
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/directory.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
@@ -236,15 +236,6 @@ std::string host_name() {
   return name;
 }
 
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  ::gmtime_r(&now, &utc);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
-  return text;
-}
-
 // "host h, process p, since t, training <model> (<n> parameters, seed s, w workers)"
 std::string describe_holder(const nlohmann::json& holder) {
   if (!holder.is_object() || !holder.contains("pid")) {
@@ -305,7 +296,7 @@ std::string BackupAndRestore::claim_directory(bool elastic_takeover) {
   const nlohmann::json record = {{"holder", "flotilla BackupAndRestore"},
                                  {"host", host_name()},
                                  {"pid", ::getpid()},
-                                 {"started", utc_now()},
+                                 {"started", base::utc_now()},
                                  {"run", run_identity(model())},
                                  {"created_directory", created}};
   nlohmann::json holder;

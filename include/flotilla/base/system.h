@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <string>
 
 namespace flotilla::base {
 
@@ -17,5 +18,8 @@ inline double seconds_between(Clock::time_point from, Clock::time_point to) {
 inline double seconds_since(Clock::time_point from) {
   return seconds_between(from, Clock::now());
 }
+
+// The wall-clock time now, for records people read: ISO 8601 in UTC, "2026-12-03T07:10:49Z".
+std::string utc_now();
 
 } // namespace flotilla::base
