@@ -116,11 +116,11 @@ class PatchEmbeddingImpl : public nn::Cloneable<PatchEmbeddingImpl> {
   }
   torch::Tensor forward(const torch::Tensor& images) {
     const torch::Tensor patches = projection_->forward(images).flatten(2).transpose(1, 2);
+    // As PyTorch's twin: under autocast cat promotes to the class token's float32, so the
+    // residual stream stays float32 and only the matmuls run in the lower precision.
     const torch::Tensor tokens =
-        torch::cat({class_token_.expand({patches.size(0), 1, kVitWidth}).to(patches.dtype()),
-                    patches},
-                   1);
-    return dropout_->forward(tokens + positions_.to(tokens.dtype()));
+        torch::cat({class_token_.expand({patches.size(0), 1, kVitWidth}), patches}, 1);
+    return dropout_->forward(tokens + positions_);
   }
 
  private:
