@@ -2,10 +2,9 @@
 
 #include <cstring>
 
-#include "flotilla/base/crc32c.h"
+#include "flotilla/base/tfrecord_framing.h"
 #include "data/example_codec.h"
 #include "data/stages.h"
-#include "data/tfrecord_framing.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
@@ -159,7 +158,7 @@ TFRecordReader::TFRecordReader(std::string path)
 }
 
 std::optional<std::string> TFRecordReader::next() {
-  auto record = detail::read_tfrecord(in_, path_ + ": record " + std::to_string(index_));
+  auto record = base::read_tfrecord(in_, path_ + ": record " + std::to_string(index_));
   if (record) ++index_;
   return record;
 }
@@ -170,15 +169,7 @@ TFRecordWriter::~TFRecordWriter() = default;
 
 void TFRecordWriter::write(const std::string& record) {
   if (!file_) throw DataError("TFRecordWriter: write after close()");
-  unsigned char header[12];
-  const std::uint64_t length = record.size();
-  std::memcpy(header, &length, 8);
-  const std::uint32_t length_crc = base::mask_crc(base::crc32c(header, 8));
-  std::memcpy(header + 8, &length_crc, 4);
-  const std::uint32_t data_crc = base::mask_crc(base::crc32c(record.data(), record.size()));
-  file_->write(header, 12);
-  file_->write(record);
-  file_->write(&data_crc, 4);
+  file_->write(base::frame_tfrecord(record));
 }
 
 void TFRecordWriter::close() {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <system_error>
 
-#include "flotilla/base/crc32c.h"
+#include "flotilla/base/tfrecord_framing.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 #include "train/event_codec.h"
@@ -31,20 +31,6 @@ double now_seconds() {
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
       std::chrono::system_clock::now().time_since_epoch());
   return static_cast<double>(us.count()) / 1e6; // microseconds, as TensorFlow stamps events
-}
-
-// One TFRecord: length, masked CRC-32C of the length, data, masked CRC-32C of the data.
-void append_record(std::string& out, const std::string& data) {
-  unsigned char header[12];
-  const std::uint64_t length = data.size();
-  std::memcpy(header, &length, 8);
-  const std::uint32_t length_crc = base::mask_crc(base::crc32c(header, 8));
-  std::memcpy(header + 8, &length_crc, 4);
-  const std::uint32_t data_crc =
-      base::mask_crc(base::crc32c(data.data(), data.size()));
-  out.append(reinterpret_cast<const char*>(header), 12);
-  out.append(data);
-  out.append(reinterpret_cast<const char*>(&data_crc), 4);
 }
 
 } // namespace
@@ -122,7 +108,7 @@ void EventFileWriter::flush() {
 }
 
 void EventFileWriter::queue(const std::string& event) {
-  append_record(queued_, event);
+  queued_ += base::frame_tfrecord(event);
   ++queued_events_;
 }
 

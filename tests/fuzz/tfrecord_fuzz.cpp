@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "data/example_codec.h"
-#include "data/tfrecord_framing.h"
+#include "flotilla/base/tfrecord_framing.h"
 #include "tests/fuzz/fuzz_support.h"
 
 using namespace flotilla::data::detail;
@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   std::istringstream in(rest);
   flotilla::fuzz::expect_only_flotilla_errors([&] {
-    for (int index = 0; auto record = read_tfrecord(in, "fuzz.tfrecord: record " +
+    for (int index = 0; auto record = flotilla::base::read_tfrecord(in, "fuzz.tfrecord: record " +
                                                             std::to_string(index));
          ++index) {
       decode_example(*record, features);

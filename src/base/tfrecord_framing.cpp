@@ -1,4 +1,4 @@
-#include "data/tfrecord_framing.h"
+#include "flotilla/base/tfrecord_framing.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include "flotilla/base/crc32c.h"
 #include "flotilla/error.h"
 
-namespace flotilla::data::detail {
+namespace flotilla::base {
 namespace {
 
 std::string hex(std::uint32_t v) {
@@ -18,6 +18,18 @@ std::string hex(std::uint32_t v) {
 }
 
 } // namespace
+
+std::string frame_tfrecord(std::string_view data) {
+  std::string framed(12 + data.size() + 4, '\0');
+  const std::uint64_t length = data.size();
+  std::memcpy(framed.data(), &length, 8);
+  const std::uint32_t length_crc = mask_crc(crc32c(framed.data(), 8));
+  std::memcpy(framed.data() + 8, &length_crc, 4);
+  std::memcpy(framed.data() + 12, data.data(), data.size());
+  const std::uint32_t data_crc = mask_crc(crc32c(data.data(), data.size()));
+  std::memcpy(framed.data() + 12 + data.size(), &data_crc, 4);
+  return framed;
+}
 
 std::optional<std::string> read_tfrecord(std::istream& in, const std::string& where) {
   unsigned char header[12];
@@ -31,7 +43,7 @@ std::optional<std::string> read_tfrecord(std::istream& in, const std::string& wh
   std::uint32_t length_crc = 0;
   std::memcpy(&length, header, 8);
   std::memcpy(&length_crc, header + 8, 4);
-  const std::uint32_t expected_length_crc = base::mask_crc(base::crc32c(header, 8));
+  const std::uint32_t expected_length_crc = mask_crc(crc32c(header, 8));
   if (length_crc != expected_length_crc) {
     throw DataError(where + ": length CRC mismatch (stored " + hex(length_crc) + ", computed " +
                     hex(expected_length_crc) + "); the file is corrupt or not a TFRecord file");
@@ -54,7 +66,7 @@ std::optional<std::string> read_tfrecord(std::istream& in, const std::string& wh
     throw DataError(where + ": truncated: the record claims " + std::to_string(length) +
                     " bytes and its CRC, the file ends first");
   }
-  const std::uint32_t expected = base::mask_crc(base::crc32c(data.data(), data.size()));
+  const std::uint32_t expected = mask_crc(crc32c(data.data(), data.size()));
   if (data_crc != expected) {
     throw DataError(where + ": data CRC mismatch (stored " + hex(data_crc) + ", computed " +
                     hex(expected) + "); the file is corrupt");
@@ -62,4 +74,4 @@ std::optional<std::string> read_tfrecord(std::istream& in, const std::string& wh
   return data;
 }
 
-} // namespace flotilla::data::detail
+} // namespace flotilla::base
