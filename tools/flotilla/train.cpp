@@ -25,6 +25,7 @@
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/callbacks.h"
 #include "flotilla/train/model.h"
+#include "flotilla/train/recipe.h"
 #include "flotilla/train/schedules.h"
 #include "flotilla/train/sidecar_evaluator.h"
 #include "flotilla/train/sync_batchnorm.h"
@@ -127,97 +128,24 @@ std::string this_command() {
   return line;
 }
 
-struct Recipe {
-  train::Policy policy = train::Policy::kFloat32;
-  train::OptimizerOptions optimizer;
-  std::vector<std::string> lines; // what is on and off, for the log
-  double peak_lr = 0;
-  std::int64_t warmup_steps = 0;
-  std::int64_t total_steps = 0;
-};
-
-Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch, std::int64_t steps_per_epoch,
-                   const torch::Device& device) {
-  Recipe r;
-  char buf[256];
-  // Mixed precision, matched to the hardware (the seeds: mixed_float16 on GPU, bf16 where it is
-  // native: Ampere and newer GPUs, AVX512-BF16/AMX CPUs).
-  if (a.precision == "auto") {
-    r.policy = train::fastest_policy(device);
-    if (device.is_cuda()) {
-      r.lines.push_back(
-          r.policy == train::Policy::kMixedBFloat16
-              ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
-              : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
-                "predates native bfloat16)");
-    } else {
-      r.lines.push_back(
-          r.policy == train::Policy::kMixedBFloat16
-              ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
-              : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
-                "bfloat16 would be slower; --precision mixed_bfloat16 forces it)");
-    }
-  } else {
-    r.policy = train::parse_policy(a.precision);
-    r.lines.push_back("mixed precision: " + train::to_string(r.policy) + " (--precision)");
-  }
-  // Linear learning-rate scaling with the global batch.
-  double peak = a.lr;
-  if (a.lr > 0) {
-    std::snprintf(buf, sizeof buf, "learning rate: %g as given (--lr; no scaling)", a.lr);
-  } else if (a.lr_scaling == "linear") {
-    peak = train::linear_scaling(a.base_lr, global_batch, a.base_batch);
-    std::snprintf(buf, sizeof buf, "linear LR scaling: %g x %lld / %lld = %g", a.base_lr,
-                  static_cast<long long>(global_batch), static_cast<long long>(a.base_batch), peak);
-  } else {
-    peak = a.base_lr;
-    std::snprintf(buf, sizeof buf, "learning rate: %g, not scaled (--lr-scaling none)", a.base_lr);
-  }
-  r.lines.push_back(buf);
-  r.peak_lr = peak;
-  r.optimizer.kind = train::parse_optimizer(a.optimizer);
-  r.optimizer.learning_rate = peak;
-  if (r.optimizer.kind == train::OptimizerKind::kSGD) {
-    r.optimizer.momentum = a.momentum;
-  } else if (r.optimizer.kind == train::OptimizerKind::kAdamW) {
-    r.optimizer.weight_decay = 0.004;
-  }
-  if (a.weight_decay >= 0) r.optimizer.weight_decay = a.weight_decay;
-  // Warmup + cosine decay over the whole run, per optimizer update.
-  const std::int64_t total = steps_per_epoch * a.epochs / a.accumulation_steps;
-  const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
-  const auto warmup =
-      static_cast<std::int64_t>(warmup_epochs * static_cast<double>(total) / a.epochs);
-  r.total_steps = total;
-  if (a.schedule == "cosine") {
-    r.warmup_steps = warmup;
-    if (total - warmup < 1) {
-      throw ConfigError("--warmup-epochs " + std::to_string(warmup_epochs) +
-                        " leaves no steps to decay over in " + std::to_string(a.epochs) +
-                        " epoch(s); lower it or train longer");
-    }
-    train::CosineDecayOptions cosine;
-    if (warmup > 0) {
-      // TF warms up only with a warmup_target: from initial_learning_rate (0) to it.
-      cosine.initial_learning_rate = 0;
-      cosine.warmup_target = peak;
-      cosine.warmup_steps = warmup;
-    } else {
-      cosine.initial_learning_rate = peak;
-    }
-    cosine.decay_steps = total - warmup;
-    r.optimizer.schedule = std::make_shared<train::CosineDecay>(cosine);
-    std::snprintf(buf, sizeof buf,
-                  "schedule: %lld warmup step(s) (%g epoch(s)) to %g, then cosine "
-                  "decay over %lld step(s)",
-                  static_cast<long long>(warmup), warmup_epochs, peak,
-                  static_cast<long long>(total - warmup));
-  } else if (a.schedule == "constant") {
-    std::snprintf(buf, sizeof buf, "schedule: constant %g", peak);
-  } else {
-    throw ConfigError("--schedule \"" + a.schedule + "\" is not available; use cosine or constant");
-  }
-  r.lines.push_back(buf);
+// The library's recipe (precision, linear scaling, warmup + cosine) from the flags, plus what
+// only this command decides: the compiled step, the input pipeline and the batch.
+train::Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch,
+                          std::int64_t steps_per_epoch, const torch::Device& device) {
+  train::RecipeOptions options;
+  options.precision = a.precision;
+  options.optimizer = a.optimizer;
+  options.lr = a.lr;
+  options.base_lr = a.base_lr;
+  options.base_batch = a.base_batch;
+  options.lr_scaling = a.lr_scaling;
+  options.schedule = a.schedule;
+  options.epochs = a.epochs;
+  options.warmup_epochs = a.warmup_epochs;
+  options.accumulation_steps = a.accumulation_steps;
+  options.momentum = a.momentum;
+  options.weight_decay = a.weight_decay;
+  train::Recipe r = train::make_recipe(options, global_batch, steps_per_epoch, device);
   r.lines.push_back(std::string("compiled step: ") +
                     (!a.jit_compile     ? "off (--jit-compile captures the step in a CUDA graph)"
                      : device.is_cuda() ? "jit_compile requested: the step in a CUDA graph where "
@@ -495,7 +423,7 @@ std::string input_chain(const TrainArgs& a, std::int64_t global_batch, const Inp
          (a.augment ? ", augment" : "") + ") -> prefetch(autotune); " + input.train.plan();
 }
 
-train::CompileOptions compile_options(const TrainArgs& a, const Recipe& recipe) {
+train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& recipe) {
   train::CompileOptions compile;
   compile.optimizer = recipe.optimizer;
   compile.loss.label_smoothing = a.label_smoothing;
@@ -506,7 +434,7 @@ train::CompileOptions compile_options(const TrainArgs& a, const Recipe& recipe) 
   return compile;
 }
 
-void log_recipe(const strategy::Strategy& strategy, const Recipe& recipe, const Input& input,
+void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe, const Input& input,
                 const train::Model& model, const collective::CommunicationOptions& comm) {
   for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
   strategy.log().info(
@@ -641,7 +569,7 @@ std::shared_ptr<train::Callback> metrics_lines(const std::string& path, train::M
   return metrics;
 }
 
-profile::ProfilerOptions profiler_options(const TrainArgs& a, const Recipe& recipe,
+profile::ProfilerOptions profiler_options(const TrainArgs& a, const train::Recipe& recipe,
                                           std::int64_t global_batch, int threads,
                                           const cluster::Environment& env, const Input& input,
                                           train::Verbosity verbose) {
@@ -832,7 +760,7 @@ int run(const TrainArgs& a) {
   if (strategy.is_chief()) log_strategy(strategy, a, spec, devices, threads, global_batch);
   const Input input = input_pipeline(a, sources, strategy, devices.front(), threads, global_batch);
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
-  const Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
+  const train::Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
   torch::manual_seed(a.seed);
   const std::unique_ptr<train::Model> owned = make_model(strategy, a, script);

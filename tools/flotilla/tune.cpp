@@ -15,6 +15,7 @@
 #include "flotilla/error.h"
 #include "flotilla/profile/batch_search.h"
 #include "flotilla/train/mixed_precision.h"
+#include "flotilla/train/recipe.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 
@@ -49,12 +50,11 @@ int run(const TuneArgs& a) {
   }
   const std::string device =
       a.device == "auto" ? (profile::cuda_available() ? "cuda" : "cpu") : a.device;
-  std::string precision = a.precision;
-  if (precision == "auto") {
-    precision = device == "cuda"               ? "mixed_float16"
-                : train::cpu_has_native_bf16() ? "mixed_bfloat16"
-                                               : "float32";
-  }
+  // The same choice as flotilla train's (train::choose_precision).
+  const std::string precision = train::to_string(
+      train::choose_precision(a.precision, torch::Device(device == "cuda" ? torch::kCUDA
+                                                                          : torch::kCPU))
+          .first);
   const int threads = a.threads > 0
                           ? a.threads
                           : std::max(1, base::available_cores() / std::max(1, a.workers_per_machine));
