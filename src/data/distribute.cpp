@@ -418,7 +418,7 @@ DistributedIterator DistributedDataset::make_iterator(const IteratorState& state
 }
 
 DistributedDataset distribute_dataset(const Dataset& dataset,
-                                      const strategy::InputContext& context) {
+                                      const cluster::InputContext& context) {
   const std::int64_t replicas = context.num_replicas_in_sync;
   const std::int64_t workers = context.num_input_pipelines;
   const std::int64_t per_worker = replicas / workers; // replicas on each worker
@@ -566,7 +566,7 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
       0, true);
 }
 
-DistributedDataset DistributedDataset::redistribute(const strategy::InputContext& context) const {
+DistributedDataset DistributedDataset::redistribute(const cluster::InputContext& context) const {
   if (sharding() == "from a function") {
     throw ConfigError("a dataset each worker builds for itself (distribute_datasets_from_function) "
                       "cannot be split anew among other workers; use distribute_dataset");
@@ -575,8 +575,8 @@ DistributedDataset DistributedDataset::redistribute(const strategy::InputContext
 }
 
 DistributedDataset
-distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
-                                  const strategy::InputContext& context) {
+distribute_datasets_from_function(const std::function<Dataset(const cluster::InputContext&)>& fn,
+                                  const cluster::InputContext& context) {
   if (context.uneven_split) {
     throw ConfigError("distribute_datasets_from_function: an elastic group re-splits each global "
                       "batch among the workers it has mid-epoch, which a pipeline each worker "

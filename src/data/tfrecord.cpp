@@ -2,10 +2,10 @@
 
 #include <cstring>
 
-#include "flotilla/base/tfrecord_framing.h"
 #include "data/example_codec.h"
 #include "data/stages.h"
 #include "flotilla/base/atomic_file.h"
+#include "flotilla/base/tfrecord_framing.h"
 #include "flotilla/error.h"
 
 namespace flotilla::data {

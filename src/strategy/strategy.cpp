@@ -13,18 +13,6 @@
 
 namespace flotilla::strategy {
 
-std::int64_t InputContext::get_per_replica_batch_size(std::int64_t global_batch) const {
-  if (global_batch < 1) {
-    throw ConfigError("global batch must be at least 1; saw " + std::to_string(global_batch));
-  }
-  if (global_batch < num_replicas_in_sync || global_batch % num_replicas_in_sync != 0) {
-    throw ConfigError("global batch " + std::to_string(global_batch) +
-                      " does not split evenly across " + std::to_string(num_replicas_in_sync) +
-                      " replicas; use a multiple of " + std::to_string(num_replicas_in_sync));
-  }
-  return global_batch / num_replicas_in_sync;
-}
-
 namespace {
 
 int cuda_devices() {
@@ -192,6 +180,16 @@ Strategy::Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::Ela
   // group was lost starts afresh too.
   joining_ = !group->starts_afresh();
   elastic_ = std::move(group);
+}
+
+collective::Communicator* Strategy::saving_group() {
+  if (saves_collectively()) return &communicator_;
+  if (!is_chief()) return nullptr;
+  if (!saving_alone_) {
+    saving_alone_ = std::make_shared<collective::Communicator>(
+        collective::Communicator::local_group(1).front());
+  }
+  return saving_alone_.get();
 }
 
 void Strategy::adopt_generation() {

@@ -18,17 +18,6 @@ namespace flotilla::train {
 namespace fs = std::filesystem;
 namespace {
 
-// The group a save goes through. Fixed membership: every worker (a collective save). Elastic:
-// the chief alone, as a group of one, and nobody for the others, since a collective is one a
-// worker joining or leaving mid-fit could not take part in.
-collective::Communicator* saving_group(strategy::Strategy& strategy) {
-  if (!strategy.elastic()) return &strategy.communicator();
-  if (!strategy.is_chief()) return nullptr;
-  static auto* const alone = new collective::Communicator( // never destroyed: used until exit
-      collective::Communicator::local_group(1).front());
-  return alone;
-}
-
 // The number in the name of the newest checkpoint the pointer names (0 without one): a chief
 // that took over mid-fit goes on from its predecessor's numbering.
 std::int64_t newest_number(const checkpoint::CheckpointManager& manager) {
@@ -126,9 +115,7 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
 }
 
 void ModelCheckpoint::on_train_begin() {
-  // A worker joining an elastic group learns its updates only after this: counted from its
-  // first step.
-  last_saved_iteration_ = model().strategy().joining() ? -1 : model().iterations();
+  cadence_.restart(model().iterations(), model().strategy().joining());
 }
 
 void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
@@ -146,12 +133,12 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   }
   const fs::path path = format_filepath(options_.filepath, epoch_1based, logs);
   auto& strategy = model().strategy();
-  collective::Communicator* const group = saving_group(strategy);
+  collective::Communicator* const group = strategy.saving_group();
   if (!group) return;
   if (options_.save_weights_only) {
     // Every worker saves together (the buffers' mirror is a collective). Elastic: the chief alone,
     // with the buffers it has (mirrored at each epoch's end).
-    if (!strategy.elastic()) model().mirror_buffers();
+    if (strategy.saves_collectively()) model().mirror_buffers();
     checkpoint::save_model(*group, model().module(),
                            path.parent_path().empty() ? "." : path.parent_path(),
                            path.filename().string(),
@@ -168,9 +155,8 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
 void ModelCheckpoint::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (options_.save_freq == 0) return;
   const std::int64_t iterations = model().iterations();
-  if (last_saved_iteration_ < 0) last_saved_iteration_ = iterations - 1; // joined (above)
-  if (iterations - last_saved_iteration_ < options_.save_freq) return;
-  last_saved_iteration_ = iterations;
+  if (!cadence_.due(iterations, options_.save_freq)) return;
+  cadence_.saved(iterations);
   save(model().current_epoch() + 1, logs);
 }
 
@@ -212,7 +198,7 @@ void BackupAndRestore::on_train_begin() {
   if (model().strategy().joining()) {
     // Joining an elastic group mid-fit: the state comes from a live peer, not from here, and
     // the others are past this agreement. Backups are counted from this worker's first step.
-    last_backup_iteration_ = -1;
+    cadence_.restart(0, /*joining=*/true);
     return;
   }
   auto& strategy = model().strategy();
@@ -221,7 +207,7 @@ void BackupAndRestore::on_train_begin() {
       strategy.communicator(), strategy.is_chief() ? claim_directory() : std::string(), 0);
   if (!refusal.empty()) throw ConfigError(refusal);
   const std::optional<TrainingState> state = restore();
-  last_backup_iteration_ = state ? state->iterations : model().iterations();
+  cadence_.restart(state ? state->iterations : model().iterations(), /*joining=*/false);
   if (state) {
     model().restore_training_state(*state);
     restored_ = state;
@@ -403,8 +389,8 @@ void BackupAndRestore::request_preemption() noexcept {
 
 bool BackupAndRestore::backup() {
   auto& strategy = model().strategy();
-  last_backup_iteration_ = model().iterations();
-  collective::Communicator* const group = saving_group(strategy);
+  cadence_.saved(model().iterations());
+  collective::Communicator* const group = strategy.saving_group();
   if (!group) return false;
   // A member that became the elastic group's chief mid-fit takes its predecessor's lock.
   if (strategy.elastic() && !claimed_) {
@@ -430,8 +416,7 @@ void BackupAndRestore::on_train_batch_end(std::int64_t batch, const Logs& logs) 
   // right after this step anyway. (params().steps is at most the epoch's steps: see
   // EpochIterator::known_steps.)
   const bool epoch_last = params().steps > 0 && batch + 1 >= params().steps;
-  if (last_backup_iteration_ < 0) last_backup_iteration_ = model().iterations() - 1; // joined
-  if (!epoch_last && model().iterations() - last_backup_iteration_ >= options_.save_freq) {
+  if (!epoch_last && cadence_.due(model().iterations(), options_.save_freq)) {
     backup();
   }
 }
@@ -449,7 +434,7 @@ void BackupAndRestore::on_train_end() {
   auto& strategy = model().strategy();
   // Nobody still reads it. (Elastic: no collective after the fit's last agreement, which the
   // group could not heal; every member restored, or joined without reading, long before.)
-  if (!strategy.elastic()) strategy.communicator().barrier().wait();
+  if (strategy.saves_collectively()) strategy.communicator().barrier().wait();
   if (!strategy.is_chief()) return;
   const fs::path& dir = options_.backup_dir;
   const auto record = checkpoint::DirectoryLock::record(dir);

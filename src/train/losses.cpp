@@ -79,6 +79,17 @@ torch::Tensor labels_like(const torch::Tensor& outputs, const torch::Tensor& lab
 
 torch::Tensor per_example_loss(const LossOptions& options, const torch::Tensor& raw_outputs,
                                const torch::Tensor& labels) {
+  if (options.custom) {
+    const std::int64_t n = raw_outputs.dim() > 0 ? raw_outputs.size(0) : 1;
+    const torch::Tensor loss = at_least_float32(options.custom(raw_outputs, labels));
+    if (loss.dim() == 0) return loss.expand({n}); // the slice's mean, once per example
+    if (loss.dim() != 1 || loss.size(0) != n) {
+      throw ConfigError("the custom loss gave a tensor of shape " + c10::str(loss.sizes()) +
+                        " for " + std::to_string(n) + " examples; give one value per example ([" +
+                        std::to_string(n) + "]) or a scalar (their mean)");
+    }
+    return loss;
+  }
   const torch::Tensor outputs = at_least_float32(raw_outputs);
   const double s = options.label_smoothing;
   switch (options.kind) {

@@ -863,7 +863,7 @@ void Model::check_consistency(const data::DistributedDataset& train, const FitOp
       {"loss scaling",
        loss_scale_ ? (loss_scale_->options().dynamic ? "dynamic" : "fixed") : std::string("off")},
       {"optimizer", options_->optimizer.describe()},
-      {"loss", to_string(options_->loss.kind)},
+      {"loss", options_->loss.custom ? std::string("custom") : to_string(options_->loss.kind)},
       {"per-replica batch", train.per_replica_batch() > 0
                                 ? std::to_string(train.per_replica_batch())
                                 : std::string("set by the input pipeline")},
@@ -934,6 +934,9 @@ void Model::apply_update() {
     // as it is, over the one the rate was set for): Goyal et al.'s linear rule, per update.
     const double scale =
         lr_global_rows_ > 0 ? static_cast<double>(rows) / static_cast<double>(lr_global_rows_) : 1.0;
+    if (options_->optimizer.global_clipnorm > 0) {
+      replicas_->clip_gradients(options_->optimizer.global_clipnorm);
+    }
     replicas_->step(options_->optimizer.learning_rate_at(schedule_step()) * scale);
     ++iterations_;
     trained_rows_ += rows;

@@ -4,6 +4,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
 #include <sstream>
 
 #include "flotilla/error.h"
@@ -53,6 +54,7 @@ std::string OptimizerOptions::describe() const {
     if (amsgrad) out << ", amsgrad=true";
   }
   if (weight_decay != 0) out << ", weight_decay=" << weight_decay;
+  if (global_clipnorm > 0) out << ", global_clipnorm=" << global_clipnorm;
   out << ")";
   return out.str();
 }
@@ -70,6 +72,9 @@ void validate(const OptimizerOptions& o) {
   };
   if (!o.schedule && !(o.learning_rate > 0)) bad("learning rate", o.learning_rate, "positive");
   if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "at least 0");
+  if (!(o.global_clipnorm >= 0) || std::isinf(o.global_clipnorm)) {
+    bad("global_clipnorm", o.global_clipnorm, "a finite number at least 0 (0: no clipping)");
+  }
   if (o.kind == OptimizerKind::kSGD) {
     if (!(o.momentum >= 0 && o.momentum < 1)) bad("momentum", o.momentum, "in [0, 1)");
     if (o.nesterov && o.momentum == 0) {

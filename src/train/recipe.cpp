@@ -17,17 +17,15 @@ std::pair<Policy, std::string> choose_precision(const std::string& precision,
   if (precision == "auto") {
     policy = fastest_policy(device);
     if (device.is_cuda()) {
-      line =
-          policy == Policy::kMixedBFloat16
-              ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
-              : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
-                "predates native bfloat16)";
+      line = policy == Policy::kMixedBFloat16
+                 ? "mixed precision: mixed_bfloat16 (this GPU computes bfloat16 natively)"
+                 : "mixed precision: mixed_float16 with dynamic loss scaling (this GPU "
+                   "predates native bfloat16)";
     } else {
-      line =
-          policy == Policy::kMixedBFloat16
-              ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
-              : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
-                "bfloat16 would be slower; --precision mixed_bfloat16 forces it)";
+      line = policy == Policy::kMixedBFloat16
+                 ? "mixed precision: mixed_bfloat16 (this CPU computes bfloat16 natively)"
+                 : "mixed precision: off, float32 (this CPU has no AVX512-BF16/AMX, so "
+                   "bfloat16 would be slower; --precision mixed_bfloat16 forces it)";
     }
   } else {
     policy = parse_policy(precision);
@@ -36,8 +34,8 @@ std::pair<Policy, std::string> choose_precision(const std::string& precision,
   return {policy, line};
 }
 
-Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch,
-                   std::int64_t steps_per_epoch, const torch::Device& device) {
+Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch, std::int64_t steps_per_epoch,
+                   const torch::Device& device) {
   if (a.epochs < 1 || a.accumulation_steps < 1) {
     throw ConfigError("make_recipe: epochs (" + std::to_string(a.epochs) +
                       ") and accumulation steps (" + std::to_string(a.accumulation_steps) +
@@ -70,6 +68,7 @@ Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch,
     r.optimizer.weight_decay = 0.004;
   }
   if (a.weight_decay >= 0) r.optimizer.weight_decay = a.weight_decay;
+  r.optimizer.global_clipnorm = a.global_clipnorm;
   // Warmup + cosine decay over the whole run, per optimizer update.
   const std::int64_t total = steps_per_epoch * a.epochs / a.accumulation_steps;
   const double warmup_epochs = a.warmup_epochs >= 0 ? a.warmup_epochs : (a.epochs > 1 ? 1 : 0);
@@ -105,6 +104,12 @@ Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch,
     throw ConfigError("--schedule \"" + a.schedule + "\" is not available; use cosine or constant");
   }
   r.lines.push_back(buf);
+  if (a.global_clipnorm > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "gradient clipping: global norm at most %g, after the all-reduce",
+                  a.global_clipnorm);
+    r.lines.push_back(buf);
+  }
   return r;
 }
 

@@ -1,5 +1,7 @@
 #include "train/replica_set.h"
 
+#include <torch/nn/utils/clip_grad.h>
+
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -221,6 +223,12 @@ void ReplicaSet::step(double learning_rate) {
   for (auto& optimizer : optimizers_) {
     set_learning_rate(*optimizer, learning_rate);
     optimizer->step();
+  }
+}
+
+void ReplicaSet::clip_gradients(double max_norm) {
+  for (auto& [module, forward] : replicas_) {
+    torch::nn::utils::clip_grad_norm_(module->parameters(), max_norm);
   }
 }
 

@@ -53,6 +53,9 @@ class ReplicaSet {
   void set_training(bool training);
   // Every replica's optimizer steps at `learning_rate`.
   void step(double learning_rate);
+  // Scales every replica's gradients so that their global L2 norm is at most `max_norm`
+  // (clip_grad_norm_); the replicas hold the same all-reduced gradients, so they clip alike.
+  void clip_gradients(double max_norm);
 
  private:
   struct Threads;

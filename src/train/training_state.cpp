@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "flotilla/base/hashes.h"
+#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -116,7 +117,7 @@ json run_identity(Model& model) {
 checkpoint::CheckpointData checkpoint_data(Model& model) {
   // The replicas' mean, as every worker will read them. Elastic: a collective only the saving
   // chief would join; it saves the buffers it has (mirrored at each epoch's end).
-  if (!model.strategy().elastic()) model.mirror_buffers();
+  if (model.strategy().saves_collectively()) model.mirror_buffers();
   checkpoint::CheckpointData data = local_checkpoint_data(model, model.training_state());
   data.state["run"] = run_identity(model);
   return data;
@@ -172,6 +173,48 @@ TrainingState load_checkpoint_data(Model& model, const checkpoint::CheckpointDat
     generator.set_state(from_hex(data.state.at("rng_cpu").get<std::string>()));
   }
   return state;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model::save and Model::load (here: they are checkpoint_data and load_checkpoint_data's users).
+
+namespace {
+constexpr const char* kSavePrefix = "model";
+} // namespace
+
+std::filesystem::path Model::save(const std::filesystem::path& directory) {
+  require_compiled("save");
+  collective::Communicator* const group = strategy_.saving_group();
+  if (!group) return {};
+  checkpoint::CheckpointManager manager(directory, /*max_to_keep=*/1, kSavePrefix);
+  return manager.save(*group, strategy_.log(), checkpoint_data(*this), iterations_);
+}
+
+void Model::load(const std::filesystem::path& directory) {
+  require_compiled("load");
+  const checkpoint::CheckpointManager manager(directory, /*max_to_keep=*/1, kSavePrefix);
+  const std::optional<std::filesystem::path> latest = manager.latest();
+  if (!latest) {
+    throw CheckpointError(directory.string() + ": no saved model here (no \"checkpoint\" pointer "
+                                               "file); give the directory Model::save wrote");
+  }
+  const checkpoint::CheckpointData data = checkpoint::read_checkpoint(*latest);
+  const nlohmann::json mine = run_identity(*this);
+  if (data.state.contains("run") &&
+      data.state.at("run").value("parameters", "") != mine.value("parameters", "")) {
+    throw CheckpointError(latest->string() + ": saved from another model (" +
+                          data.state.at("run").value("model", std::string("?")) +
+                          ", other parameter names or shapes than this " +
+                          mine.value("model", std::string("?")) +
+                          "); load it into the model it was saved from");
+  }
+  const TrainingState saved = load_checkpoint_data(*this, data, *latest);
+  TrainingState state;
+  state.iterations = saved.iterations;
+  state.trained_rows = saved.trained_rows;
+  state.loss_scale = saved.loss_scale;
+  state.loss_scale_good_steps = saved.loss_scale_good_steps;
+  restore_training_state(state);
 }
 
 } // namespace flotilla::train

@@ -22,7 +22,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::istringstream in(rest);
   flotilla::fuzz::expect_only_flotilla_errors([&] {
     for (int index = 0; auto record = flotilla::base::read_tfrecord(in, "fuzz.tfrecord: record " +
-                                                            std::to_string(index));
+                                                                            std::to_string(index));
          ++index) {
       decode_example(*record, features);
     }

@@ -2,11 +2,13 @@
 // what one worker computes over the whole dataset.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <mutex>
 
 #include "flotilla/error.h"
 #include "flotilla/train/model.h"
 #include "support/ranks.h"
+#include "support/subprocess.h"
 
 namespace flotilla {
 namespace {
@@ -78,6 +80,74 @@ TEST(Model, FitReportsTheSameGlobalEpochOnEveryWorker) {
     // Accuracy is a count over the 100 examples of the epoch.
     EXPECT_NEAR(a.values.at("accuracy") * 100, std::round(a.values.at("accuracy") * 100), 1e-9);
   }
+}
+
+// Model::save, then load into a fresh model of the same architecture built from another seed:
+// the weights, the optimizer's momentum and its update count come back, so fitting on from the
+// load ends where the saved model ended fitting on, bit for bit (torch::equal), on both workers.
+// A model of another shape is refused, saying so.
+TEST(Model, SaveThenLoadIntoAFreshModelGoesOnAsTheSavedOneDid) {
+  testing::TempDir dir;
+  const std::string saved = dir.path() + "/saved";
+  const Data data;
+  const auto ds = data::Dataset::from_tensor_slices({data.x, data.y}).batch(20, true);
+  std::vector<std::vector<torch::Tensor>> went_on(2), loaded(2);
+  std::vector<std::int64_t> updates(2);
+  std::vector<std::string> refusal(2);
+  auto parameters = [](const nn::Module& m) {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto build = [&](int seed, int hidden) {
+      return s.scope([seed, hidden] {
+        std::lock_guard<std::mutex> lock(build_mutex);
+        torch::manual_seed(seed);
+        return nn::Sequential(nn::Linear(8, hidden), nn::ReLU(), nn::Linear(hidden, 3));
+      });
+    };
+    train::CompileOptions compile;
+    compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+
+    auto net = build(3, 16);
+    train::Model model(s, net);
+    model.compile(compile);
+    model.fit(ds, fit);
+    model.save(saved);
+    model.fit(ds, fit);
+    went_on[rank] = parameters(*net);
+
+    auto fresh = build(4, 16);
+    train::Model again(s, fresh);
+    again.compile(compile);
+    again.load(saved);
+    updates[rank] = again.iterations();
+    again.fit(ds, fit);
+    loaded[rank] = parameters(*fresh);
+
+    auto other = build(3, 12);
+    train::Model wider(s, other);
+    wider.compile(compile);
+    try {
+      wider.load(saved);
+    } catch (const CheckpointError& e) {
+      refusal[rank] = e.what();
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(updates[rank], 5) << "rank " << rank; // one epoch of 5 global batches
+    ASSERT_EQ(loaded[rank].size(), went_on[rank].size());
+    for (std::size_t i = 0; i < loaded[rank].size(); ++i) {
+      EXPECT_TRUE(torch::equal(loaded[rank][i], went_on[rank][i])) << "parameter " << i;
+    }
+    EXPECT_NE(refusal[rank].find("saved from another model"), std::string::npos) << refusal[rank];
+  }
+  EXPECT_TRUE(std::filesystem::exists(saved + "/model-5/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(saved + "/checkpoint"));
 }
 
 // A short last global batch (101 = 5 x 20 + 1) is split across workers — one gets nothing — and

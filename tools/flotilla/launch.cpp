@@ -434,6 +434,7 @@ class Launcher {
   SignalPipe& signals_;
   RestartCount count_;
   bool restart_ = false; // decided at the failure, announced in its line
+  bool group_finished_ = false; // elastic: a worker exited 0, so the training is done
   bool preempted_ = false;
   std::optional<int> failed_;          // index of the worker whose failure stopped the others
   std::vector<int> stopped_below_min_; // elastic: the workers stopped for --min-workers
@@ -453,11 +454,20 @@ void Launcher::reap_elastic() {
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    // A worker that finished finished the group's training: the members end together, so a
+    // worker failing after that (one stopped until the others were done, then told it was
+    // expelled) is not replaced: its restart would find no member to admit it.
+    if (c.exit_code == 0 && c.index < args_.workers) group_finished_ = true;
     // Once stopped below --min-workers, the rest's exits are how they took it (supervise's end).
     if (c.exit_code == 0 || forwarded_ || c.index >= args_.workers || !stopped_below_min_.empty()) {
       continue;
     }
     std::string line = "[launch] " + c.name + " " + describe_exit(status);
+    if (group_finished_) {
+      write_all(STDERR_FILENO, line + "; not restarting it: the group has finished its "
+                                      "training (a worker exited 0)\n");
+      continue;
+    }
     // Bad input fails again however often it starts; a worker that saved for a preemption is
     // asked to stop, not to be replaced.
     const bool again = c.exit_code != kExitBadInput && c.exit_code != kExitPreempted;

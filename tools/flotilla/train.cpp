@@ -59,6 +59,7 @@ struct TrainArgs {
   double warmup_epochs = -1; // -1: one epoch when training for more than one
   double momentum = 0.9;
   double weight_decay = -1; // -1: the optimizer's default (0; AdamW 0.004)
+  double global_clipnorm = 0;
   double label_smoothing = 0;
   std::string precision = "auto";
   std::string channels_last = "auto";
@@ -145,6 +146,7 @@ train::Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch,
   options.accumulation_steps = a.accumulation_steps;
   options.momentum = a.momentum;
   options.weight_decay = a.weight_decay;
+  options.global_clipnorm = a.global_clipnorm;
   train::Recipe r = train::make_recipe(options, global_batch, steps_per_epoch, device);
   r.lines.push_back(std::string("compiled step: ") +
                     (!a.jit_compile     ? "off (--jit-compile captures the step in a CUDA graph)"
@@ -863,6 +865,11 @@ Command add_train(CLI::App& parent) {
   app->add_option("--weight-decay", args->weight_decay,
                   "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
       ->check(CLI::Range(0.0, 1.0));
+  app->add_option("--global-clipnorm", args->global_clipnorm,
+                  "Clip the gradients to this global L2 norm before each update, after the "
+                  "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();

@@ -52,8 +52,8 @@ int run(const TuneArgs& a) {
       a.device == "auto" ? (profile::cuda_available() ? "cuda" : "cpu") : a.device;
   // The same choice as flotilla train's (train::choose_precision).
   const std::string precision = train::to_string(
-      train::choose_precision(a.precision, torch::Device(device == "cuda" ? torch::kCUDA
-                                                                          : torch::kCPU))
+      train::choose_precision(a.precision,
+                              torch::Device(device == "cuda" ? torch::kCUDA : torch::kCPU))
           .first);
   const int threads = a.threads > 0
                           ? a.threads

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/checkpoint/optimizer_state.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/log.h"
@@ -116,22 +117,5 @@ struct CheckpointPointer {
 // nullopt when `directory` has no pointer file; CheckpointError when it cannot be parsed.
 std::optional<CheckpointPointer> read_pointer(const std::filesystem::path& directory);
 std::string format_pointer(const CheckpointPointer& pointer);
-
-// Optimizer state as named tensors, for torch::optim::SGD (momentum_buffer), Adam and AdamW
-// (step, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad):
-//   "state.<i>.<field>"     parameter i, counted across the parameter groups in order (the
-//                           numbering of PyTorch's optimizer.state_dict()); a parameter that
-//                           has no state yet (no update taken) has no names at all
-//   "param_groups.<g>.lr"   group g's current learning rate (0-dim float64)
-// "step" is a 0-dim int64. Tensors are detached views of the optimizer's own (no copy).
-// CheckpointError for another optimizer type.
-NamedTensors optimizer_state(const torch::optim::Optimizer& optimizer);
-
-// Restores optimizer_state() into an optimizer of the same type over the same parameters,
-// creating state objects for parameters that have none yet and dropping state for those that
-// had none when saved. Every name and shape is checked before anything changes: an unexpected
-// or missing name, a parameter index or group beyond the optimizer's, or a shape that differs
-// from the parameter's is a CheckpointError naming it.
-void load_optimizer_state(torch::optim::Optimizer& optimizer, const NamedTensors& state);
 
 } // namespace flotilla::checkpoint

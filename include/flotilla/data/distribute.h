@@ -18,8 +18,8 @@
 
 #include <functional>
 
+#include "flotilla/cluster/input_context.h"
 #include "flotilla/data/dataset.h"
-#include "flotilla/strategy/input_context.h"
 
 namespace flotilla::data {
 
@@ -63,7 +63,7 @@ class DistributedDataset {
   std::int64_t full_cluster_steps() const {
     return slice_rows_ > 0 ? original_.cardinality() : cardinality();
   }
-  const strategy::InputContext& input_context() const { return context_; }
+  const cluster::InputContext& input_context() const { return context_; }
   // What was done, for logs: "<sharding>: rewrite or split, per-replica batch".
   const std::string& plan() const { return plan_; }
   // The sharding used: "DATA", "FILE", "OFF", "one replica" or "from a function" (the plan's
@@ -79,7 +79,7 @@ class DistributedDataset {
   // The same dataset distributed anew for another membership (an elastic group after a worker
   // left or joined): distribute_dataset(the user's dataset, context). A pass saved from any
   // distribution of it resumes on this one (make_iterator(state)).
-  DistributedDataset redistribute(const strategy::InputContext& context) const;
+  DistributedDataset redistribute(const cluster::InputContext& context) const;
   // Elastic, keeping the per-replica batch (InputContext::full_replicas): the slice of every
   // replica (B = G / the full cluster's replicas), 0 otherwise. Each step's batch is then as many
   // rows as its ReplicaBatch::global_batch_size says.
@@ -88,11 +88,11 @@ class DistributedDataset {
   std::int64_t global_rows() const { return global_rows_; }
 
  private:
-  friend DistributedDataset distribute_dataset(const Dataset&, const strategy::InputContext&);
+  friend DistributedDataset distribute_dataset(const Dataset&, const cluster::InputContext&);
   friend DistributedDataset
-  distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>&,
-                                    const strategy::InputContext&);
-  DistributedDataset(Dataset original, Dataset per_worker, strategy::InputContext context,
+  distribute_datasets_from_function(const std::function<Dataset(const cluster::InputContext&)>&,
+                                    const cluster::InputContext&);
+  DistributedDataset(Dataset original, Dataset per_worker, cluster::InputContext context,
                      bool records_sizes, std::string plan, std::int64_t per_replica_batch,
                      bool same_steps)
       : original_(std::move(original)), per_worker_(std::move(per_worker)), context_(context),
@@ -103,7 +103,7 @@ class DistributedDataset {
   // from the chief's saved state).
   Dataset original_;
   Dataset per_worker_;
-  strategy::InputContext context_;
+  cluster::InputContext context_;
   bool records_sizes_;
   std::string plan_;
   std::int64_t per_replica_batch_;
@@ -112,13 +112,12 @@ class DistributedDataset {
 };
 
 // `dataset` yields global batches (its batch size must split evenly across the replicas).
-DistributedDataset distribute_dataset(const Dataset& dataset,
-                                      const strategy::InputContext& context);
+DistributedDataset distribute_dataset(const Dataset& dataset, const cluster::InputContext& context);
 
 // `fn` builds this worker's pipeline itself, batched by the per-replica batch
 // (context.get_per_replica_batch_size(global)) and sharded as it likes; nothing is rewritten.
 DistributedDataset
-distribute_datasets_from_function(const std::function<Dataset(const strategy::InputContext&)>& fn,
-                                  const strategy::InputContext& context);
+distribute_datasets_from_function(const std::function<Dataset(const cluster::InputContext&)>& fn,
+                                  const cluster::InputContext& context);
 
 } // namespace flotilla::data

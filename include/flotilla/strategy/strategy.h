@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/cluster/input_context.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/log.h"
 #include "flotilla/strategy/gradient_reducer.h"
-#include "flotilla/strategy/input_context.h"
 
 namespace flotilla::collective {
 class ElasticGroup;
@@ -31,6 +31,7 @@ class ElasticGroup;
 
 namespace flotilla::strategy {
 
+using cluster::InputContext;
 using collective::ReduceOp;
 
 // The CUDA devices this process sees (CUDA_VISIBLE_DEVICES renumbers them from cuda:0), or
@@ -108,6 +109,15 @@ class Strategy {
   // group becomes this strategy's communicator; ranks, sizes and the chief follow it.
   void adopt_generation();
 
+  // Whether checkpoints are saved by every worker together (a collective save, with a fixed
+  // membership) rather than by the chief alone (elastic: a collective is one a worker joining
+  // or leaving mid-fit could not take part in).
+  bool saves_collectively() const { return !elastic_; }
+  // The group a checkpoint save goes through: this strategy's communicator when saves are
+  // collective; otherwise a group of one for the chief (made on first use, owned here) and
+  // nullptr for the other members, which do not save.
+  collective::Communicator* saving_group();
+
   // The start-up consistency check: every worker passes the same named fields (parameter
   // shapes, bucket plan, batch, versions...); if any worker's value differs from the chief's,
   // every worker throws the same ConfigError listing each difference with the worker and both
@@ -127,6 +137,7 @@ class Strategy {
   Logger log_;
   std::shared_ptr<collective::ElasticGroup> elastic_;
   bool joining_ = false;
+  std::shared_ptr<collective::Communicator> saving_alone_; // saving_group()'s group of one
 };
 
 // One worker, this machine: a replica on each of `devices`, reduced locally.

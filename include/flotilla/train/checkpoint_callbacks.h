@@ -36,6 +36,25 @@ struct ModelCheckpointOptions {
   std::int64_t save_freq = 0; // 0: every epoch; N: every N optimizer updates
 };
 
+namespace detail {
+// Updates since the last save, for a save_freq counted in updates (ModelCheckpoint's and
+// BackupAndRestore's). A worker joining an elastic group mid-fit learns the update count only
+// at its first step, so its count starts there.
+class SaveCadence {
+ public:
+  void restart(std::int64_t iterations, bool joining) { last_ = joining ? -1 : iterations; }
+  // Whether `every` updates have passed since the last save, at `iterations` updates.
+  bool due(std::int64_t iterations, std::int64_t every) {
+    if (last_ < 0) last_ = iterations - 1;
+    return iterations - last_ >= every;
+  }
+  void saved(std::int64_t iterations) { last_ = iterations; }
+
+ private:
+  std::int64_t last_ = -1;
+};
+} // namespace detail
+
 class ModelCheckpoint : public Callback {
  public:
   explicit ModelCheckpoint(ModelCheckpointOptions options);
@@ -50,7 +69,7 @@ class ModelCheckpoint : public Callback {
   void save(int epoch_1based, const Logs& logs);
   ModelCheckpointOptions options_;
   std::optional<double> best_;
-  std::int64_t last_saved_iteration_ = 0;
+  detail::SaveCadence cadence_;
   std::vector<std::filesystem::path> saved_;
 };
 
@@ -112,7 +131,7 @@ class BackupAndRestore : public Callback {
   checkpoint::DirectoryLock lock_;
   bool claimed_ = false; // this process has claimed the directory for the current fit
   std::optional<TrainingState> restored_;
-  std::int64_t last_backup_iteration_ = -1;
+  detail::SaveCadence cadence_;
   std::int64_t number_ = 0;
   std::atomic<bool> requested_{false}; // asked before its fit began
 };

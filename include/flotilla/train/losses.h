@@ -26,6 +26,13 @@ struct LossOptions {
   // Keras's label_smoothing for the cross-entropies: targets become (1 - s) * y + s / classes
   // (binary: + s / 2). Also accepted by the sparse loss, as if its labels were one-hot.
   double label_smoothing = 0;
+  // Your own loss, in place of `kind` (and of the two options above): any function of a
+  // replica's (outputs, labels) giving either one value per example ([N], as Keras's loss
+  // functions do) or a scalar, read as the mean over the N examples it was given (a PyTorch loss
+  // with reduction "mean", as DDP users write it). Either way fit() minimises and reports the
+  // mean over the whole global batch, on every replica and worker. (Metrics' "accuracy" still
+  // follows `kind`: sparse labels unless set otherwise.)
+  std::function<torch::Tensor(const torch::Tensor& outputs, const torch::Tensor& labels)> custom;
 };
 
 // "sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy", "mse"

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -193,6 +194,19 @@ class Model {
   // Makes the next (or the starting) fit() continue from `state`: optimizer step count, loss
   // scale, epoch, step and input position. Weights and optimizer state are restored separately.
   void restore_training_state(const TrainingState& state);
+
+  // Keras's model.save for what C++ can save (the architecture is your code, or a TorchScript
+  // file): the weights and buffers, the optimizer's state, its update count and loss scale, as a
+  // verified checkpoint (safetensors + a manifest of SHA-256s) in `directory`, made if absent,
+  // as "<directory>/model-<updates>" with TF's "checkpoint" pointer. Saving again replaces the
+  // previous save atomically; nothing else in `directory` is touched. Collective: every worker
+  // calls it (elastic: the chief writes alone). After compile(). Returns the chief's path.
+  std::filesystem::path save(const std::filesystem::path& directory);
+  // Loads what save() wrote into this compiled model of the same architecture: weights into
+  // every replica, the optimizer's state, its update count (the schedule goes on from there)
+  // and loss scale. The next fit starts at its initial_epoch as you give it, with a fresh pass
+  // of its input. CheckpointError when nothing there verifies, or when it is another model's.
+  void load(const std::filesystem::path& directory);
 
  private:
   template <class Impl> static Forward forward_of(std::shared_ptr<Impl> module) {

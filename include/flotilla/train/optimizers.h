@@ -28,6 +28,11 @@ struct OptimizerOptions {
   double beta_2 = 0.999; // Adam, AdamW
   double epsilon = 1e-7; // Adam, AdamW (Keras's default; LibTorch's is 1e-8)
   bool amsgrad = false;  // Adam, AdamW
+  // > 0: Keras's global_clipnorm. Before each update the gradients of every parameter are scaled
+  // together so that their global L2 norm is at most this (PyTorch's clip_grad_norm_). They are
+  // clipped after the all-reduce, so it is the norm of the whole global batch's gradient, the
+  // same on every replica and worker, as DDP users clip after backward. 0: no clipping.
+  double global_clipnorm = 0;
 
   static OptimizerOptions sgd(double learning_rate, double momentum = 0, bool nesterov = false);
   static OptimizerOptions adam(double learning_rate = 0.001);

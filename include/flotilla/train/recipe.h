@@ -18,17 +18,18 @@ namespace flotilla::train {
 struct RecipeOptions {
   // auto (train::fastest_policy for the device), float32, mixed_float16 or mixed_bfloat16.
   std::string precision = "auto";
-  std::string optimizer = "sgd";   // sgd, adam or adamw
-  double lr = 0;                   // > 0: this rate as given, no scaling
-  double base_lr = 0.02;           // per base_batch examples (SGD with momentum 0.9)
+  std::string optimizer = "sgd"; // sgd, adam or adamw
+  double lr = 0;                 // > 0: this rate as given, no scaling
+  double base_lr = 0.02;         // per base_batch examples (SGD with momentum 0.9)
   std::int64_t base_batch = 32;
   std::string lr_scaling = "linear"; // linear: peak = base_lr x global batch / base_batch; none
   std::string schedule = "cosine";   // cosine (warmup, then cosine decay) or constant
   int epochs = 1;
-  double warmup_epochs = -1; // -1: one epoch when training for more than one, else none
+  double warmup_epochs = -1;  // -1: one epoch when training for more than one, else none
   int accumulation_steps = 1; // batches per optimizer update
   double momentum = 0.9;      // SGD
   double weight_decay = -1;   // -1: the optimizer's default (0; AdamW 0.004)
+  double global_clipnorm = 0; // > 0: OptimizerOptions::global_clipnorm
 };
 
 struct Recipe {

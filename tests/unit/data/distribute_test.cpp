@@ -11,8 +11,8 @@
 namespace flotilla::data {
 namespace {
 
-strategy::InputContext worker(int index, int workers) {
-  return strategy::InputContext{workers, index, workers};
+cluster::InputContext worker(int index, int workers) {
+  return cluster::InputContext{workers, index, workers};
 }
 
 // Every replica batch of a worker's pass: its ids (component 0) and recorded global sizes.
@@ -250,7 +250,7 @@ TEST(Distribute, AResplitAtACommittedPositionCoversEverySampleOnce) {
   for (std::int64_t i = 0; i < 300; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], i);
   // What cannot move mid-epoch is refused by name.
   EXPECT_THROW(distribute_datasets_from_function(
-                   [](const strategy::InputContext&) { return ids(8).batch(4); }, elastic(0, 2)),
+                   [](const cluster::InputContext&) { return ids(8).batch(4); }, elastic(0, 2)),
                ConfigError);
 }
 
@@ -438,7 +438,7 @@ TEST(Distribute, SlicesKeyedByPositionAugmentLikeTheWholeBatch) {
 
 TEST(Distribute, FromAFunctionTheWorkerBuildsItsOwnPipeline) {
   const auto ds = distribute_datasets_from_function(
-      [](const strategy::InputContext& ctx) {
+      [](const cluster::InputContext& ctx) {
         return ids(40)
             .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
             .batch(ctx.get_per_replica_batch_size(8));

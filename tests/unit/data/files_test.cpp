@@ -191,7 +191,7 @@ TEST(FileSharding, AutoGivesEachWorkerItsOwnFiles) {
           .batch(8);
   std::multiset<std::int64_t> everything;
   for (int w = 0; w < 2; ++w) {
-    const auto ds = distribute_dataset(pipeline, strategy::InputContext{2, w, 2});
+    const auto ds = distribute_dataset(pipeline, cluster::InputContext{2, w, 2});
     EXPECT_EQ(
         ds.plan().rfind("FILE: worker " + std::to_string(w) + " of 2 reads its 2 of 4 files", 0),
         0u)
@@ -216,14 +216,14 @@ TEST(FileSharding, AutoGivesEachWorkerItsOwnFiles) {
   file.distribute.auto_shard_policy = AutoShardPolicy::kFile;
   const auto few = distribute_dataset(
       tfrecord_dataset({dir.path() + "/shard-0.tfrecord"}, kLabel).batch(4).with_options(file),
-      strategy::InputContext{2, 0, 2});
+      cluster::InputContext{2, 0, 2});
   EXPECT_EQ(few.plan().rfind("DATA:", 0), 0u) << few.plan();
   std::set<std::int64_t> covered;
   for (int w = 0; w < 2; ++w) {
     auto it = distribute_dataset(tfrecord_dataset({dir.path() + "/shard-0.tfrecord"}, kLabel)
                                      .batch(4)
                                      .with_options(file),
-                                 strategy::InputContext{2, w, 2})
+                                 cluster::InputContext{2, w, 2})
                   .make_iterator();
     while (auto b = it.next()) {
       const auto t = b->element[0].contiguous();
@@ -242,7 +242,7 @@ TEST(FileSharding, APipelineMixingFilesAndMemoryIsShardedByData) {
                       4);
   // Zipping worker w's records with every worker's labels would pair them wrongly: DATA instead.
   const auto ds = distribute_dataset(Dataset::zip({records, Dataset::range(40)}).batch(8),
-                                     strategy::InputContext{2, 0, 2});
+                                     cluster::InputContext{2, 0, 2});
   EXPECT_EQ(ds.plan().rfind("DATA:", 0), 0u) << ds.plan();
 }
 

@@ -80,6 +80,35 @@ TEST(Losses, BadInputSaysWhatWasExpected) {
   EXPECT_EQ(error_of([&] { validate(sparse); }), "label_smoothing must be in [0, 1]; saw 1.500000");
 }
 
+TEST(Losses, AUsersOwnLossGivesOneValuePerExampleOrItsScalarMeanSpreadOverThem) {
+  const torch::Tensor outputs = torch::randn({4, 3});
+  const torch::Tensor labels = torch::tensor({0, 2, 1, 2}, torch::kLong);
+  LossOptions options;
+  options.custom = [](const torch::Tensor& o, const torch::Tensor& y) {
+    return torch::nn::functional::cross_entropy(o, y); // a scalar: the mean
+  };
+  const torch::Tensor spread = per_example_loss(options, outputs, labels);
+  ASSERT_EQ(spread.sizes(), torch::IntArrayRef({4}));
+  // Summed over the examples and divided by them, as fit() does: the scalar itself.
+  EXPECT_NEAR(spread.sum().item<double>() / 4,
+              torch::nn::functional::cross_entropy(outputs, labels).item<double>(), 1e-6);
+  options.custom = [](const torch::Tensor& o, const torch::Tensor& y) {
+    return (o - o.mean()).pow(2).sum(1); // [N]: one value each
+  };
+  EXPECT_TRUE(torch::allclose(per_example_loss(options, outputs, labels),
+                              (outputs - outputs.mean()).pow(2).sum(1)));
+  options.custom = [](const torch::Tensor& o, const torch::Tensor&) { return o; }; // [N, 3]
+  try {
+    per_example_loss(options, outputs, labels);
+    FAIL() << "a [4, 3] loss was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("the custom loss gave a tensor of shape [4, 3] for 4 "
+                                         "examples; give one value per example ([4]) or a scalar"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Metrics, AccuracyFollowsTheLossAndTopKCountsHits) {
   const auto logits = torch::tensor({{0.1, 0.7, 0.2}, {0.5, 0.3, 0.2}, {0.2, 0.3, 0.5}});
   const auto labels = torch::tensor({1, 2, 0});

@@ -1,10 +1,12 @@
 // What an input pipeline needs to know about distribution (tf.distribute.InputContext): how
 // many pipelines there are, which one this is, and how a global batch splits across replicas.
+// In cluster, below both the strategy that makes it and the data layer that reads it
+// (strategy::InputContext names the same type).
 #pragma once
 
 #include <cstdint>
 
-namespace flotilla::strategy {
+namespace flotilla::cluster {
 
 struct InputContext {
   int num_input_pipelines = 1; // one per worker
@@ -27,4 +29,4 @@ struct InputContext {
   std::int64_t get_per_replica_batch_size(std::int64_t global_batch) const;
 };
 
-} // namespace flotilla::strategy
+} // namespace flotilla::cluster
