@@ -22,21 +22,10 @@
 namespace flotilla {
 namespace {
 
+using testing::count_of;
+using testing::lines_of;
 using testing::run_process;
 const std::string kCli = flotilla::testing::flotilla_cli();
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
-}
-
-std::size_t count_of(const std::string& text, const std::string& what) {
-  std::size_t n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
 
 TEST(ElasticFit, ElasticRestartsOnlyTheDeadWorkerAndTheOthersKeepTheirProcesses) {
   testing::TempDir dir;

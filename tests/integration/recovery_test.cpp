@@ -82,11 +82,7 @@ Final final_of(const fs::path& dir) {
   return f;
 }
 
-std::size_t count_of(const std::string& text, const std::string& what) {
-  std::size_t n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
+using testing::count_of;
 
 // The uninterrupted run every test compares with (same flags, same seed).
 const Final& reference() {

@@ -27,6 +27,21 @@ extern char** environ;
 
 namespace flotilla::testing {
 
+// A process's output, line by line (no newlines).
+inline std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// How often `what` occurs in `text` (overlapping occurrences count).
+inline std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 struct ProcessResult {
   int exit_code = -1; // 128 + signal when killed; -1 when it outlived the timeout (killed)
   std::string out;
