@@ -19,16 +19,22 @@ std::string hex(std::uint32_t v) {
 
 } // namespace
 
-std::string frame_tfrecord(std::string_view data) {
-  std::string framed(12 + data.size() + 4, '\0');
+TFRecordFrame tfrecord_frame(std::string_view data) {
+  TFRecordFrame frame;
   const std::uint64_t length = data.size();
-  std::memcpy(framed.data(), &length, 8);
-  const std::uint32_t length_crc = mask_crc(crc32c(framed.data(), 8));
-  std::memcpy(framed.data() + 8, &length_crc, 4);
-  std::memcpy(framed.data() + 12, data.data(), data.size());
+  std::memcpy(frame.header, &length, 8);
+  const std::uint32_t length_crc = mask_crc(crc32c(frame.header, 8));
+  std::memcpy(frame.header + 8, &length_crc, 4);
   const std::uint32_t data_crc = mask_crc(crc32c(data.data(), data.size()));
-  std::memcpy(framed.data() + 12 + data.size(), &data_crc, 4);
-  return framed;
+  std::memcpy(frame.footer, &data_crc, 4);
+  return frame;
+}
+
+void append_tfrecord(std::string& out, std::string_view data) {
+  const TFRecordFrame frame = tfrecord_frame(data);
+  out.append(frame.header, sizeof frame.header);
+  out.append(data);
+  out.append(frame.footer, sizeof frame.footer);
 }
 
 std::optional<std::string> read_tfrecord(std::istream& in, const std::string& where) {

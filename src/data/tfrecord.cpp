@@ -169,7 +169,10 @@ TFRecordWriter::~TFRecordWriter() = default;
 
 void TFRecordWriter::write(const std::string& record) {
   if (!file_) throw DataError("TFRecordWriter: write after close()");
-  file_->write(base::frame_tfrecord(record));
+  const base::TFRecordFrame frame = base::tfrecord_frame(record);
+  file_->write(frame.header, sizeof frame.header);
+  file_->write(record);
+  file_->write(frame.footer, sizeof frame.footer);
 }
 
 void TFRecordWriter::close() {

@@ -108,7 +108,7 @@ void EventFileWriter::flush() {
 }
 
 void EventFileWriter::queue(const std::string& event) {
-  queued_ += base::frame_tfrecord(event);
+  base::append_tfrecord(queued_, event);
   ++queued_events_;
 }
 

@@ -11,8 +11,15 @@
 
 namespace flotilla::base {
 
-// `data` as one framed record, ready to append to a file.
-std::string frame_tfrecord(std::string_view data);
+// What goes around a record's data: write header, the data itself, then footer (no copy of
+// the data is made).
+struct TFRecordFrame {
+  char header[12]; // the length and its masked CRC-32C
+  char footer[4];  // the data's masked CRC-32C
+};
+TFRecordFrame tfrecord_frame(std::string_view data);
+// `data` framed, appended to `out`.
+void append_tfrecord(std::string& out, std::string_view data);
 
 // The next record's data, or nullopt at a clean end of the stream. DataError, starting with
 // `where` (e.g. "file.tfrecord: record 3"), on a short stream or a CRC mismatch. Memory grows
