@@ -46,22 +46,12 @@ struct TrainArgs {
   double validation_split = 0;
   std::vector<std::int64_t> image_size = {28, 28};
   std::string color_mode = "grayscale";
-  int epochs = 1;
   std::int64_t steps_per_epoch = 0; // 0: the whole dataset
   std::int64_t batch_per_replica = 32;
-  // The recipe: learning rate = base_lr x global batch / base_batch, warmed up, cosine-decayed.
-  std::string optimizer = "sgd";
-  double lr = 0;         // > 0: this rate as given, no scaling
-  double base_lr = 0.02; // per base_batch examples (SGD with momentum 0.9)
-  std::int64_t base_batch = 32;
-  std::string lr_scaling = "linear";
-  std::string schedule = "cosine";
-  double warmup_epochs = -1; // -1: one epoch when training for more than one
-  double momentum = 0.9;
-  double weight_decay = -1; // -1: the optimizer's default (0; AdamW 0.004)
-  double global_clipnorm = 0;
+  // The recipe (the flags bind to it): precision, optimizer, learning rate and its scaling,
+  // schedule, epochs, accumulation.
+  train::RecipeOptions recipe;
   double label_smoothing = 0;
-  std::string precision = "auto";
   std::string channels_last = "auto";
   bool jit_compile = false;
   bool sync_batchnorm = false;
@@ -94,7 +84,6 @@ struct TrainArgs {
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
   std::string devices = "auto";
-  int accumulation_steps = 1;
   std::string verbose = "auto";
   std::int64_t shuffle_buffer = 10000;
   std::string cache = "none";
@@ -133,21 +122,7 @@ std::string this_command() {
 // only this command decides: the compiled step, the input pipeline and the batch.
 train::Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch,
                           std::int64_t steps_per_epoch, const torch::Device& device) {
-  train::RecipeOptions options;
-  options.precision = a.precision;
-  options.optimizer = a.optimizer;
-  options.lr = a.lr;
-  options.base_lr = a.base_lr;
-  options.base_batch = a.base_batch;
-  options.lr_scaling = a.lr_scaling;
-  options.schedule = a.schedule;
-  options.epochs = a.epochs;
-  options.warmup_epochs = a.warmup_epochs;
-  options.accumulation_steps = a.accumulation_steps;
-  options.momentum = a.momentum;
-  options.weight_decay = a.weight_decay;
-  options.global_clipnorm = a.global_clipnorm;
-  train::Recipe r = train::make_recipe(options, global_batch, steps_per_epoch, device);
+  train::Recipe r = train::make_recipe(a.recipe, global_batch, steps_per_epoch, device);
   r.lines.push_back(std::string("compiled step: ") +
                     (!a.jit_compile     ? "off (--jit-compile captures the step in a CUDA graph)"
                      : device.is_cuda() ? "jit_compile requested: the step in a CUDA graph where "
@@ -431,7 +406,7 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
   compile.loss.label_smoothing = a.label_smoothing;
   compile.jit_compile = a.jit_compile;
   compile.steps_per_execution = a.steps_per_execution;
-  compile.gradient_accumulation_steps = a.accumulation_steps;
+  compile.gradient_accumulation_steps = a.recipe.accumulation_steps;
   if (a.channels_last != "auto") compile.channels_last = a.channels_last == "on";
   return compile;
 }
@@ -477,7 +452,7 @@ double train_flops_per_sample(train::Model& model, const Sources& sources) {
 train::FitOptions fit_options(const TrainArgs& a, const cluster::Environment& env,
                               const Input& input) {
   train::FitOptions fit;
-  fit.epochs = a.epochs;
+  fit.epochs = a.recipe.epochs;
   if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
   if (a.validation) fit.validation_data = input.test;
   fit.verbose = verbosity(a, env);
@@ -587,11 +562,11 @@ profile::ProfilerOptions profiler_options(const TrainArgs& a, const train::Recip
   facts.model = a.model;
   facts.batch_per_replica = a.batch_per_replica;
   facts.global_batch = global_batch;
-  facts.base_lr = a.lr > 0 ? 0 : a.base_lr;
-  facts.base_batch = a.lr > 0 ? 0 : a.base_batch;
-  facts.lr_scaling = a.lr > 0 ? "as given" : a.lr_scaling;
+  facts.base_lr = a.recipe.lr > 0 ? 0 : a.recipe.base_lr;
+  facts.base_batch = a.recipe.lr > 0 ? 0 : a.recipe.base_batch;
+  facts.lr_scaling = a.recipe.lr > 0 ? "as given" : a.recipe.lr_scaling;
   facts.peak_lr = recipe.peak_lr;
-  facts.schedule = a.schedule;
+  facts.schedule = a.recipe.schedule;
   facts.warmup_steps = recipe.warmup_steps;
   facts.total_steps = recipe.total_steps;
   facts.threads_per_worker = threads;
@@ -711,15 +686,15 @@ int run_evaluator(const TrainArgs& a) {
   train::SidecarEvaluatorOptions options;
   // --precision given: every checkpoint is evaluated under it; auto: under the policy each
   // checkpoint was trained in (its manifest says), as the chief measured it.
-  if (a.precision != "auto") {
-    train::set_global_policy(train::parse_policy(a.precision));
+  if (a.recipe.precision != "auto") {
+    train::set_global_policy(train::parse_policy(a.recipe.precision));
     options.use_checkpoint_policy = false;
   }
   model.compile({});
   options.checkpoint_dir = a.checkpoint_dir;
   if (!a.tensorboard_dir.empty()) options.log_dir = fs::path(a.tensorboard_dir) / "evaluation";
   options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
-  options.last_epoch = a.epochs;
+  options.last_epoch = a.recipe.epochs;
   options.on_result = [&a](const train::SidecarResult& r) {
     std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",
                 r.checkpoint.filename().c_str(), static_cast<long long>(r.epoch),
@@ -827,7 +802,7 @@ Command add_train(CLI::App& parent) {
   app->add_option("--color-mode", args->color_mode, "image-folder: grayscale or rgb")
       ->check(CLI::IsMember({"grayscale", "rgb"}))
       ->capture_default_str();
-  app->add_option("--epochs", args->epochs, "Epochs to train")
+  app->add_option("--epochs", args->recipe.epochs, "Epochs to train")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--steps-per-epoch", args->steps_per_epoch,
@@ -838,34 +813,34 @@ Command add_train(CLI::App& parent) {
                   "Batch per replica; global batch = this x replicas in sync")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--optimizer", args->optimizer, "sgd (momentum), adam or adamw")
+  app->add_option("--optimizer", args->recipe.optimizer, "sgd (momentum), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->capture_default_str();
-  app->add_option("--base-lr", args->base_lr, "Learning rate per --base-batch examples")
+  app->add_option("--base-lr", args->recipe.base_lr, "Learning rate per --base-batch examples")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--base-batch", args->base_batch, "The batch --base-lr is meant for")
+  app->add_option("--base-batch", args->recipe.base_batch, "The batch --base-lr is meant for")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lr-scaling", args->lr_scaling,
+  app->add_option("--lr-scaling", args->recipe.lr_scaling,
                   "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
       ->check(CLI::IsMember({"linear", "none"}))
       ->capture_default_str();
-  app->add_option("--lr", args->lr, "Peak learning rate as given (overrides --base-lr scaling)")
+  app->add_option("--lr", args->recipe.lr, "Peak learning rate as given (overrides --base-lr scaling)")
       ->check(CLI::PositiveNumber);
-  app->add_option("--schedule", args->schedule, "cosine (warmup, then cosine decay) or constant")
+  app->add_option("--schedule", args->recipe.schedule, "cosine (warmup, then cosine decay) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
-  app->add_option("--warmup-epochs", args->warmup_epochs,
+  app->add_option("--warmup-epochs", args->recipe.warmup_epochs,
                   "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--momentum", args->momentum, "SGD momentum")
+  app->add_option("--momentum", args->recipe.momentum, "SGD momentum")
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
-  app->add_option("--weight-decay", args->weight_decay,
+  app->add_option("--weight-decay", args->recipe.weight_decay,
                   "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
       ->check(CLI::Range(0.0, 1.0));
-  app->add_option("--global-clipnorm", args->global_clipnorm,
+  app->add_option("--global-clipnorm", args->recipe.global_clipnorm,
                   "Clip the gradients to this global L2 norm before each update, after the "
                   "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
       ->check(CLI::NonNegativeNumber)
@@ -873,7 +848,7 @@ Command add_train(CLI::App& parent) {
   app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  app->add_option("--precision", args->precision,
+  app->add_option("--precision", args->recipe.precision,
                   "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
                   "mixed_float16 or mixed_bfloat16")
       ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
@@ -982,7 +957,7 @@ Command add_train(CLI::App& parent) {
                   "Each worker's replica devices: auto (every visible GPU, else the CPU), cpu, "
                   "cuda, or a list such as cuda:0,cuda:1")
       ->capture_default_str();
-  app->add_option("--accumulation-steps", args->accumulation_steps,
+  app->add_option("--accumulation-steps", args->recipe.accumulation_steps,
                   "Batches whose gradients are summed before one all-reduce and optimizer step")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
