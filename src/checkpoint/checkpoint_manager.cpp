@@ -3,9 +3,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <torch/version.h>
 
 #include <algorithm>

@@ -54,7 +54,9 @@ class ReplicaSet {
   // Every replica's optimizer steps at `learning_rate`.
   void step(double learning_rate);
   // Scales every replica's gradients so that their global L2 norm is at most `max_norm`
-  // (clip_grad_norm_); the replicas hold the same all-reduced gradients, so they clip alike.
+  // (clip_grad_norm_). The replicas hold the same all-reduced gradients; each computes the norm
+  // itself, so they stay bit-identical (a factor computed once and applied to the others could
+  // round differently from clip_grad_norm_'s own).
   void clip_gradients(double max_norm);
 
  private:
