@@ -40,6 +40,16 @@ args() {
     *) echo "folder $EPOCHS .cache/fashion-mnist-${1%-*}/train ${1#*-}" ;;
   esac
 }
+# What each side's pipeline hands over, as JSON: both give float32 batches of 256 from the same
+# images; at 28x28 flotilla skips the resize to the size the images already have, TF does not.
+settings() {  # pipeline, system
+  local resize=none
+  case $1 in
+    *-28) [ "$2" = flotilla ] && resize="none (already 28x28)" || resize="bilinear to 28x28" ;;
+    *-32) resize="bilinear to 32x32" ;;
+  esac
+  printf '{"output":"float32","batch":256,"resize":"%s","threads":"all cores"}' "$resize"
+}
 value() { sed 's/.*"value": *\([0-9.]*\).*/\1/'; }
 for _ in $(seq "$RUNS"); do
   for order in $PIPELINES; do
@@ -57,7 +67,9 @@ for order in $PIPELINES; do
   t=$(median "$tmp/tf-$order")
   printf '{"bench":"data","system":"flotilla","pipeline":"%s","metric":"elements_per_s","value":%s,"runs":%d}\n' "$order" "$f" "$RUNS"
   printf '{"bench":"data","system":"tf.data","pipeline":"%s","metric":"elements_per_s","value":%s,"runs":%d,"version":"%s"}\n' "$order" "$t" "$RUNS" "$tf_version"
-  awk -v f="$f" -v t="$t" -v o="$order" 'BEGIN {printf "{\"bench\":\"data\",\"pipeline\":\"%s\",\"metric\":\"elements_per_s\",\"ratio\":%.2f,\"of\":\"flotilla/tf.data\"}\n", o, f / t}'
+  # Both sides' settings in the ratio line: a ratio holds only like for like.
+  awk -v f="$f" -v t="$t" -v o="$order" -v fs="$(settings "$order" flotilla)" \
+    -v ts="$(settings "$order" tf.data)" 'BEGIN {printf "{\"bench\":\"data\",\"pipeline\":\"%s\",\"metric\":\"elements_per_s\",\"ratio\":%.2f,\"of\":\"flotilla/tf.data\",\"flotilla\":%s,\"peer\":%s}\n", o, f / t, fs, ts}'
 done
 
 # The input-bound share of the main job's training (300 steps, 2 workers, CNN).
