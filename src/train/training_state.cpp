@@ -187,7 +187,7 @@ std::filesystem::path Model::save(const std::filesystem::path& directory) {
   collective::Communicator* const group = strategy_.saving_group();
   if (!group) return {};
   checkpoint::CheckpointManager manager(directory, /*max_to_keep=*/1, kSavePrefix);
-  return manager.save(*group, strategy_.log(), checkpoint_data(*this), iterations_);
+  return manager.save(*group, strategy_.log(), checkpoint_data(*this), iterations());
 }
 
 void Model::load(const std::filesystem::path& directory) {

@@ -27,24 +27,15 @@
 #include "flotilla/train/step_phases.h"
 #include "flotilla/train/training_state.h"
 
-namespace flotilla::collective {
-class PendingAgreement;
-} // namespace flotilla::collective
-
 namespace flotilla::train {
 
 class Callback;
 class CallbackList;
 namespace detail {
-class CapturedStep;
-class EpochIterator;
-class PreemptionVote;
-class ReplicaSet;
+class Healer;
 class StepTimer;
-struct EpochEndRecord;
-struct FitPosition;
-struct HealPlan;
-enum class EpochStage : std::int64_t;
+class TrainStep;
+struct FitProgress;
 } // namespace detail
 
 // Keras's compile() arguments.
@@ -153,9 +144,9 @@ class Model {
   std::vector<std::shared_ptr<torch::nn::Module>> local_replicas() const;
   strategy::Strategy& strategy() { return strategy_; }
   const CompileOptions& compile_options() const;
-  Policy policy() const { return policy_; }
+  Policy policy() const; // float32 before compile()
   // Whether compile() keeps the replicas channels-last (CompileOptions::channels_last).
-  bool channels_last() const { return channels_last_; }
+  bool channels_last() const;
   // The gradient engine (after compile): bucket plan and communication statistics.
   const strategy::GradientReducer& gradient_reducer() const;
   // Replica 0's optimizer (every replica's holds the same state).
@@ -172,11 +163,11 @@ class Model {
   // worker (as TerminateOnNaN's do); fit() agrees on epoch-level stops itself.
   bool stop_training = false;
   // Whether the last step's all-reduced gradients were finite (the same on every worker).
-  bool last_step_finite() const { return last_step_finite_; }
+  bool last_step_finite() const;
   // Optimizer updates applied so far (Keras's iterations), and the epoch in progress (0-based):
   // cheap, for per-batch callbacks.
-  std::int64_t iterations() const { return iterations_; }
-  int current_epoch() const { return epoch_index_; }
+  std::int64_t iterations() const;
+  int current_epoch() const;
   // The timeline: while on, fit() keeps every step's phase spans (and each gradient bucket's
   // all-reduce) for take_step_traces(), up to `max_steps` steps. It lasts one fit (set it before
   // fit() or in a callback's on_train_begin; fit() turns it off when it ends). Off by default; the
@@ -213,66 +204,6 @@ class Model {
     return [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
   }
   void require_compiled(const char* what) const;
-  void check_consistency(const data::DistributedDataset& train, const FitOptions& options,
-                         const CallbackList& callbacks);
-  // An epoch's steps; nullopt when no step ran (the data ended first). The logs hold this
-  // worker's figures (steps, seconds, phases) and epoch_sums_ its loss and metric sums.
-  std::optional<EpochLogs> run_epoch(int epoch, bool first, std::int64_t first_step,
-                                     detail::EpochIterator& input, CallbackList& callbacks,
-                                     const FitOptions& options, detail::PreemptionVote* vote);
-  // After an epoch's steps, one collective after the other: the global logs, the mirrored
-  // buffers, validation, then the callbacks' epoch end and the agreed stop. Elastic: a failure
-  // heals and goes on from where the group stands.
-  void end_epoch(int epoch, EpochLogs& logs, detail::EpochIterator& input,
-                 const FitOptions& options,
-                 const std::optional<data::DistributedDataset>& validation,
-                 CallbackList& callbacks);
-  // Every worker agreed to stop for preemption: the callbacks save, then Preempted.
-  [[noreturn]] void preempt(CallbackList& callbacks);
-  // The input context of validation, evaluate() and predict(): the strategy's, but every
-  // global batch split among the workers there are (an elastic fit keeping the per-replica batch
-  // deals out only its training batches).
-  strategy::InputContext evaluation_context() const {
-    strategy::InputContext context = strategy_.input_context();
-    context.full_replicas = 0;
-    return context;
-  }
-  // Elastic (see strategy.h): what fit cannot heal yet, refused by name.
-  void check_elastic(const data::DistributedDataset& train, const FitOptions& options) const;
-  // Where the last committed step left this worker: updates, epoch, step, loss scale (taken
-  // right after each optimizer update, so it always matches the weights), and the input's
-  // exact position there.
-  TrainingState committed_state() const;
-  std::optional<data::IteratorState> committed_position(const detail::EpochIterator& input) const;
-  // Elastic: where this worker stands in fit's sequence of collectives (elastic_heal.h).
-  detail::FitPosition position() const;
-  // Elastic, every member of a new generation first: everyone's position, the plan, and what
-  // the plan sends (the donor's training state into `state`, its epoch end's results into
-  // end_). A joiner passes a position that holds no state.
-  detail::HealPlan reconcile(const detail::FitPosition& mine, TrainingState& state);
-  // The new group's communicator and a fresh gradient engine (the old one's buffers may still
-  // be on an abandoned group's wire).
-  void adopt_group();
-  // After regroup() or admit(): adopt_group(), reconcile(), and this worker where the plan puts
-  // it, fit's input (null outside fit) split anew among the members at its position there.
-  void on_generation(detail::EpochIterator* input);
-  // A collective failed under elastic mode: waits for the group to form without the departed
-  // member and heals (on_generation), again if another member leaves meanwhile; rethrows
-  // `failure` (as a CommError) when no member left.
-  void heal(const std::exception& failure, detail::EpochIterator* input);
-  // Runs one batch on every replica and applies the update when due; returns the batch's sums:
-  // per-example loss, each metric and the example count summed (float64, on the device).
-  torch::Tensor train_step(const data::ReplicaBatch& batch, int& micro);
-  torch::Tensor batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
-                           const torch::Tensor& labels) const;
-  void apply_gradients(); // finishes the reduction, then apply_update()
-  // Unscales and checks the reduced gradients, then steps the optimizers (or skips the step).
-  void apply_update();
-  // Every worker's loss and metric sums (added up) and phase sums (in rank order), into end_:
-  // one collective.
-  void gather_epoch(const PhaseTimes& mine);
-  EvalResult evaluate_impl(const data::DistributedDataset& data);
-  torch::Tensor predict_impl(const data::DistributedDataset& data);
   // evaluate() and predict(): the buffers mirrored, then `pass` over `data`. Elastic, outside
   // fit: a member's failure heals, and the pass runs again on the data split among the workers
   // there are (inside fit, fit heals).
@@ -284,54 +215,13 @@ class Model {
   std::shared_ptr<torch::nn::Module> module_;
   Forward forward_;
   std::function<Replica()> clone_;
-  // What compile() set up: its options, the replicas (replica 0 is module_) with their
-  // optimizers, the gradient engine, jit_compile's CUDA graph where it applies, the metrics and
-  // the precision.
-  std::optional<CompileOptions> options_;
-  std::unique_ptr<detail::ReplicaSet> replicas_;
-  std::unique_ptr<strategy::GradientReducer> reducer_;
-  std::unique_ptr<detail::CapturedStep> captured_;
-  std::vector<strategy::ReplicaContext> replica_contexts_; // one per replica (SyncBatchNorm)
-  int sync_batchnorm_layers_ = 0;                          // per replica
-  bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored
-  std::vector<Metric> metrics_;
-  Policy policy_ = Policy::kFloat32;
-  bool channels_last_ = false;
-  std::optional<LossScale> loss_scale_;
-  // Where training stands.
-  std::int64_t iterations_ = 0;
-  std::int64_t trained_rows_ = 0; // rows of the global batches of those updates (-1: unknown)
-  std::int64_t update_rows_ = 0;  // rows of the update being accumulated
-  // Elastic keeping the per-replica batch: the global batch the learning rate is set for (each
-  // update's rate scales by its rows over it, and the schedules follow trained rows); 0 else.
-  std::int64_t lr_global_rows_ = 0;
-  // The schedules' step: updates applied, or the full global batches' worth of rows trained.
-  std::int64_t schedule_step() const {
-    return lr_global_rows_ > 0 ? trained_rows_ / lr_global_rows_ : iterations_;
-  }
-  int epoch_index_ = 0; // during fit: the epoch in progress (0-based)
-  std::int64_t step_in_epoch_ = 0;
-  std::optional<TrainingState> resume_;          // for the next fit (restore_training_state)
-  const detail::EpochIterator* input_ = nullptr; // during fit: the training input
-  bool check_finite_ = false;                    // a callback needs last_step_finite()
-  bool last_step_finite_ = true;
+  std::unique_ptr<detail::StepTimer> timer_;      // the steps' phases (and the timeline)
+  std::unique_ptr<detail::FitProgress> progress_; // where the running (or last) fit stands
+  // What compile() built: the train step and, over it, the healer (elastic groups).
+  std::unique_ptr<detail::TrainStep> step_;
+  std::unique_ptr<detail::Healer> healer_;
+  std::optional<TrainingState> resume_; // for the next fit (restore_training_state)
   std::atomic<bool> preemption_requested_{false};
-  std::unique_ptr<detail::StepTimer> timer_;
-  // Elastic: the fit's input as given (every redistribution starts from it), the current
-  // redistribution, and the last committed state.
-  const data::DistributedDataset* fit_input_ = nullptr;
-  std::unique_ptr<data::DistributedDataset> elastic_input_;
-  TrainingState committed_;
-  bool pulled_since_commit_ = false;
-  // The epoch in progress: this worker's loss and metric sums, how far its end has come and
-  // what it agreed so far (kept for a member that missed a collective of it), and whether this
-  // worker joined at a step boundary of it (its end is then due even without a step here).
-  torch::Tensor epoch_sums_;
-  detail::EpochStage end_stage_{};
-  std::unique_ptr<detail::EpochEndRecord> end_;
-  bool joined_this_epoch_ = false;
-  // Elastic: the admission vote in flight, started at one step boundary and read at the next.
-  std::unique_ptr<collective::PendingAgreement> admission_;
 };
 
 } // namespace flotilla::train
