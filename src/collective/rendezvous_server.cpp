@@ -320,87 +320,98 @@ struct RendezvousServer::Impl {
       refuse(c, "it does not speak flotilla's rendezvous protocol (version 2)");
       return;
     }
+    if (const std::string why = why_refused(c, *join); !why.empty()) {
+      refuse(c, why);
+      return;
+    }
     const int rank = join->rank;
-    const int world = join->world;
-    const std::uint8_t role = join->role;
-    // The token first: a process without it learns nothing about the cluster.
-    if (config.token && !equal_secret(join->mac, join_mac(*config.token, c.nonce, *join))) {
-      refuse(c, "wrong or missing cluster token (claiming rank " + std::to_string(rank) +
-                    "); every task needs the same FLOTILLA_CLUSTER_TOKEN");
-      return;
-    }
-    if (((join->flags & kJoinElastic) != 0) != config.elastic) {
-      refuse(c, config.elastic
-                    ? "this rendezvous runs an elastic group and the task is not elastic; run "
-                      "every task in elastic mode (CommunicationOptions::elastic), or start the "
-                      "rendezvous with --fixed"
-                    : "the task is elastic and this rendezvous is not; an elastic group needs "
-                      "its rendezvous outside the workers (flotilla rendezvous, or flotilla "
-                      "launch --elastic)");
-      return;
-    }
-    if (world != config.world_size) {
-      refuse(c, "it expects " + std::to_string(world) + " training tasks, the chief " +
-                    std::to_string(config.world_size) +
-                    "; every task must be given the same cluster (TF_CONFIG)");
-      return;
-    }
-    if (rank < 0 || rank >= world || (role != kRoleStore && role != kRoleHeartbeat)) {
-      refuse(c, "it claims rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                    " with role " + std::to_string(role) + ", which does not exist");
-      return;
-    }
-    auto& state = ranks[static_cast<std::size_t>(rank)];
-    const bool same_process = state.claimed && equal_secret(state.session, join->session);
-    if (state.claimed && !same_process) {
-      refuse(c, config.name(rank) + " is already taken by the process at " + state.peer +
-                    "; two tasks were given the same task type and index");
-      return;
-    }
-    if (role == kRoleHeartbeat && (!same_process || state.heartbeating)) {
-      refuse(c, "a heartbeat for " + config.name(rank) + " from a process that has not joined");
-      return;
-    }
     c.joined = true;
     c.rank = rank;
-    c.role = role;
+    c.role = join->role;
     std::optional<Mac> proof;
     if (config.token) proof = chief_mac(*config.token, c.nonce, join->client_nonce, rank);
     queue(c, Welcome::acceptance(proof).frame());
-    if (role == kRoleStore) {
-      const bool first = !state.claimed;
-      if (first) state.store_conn = id;
-      state.claimed = true;
-      state.session = join->session;
-      state.peer = c.peer;
-      if (config.elastic && first) {
-        if (!formed || lost) {
-          if (lost) {
-            log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
-                     ") joined to start the lost training afresh");
-          }
-          form_afresh_when_all_claimed();
-        } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
-          // Nobody is left to admit it at a step boundary (the group finished): a generation of
-          // the workers waiting, at once, so each learns there is no training state to join
-          // instead of waiting out its timeout.
-          form(slots_where([](const RankState& s) { return s.claimed; }),
-               "no member left to admit " + config.name(rank), /*departure=*/false);
-        } else {
-          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
-                   ") is waiting to be admitted at the next step");
-        }
-      }
-      try {
-        kv.set("flotilla/joined/" + std::to_string(rank), Bytes{'1'});
-      } catch (const KvStoreError& e) {
-        log.warn("rendezvous: could not record that " + config.name(rank) + " joined (" + e.what() +
-                 "); the others will wait for it until their timeout");
-      }
+    auto& state = ranks[static_cast<std::size_t>(rank)];
+    if (join->role == kRoleStore) {
+      claim(id, c, *join);
     } else {
       state.heartbeating = true;
       state.heartbeat_conn = id;
       state.last_seen = Clock::now();
+    }
+  }
+
+  // Why a join is refused ("" when it is not). The token first: a process without it learns
+  // nothing about the cluster.
+  std::string why_refused(const Conn& c, const JoinRequest& join) const {
+    const int rank = join.rank;
+    const int world = join.world;
+    if (config.token && !equal_secret(join.mac, join_mac(*config.token, c.nonce, join))) {
+      return "wrong or missing cluster token (claiming rank " + std::to_string(rank) +
+             "); every task needs the same FLOTILLA_CLUSTER_TOKEN";
+    }
+    if (((join.flags & kJoinElastic) != 0) != config.elastic) {
+      return config.elastic
+                 ? "this rendezvous runs an elastic group and the task is not elastic; run every "
+                   "task in elastic mode (CommunicationOptions::elastic), or start the "
+                   "rendezvous with --fixed"
+                 : "the task is elastic and this rendezvous is not; an elastic group needs its "
+                   "rendezvous outside the workers (flotilla rendezvous, or flotilla launch "
+                   "--elastic)";
+    }
+    if (world != config.world_size) {
+      return "it expects " + std::to_string(world) + " training tasks, the chief " +
+             std::to_string(config.world_size) +
+             "; every task must be given the same cluster (TF_CONFIG)";
+    }
+    if (rank < 0 || rank >= world || (join.role != kRoleStore && join.role != kRoleHeartbeat)) {
+      return "it claims rank " + std::to_string(rank) + " of " + std::to_string(world) +
+             " with role " + std::to_string(join.role) + ", which does not exist";
+    }
+    const auto& state = ranks[static_cast<std::size_t>(rank)];
+    const bool same_process = state.claimed && equal_secret(state.session, join.session);
+    if (state.claimed && !same_process) {
+      return config.name(rank) + " is already taken by the process at " + state.peer +
+             "; two tasks were given the same task type and index";
+    }
+    if (join.role == kRoleHeartbeat && (!same_process || state.heartbeating)) {
+      return "a heartbeat for " + config.name(rank) + " from a process that has not joined";
+    }
+    return "";
+  }
+
+  // A store connection claims its rank's slot (again, for the same process).
+  void claim(int id, const Conn& c, const JoinRequest& join) {
+    const int rank = join.rank;
+    auto& state = ranks[static_cast<std::size_t>(rank)];
+    const bool first = !state.claimed;
+    if (first) state.store_conn = id;
+    state.claimed = true;
+    state.session = join.session;
+    state.peer = c.peer;
+    if (config.elastic && first) {
+      if (!formed || lost) {
+        if (lost) {
+          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
+                   ") joined to start the lost training afresh");
+        }
+        form_afresh_when_all_claimed();
+      } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
+        // Nobody is left to admit it at a step boundary (the group finished): a generation of
+        // the workers waiting, at once, so each learns there is no training state to join
+        // instead of waiting out its timeout.
+        form(slots_where([](const RankState& s) { return s.claimed; }),
+             "no member left to admit " + config.name(rank), /*departure=*/false);
+      } else {
+        log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
+                 ") is waiting to be admitted at the next step");
+      }
+    }
+    try {
+      kv.set("flotilla/joined/" + std::to_string(rank), Bytes{'1'});
+    } catch (const KvStoreError& e) {
+      log.warn("rendezvous: could not record that " + config.name(rank) + " joined (" + e.what() +
+               "); the others will wait for it until their timeout");
     }
   }
 
@@ -419,6 +430,12 @@ struct RendezvousServer::Impl {
   // when the store wakes it, or at its deadline).
   void handle_store(int id, Conn& c, WireReader& in) {
     const std::uint8_t op = in.u8();
+    const auto reply = [&](auto&& write) {
+      WireWriter w;
+      w.u8(kOk);
+      write(w);
+      queue(c, w.frame());
+    };
     try {
       switch (op) {
       case kSet: {
@@ -428,74 +445,37 @@ struct RendezvousServer::Impl {
         return;
       }
       case kGet:
-      case kWait: {
-        KvStore::Waiter waiter;
-        waiter.owner = id;
-        waiter.get = op == kGet;
-        if (waiter.get) {
-          waiter.keys.push_back(in.str(kMaxKeyBytes));
-        } else {
-          waiter.keys = read_keys(in);
-        }
-        waiter.deadline = Clock::now() + std::chrono::milliseconds(in.u32());
-        for (const auto& key : waiter.keys) {
-          // A wait for a generation that has lost a member since (it came late) can never end.
-          if (const auto g = generation_of(key); g && *g < intact_from && !kv.contains({key})) {
-            reply_status(c, kFailed,
-                         "generation " + std::to_string(*g) +
-                             " lost a member: " + last_departure.second);
-            return;
-          }
-        }
-        kv.wait(std::move(waiter));
-        return;
-      }
+      case kWait:
+        return handle_wait(id, c, in, op == kGet);
       case kAdd: {
         const std::string key = in.str(kMaxKeyBytes);
-        const std::int64_t delta = in.i64();
-        const std::int64_t sum = kv.add(key, delta);
-        WireWriter w;
-        w.u8(kOk).i64(sum);
-        queue(c, w.frame());
-        return;
+        const std::int64_t sum = kv.add(key, in.i64());
+        return reply([&](WireWriter& w) { w.i64(sum); });
       }
       case kCompareSet: {
         const std::string key = in.str(kMaxKeyBytes);
         Bytes expected = in.bytes(kMaxValueBytes);
         Bytes desired = in.bytes(kMaxValueBytes);
         const Bytes current = kv.compare_set(key, std::move(expected), std::move(desired));
-        WireWriter w;
-        w.u8(kOk).bytes(current);
-        queue(c, w.frame());
-        return;
+        return reply([&](WireWriter& w) { w.bytes(current); });
       }
       case kCheck: {
-        const auto keys = read_keys(in);
-        WireWriter w;
-        w.u8(kOk).u8(kv.contains(keys) ? 1 : 0);
-        queue(c, w.frame());
-        return;
+        const bool all = kv.contains(read_keys(in));
+        return reply([&](WireWriter& w) { w.u8(all ? 1 : 0); });
       }
       case kDelete: {
-        const std::string key = in.str(kMaxKeyBytes);
-        WireWriter w;
-        w.u8(kOk).u8(kv.erase(key) ? 1 : 0);
-        queue(c, w.frame());
-        return;
+        const bool erased = kv.erase(in.str(kMaxKeyBytes));
+        return reply([&](WireWriter& w) { w.u8(erased ? 1 : 0); });
       }
       case kAdvance: {
         const auto from = static_cast<std::uint64_t>(in.i64());
         if (!config.elastic) throw WireError("advance asked of a rendezvous that is not elastic");
-        WireWriter w;
-        w.u8(kOk).i64(static_cast<std::int64_t>(advance(from)));
-        queue(c, w.frame());
-        return;
+        const auto generation = static_cast<std::int64_t>(advance(from));
+        return reply([&](WireWriter& w) { w.i64(generation); });
       }
       case kNumKeys: {
-        WireWriter w;
-        w.u8(kOk).i64(static_cast<std::int64_t>(kv.num_keys()));
-        queue(c, w.frame());
-        return;
+        const auto keys = static_cast<std::int64_t>(kv.num_keys());
+        return reply([&](WireWriter& w) { w.i64(keys); });
       }
       default:
         throw WireError("unknown store operation " + std::to_string(op));
@@ -503,6 +483,29 @@ struct RendezvousServer::Impl {
     } catch (const KvStoreError& e) {
       reply_status(c, kFailed, e.what());
     }
+  }
+
+  // A GET (one key) or WAIT (several): answered when the store wakes it, or at its deadline.
+  void handle_wait(int id, Conn& c, WireReader& in, bool get) {
+    KvStore::Waiter waiter;
+    waiter.owner = id;
+    waiter.get = get;
+    if (get) {
+      waiter.keys.push_back(in.str(kMaxKeyBytes));
+    } else {
+      waiter.keys = read_keys(in);
+    }
+    waiter.deadline = Clock::now() + std::chrono::milliseconds(in.u32());
+    for (const auto& key : waiter.keys) {
+      // A wait for a generation that has lost a member since (it came late) can never end.
+      if (const auto g = generation_of(key); g && *g < intact_from && !kv.contains({key})) {
+        reply_status(c, kFailed,
+                     "generation " + std::to_string(*g) +
+                         " lost a member: " + last_departure.second);
+        return;
+      }
+    }
+    kv.wait(std::move(waiter));
   }
 
   void handle_heartbeat(Conn& c, WireReader& in) {
