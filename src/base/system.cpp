@@ -2,6 +2,10 @@
 
 #include <sched.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <ctime>
 
@@ -11,6 +15,16 @@ int available_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
   return 1;
+}
+
+bool keep_freed_memory() {
+#if defined(__GLIBC__)
+  constexpr int kLargestHeapBlock = 32 << 20; // glibc's maximum mmap threshold on 64 bits
+  constexpr int kKeep = 1 << 30;
+  return mallopt(M_MMAP_THRESHOLD, kLargestHeapBlock) == 1 && mallopt(M_TRIM_THRESHOLD, kKeep) == 1;
+#else
+  return false;
+#endif
 }
 
 std::string utc_now() {

@@ -53,6 +53,7 @@ struct TrainArgs {
   train::RecipeOptions recipe;
   double label_smoothing = 0;
   std::string channels_last = "auto";
+  std::string freed_memory = "keep"; // keep: base::keep_freed_memory(); release: malloc's default
   bool jit_compile = false;
   bool sync_batchnorm = false;
   int steps_per_execution = 1;
@@ -78,9 +79,9 @@ struct TrainArgs {
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
-  bool elastic = false;            // CommunicationOptions::elastic
+  bool elastic = false;                 // CommunicationOptions::elastic
   std::string elastic_batch = "global"; // CommunicationOptions::elastic_batch
-  double heartbeat_timeout_s = 10; // CommunicationOptions::heartbeat_timeout
+  double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
   std::string devices = "auto";
@@ -412,7 +413,8 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
 }
 
 void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe, const Input& input,
-                const train::Model& model, const collective::CommunicationOptions& comm) {
+                const train::Model& model, const collective::CommunicationOptions& comm,
+                bool kept_freed_memory) {
   for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
   strategy.log().info(
       std::string("recipe: memory format: ") +
@@ -424,6 +426,12 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                                  ? "--channels-last off)"
                                  : "no 2-D convolutions to speed up; --channels-last on forces "
                                    "it)")));
+  strategy.log().info(std::string("recipe: freed memory: ") +
+                      (kept_freed_memory
+                           ? "kept for the next step (malloc reuses blocks up to 32 MiB instead of "
+                             "unmapping them and faulting in fresh pages every step; "
+                             "--freed-memory release turns it off)"
+                           : "released (the C library's default)"));
   strategy.log().info("input: " + input.train.plan());
   strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
                       (comm.overlap ? "on" : "off") + ", compression " +
@@ -720,6 +728,7 @@ int run(const TrainArgs& a) {
   check_dataset(a);
   const int threads = threads_per_worker(a, env);
   torch::set_num_threads(threads);
+  const bool kept_freed_memory = a.freed_memory == "keep" && base::keep_freed_memory();
   const collective::CommunicationOptions comm = communication_options(a, env);
   if (spec.is_evaluator()) return run_evaluator(a);
   const std::string metrics_json = spec.is_chief() ? a.metrics_json : "";
@@ -743,7 +752,7 @@ int run(const TrainArgs& a) {
   const std::unique_ptr<train::Model> owned = make_model(strategy, a, script);
   train::Model& model = *owned;
   model.compile(compile_options(a, recipe));
-  if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm);
+  if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm, kept_freed_memory);
 
   train::FitOptions fit = fit_options(a, env, input);
   fit.callbacks = callbacks(a);
@@ -826,9 +835,11 @@ Command add_train(CLI::App& parent) {
                   "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
       ->check(CLI::IsMember({"linear", "none"}))
       ->capture_default_str();
-  app->add_option("--lr", args->recipe.lr, "Peak learning rate as given (overrides --base-lr scaling)")
+  app->add_option("--lr", args->recipe.lr,
+                  "Peak learning rate as given (overrides --base-lr scaling)")
       ->check(CLI::PositiveNumber);
-  app->add_option("--schedule", args->recipe.schedule, "cosine (warmup, then cosine decay) or constant")
+  app->add_option("--schedule", args->recipe.schedule,
+                  "cosine (warmup, then cosine decay) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app->add_option("--warmup-epochs", args->recipe.warmup_epochs,
@@ -857,6 +868,12 @@ Command add_train(CLI::App& parent) {
                   "Keep the model's 2-D convolution weights and activations channels-last "
                   "(NHWC): auto (on for models with 2-D convolutions), on or off")
       ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app->add_option("--freed-memory", args->freed_memory,
+                  "What malloc does with the memory a step frees: keep (blocks up to 32 MiB are "
+                  "reused by the next step instead of being unmapped and faulted in again) or "
+                  "release (the C library's default)")
+      ->check(CLI::IsMember({"keep", "release"}))
       ->capture_default_str();
   app->add_flag("--sync-batchnorm", args->sync_batchnorm,
                 "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
