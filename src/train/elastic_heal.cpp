@@ -153,4 +153,24 @@ EpochEndRecord EpochEndRecord::decode(const std::string& text, const std::string
   }
 }
 
+Destination destination(const HealPlan& plan, const FitPosition& mine, bool recorded_stop) {
+  const FitPosition& target = plan.target;
+  Destination d;
+  if (target.epoch != mine.epoch) {
+    // This worker waited in the stop vote; the others, past it, began the next epoch: the vote
+    // said go on.
+    d.same_epoch = false;
+    d.stop = false;
+    d.stage = EpochStage::kAgreed;
+    return d;
+  }
+  // The same epoch: its steps from the target's step on, or its end from the target's stage.
+  d.take_step = target.stage == EpochStage::kSteps;
+  d.stage = target.stage;
+  if (target.stage == EpochStage::kAgreed && mine.stage < EpochStage::kAgreed) {
+    d.stop = recorded_stop;
+  }
+  return d;
+}
+
 } // namespace flotilla::train::detail

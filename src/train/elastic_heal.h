@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,6 +59,22 @@ struct HealPlan {
 // CommError: regrouping again would not help) when they stand further apart than one collective
 // can explain, or a worker would join anywhere but at a step boundary.
 HealPlan plan_heal(const std::vector<FitPosition>& members);
+
+// Where one member goes under `plan` from `mine` — the healer applies it to the fit's progress.
+struct Destination {
+  // The target is in the steps of this member's epoch: the steps go on from the state's step.
+  bool take_step = false;
+  EpochStage stage = EpochStage::kSteps; // the epoch end's stage to go on from
+  // Set: stop_training takes this value. A member that missed the stop vote while the donor,
+  // past it, left the fit takes the vote's answer (from the donor's record); a member that
+  // waited in the vote while the others began the next epoch learns the vote said go on.
+  std::optional<bool> stop;
+  // The state (the donor's, or this member's own) becomes the committed state (same epoch);
+  // otherwise the next epoch begins here as usual, its input at this member's own position.
+  bool same_epoch = true;
+};
+// `recorded_stop`: the stop vote's answer in the epoch-end record this member holds.
+Destination destination(const HealPlan& plan, const FitPosition& mine, bool recorded_stop);
 
 // PhaseTimes as kPhaseTimesFields doubles (the epoch's gather sends them), and back.
 inline constexpr int kPhaseTimesFields = kPhaseCount + 3;

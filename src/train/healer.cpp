@@ -226,26 +226,18 @@ void Healer::on_generation(EpochIterator* input) {
 
 void Healer::go_to(const HealPlan& plan, const FitPosition& mine, TrainingState& state,
                    const std::optional<data::IteratorState>& own_position) {
-  const FitPosition& target = plan.target;
   if (plan.send_state) {
     step_.restore_counters(state);
     step_.replicas().copy_first_to_others();
   }
-  if (target.epoch == mine.epoch) {
-    // The same epoch: its steps from the target's step on, or its end from the target's stage.
-    if (target.stage == EpochStage::kSteps) progress_.step = state.step_in_epoch;
-    // A member that missed the stop vote while the donor, past it, left the fit: its answer.
-    if (target.stage == EpochStage::kAgreed && mine.stage < EpochStage::kAgreed) {
-      stop_training_ = progress_.end.stop;
-    }
-    progress_.end_stage = target.stage;
+  const Destination d = destination(plan, mine, progress_.end.stop);
+  if (d.take_step) progress_.step = state.step_in_epoch;
+  if (d.stop) stop_training_ = *d.stop;
+  progress_.end_stage = d.stage;
+  if (d.same_epoch) {
     committed_ = state;
   } else {
-    // This worker waited in the stop vote; the others, past it, began the next epoch: the vote
-    // said go on. The next epoch begins here as usual (its input position is this worker's own).
-    stop_training_ = false;
-    progress_.end_stage = EpochStage::kAgreed;
-    state.iterator = own_position;
+    state.iterator = own_position; // the next epoch begins here as usual
   }
 }
 

@@ -95,22 +95,60 @@ TEST(ElasticHeal, AJoinerTakesTheStateOfTheMostAdvancedMember) {
   EXPECT_TRUE(plan_heal({joiner(), joiner()}).nothing_to_join);
 }
 
+// Where each member goes (what the healer applies), for the plans above.
+TEST(ElasticHeal, AMemberBehindInTheStepsGoesOnFromTheTargetsStep) {
+  const FitPosition behind = steps(1, 7);
+  const Destination d = destination(plan_heal({behind, steps(1, 8)}), behind, false);
+  EXPECT_TRUE(d.take_step);
+  EXPECT_EQ(d.stage, EpochStage::kSteps);
+  EXPECT_FALSE(d.stop.has_value());
+  EXPECT_TRUE(d.same_epoch);
+}
+
+TEST(ElasticHeal, AMemberBehindInTheEpochsEndGoesOnFromTheTargetsStageNotItsSteps) {
+  const FitPosition behind = at_end(1, EpochStage::kGathered);
+  const Destination d =
+      destination(plan_heal({behind, at_end(1, EpochStage::kMirrored)}), behind, true);
+  EXPECT_FALSE(d.take_step);
+  EXPECT_EQ(d.stage, EpochStage::kMirrored);
+  EXPECT_FALSE(d.stop.has_value()); // the vote is still to come: nothing recorded is used
+  EXPECT_TRUE(d.same_epoch);
+}
+
+TEST(ElasticHeal, AMemberThatMissedTheStopVoteTakesTheRecordedAnswer) {
+  const FitPosition voting = at_end(6, EpochStage::kEnded);
+  const HealPlan plan = plan_heal({voting, at_end(6, EpochStage::kAgreed)});
+  EXPECT_EQ(destination(plan, voting, true).stop, std::optional<bool>(true));
+  EXPECT_EQ(destination(plan, voting, false).stop, std::optional<bool>(false));
+  EXPECT_EQ(destination(plan, voting, true).stage, EpochStage::kAgreed);
+  // The member that voted keeps its own answer.
+  EXPECT_FALSE(destination(plan, at_end(6, EpochStage::kAgreed), true).stop.has_value());
+}
+
+TEST(ElasticHeal, AMemberInTheStopVoteWhileOthersBeganTheNextEpochGoesOnFromItsOwnInput) {
+  const FitPosition voting = at_end(4, EpochStage::kEnded);
+  const Destination d = destination(plan_heal({voting, steps(5, 0)}), voting, true);
+  EXPECT_FALSE(d.same_epoch);
+  EXPECT_EQ(d.stop, std::optional<bool>(false)); // the vote said go on, whatever was recorded
+  EXPECT_EQ(d.stage, EpochStage::kAgreed);
+  EXPECT_FALSE(d.take_step);
+}
+
 TEST(ElasticHeal, PositionsNoCollectiveCanExplainAreAnErrorNotARegroup) {
   // A joiner at an epoch's end; a member before its epoch's callbacks while another began the
   // next epoch; one in the stop vote while another is steps into the next epoch; two epochs.
-  for (const auto& members : std::vector<std::vector<FitPosition>>{
-           {joiner(), at_end(1, EpochStage::kGathered)},
-           {at_end(1, EpochStage::kValidated), steps(2, 0)},
-           {at_end(1, EpochStage::kEnded), steps(2, 3)},
-           {steps(1, 4), steps(3, 4)}}) {
+  for (const auto& members :
+       std::vector<std::vector<FitPosition>>{{joiner(), at_end(1, EpochStage::kGathered)},
+                                             {at_end(1, EpochStage::kValidated), steps(2, 0)},
+                                             {at_end(1, EpochStage::kEnded), steps(2, 3)},
+                                             {steps(1, 4), steps(3, 4)}}) {
     try {
       plan_heal(members);
       ADD_FAILURE() << "no error for " << members[0].describe() << " / " << members[1].describe();
     } catch (const CommError&) {
       ADD_FAILURE() << "a CommError would make the members regroup again";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("further apart than one collective"),
-                std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("further apart than one collective"), std::string::npos)
           << e.what();
     }
   }
