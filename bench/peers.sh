@@ -9,7 +9,9 @@
 #
 # Each peer runs twice, as its users would write it and at its fastest settings found here:
 #   pytorch-ddp        NCHW, torch.optim.SGD's default loop
-#   pytorch-ddp-best   channels_last model and batches, SGD(fused=True)
+#   pytorch-ddp-best   channels_last model and batches, SGD(fused=True), and glibc's malloc
+#                      keeping freed blocks (GLIBC_TUNABLES: the settings flotilla's
+#                      --freed-memory keep makes with mallopt)
 #   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
 #   tf-mwms-xla        model.compile(jit_compile=True) fails under MWMS on the CPU ("Collectives
 #                      are not yet implemented for CPU devices when compiling with XLA", TF
@@ -171,6 +173,11 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   [ -n "$epoch2" ] || fail "${cmd[*]}: no epoch 2 in $metrics" "$log"
   [ "$(json_number steps <<<"$epoch2")" = "$steps" ] ||
     fail "${cmd[*]}: epoch 2 ran $(json_number steps <<<"$epoch2") steps, not $steps" "$log"
+  if grep -q 'recipe: freed memory: kept' "$log"; then
+    echo kept >"$tmp/freed-$name-$model"
+  else
+    echo released >"$tmp/freed-$name-$model"
+  fi
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -187,14 +194,17 @@ peer_result() {  # system, short name, rank 0's log, command -> samples/s; versi
   json_number samples_per_s <<<"$line"
 }
 
-run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer -> samples/s
-  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=()
+run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc] -> samples/s
+  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=() tunables=()
   port=$(free_ports 1)
+  # keep: malloc keeps what a step frees, as flotilla's --freed-memory keep (base/system.h).
+  [ "${8:-}" = keep ] &&
+    tunables=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824)
   local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR"
     "$5" "$6" "$7")
   for rank in $(seq 0 $((WORKERS - 1))); do
-    start "$log.$rank.log" env OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-      RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
+    start "$log.$rank.log" env "${tunables[@]}" OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT="$port" RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
     pids+=("$started")
   done
   wait_all "${cmd[*]}" "${pids[@]}"
@@ -269,9 +279,10 @@ settings_of() {  # system, model, precision -> JSON fields
   local format=nchw
   case "$1" in
     flotilla*) format=$(cat "$tmp/format-$1-$2" 2>/dev/null || echo nchw)
-      printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)"' "$3" "$format" ;;
+      printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)","freed_memory":"%s"' \
+        "$3" "$format" "$(cat "$tmp/freed-$1-$2" 2>/dev/null || echo released)" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
-    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused"' "$3" ;;
+    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3" ;;
     tf-mwms) printf '"precision":"%s","memory_format":"channels_last","xla":false' "$3" ;;
     tf-mwms-xla) printf '"precision":"%s","memory_format":"channels_last","xla":true' "$3" ;;
   esac
@@ -291,7 +302,8 @@ for run in $(seq "$RUNS"); do
         for peer in $PEERS; do
           case $peer in
             pytorch-ddp) run_ddp "$model" "$batch" "$steps" "$run" "$precision" nchw default ;;
-            pytorch-ddp-best) run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused ;;
+            pytorch-ddp-best)
+              run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep ;;
             tf-mwms) run_tf "$model" "$batch" "$steps" "$run" "$precision" off ;;
             tf-mwms-xla) run_tf "$model" "$batch" "$steps" "$run" "$precision" on ;;
             *) fail "unknown peer $peer" ;;
