@@ -48,7 +48,7 @@ settings() {  # pipeline, system
     *-28) [ "$2" = flotilla ] && resize="none (already 28x28)" || resize="bilinear to 28x28" ;;
     *-32) resize="bilinear to 32x32" ;;
   esac
-  printf '{"output":"float32","batch":256,"resize":"%s","threads":"all cores"}' "$resize"
+  printf '{"precision":"float32 output","batch":256,"resize":"%s","threads":"all cores"}' "$resize"
 }
 value() { sed 's/.*"value": *\([0-9.]*\).*/\1/'; }
 for _ in $(seq "$RUNS"); do

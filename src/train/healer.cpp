@@ -23,13 +23,6 @@ class NothingToJoin : public CommError {
   using CommError::CommError;
 };
 
-// Whether a failure may be a member's departure, to regroup after: a CommError or a backend's
-// own exception. Not flotilla's other errors: configuration, data and checkpoint errors are the
-// same on every worker or this worker's own bad input, a preemption means this worker leaves,
-// and members that cannot agree where to go on would not agree after a regroup.
-bool healable(const std::exception& e) {
-  return dynamic_cast<const CommError*>(&e) || !dynamic_cast<const Error*>(&e);
-}
 } // namespace
 
 Healer::Healer(strategy::Strategy& strategy, TrainStep& step, FitProgress& progress,
@@ -39,21 +32,8 @@ Healer::Healer(strategy::Strategy& strategy, TrainStep& step, FitProgress& progr
 
 Healer::~Healer() = default;
 
-bool Healer::attempt(const std::function<void()>& attempt, EpochIterator* input,
-                     const std::function<void()>& before_heal) {
-  if (!elastic()) {
-    attempt();
-    return true;
-  }
-  try {
-    attempt();
-    return true;
-  } catch (const std::exception& e) {
-    if (!healable(e)) throw;
-    if (before_heal) before_heal();
-    heal(e, input);
-    return false;
-  }
+bool Healer::healable(const std::exception& e) {
+  return dynamic_cast<const CommError*>(&e) || !dynamic_cast<const Error*>(&e);
 }
 
 void Healer::begin_fit(const data::DistributedDataset& train) {

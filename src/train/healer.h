@@ -48,8 +48,24 @@ class Healer {
   // member and heals (every member where the plan puts it, `input` — fit's, or null outside fit —
   // split anew among them), and returns false: the caller goes on from where the group stands.
   // Anything else, or any failure outside elastic mode, is rethrown.
-  bool attempt(const std::function<void()>& attempt, EpochIterator* input,
-               const std::function<void()>& before_heal = {});
+  // A template, so a step's call allocates nothing.
+  template <class Attempt, class BeforeHeal = void (*)()>
+  bool attempt(
+      Attempt&& attempt, EpochIterator* input, BeforeHeal&& before_heal = [] {}) {
+    if (!elastic()) {
+      attempt();
+      return true;
+    }
+    try {
+      attempt();
+      return true;
+    } catch (const std::exception& e) {
+      if (!healable(e)) throw;
+      before_heal();
+      heal(e, input);
+      return false;
+    }
+  }
 
   // fit()'s input as given (every redistribution starts from it); end_fit drops what the fit
   // left (a vote in flight is dropped by every member alike).
@@ -71,6 +87,11 @@ class Healer {
   void drop_admission();
 
  private:
+  // Whether a failure may be a member's departure, to regroup after: a CommError or a backend's
+  // own exception. Not flotilla's other errors: configuration, data and checkpoint errors are the
+  // same on every worker or this worker's own bad input, a preemption means this worker leaves,
+  // and members that cannot agree where to go on would not agree after a regroup.
+  static bool healable(const std::exception& e);
   void heal(const std::exception& failure, EpochIterator* input);
   // After regroup() or admit(): the step adopts the group, the members reconcile, and this
   // worker goes where the plan puts it, fit's input (null outside fit) split anew among the
