@@ -3,9 +3,13 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -14,15 +18,122 @@
 namespace flotilla::checkpoint {
 namespace {
 
-enum class OptimizerKind { kSGD, kAdam, kAdamW };
+// kOther: kept in LibTorch's own archive (Optimizer::save/load) as one tensor.
+enum class OptimizerKind { kSGD, kAdam, kAdamW, kOther };
+
+constexpr const char* kArchiveName = "torch_archive";
 
 OptimizerKind kind_of(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return OptimizerKind::kSGD;
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return OptimizerKind::kAdam;
   if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return OptimizerKind::kAdamW;
-  throw CheckpointError(std::string("optimizer state: only torch::optim::SGD, Adam and AdamW can "
-                                    "be saved and restored; this optimizer is ") +
-                        c10::demangle(typeid(optimizer).name()));
+  return OptimizerKind::kOther;
+}
+
+std::string type_name(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
+
+std::string archive_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+torch::serialize::InputArchive read_archive(const std::string& bytes,
+                                            std::optional<torch::Device> device = std::nullopt) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in, device);
+  return archive;
+}
+
+// LibTorch's optimizers write their version, groups and state; torch::optim::Optimizer's own
+// save() writes nothing.
+bool holds_optimizer(torch::serialize::InputArchive& archive) {
+  const auto keys = archive.keys();
+  return std::find(keys.begin(), keys.end(), "pytorch_version") != keys.end();
+}
+
+NamedTensors archived_state(const torch::optim::Optimizer& optimizer) {
+  const std::string bytes = archive_bytes(optimizer);
+  auto check = read_archive(bytes);
+  if (!holds_optimizer(check)) {
+    throw CheckpointError("optimizer state: " + type_name(optimizer) +
+                          " does not save its state (its save() writes nothing); implement "
+                          "save() and load() as LibTorch's optimizers do (with "
+                          "torch::optim::serialize) to checkpoint it, back it up or heal a fit "
+                          "that uses it");
+  }
+  torch::Tensor tensor = torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+  return {{kArchiveName, tensor}};
+}
+
+// Every state tensor of more than one element has its parameter's shape (LibTorch's own load
+// checks the groups' sizes, not the tensors').
+void check_archived_shapes(const torch::optim::Optimizer& optimizer) {
+  std::int64_t index = 0;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& param : group.params()) {
+      const auto it = optimizer.state().find(param.unsafeGetTensorImpl());
+      ++index;
+      if (it == optimizer.state().end() || !it->second) continue;
+      torch::serialize::OutputArchive out;
+      it->second->serialize(out);
+      std::ostringstream bytes;
+      out.save_to(bytes);
+      auto in = read_archive(bytes.str());
+      for (const auto& key : in.keys()) {
+        torch::Tensor t;
+        if (!in.try_read(key, t) || t.dim() == 0 || t.numel() <= 1) continue;
+        if (t.sizes() != param.sizes()) {
+          throw CheckpointError("optimizer state: parameter " + std::to_string(index - 1) +
+                                "'s \"" + key + "\" has shape " + c10::str(t.sizes()) +
+                                ", the parameter has shape " + c10::str(param.sizes()) +
+                                "; it was saved from a different model");
+        }
+      }
+    }
+  }
+}
+
+void load_archived_state(torch::optim::Optimizer& optimizer, const NamedTensors& state) {
+  const std::string where = "optimizer state: ";
+  if (state.size() != 1 || state.front().first != kArchiveName) {
+    throw CheckpointError(where + "this " + type_name(optimizer) +
+                          " keeps its state in LibTorch's archive (\"" + kArchiveName +
+                          "\"); saw " + (state.empty() ? "nothing" : "\"" + state.front().first +
+                          "\"") + ": it was saved from another optimizer");
+  }
+  const torch::Tensor bytes_tensor = state.front().second.to(torch::kCPU).contiguous();
+  if (bytes_tensor.scalar_type() != torch::kUInt8 || bytes_tensor.dim() != 1) {
+    throw CheckpointError(where + "\"" + kArchiveName + "\" is not a byte string");
+  }
+  const std::string bytes(static_cast<const char*>(bytes_tensor.data_ptr()),
+                          static_cast<std::size_t>(bytes_tensor.numel()));
+  std::optional<torch::Device> device;
+  if (!optimizer.param_groups().empty() && !optimizer.param_groups()[0].params().empty()) {
+    device = optimizer.param_groups()[0].params()[0].device();
+  }
+  const std::string previous = archive_bytes(optimizer);
+  try {
+    auto archive = read_archive(bytes, device);
+    if (!holds_optimizer(archive)) throw CheckpointError("it holds no optimizer");
+    optimizer.load(archive);
+    check_archived_shapes(optimizer);
+  } catch (const std::exception& e) {
+    // Put back what was there: LibTorch's load() changes state group by group.
+    optimizer.state().clear();
+    auto before = read_archive(previous, device);
+    optimizer.load(before);
+    const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
+    throw CheckpointError(where + "could not load it into this " + type_name(optimizer) + " (" +
+                          (error ? error->what_without_backtrace() : e.what()) +
+                          "); it was saved from a different optimizer or model");
+  }
 }
 
 const char* kind_name(OptimizerKind kind) {
@@ -33,6 +144,8 @@ const char* kind_name(OptimizerKind kind) {
     return "Adam";
   case OptimizerKind::kAdamW:
     return "AdamW";
+  case OptimizerKind::kOther:
+    break;
   }
   return "?";
 }
@@ -93,6 +206,7 @@ make_adam_state(const std::map<std::string, torch::Tensor>& fields,
 
 NamedTensors optimizer_state(const torch::optim::Optimizer& optimizer) {
   const OptimizerKind kind = kind_of(optimizer);
+  if (kind == OptimizerKind::kOther) return archived_state(optimizer);
   const auto& states = optimizer.state();
   NamedTensors out;
   std::int64_t index = 0;
@@ -135,6 +249,7 @@ NamedTensors optimizer_state(const torch::optim::Optimizer& optimizer) {
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const NamedTensors& state) {
   const OptimizerKind kind = kind_of(optimizer);
+  if (kind == OptimizerKind::kOther) return load_archived_state(optimizer, state);
   const std::string kind_text = kind_name(kind);
   const std::string where = "optimizer state: ";
   auto& groups = optimizer.param_groups();
@@ -197,6 +312,8 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const NamedTensors
       if (!rates.emplace(split->first, tensor.item<double>()).second) {
         throw CheckpointError(where + "tensor \"" + name + "\" appears twice");
       }
+    } else if (name == kArchiveName) {
+      throw unexpected("that is LibTorch's archive of an optimizer other than SGD, Adam and AdamW");
     } else {
       throw unexpected("names start with \"state.\" or \"param_groups.\"");
     }

@@ -2,10 +2,12 @@
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/sgd.h>
 
 #include <cmath>
 #include <sstream>
+#include <unordered_set>
 
 #include "flotilla/error.h"
 
@@ -40,20 +42,24 @@ double OptimizerOptions::learning_rate_at(std::int64_t step) const {
 std::string OptimizerOptions::describe() const {
   std::ostringstream out;
   const char* names[] = {"SGD", "Adam", "AdamW"};
-  out << names[static_cast<int>(kind)] << "(learning_rate=";
+  out << (custom ? "your optimizer" : names[static_cast<int>(kind)]) << "(learning_rate=";
   if (schedule) {
     out << schedule->describe();
+  } else if (custom) {
+    out << "its first group's";
   } else {
     out << learning_rate;
   }
-  if (kind == OptimizerKind::kSGD) {
+  if (custom) {
+    // its options are its own
+  } else if (kind == OptimizerKind::kSGD) {
     if (momentum != 0) out << ", momentum=" << momentum;
     if (nesterov) out << ", nesterov=true";
   } else {
     out << ", beta_1=" << beta_1 << ", beta_2=" << beta_2 << ", epsilon=" << epsilon;
     if (amsgrad) out << ", amsgrad=true";
   }
-  if (weight_decay != 0) out << ", weight_decay=" << weight_decay;
+  if (weight_decay != 0 && !custom) out << ", weight_decay=" << weight_decay;
   if (global_clipnorm > 0) out << ", global_clipnorm=" << global_clipnorm;
   out << ")";
   return out.str();
@@ -70,11 +76,12 @@ void validate(const OptimizerOptions& o) {
   auto bad = [](const std::string& what, double value, const std::string& rule) {
     throw ConfigError(what + " must be " + rule + "; saw " + std::to_string(value));
   };
-  if (!o.schedule && !(o.learning_rate > 0)) bad("learning rate", o.learning_rate, "positive");
-  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "at least 0");
   if (!(o.global_clipnorm >= 0) || std::isinf(o.global_clipnorm)) {
     bad("global_clipnorm", o.global_clipnorm, "a finite number at least 0 (0: no clipping)");
   }
+  if (o.custom) return; // your optimizer's own options are its own
+  if (!o.schedule && !(o.learning_rate > 0)) bad("learning rate", o.learning_rate, "positive");
+  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "at least 0");
   if (o.kind == OptimizerKind::kSGD) {
     if (!(o.momentum >= 0 && o.momentum < 1)) bad("momentum", o.momentum, "in [0, 1)");
     if (o.nesterov && o.momentum == 0) {
@@ -116,8 +123,61 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
   throw ConfigError("unknown optimizer");
 }
 
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
+                                                        torch::nn::Module& replica) {
+  if (!options.custom) return make_optimizer(options, replica.parameters());
+  validate(options);
+  auto optimizer = options.custom(replica);
+  const std::string what = "OptimizerOptions::custom ";
+  if (!optimizer) throw ConfigError(what + "returned no optimizer");
+  if (dynamic_cast<const torch::optim::LBFGS*>(optimizer.get())) {
+    throw ConfigError(what + "returned an LBFGS, which steps with a closure that evaluates the "
+                             "loss again; fit() takes one step per batch: use SGD, Adam, AdamW, "
+                             "RMSprop, Adagrad or an optimizer of your own");
+  }
+  const auto& groups = optimizer->param_groups();
+  if (groups.empty()) throw ConfigError(what + "returned an optimizer with no parameter group");
+  std::unordered_set<const void*> own;
+  for (const auto& p : replica.parameters()) own.insert(p.unsafeGetTensorImpl());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+      if (!own.count(groups[g].params()[i].unsafeGetTensorImpl())) {
+        throw ConfigError(what + "returned an optimizer whose group " + std::to_string(g) +
+                          " holds a tensor (number " + std::to_string(i) +
+                          ") that is not a parameter of the replica it was given; its "
+                          "gradient would not be all-reduced. Build it from that module's "
+                          "parameters (replica.parameters() or named_parameters())");
+      }
+    }
+  }
+  const double first = groups.front().options().get_lr();
+  if (!(first > 0)) {
+    throw ConfigError(what + "returned an optimizer whose first group's learning rate is " +
+                      std::to_string(first) + "; it must be positive (the other groups' rates "
+                      "are kept as ratios to it)");
+  }
+  return optimizer;
+}
+
 void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(learning_rate);
+}
+
+std::vector<double> learning_rate_ratios(const torch::optim::Optimizer& optimizer) {
+  std::vector<double> ratios;
+  const auto& groups = optimizer.param_groups();
+  for (const auto& group : groups) {
+    ratios.push_back(group.options().get_lr() / groups.front().options().get_lr());
+  }
+  return ratios;
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate,
+                       const std::vector<double>& ratios) {
+  auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    groups[g].options().set_lr(g == 0 ? learning_rate : learning_rate * ratios.at(g));
+  }
 }
 
 } // namespace flotilla::train

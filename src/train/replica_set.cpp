@@ -126,8 +126,18 @@ ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica
   for (auto& [module, forward] : replicas_) {
     set_memory_format(*module, channels_last);
     if (channels_last) forward = channels_last_input(std::move(forward));
-    optimizers_.push_back(make_optimizer(optimizer, module->parameters()));
+    optimizers_.push_back(make_optimizer(optimizer, *module));
+    if (optimizers_.back()->param_groups().size() !=
+        optimizers_.front()->param_groups().size()) {
+      throw ConfigError("OptimizerOptions::custom gave replica " +
+                        std::to_string(optimizers_.size() - 1) + " an optimizer of " +
+                        std::to_string(optimizers_.back()->param_groups().size()) +
+                        " parameter groups, replica 0 one of " +
+                        std::to_string(optimizers_.front()->param_groups().size()) +
+                        "; every replica's must be built alike");
+    }
   }
+  learning_rate_ratios_ = learning_rate_ratios(*optimizers_.front());
   if (replicas > 1) threads_ = std::make_unique<Threads>(replicas);
 }
 
@@ -221,7 +231,7 @@ void ReplicaSet::set_training(bool training) {
 
 void ReplicaSet::step(double learning_rate) {
   for (auto& optimizer : optimizers_) {
-    set_learning_rate(*optimizer, learning_rate);
+    set_learning_rate(*optimizer, learning_rate, learning_rate_ratios_);
     optimizer->step();
   }
 }

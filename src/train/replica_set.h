@@ -51,8 +51,13 @@ class ReplicaSet {
   // kind of buffer; every worker calls it. Bit-identical everywhere afterwards.
   void mirror_buffers(collective::Communicator& workers);
   void set_training(bool training);
-  // Every replica's optimizer steps at `learning_rate`.
+  // Every replica's optimizer steps, its first parameter group at `learning_rate` and every
+  // other at its ratio to the first as the optimizer was built (one group for the built-ins).
   void step(double learning_rate);
+  // The first group's learning rate as OptimizerOptions::custom built it.
+  double built_learning_rate() const {
+    return optimizers_.front()->param_groups().front().options().get_lr();
+  }
   // Scales every replica's gradients so that their global L2 norm is at most `max_norm`
   // (clip_grad_norm_). The replicas hold the same all-reduced gradients; each computes the norm
   // itself, so they stay bit-identical (a factor computed once and applied to the others could
@@ -64,6 +69,7 @@ class ReplicaSet {
   std::vector<Model::Replica> replicas_;
   std::vector<torch::Device> devices_;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
+  std::vector<double> learning_rate_ratios_; // each group's rate over the first's, as built
   std::unique_ptr<Threads> threads_;
 };
 

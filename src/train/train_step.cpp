@@ -118,6 +118,9 @@ TrainStep::TrainStep(strategy::Strategy& strategy, Model::Replica model,
   channels_last_ = options.channels_last.value_or(has_convolutions(*model.first));
   replicas_ = std::make_unique<ReplicaSet>(strategy_.devices(), std::move(model), clone,
                                            options.optimizer, channels_last_);
+  if (options_.optimizer.custom && !options_.optimizer.schedule) {
+    options_.optimizer.learning_rate = replicas_->built_learning_rate();
+  }
   sync_batchnorm_layers_ = bind_replica_contexts(strategy_, *replicas_, replica_contexts_);
   std::string why_no_graph = why_no_captured_step(strategy_, options.gradient_accumulation_steps);
   if (why_no_graph.empty() && sync_batchnorm_layers_ > 0) {

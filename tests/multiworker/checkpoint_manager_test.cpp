@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 #include <torch/version.h>
 
@@ -286,6 +288,16 @@ const std::vector<std::pair<std::string, OptimizerFactory>>& optimizers() {
          return grouped<torch::optim::AdamW>(net, torch::optim::AdamWOptions(0.01).amsgrad(true),
                                              0.005);
        }},
+      // Kept in LibTorch's archive of them (not SGD, Adam or AdamW).
+      {"RMSprop centered momentum",
+       [](nn::Sequential& net) {
+         return grouped<torch::optim::RMSprop>(
+             net, torch::optim::RMSpropOptions(0.01).momentum(0.5).centered(true), 0.005);
+       }},
+      {"Adagrad",
+       [](nn::Sequential& net) {
+         return grouped<torch::optim::Adagrad>(net, torch::optim::AdagradOptions(0.05), 0.02);
+       }},
   };
   return kOptimizers;
 }
@@ -371,6 +383,8 @@ TEST(CheckpointManager, ResumedTrainingMatchesUninterruptedTrainingBitForBit) {
     ASSERT_EQ(a.size(), b.size());
     for (std::size_t i = 0; i < a.size(); ++i) {
       EXPECT_EQ(a[i].first, b[i].first);
+      // An archive names each state by its parameter's address: the bytes differ.
+      if (a[i].first == "torch_archive") continue;
       EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
     }
 
@@ -444,6 +458,85 @@ TEST(CheckpointManager, OptimizerStateThatDoesNotFitIsNamed) {
                            "different model");
   }
   EXPECT_TRUE(torch::equal(small[0]->as<nn::Linear>()->bias, before)); // checked before copying
+}
+
+// An optimizer of your own that saves nothing: torch::optim::Optimizer's own save().
+class PlainSgd : public torch::optim::Optimizer {
+ public:
+  explicit PlainSgd(std::vector<torch::Tensor> params)
+      : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                  std::make_unique<torch::optim::SGDOptions>(0.1)) {}
+  torch::Tensor step(LossClosure) override {
+    torch::NoGradGuard no_grad;
+    for (auto& p : param_groups()[0].params()) {
+      if (p.grad().defined()) p.sub_(p.grad() * param_groups()[0].options().get_lr());
+    }
+    return {};
+  }
+};
+
+// RMSprop's square_avg for parameter `index`, cloned.
+torch::Tensor square_avg(torch::optim::RMSprop& optimizer, std::size_t index) {
+  const auto& param = optimizer.param_groups()[0].params().at(index);
+  return static_cast<torch::optim::RMSpropParamState&>(
+             *optimizer.state().at(param.unsafeGetTensorImpl()))
+      .square_avg()
+      .clone();
+}
+
+TEST(CheckpointManager, ArchivedOptimizerStateThatDoesNotFitIsNamedAndNothingChanges) {
+  const Batches data;
+  auto net = make_net(1);
+  torch::optim::RMSprop rmsprop(net->parameters(), torch::optim::RMSpropOptions(0.01));
+  train(net, rmsprop, data, 0, 1);
+  const auto archived = checkpoint::optimizer_state(rmsprop);
+  ASSERT_EQ(archived.size(), 1u);
+  EXPECT_EQ(archived[0].first, "torch_archive");
+  EXPECT_EQ(archived[0].second.scalar_type(), torch::kUInt8);
+
+  // Another model of as many parameters: checked after LibTorch's load, and put back.
+  nn::Sequential other(nn::Linear(5, 8), nn::BatchNorm1d(8), nn::ReLU(), nn::Linear(8, 3));
+  torch::optim::RMSprop other_rmsprop(other->parameters(), torch::optim::RMSpropOptions(0.02));
+  other_rmsprop.zero_grad();
+  for (auto& p : other->parameters()) p.mutable_grad() = torch::ones_like(p);
+  other_rmsprop.step();
+  const torch::Tensor before = square_avg(other_rmsprop, 0);
+  EXPECT_EQ(load_optimizer_error(other_rmsprop, archived),
+            "optimizer state: could not load it into this torch::optim::RMSprop (optimizer "
+            "state: parameter 0's \"square_avg\" has shape [8, 6], the parameter has shape "
+            "[8, 5]; it was saved from a different model); it was saved from a different "
+            "optimizer or model");
+  EXPECT_TRUE(torch::equal(square_avg(other_rmsprop, 0), before));
+  EXPECT_EQ(other_rmsprop.param_groups()[0].options().get_lr(), 0.02);
+
+  torch::optim::Adagrad adagrad(net->parameters(), torch::optim::AdagradOptions(0.1));
+  train(net, adagrad, data, 0, 1);
+  const std::string wrong_type = load_optimizer_error(rmsprop, checkpoint::optimizer_state(adagrad));
+  EXPECT_EQ(wrong_type.rfind("optimizer state: could not load it into this torch::optim::RMSprop (",
+                             0),
+            0u)
+      << wrong_type;
+
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  train(net, sgd, data, 0, 1);
+  EXPECT_EQ(load_optimizer_error(rmsprop, checkpoint::optimizer_state(sgd)),
+            "optimizer state: this torch::optim::RMSprop keeps its state in LibTorch's archive "
+            "(\"torch_archive\"); saw \"state.0.momentum_buffer\": it was saved from another "
+            "optimizer");
+  EXPECT_EQ(load_optimizer_error(sgd, archived),
+            "optimizer state: unexpected tensor \"torch_archive\": that is LibTorch's archive of "
+            "an optimizer other than SGD, Adam and AdamW; it was saved from a different "
+            "optimizer or model");
+
+  PlainSgd plain(net->parameters());
+  try {
+    checkpoint::optimizer_state(plain);
+    ADD_FAILURE() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not save its state (its save() writes nothing)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // ---- readers outside flotilla -------------------------------------------------------------------

@@ -2,7 +2,12 @@
 // what one worker computes over the whole dataset.
 #include <gtest/gtest.h>
 
+#include <torch/optim/adagrad.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/sgd.h>
+
 #include <filesystem>
+#include <functional>
 #include <mutex>
 
 #include "flotilla/error.h"
@@ -86,7 +91,29 @@ TEST(Model, FitReportsTheSameGlobalEpochOnEveryWorker) {
 // the weights, the optimizer's momentum and its update count come back, so fitting on from the
 // load ends where the saved model ended fitting on, bit for bit (torch::equal), on both workers.
 // A model of another shape is refused, saying so.
+// Adagrad (kept in LibTorch's archive), the first layer at twice the others' rate.
+std::unique_ptr<torch::optim::Optimizer> grouped_adagrad(nn::Module& net) {
+  std::vector<torch::Tensor> first, rest;
+  for (const auto& item : net.named_parameters()) {
+    (item.key().rfind("0.", 0) == 0 ? first : rest).push_back(item.value());
+  }
+  using Options = torch::optim::AdagradOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(first, std::make_unique<Options>(0.2));
+  groups.emplace_back(rest, std::make_unique<Options>(0.1));
+  return std::make_unique<torch::optim::Adagrad>(std::move(groups), Options(0.1));
+}
+
+void save_then_load(bool own_optimizer);
+
 TEST(Model, SaveThenLoadIntoAFreshModelGoesOnAsTheSavedOneDid) {
+  for (const bool own_optimizer : {false, true}) {
+    SCOPED_TRACE(own_optimizer ? "Adagrad with groups (OptimizerOptions::custom)" : "SGD");
+    save_then_load(own_optimizer);
+  }
+}
+
+void save_then_load(bool own_optimizer) {
   testing::TempDir dir;
   const std::string saved = dir.path() + "/saved";
   const Data data;
@@ -110,6 +137,7 @@ TEST(Model, SaveThenLoadIntoAFreshModelGoesOnAsTheSavedOneDid) {
     };
     train::CompileOptions compile;
     compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
+    if (own_optimizer) compile.optimizer.custom = grouped_adagrad;
     train::FitOptions fit;
     fit.verbose = train::Verbosity::kSilent;
 
@@ -148,6 +176,47 @@ TEST(Model, SaveThenLoadIntoAFreshModelGoesOnAsTheSavedOneDid) {
   }
   EXPECT_TRUE(std::filesystem::exists(saved + "/model-5/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(saved + "/checkpoint"));
+}
+
+// What OptimizerOptions::custom returns must be an optimizer over the replica's own parameters
+// that fit() can step; compile() says what is wrong otherwise.
+TEST(Model, AnOptimizerOfYourOwnThatCannotTrainIsRefusedAtCompile) {
+  using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(nn::Module&)>;
+  const torch::Tensor stranger = torch::zeros({2}, torch::requires_grad());
+  const std::vector<std::pair<Factory, std::string>> cases = {
+      {[](nn::Module&) { return nullptr; }, "OptimizerOptions::custom returned no optimizer"},
+      {[](nn::Module& m) {
+         return std::make_unique<torch::optim::LBFGS>(m.parameters(),
+                                                      torch::optim::LBFGSOptions(1));
+       },
+       "OptimizerOptions::custom returned an LBFGS, which steps with a closure"},
+      {[&](nn::Module& m) {
+         auto params = m.parameters();
+         params.push_back(stranger);
+         return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1));
+       },
+       "OptimizerOptions::custom returned an optimizer whose group 0 holds a tensor (number 2) "
+       "that is not a parameter of the replica it was given"},
+      {[](nn::Module& m) {
+         return std::make_unique<torch::optim::SGD>(m.parameters(), torch::optim::SGDOptions(0));
+       },
+       "OptimizerOptions::custom returned an optimizer whose first group's learning rate is "
+       "0.000000; it must be positive"},
+  };
+  run_ranks(1, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 1), comm);
+    for (const auto& [factory, expected] : cases) {
+      train::Model model(s, nn::Linear(2, 2));
+      train::CompileOptions compile;
+      compile.optimizer.custom = factory;
+      try {
+        model.compile(compile);
+        ADD_FAILURE() << "compiled; expected: " << expected;
+      } catch (const ConfigError& e) {
+        EXPECT_EQ(std::string(e.what()).rfind(expected, 0), 0u) << e.what();
+      }
+    }
+  });
 }
 
 // A short last global batch (101 = 5 x 20 + 1) is split across workers — one gets nothing — and

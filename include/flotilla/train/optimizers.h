@@ -3,8 +3,10 @@
 // update. Keras's defaults are kept (Adam's epsilon is 1e-7, AdamW's weight decay 0.004).
 #pragma once
 
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +35,19 @@ struct OptimizerOptions {
   // clipped after the all-reduce, so it is the norm of the whole global batch's gradient, the
   // same on every replica and worker, as DDP users clip after backward. 0: no clipping.
   double global_clipnorm = 0;
+  // Your own optimizer, in place of `kind` and the fields that configure it: called once per
+  // replica with that replica's module, it returns any torch::optim::Optimizer over the module's
+  // parameters (all of them or some), with parameter groups if you like (say no weight decay for
+  // biases, or a smaller rate for a pretrained part), as a PyTorch user builds one. The first
+  // group's learning rate as you built it is the model's learning rate (`learning_rate` is not
+  // used; a `schedule` still replaces it), and every other group keeps its rate's ratio to the
+  // first group's whenever the rate changes (a schedule, a LearningRateScheduler, an elastic
+  // fit's scaling), as PyTorch's LambdaLR scales every group. global_clipnorm clips it as it
+  // clips the built-ins. Checkpoints, backups and the elastic state transfer keep its state: SGD,
+  // Adam and AdamW by name (as their built-in forms), any other in LibTorch's own archive
+  // (torch::optim::Optimizer::save/load, which LibTorch's RMSprop and Adagrad implement and an
+  // optimizer of your own must too). LBFGS, which steps with a closure, cannot be used.
+  std::function<std::unique_ptr<torch::optim::Optimizer>(torch::nn::Module& replica)> custom;
 
   static OptimizerOptions sgd(double learning_rate, double momentum = 0, bool nesterov = false);
   static OptimizerOptions adam(double learning_rate = 0.001);
@@ -53,7 +68,20 @@ void validate(const OptimizerOptions& options);
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
                                                         std::vector<torch::Tensor> parameters);
 
+// A replica's optimizer: `options.custom(replica)` when set, checked (ConfigError when it returns
+// nothing, is an LBFGS, has no parameter group, updates a tensor that is not one of the replica's
+// parameters, or gives its first group a rate that is not positive), else the built-in over the
+// replica's parameters.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
+                                                        torch::nn::Module& replica);
+
 // Sets every parameter group's learning rate.
 void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate);
+
+// Each group's learning rate over the first group's, as `optimizer` holds them now.
+std::vector<double> learning_rate_ratios(const torch::optim::Optimizer& optimizer);
+// Sets group g's learning rate to `learning_rate` * ratios[g].
+void set_learning_rate(torch::optim::Optimizer& optimizer, double learning_rate,
+                       const std::vector<double>& ratios);
 
 } // namespace flotilla::train
