@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "collective/kv_store.h"
+#include "collective/membership.h"
 #include "collective/sockets.h"
 #include "collective/wire.h"
 #include "flotilla/error.h"
@@ -48,18 +49,17 @@ struct RendezvousServer::Impl {
     int rank = -1;
     std::uint8_t role = kRoleStore;
   };
-  struct RankState {
-    bool claimed = false;
-    Session session{};
-    std::string peer;
-    bool heartbeating = false;
-    Clock::time_point last_seen;
-    int heartbeat_conn = -1;
-    int store_conn = -1; // the process's first store connection (Gloo may open more)
-    bool left = false;
-    std::string failure; // empty: healthy
-    bool member = false; // elastic: in the newest generation
+  // A slot's connections (a process's heartbeat and its first store connection; Gloo may open
+  // more): closing either means the process is gone.
+  struct SlotConns {
+    int heartbeat = -1;
+    int store = -1;
   };
+
+  explicit Impl(const RendezvousConfig& c)
+      : config(c), log(c.external ? Logger() : Logger(c.rank, c.world_size)),
+        members(c.world_size, c.elastic, [this](int slot) { return config.name(slot); }),
+        slot_conns(static_cast<std::size_t>(c.world_size)) {}
 
   RendezvousConfig config;
   Logger log;
@@ -71,18 +71,8 @@ struct RendezvousServer::Impl {
   std::map<int, Conn> conns; // by id; ids are never reused
   int next_id = 0;
   KvStore kv{[this](const KvStore::Waiter& w, const Bytes* value) { answer_waiter(w, value); }};
-  std::vector<RankState> ranks;
-  // Elastic mode: the generations. Each is a set of slots (ranks of the full cluster) recorded
-  // under kGenerationKey + number as "slot,slot,...\nreason", and the newest number under
-  // kLatestKey, so a client waits for the next one with a blocking GET.
-  bool formed = false;
-  std::uint64_t generation = 0;
-  std::uint64_t intact_from = 0; // no member has left a generation numbered this or higher
-  // Every member left before any finished its fit: the training holds no state in memory, so
-  // the next generation forms when every slot has joined again and starts afresh (from a backup
-  // on disk, if the training keeps one), as generation 0 did.
-  bool lost = false;
-  std::pair<std::int32_t, std::string> last_departure{-1, ""};
+  Membership members;
+  std::vector<SlotConns> slot_conns;
 
   ~Impl() {
     for (auto& [id, c] : conns) ::close(c.fd);
@@ -162,59 +152,51 @@ struct RendezvousServer::Impl {
     Pong pong;
     pong.closing = closing;
     if (config.elastic) {
-      pong.generation = generation;
-      pong.intact_from = intact_from;
+      pong.generation = members.generation();
+      pong.intact_from = members.intact_from();
       pong.expelled = expelled;
-      for (const auto& state : ranks) pong.waiting += state.claimed && !state.member ? 1 : 0;
-      if (last_departure.first >= 0) pong.failed.push_back(last_departure);
-      queue(c, pong.frame());
-      return;
-    }
-    for (std::size_t r = 0; r < ranks.size(); ++r) {
-      if (!ranks[r].failure.empty())
-        pong.failed.emplace_back(static_cast<int>(r), ranks[r].failure);
+      pong.waiting = members.waiting();
+      if (members.last_departure().first >= 0) pong.failed.push_back(members.last_departure());
+    } else {
+      pong.failed = members.failures();
     }
     queue(c, pong.frame());
   }
 
-  // Elastic: records generation `slots` and what made it; a departure also fails every wait
-  // for an older generation's keys (its Gloo rendezvous can never complete) and erases the
-  // keys of the generations before the previous one.
-  void form(const std::vector<int>& slots, const std::string& why, bool departure,
-            bool afresh = false) {
-    generation = formed ? generation + 1 : 0;
-    formed = true;
-    if (departure) intact_from = generation;
-    std::string text;
-    for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r].member = false;
-    for (int slot : slots) {
-      ranks[static_cast<std::size_t>(slot)].member = true;
-      text += (text.empty() ? "" : ",") + std::to_string(slot);
-    }
-    log.info("rendezvous: generation " + std::to_string(generation) + " has " +
-             std::to_string(slots.size()) + " of " + std::to_string(config.world_size) +
-             " workers [" + text + "]: " + why);
+  // What a membership transition changed: told to the operator; each generation formed is
+  // recorded in the store. A departure also fails every wait for an older generation's keys
+  // (its Gloo rendezvous can never complete) and erases the keys of the generations before the
+  // previous one.
+  void apply(const Membership::Changes& changes) {
+    for (const auto& line : changes.info) log.info("rendezvous: " + line);
+    for (const auto& g : changes.formed) record(g);
+    for (const auto& line : changes.warnings) log.warn("rendezvous: " + line);
+  }
+
+  void record(const Membership::Generation& g) {
+    const std::string number = std::to_string(g.number);
+    std::string slots;
+    for (int slot : g.slots) slots += (slots.empty() ? "" : ",") + std::to_string(slot);
+    log.info("rendezvous: generation " + number + " has " + std::to_string(g.slots.size()) +
+             " of " + std::to_string(config.world_size) + " workers [" + slots + "]: " + g.why);
     try {
-      kv.set(kGenerationKey + std::to_string(generation),
-             bytes_of(text + "\n" + why + (afresh ? "\nafresh" : "")));
-      kv.set(kLatestKey, bytes_of(std::to_string(generation)));
+      kv.set(kGenerationKey + number, bytes_of(g.record()));
+      kv.set(kLatestKey, bytes_of(number));
     } catch (const KvStoreError& e) {
-      log.error("rendezvous: could not record generation " + std::to_string(generation) + " (" +
-                e.what() + ")");
+      log.error("rendezvous: could not record generation " + number + " (" + e.what() + ")");
     }
-    if (departure) {
+    if (g.departure) {
       std::vector<std::string> stale;
-      for (std::uint64_t g = 0; g < generation; ++g) {
-        stale.push_back("flotilla/g" + std::to_string(g) + "/");
+      for (std::uint64_t old = 0; old < g.number; ++old) {
+        stale.push_back("flotilla/g" + std::to_string(old) + "/");
       }
       for (const auto& waiter : kv.cancel(stale)) {
         if (auto conn = conns.find(waiter.owner); conn != conns.end()) {
-          reply_status(conn->second, kFailed,
-                       "generation " + std::to_string(generation) + " replaced it: " + why);
+          reply_status(conn->second, kFailed, "generation " + number + " replaced it: " + g.why);
         }
       }
     }
-    if (generation >= 2) kv.erase_prefix("flotilla/g" + std::to_string(generation - 2) + "/");
+    if (g.number >= 2) kv.erase_prefix("flotilla/g" + std::to_string(g.number - 2) + "/");
   }
 
   static Bytes bytes_of(const std::string& s) { return Bytes(s.begin(), s.end()); }
@@ -231,88 +213,19 @@ struct RendezvousServer::Impl {
     return g;
   }
 
-  std::vector<int> slots_where(const std::function<bool(const RankState&)>& pick) const {
-    std::vector<int> out;
-    for (std::size_t r = 0; r < ranks.size(); ++r) {
-      if (pick(ranks[r])) out.push_back(static_cast<int>(r));
-    }
-    return out;
-  }
-
-  // Elastic: slot `r`'s process is gone (or expelled). Its connections are closed, the slot
-  // is free for a new process, and when it was a member the rest form the next generation at
-  // once. Workers waiting to be admitted are not in it: the members may be anywhere in their
-  // program (an epoch's end, an evaluation after the fit), and a joiner can only take up a
-  // training at a step boundary, where the members admit it. When no member is left, the
-  // waiting workers form it, and learn there is nothing to join.
+  // Elastic: slot `r`'s process is gone (or expelled): its connections are closed, and the
+  // membership frees the slot (see Membership::release).
   void release(int r, const std::string& what, bool expel) {
-    auto& state = ranks[static_cast<std::size_t>(r)];
-    const std::string why = config.name(r) + " " + what;
-    const bool was_member = state.member;
-    if (was_member) last_departure = {r, why}; // the expelled process's last answer says why
     for (auto& [id, c] : conns) {
       if (!c.joined || c.rank != r || c.close_after_flush) continue;
       if (c.role == kRoleHeartbeat && expel) send_pong(c, false, /*expelled=*/true);
       c.close_after_flush = true;
     }
-    state = RankState{};
-    if (was_member) {
-      auto next = slots_where([](const RankState& s) { return s.member; });
-      // None left: after a finished training the workers waiting learn there is nothing to
-      // join; otherwise the group is lost, and they wait for the others to start afresh.
-      const bool none_left = next.empty();
-      const bool done = finished();
-      if (none_left && done) next = slots_where([](const RankState& s) { return s.claimed; });
-      form(next, why, /*departure=*/true);
-      if (none_left && !done) {
-        lost = true;
-        log.warn("rendezvous: every member left before the training finished; the next "
-                 "generation forms when all " +
-                 std::to_string(config.world_size) +
-                 " workers have joined again, and starts the training afresh (from its backup, "
-                 "if it keeps one)");
-        form_afresh_when_all_claimed();
-      }
-    } else {
-      log.info("rendezvous: " + why + " before it was admitted");
-    }
+    slot_conns[static_cast<std::size_t>(r)] = SlotConns{};
+    apply(members.release(r, what, finished()));
   }
 
   bool finished() const { return kv.contains({kFinishedKey}); }
-
-  // Generation 0, or the first after the whole group was lost: once every slot is claimed, a
-  // generation that starts the training afresh.
-  void form_afresh_when_all_claimed() {
-    const auto claimed = slots_where([](const RankState& s) { return s.claimed; });
-    if (static_cast<int>(claimed.size()) < config.world_size) return;
-    const std::string all = "all " + std::to_string(config.world_size) + " workers joined";
-    form(claimed,
-         formed ? all + " again after the group was lost: the training starts afresh" : all,
-         /*departure=*/false, /*afresh=*/true);
-    lost = false;
-  }
-
-  // Elastic kAdvance: the members of generation `from` admit the waiting workers. Idempotent:
-  // the first member's request forms the next generation, the others' find it formed.
-  std::uint64_t advance(std::uint64_t from) {
-    if (formed && from == generation) {
-      const auto waiting = slots_where([](const RankState& s) { return s.claimed && !s.member; });
-      if (!waiting.empty()) {
-        std::string names;
-        for (int slot : waiting) names += (names.empty() ? "" : ", ") + config.name(slot);
-        form(slots_where([](const RankState& s) { return s.claimed; }), "admitted " + names,
-             /*departure=*/false);
-      }
-    }
-    return generation;
-  }
-
-  void fail_rank(int r, const std::string& what) {
-    auto& state = ranks[static_cast<std::size_t>(r)];
-    if (!state.failure.empty() || state.left) return;
-    // Not logged here: the chief's own heartbeat hears it like every other rank and says it.
-    state.failure = config.name(r) + " " + what;
-  }
 
   void handle_join(int id, Conn& c, const std::string& body) {
     const auto join = JoinRequest::parse(body);
@@ -331,13 +244,13 @@ struct RendezvousServer::Impl {
     std::optional<Mac> proof;
     if (config.token) proof = chief_mac(*config.token, c.nonce, join->client_nonce, rank);
     queue(c, Welcome::acceptance(proof).frame());
-    auto& state = ranks[static_cast<std::size_t>(rank)];
+    auto& own = slot_conns[static_cast<std::size_t>(rank)];
     if (join->role == kRoleStore) {
-      claim(id, c, *join);
+      if (!members.slot(rank).claimed) own.store = id;
+      claim(c, *join);
     } else {
-      state.heartbeating = true;
-      state.heartbeat_conn = id;
-      state.last_seen = Clock::now();
+      members.start_heartbeat(rank, Clock::now());
+      own.heartbeat = id;
     }
   }
 
@@ -368,50 +281,17 @@ struct RendezvousServer::Impl {
       return "it claims rank " + std::to_string(rank) + " of " + std::to_string(world) +
              " with role " + std::to_string(join.role) + ", which does not exist";
     }
-    const auto& state = ranks[static_cast<std::size_t>(rank)];
-    const bool same_process = state.claimed && equal_secret(state.session, join.session);
-    if (state.claimed && !same_process) {
-      return config.name(rank) + " is already taken by the process at " + state.peer +
-             "; two tasks were given the same task type and index";
-    }
-    if (join.role == kRoleHeartbeat && (!same_process || state.heartbeating)) {
-      return "a heartbeat for " + config.name(rank) + " from a process that has not joined";
-    }
-    return "";
+    return members.why_refused(rank, join.session, join.role == kRoleHeartbeat);
   }
 
   // A store connection claims its rank's slot (again, for the same process).
-  void claim(int id, const Conn& c, const JoinRequest& join) {
-    const int rank = join.rank;
-    auto& state = ranks[static_cast<std::size_t>(rank)];
-    const bool first = !state.claimed;
-    if (first) state.store_conn = id;
-    state.claimed = true;
-    state.session = join.session;
-    state.peer = c.peer;
-    if (config.elastic && first) {
-      if (!formed || lost) {
-        if (lost) {
-          log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
-                   ") joined to start the lost training afresh");
-        }
-        form_afresh_when_all_claimed();
-      } else if (slots_where([](const RankState& s) { return s.member; }).empty()) {
-        // Nobody is left to admit it at a step boundary (the group finished): a generation of
-        // the workers waiting, at once, so each learns there is no training state to join
-        // instead of waiting out its timeout.
-        form(slots_where([](const RankState& s) { return s.claimed; }),
-             "no member left to admit " + config.name(rank), /*departure=*/false);
-      } else {
-        log.info("rendezvous: " + config.name(rank) + " (" + c.peer +
-                 ") is waiting to be admitted at the next step");
-      }
-    }
+  void claim(const Conn& c, const JoinRequest& join) {
+    apply(members.claim(join.rank, join.session, c.peer));
     try {
-      kv.set("flotilla/joined/" + std::to_string(rank), Bytes{'1'});
+      kv.set("flotilla/joined/" + std::to_string(join.rank), Bytes{'1'});
     } catch (const KvStoreError& e) {
-      log.warn("rendezvous: could not record that " + config.name(rank) + " joined (" + e.what() +
-               "); the others will wait for it until their timeout");
+      log.warn("rendezvous: could not record that " + config.name(join.rank) + " joined (" +
+               e.what() + "); the others will wait for it until their timeout");
     }
   }
 
@@ -470,7 +350,9 @@ struct RendezvousServer::Impl {
       case kAdvance: {
         const auto from = static_cast<std::uint64_t>(in.i64());
         if (!config.elastic) throw WireError("advance asked of a rendezvous that is not elastic");
-        const auto generation = static_cast<std::int64_t>(advance(from));
+        Membership::Changes changes;
+        const auto generation = static_cast<std::int64_t>(members.advance(from, changes));
+        apply(changes);
         return reply([&](WireWriter& w) { w.i64(generation); });
       }
       case kNumKeys: {
@@ -498,10 +380,11 @@ struct RendezvousServer::Impl {
     waiter.deadline = Clock::now() + std::chrono::milliseconds(in.u32());
     for (const auto& key : waiter.keys) {
       // A wait for a generation that has lost a member since (it came late) can never end.
-      if (const auto g = generation_of(key); g && *g < intact_from && !kv.contains({key})) {
+      const auto g = generation_of(key);
+      if (g && *g < members.intact_from() && !kv.contains({key})) {
         reply_status(c, kFailed,
                      "generation " + std::to_string(*g) +
-                         " lost a member: " + last_departure.second);
+                         " lost a member: " + members.last_departure().second);
         return;
       }
     }
@@ -510,18 +393,17 @@ struct RendezvousServer::Impl {
 
   void handle_heartbeat(Conn& c, WireReader& in) {
     const std::uint8_t op = in.u8();
-    auto& state = ranks[static_cast<std::size_t>(c.rank)];
     if (op == kPing) {
-      state.last_seen = Clock::now();
+      members.heard_from(c.rank, Clock::now());
       send_pong(c, false);
     } else if (op == kBye) {
       c.close_after_flush = true;
       if (config.elastic) {
         // A member that leaves takes its share with it: the others regroup as for a failure.
-        if (state.claimed) release(c.rank, "left the group", /*expel=*/false);
+        if (members.slot(c.rank).claimed) release(c.rank, "left the group", /*expel=*/false);
         return;
       }
-      state.left = true;
+      members.leave(c.rank);
     } else {
       throw WireError("unknown heartbeat message " + std::to_string(op));
     }
@@ -568,18 +450,16 @@ struct RendezvousServer::Impl {
     auto it = conns.find(id);
     if (it == conns.end()) return;
     Conn& c = it->second;
+    const SlotConns own = c.joined ? slot_conns[static_cast<std::size_t>(c.rank)] : SlotConns{};
     if (config.elastic && c.joined && !c.close_after_flush && !stopping) {
       // Either connection of a process closing without a goodbye: it is gone.
-      auto& state = ranks[static_cast<std::size_t>(c.rank)];
-      if (state.claimed && (state.store_conn == id || state.heartbeat_conn == id)) {
+      if (members.slot(c.rank).claimed && (own.store == id || own.heartbeat == id)) {
         release(c.rank, "lost its connection to the rendezvous (the process exited or was killed)",
                 /*expel=*/false);
       }
-    } else if (!config.elastic && c.joined && c.role == kRoleHeartbeat) {
-      auto& state = ranks[static_cast<std::size_t>(c.rank)];
-      if (state.heartbeat_conn == id && !state.left && !stopping) {
-        fail_rank(c.rank, "lost its connection to the chief (the process exited or was killed)");
-      }
+    } else if (!config.elastic && c.joined && c.role == kRoleHeartbeat && own.heartbeat == id &&
+               !stopping) {
+      members.fail(c.rank, "lost its connection to the chief (the process exited or was killed)");
     }
     kv.forget(id);
     ::close(c.fd);
@@ -628,20 +508,14 @@ struct RendezvousServer::Impl {
                ": no valid join within " + ms_text(config.join_timeout));
       drop(id);
     }
-    for (std::size_t r = 0; r < ranks.size(); ++r) {
-      const auto& state = ranks[r];
-      if (state.heartbeating && !state.left && state.failure.empty() &&
-          now - state.last_seen > config.heartbeat_timeout) {
-        if (config.elastic) {
-          release(static_cast<int>(r),
-                  "stopped sending heartbeats for " + ms_text(config.heartbeat_timeout) +
-                      " (stopped, hung, or cut off from the network)",
-                  /*expel=*/true);
-          continue;
-        }
-        fail_rank(static_cast<int>(r), "stopped sending heartbeats for " +
-                                           ms_text(config.heartbeat_timeout) +
-                                           " (stopped, hung, or cut off from the network)");
+    const std::string silent = "stopped sending heartbeats for " +
+                               ms_text(config.heartbeat_timeout) +
+                               " (stopped, hung, or cut off from the network)";
+    for (int r : members.silent(now, config.heartbeat_timeout)) {
+      if (config.elastic) {
+        release(r, silent, /*expel=*/true);
+      } else {
+        members.fail(r, silent);
       }
     }
   }
@@ -736,10 +610,7 @@ struct RendezvousServer::Impl {
 };
 
 RendezvousServer::RendezvousServer(const RendezvousConfig& config)
-    : impl_(std::make_unique<Impl>()) {
-  impl_->config = config;
-  impl_->log = config.external ? Logger() : Logger(config.rank, config.world_size);
-  impl_->ranks.resize(static_cast<std::size_t>(config.world_size));
+    : impl_(std::make_unique<Impl>(config)) {
   impl_->bind_and_listen();
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {

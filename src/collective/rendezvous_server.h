@@ -4,7 +4,7 @@
 // with a goodbye, which failed and why.
 //
 // Elastic mode (config.elastic, hosted outside the workers): the server is the one arbiter of
-// membership. Slots are the ranks of the full cluster; the members of a generation are some of
+// membership (its rules: membership.h; the server applies them to its store and sockets). Slots are the ranks of the full cluster; the members of a generation are some of
 // them, in slot order, and their ranks in that generation are dense (so the lowest surviving
 // slot is rank 0, the chief). Generation 0 forms when every slot has joined. When a member's
 // process dies, leaves, or falls silent for heartbeat_timeout, its slot is freed for a new

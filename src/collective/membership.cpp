@@ -1,0 +1,152 @@
+#include "collective/membership.h"
+
+namespace flotilla::collective::detail {
+
+std::string Membership::Generation::record() const {
+  std::string text;
+  for (int slot : slots) text += (text.empty() ? "" : ",") + std::to_string(slot);
+  return text + "\n" + why + (afresh ? "\nafresh" : "");
+}
+
+Membership::Membership(int world_size, bool elastic, std::function<std::string(int)> name)
+    : slots_(static_cast<std::size_t>(world_size)), elastic_(elastic), name_(std::move(name)) {}
+
+std::string Membership::why_refused(int s, const Session& session, bool heartbeat) const {
+  const Slot& state = slot(s);
+  const bool same_process = state.claimed && equal_secret(state.session, session);
+  if (state.claimed && !same_process) {
+    return name_(s) + " is already taken by the process at " + state.peer +
+           "; two tasks were given the same task type and index";
+  }
+  if (heartbeat && (!same_process || state.heartbeating)) {
+    return "a heartbeat for " + name_(s) + " from a process that has not joined";
+  }
+  return "";
+}
+
+Membership::Changes Membership::claim(int s, const Session& session, const std::string& peer) {
+  Changes changes;
+  Slot& state = at(s);
+  const bool first = !state.claimed;
+  state.claimed = true;
+  state.session = session;
+  state.peer = peer;
+  if (!elastic_ || !first) return changes;
+  if (!formed_ || lost_) {
+    if (lost_) {
+      changes.info.push_back(name_(s) + " (" + peer + ") joined to start the lost training afresh");
+    }
+    form_afresh_when_all_claimed(changes);
+  } else if (slots_where([](const Slot& x) { return x.member; }).empty()) {
+    // Nobody is left to admit it at a step boundary (the group finished): a generation of the
+    // workers waiting, at once, so each learns there is no training state to join instead of
+    // waiting out its timeout.
+    form(changes, slots_where([](const Slot& x) { return x.claimed; }),
+         "no member left to admit " + name_(s), /*departure=*/false);
+  } else {
+    changes.info.push_back(name_(s) + " (" + peer + ") is waiting to be admitted at the next step");
+  }
+  return changes;
+}
+
+void Membership::start_heartbeat(int s, Clock::time_point now) {
+  at(s).heartbeating = true;
+  at(s).last_seen = now;
+}
+
+Membership::Changes Membership::release(int s, const std::string& what, bool finished) {
+  Changes changes;
+  const std::string why = name_(s) + " " + what;
+  const bool was_member = at(s).member;
+  if (was_member) last_departure_ = {s, why};
+  at(s) = Slot{};
+  if (!was_member) {
+    changes.info.push_back(why + " before it was admitted");
+    return changes;
+  }
+  auto next = slots_where([](const Slot& x) { return x.member; });
+  // None left: after a finished training the workers waiting learn there is nothing to join;
+  // otherwise the group is lost, and they wait for the others to start afresh.
+  const bool none_left = next.empty();
+  if (none_left && finished) next = slots_where([](const Slot& x) { return x.claimed; });
+  form(changes, next, why, /*departure=*/true);
+  if (none_left && !finished) {
+    lost_ = true;
+    changes.warnings.push_back(
+        "every member left before the training finished; the next generation forms when all " +
+        std::to_string(world_size()) +
+        " workers have joined again, and starts the training afresh (from its backup, if it "
+        "keeps one)");
+    form_afresh_when_all_claimed(changes);
+  }
+  return changes;
+}
+
+std::uint64_t Membership::advance(std::uint64_t from, Changes& changes) {
+  if (formed_ && from == generation_) {
+    const auto waiting = slots_where([](const Slot& x) { return x.claimed && !x.member; });
+    if (!waiting.empty()) {
+      std::string names;
+      for (int slot : waiting) names += (names.empty() ? "" : ", ") + name_(slot);
+      form(changes, slots_where([](const Slot& x) { return x.claimed; }), "admitted " + names,
+           /*departure=*/false);
+    }
+  }
+  return generation_;
+}
+
+void Membership::fail(int s, const std::string& what) {
+  Slot& state = at(s);
+  if (!state.failure.empty() || state.left) return;
+  state.failure = name_(s) + " " + what;
+}
+
+std::vector<int> Membership::silent(Clock::time_point now, Clock::duration timeout) const {
+  return slots_where([&](const Slot& x) {
+    return x.heartbeating && !x.left && x.failure.empty() && now - x.last_seen > timeout;
+  });
+}
+
+int Membership::waiting() const {
+  return static_cast<int>(slots_where([](const Slot& x) { return x.claimed && !x.member; }).size());
+}
+
+std::vector<std::pair<int, std::string>> Membership::failures() const {
+  std::vector<std::pair<int, std::string>> out;
+  for (int s : slots_where([](const Slot& x) { return !x.failure.empty(); })) {
+    out.emplace_back(s, slot(s).failure);
+  }
+  return out;
+}
+
+std::vector<int> Membership::slots_where(const std::function<bool(const Slot&)>& pick) const {
+  std::vector<int> out;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    if (pick(slots_[s])) out.push_back(static_cast<int>(s));
+  }
+  return out;
+}
+
+void Membership::form(Changes& changes, const std::vector<int>& slots, const std::string& why,
+                      bool departure, bool afresh) {
+  generation_ = formed_ ? generation_ + 1 : 0;
+  formed_ = true;
+  if (departure) intact_from_ = generation_;
+  for (auto& state : slots_) state.member = false;
+  for (int slot : slots) at(slot).member = true;
+  changes.formed.push_back({generation_, slots, why, departure, afresh});
+}
+
+// Generation 0, or the first after the whole group was lost: once every slot is claimed, a
+// generation that starts the training afresh.
+void Membership::form_afresh_when_all_claimed(Changes& changes) {
+  const auto claimed = slots_where([](const Slot& x) { return x.claimed; });
+  if (static_cast<int>(claimed.size()) < world_size()) return;
+  const std::string all = "all " + std::to_string(world_size()) + " workers joined";
+  form(changes, claimed,
+       formed_ ? all + " again after the group was lost: the training starts afresh" : all,
+       /*departure=*/false, /*afresh=*/true);
+  lost_ = false;
+}
+
+} // namespace flotilla::collective::detail

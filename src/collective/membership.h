@@ -1,0 +1,113 @@
+// Private: the rendezvous's rules of membership as a state machine with no sockets, no store and
+// no clock of its own: slots (the ranks of the full cluster), which process holds each, and, in
+// elastic mode, the generations. Every transition returns what changed (the generations it
+// formed, what to tell the operator); the server applies that to its store and connections.
+//
+// Elastic rules: generation 0 forms when every slot is claimed. A member that leaves (dies,
+// says goodbye, is expelled) frees its slot and the rest form the next generation at once. A
+// process claiming a free slot waits until the members admit it at a step boundary (advance).
+// No member left: after a finished training the waiting workers form a generation at once
+// (nothing to join); before it, the group is lost, and the next generation forms when every
+// slot is claimed again and starts afresh.
+// Fixed rules: slots are claimed once; a rank that fails keeps its failure; one that says goodbye
+// has left and never fails.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collective/wire.h"
+
+namespace flotilla::collective::detail {
+
+class Membership {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Slot {
+    bool claimed = false;
+    Session session{};
+    std::string peer;
+    bool heartbeating = false;
+    Clock::time_point last_seen;
+    bool left = false;   // fixed: said goodbye
+    std::string failure; // fixed: why it failed; empty while healthy
+    bool member = false; // elastic: in the newest generation
+  };
+
+  // A generation formed by a transition.
+  struct Generation {
+    std::uint64_t number = 0;
+    std::vector<int> slots;
+    std::string why;
+    bool departure = false; // formed because a member left (older generations can never meet)
+    bool afresh = false;    // the training starts over (generation 0, or after the group was lost)
+    // kGenerationKey's value: "slot,slot,...\nwhy" and a third line "afresh" when it is.
+    std::string record() const;
+  };
+
+  // What a transition changed, for the server to apply in order.
+  struct Changes {
+    std::vector<Generation> formed;
+    std::vector<std::string> info, warnings;
+  };
+
+  // `name(slot)` names a slot in messages ("worker 1").
+  Membership(int world_size, bool elastic, std::function<std::string(int)> name);
+
+  int world_size() const { return static_cast<int>(slots_.size()); }
+  const Slot& slot(int s) const { return slots_.at(static_cast<std::size_t>(s)); }
+
+  // Why a process with `session` may not claim slot `s` (as its store connection, or as its
+  // heartbeat when `heartbeat`); "" when it may.
+  std::string why_refused(int s, const Session& session, bool heartbeat) const;
+  // Slot `s`'s store connection joined (again, for the same process).
+  Changes claim(int s, const Session& session, const std::string& peer);
+  void start_heartbeat(int s, Clock::time_point now);
+  void heard_from(int s, Clock::time_point now) { at(s).last_seen = now; }
+  // Elastic: slot `s`'s process is gone ("<name> <what>"); its slot is free again. `finished`:
+  // a member's fit has run to its end.
+  Changes release(int s, const std::string& what, bool finished);
+  // Elastic: the members of generation `from` admit the waiting workers (idempotent: the first
+  // member's request forms the next generation, the others' find it formed). Returns the newest
+  // generation's number.
+  std::uint64_t advance(std::uint64_t from, Changes& changes);
+  // Fixed: slot `s` failed (its first failure is kept; not after it left) / said goodbye.
+  void fail(int s, const std::string& what);
+  void leave(int s) { at(s).left = true; }
+  // The healthy heartbeating slots silent for longer than `timeout` at `now`.
+  std::vector<int> silent(Clock::time_point now, Clock::duration timeout) const;
+
+  bool formed() const { return formed_; }
+  std::uint64_t generation() const { return generation_; }
+  // No member has left a generation numbered this or higher.
+  std::uint64_t intact_from() const { return intact_from_; }
+  // Claimed slots that are not members of the newest generation.
+  int waiting() const;
+  // The newest departure of a member (slot, why); slot -1 before any.
+  const std::pair<int, std::string>& last_departure() const { return last_departure_; }
+  // Fixed: (slot, why) of every failed slot.
+  std::vector<std::pair<int, std::string>> failures() const;
+
+ private:
+  Slot& at(int s) { return slots_.at(static_cast<std::size_t>(s)); }
+  std::vector<int> slots_where(const std::function<bool(const Slot&)>& pick) const;
+  void form(Changes& changes, const std::vector<int>& slots, const std::string& why,
+            bool departure, bool afresh = false);
+  void form_afresh_when_all_claimed(Changes& changes);
+
+  std::vector<Slot> slots_;
+  bool elastic_;
+  std::function<std::string(int)> name_;
+  bool formed_ = false;
+  std::uint64_t generation_ = 0;
+  std::uint64_t intact_from_ = 0;
+  bool lost_ = false;
+  std::pair<int, std::string> last_departure_{-1, ""};
+};
+
+} // namespace flotilla::collective::detail
