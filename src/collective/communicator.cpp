@@ -649,11 +649,10 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   }
 }
 
-Communicator detail::GroupFactory::make(int rank, int size, const CommunicationOptions& options,
-                                        c10::intrusive_ptr<c10d::Store> store,
-                                        const std::string& local_host,
-                                        std::vector<std::string> names,
-                                        std::shared_ptr<Health> health) {
+Communicator detail::make_group(int rank, int size, const CommunicationOptions& options,
+                                c10::intrusive_ptr<c10d::Store> store,
+                                const std::string& local_host, std::vector<std::string> names,
+                                std::shared_ptr<Health> health) {
   auto impl = make_impl(rank, size, options, std::move(store), local_host);
   impl->health = std::move(health);
   impl->names = std::make_shared<const std::vector<std::string>>(std::move(names));

@@ -210,7 +210,7 @@ struct ElasticGroup::Impl {
       names.push_back(name + " (rank " + std::to_string(names.size()) + " of generation " +
                       std::to_string(g) + ")");
     }
-    communicator = detail::GroupFactory::make(
+    communicator = detail::make_group(
         rank, size, options,
         c10::make_intrusive<c10d::PrefixStore>("flotilla/g" + std::to_string(g), store),
         spec.local_host, std::move(names), fresh);

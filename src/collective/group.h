@@ -1,6 +1,6 @@
 // Private: how collective::ElasticGroup (src/collective/elastic.cpp) makes one Communicator per
-// generation: the factory behind Communicator's private constructor, the failure state a
-// generation's operations watch (Health), and how messages name the ranks.
+// generation (over a store of its own), the failure state a generation's operations watch
+// (Health), and how messages name the ranks.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -19,13 +19,11 @@ struct Health;
 
 namespace flotilla::collective::detail {
 
-struct GroupFactory {
-  // A group of `size` ranks whose backends meet under `store`; its operations fail once
-  // `health` does (fail_group).
-  static Communicator make(int rank, int size, const CommunicationOptions& options,
-                           c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
-                           std::vector<std::string> names, std::shared_ptr<Health> health);
-};
+// A group of `size` ranks whose backends meet under `store`; its operations fail once `health`
+// does (fail_group).
+Communicator make_group(int rank, int size, const CommunicationOptions& options,
+                        c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
+                        std::vector<std::string> names, std::shared_ptr<Health> health);
 
 std::shared_ptr<Health> new_health();
 // Every operation of the groups watching `health` fails from now on, naming `why`: with

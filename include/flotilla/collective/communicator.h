@@ -26,10 +26,6 @@
 
 namespace flotilla::collective {
 
-namespace detail {
-struct GroupFactory; // elastic generations (src/collective/group.h)
-} // namespace detail
-
 enum class ReduceOp { kSum, kMean, kMax, kMin };
 
 // TensorFlow's CommunicationImplementation.
@@ -157,12 +153,13 @@ class Communicator {
   // The backend that carries `tensor`'s collectives: "gloo" or "nccl" (made on first use).
   std::string transport(const at::Tensor& tensor);
 
+  // Impl is private to the library: its own factories (connect, local_group, an elastic
+  // generation's make_group in src/collective/group.h) make one.
   struct Impl;
+  explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
  private:
-  explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;
-  friend struct detail::GroupFactory;
 };
 
 } // namespace flotilla::collective
