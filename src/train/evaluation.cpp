@@ -54,27 +54,23 @@ torch::Tensor in_dataset_order(collective::Communicator& workers, const torch::T
 } // namespace
 
 EvalResult evaluate_pass(const TrainStep& step, const data::DistributedDataset& data) {
-  const Model::Forward& forward = step.model_forward();
+  const Signature& signature = step.signature();
   torch::NoGradGuard no_grad;
   EvalMode eval_mode(step.replicas().module(0));
   const torch::Device device = step.device(); // the model itself is replica 0
   torch::Tensor sums = step.zero_sums();
   auto pass = data.make_iterator();
   while (auto batch = pass.next()) {
-    check_element(batch->element);
+    check_element(batch->element, signature);
     data::Element e;
     for (const auto& t : batch->element) {
       e.push_back(on_device(t, device));
       // On the side stream inside fit().
       if (step.captured()) use_on_current_stream(e.back());
     }
-    if (e[1].size(0) == 0) continue; // this worker's share of a short last batch
-    torch::Tensor outputs;
-    {
-      AutocastGuard autocast(step.policy(), device.type());
-      outputs = forward(e[0]);
-    }
-    sums.add_(step.batch_sums(step.per_example(outputs, e), outputs, e[1]));
+    if (rows_of(e, signature) == 0) continue; // this worker's share of a short last batch
+    const Tensors outputs = step.forward(-1, e);
+    sums.add_(step.batch_sums(step.per_example(outputs, e), outputs, e));
   }
   const torch::Tensor global =
       step.strategy().reduce(strategy::ReduceOp::kSum, sums.to(torch::kCPU));
@@ -86,30 +82,38 @@ EvalResult evaluate_pass(const TrainStep& step, const data::DistributedDataset& 
   return result;
 }
 
-torch::Tensor predict_pass(const TrainStep& step, const data::DistributedDataset& data) {
-  const Model::Forward& forward = step.model_forward();
+Tensors predict_pass(const TrainStep& step, const data::DistributedDataset& data) {
+  const Signature& signature = step.signature();
   torch::NoGradGuard no_grad;
   EvalMode eval_mode(step.replicas().module(0));
   const torch::Device device = step.device();
-  std::vector<torch::Tensor> outputs; // this worker's, float32 on the CPU
-  std::vector<std::int64_t> rows;     // per batch
+  // This worker's outputs, float32 on the CPU: per output, per batch.
+  std::vector<Tensors> outputs(static_cast<std::size_t>(signature.outputs));
+  std::vector<std::int64_t> rows; // per batch
   auto pass = data.make_iterator();
   while (auto batch = pass.next()) {
-    if (batch->element.empty()) throw DataError("predict: a batch has no components");
-    const torch::Tensor features = on_device(batch->element[0], device);
-    rows.push_back(features.dim() > 0 ? features.size(0) : 0);
-    if (rows.back() == 0) continue; // this worker's share of a short last batch
-    torch::Tensor y;
-    {
-      AutocastGuard autocast(step.policy(), device.type());
-      y = forward(features);
+    if (static_cast<int>(batch->element.size()) < signature.inputs) {
+      throw DataError("predict: a batch has " + std::to_string(batch->element.size()) +
+                      " components; the model takes " + std::to_string(signature.inputs) +
+                      " inputs");
     }
-    outputs.push_back(y.to(torch::kCPU, torch::kFloat32).contiguous());
+    data::Element e;
+    for (int i = 0; i < signature.inputs; ++i) e.push_back(on_device(batch->element[i], device));
+    rows.push_back(e[0].dim() > 0 ? e[0].size(0) : 0);
+    if (rows.back() == 0) continue; // this worker's share of a short last batch
+    const Tensors y = step.forward(-1, e);
+    for (std::size_t o = 0; o < y.size(); ++o) {
+      outputs[o].push_back(y[o].to(torch::kCPU, torch::kFloat32).contiguous());
+    }
   }
-  const torch::Tensor mine = outputs.empty() ? torch::empty({0}) : torch::cat(outputs);
   auto& workers = step.strategy().communicator();
-  if (workers.size() == 1) return mine;
-  return in_dataset_order(workers, mine, rows, !outputs.empty());
+  Tensors all;
+  for (const auto& per_batch : outputs) {
+    const torch::Tensor mine = per_batch.empty() ? torch::empty({0}) : torch::cat(per_batch);
+    all.push_back(workers.size() == 1 ? mine
+                                      : in_dataset_order(workers, mine, rows, !per_batch.empty()));
+  }
+  return all;
 }
 
 } // namespace flotilla::train::detail

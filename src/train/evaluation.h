@@ -8,6 +8,7 @@
 
 #include "flotilla/data/distribute.h"
 #include "flotilla/train/logs.h"
+#include "flotilla/train/losses.h"
 
 namespace flotilla::train::detail {
 
@@ -27,6 +28,6 @@ struct EvalMode {
 // once, summed over every worker.
 EvalResult evaluate_pass(const TrainStep& step, const data::DistributedDataset& data);
 // Every element's outputs, on every worker, in the dataset's order (model.h: Model::predict).
-torch::Tensor predict_pass(const TrainStep& step, const data::DistributedDataset& data);
+Tensors predict_pass(const TrainStep& step, const data::DistributedDataset& data);
 
 } // namespace flotilla::train::detail

@@ -2,6 +2,8 @@
 
 #include <torch/nn/functional/loss.h>
 
+#include <cmath>
+
 #include "flotilla/error.h"
 
 namespace flotilla::train {
@@ -31,6 +33,13 @@ void validate(const LossOptions& options) {
   if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1)) {
     throw ConfigError("label_smoothing must be in [0, 1]; saw " +
                       std::to_string(options.label_smoothing));
+  }
+  for (std::size_t o = 0; o < options.loss_weights.size(); ++o) {
+    const double w = options.loss_weights[o];
+    if (!(w >= 0) || std::isinf(w)) {
+      throw ConfigError("loss_weights[" + std::to_string(o) + "] must be a finite number at least "
+                        "0; saw " + std::to_string(w));
+    }
   }
   if (options.label_smoothing > 0 && options.kind == LossKind::kMeanSquaredError) {
     throw ConfigError("label_smoothing applies to cross-entropy losses, not mean_squared_error; "
@@ -75,20 +84,47 @@ torch::Tensor labels_like(const torch::Tensor& outputs, const torch::Tensor& lab
   return labels;
 }
 
+// A user's loss for `n` examples, per example.
+torch::Tensor per_example_of(const torch::Tensor& raw, std::int64_t n, const char* what) {
+  const torch::Tensor loss = at_least_float32(raw);
+  if (loss.dim() == 0) return loss.expand({n}); // the slice's mean, once per example
+  if (loss.dim() != 1 || loss.size(0) != n) {
+    throw ConfigError(std::string(what) + " gave a tensor of shape " + c10::str(loss.sizes()) +
+                      " for " + std::to_string(n) + " examples; give one value per example ([" +
+                      std::to_string(n) + "]) or a scalar (their mean)");
+  }
+  return loss;
+}
+
+std::int64_t rows_of(const torch::Tensor& t) {
+  return t.dim() > 0 ? t.size(0) : 1;
+}
+
 } // namespace
+
+torch::Tensor per_example_loss(const LossOptions& options, const Tensors& outputs,
+                               const Tensors& labels) {
+  if (options.custom_outputs) {
+    return per_example_of(options.custom_outputs(outputs, labels), rows_of(outputs.at(0)),
+                          "the custom loss of the outputs");
+  }
+  if (outputs.size() == 1 && options.loss_weights.empty()) {
+    return per_example_loss(options, outputs[0], labels.at(0));
+  }
+  torch::Tensor total;
+  for (std::size_t o = 0; o < outputs.size(); ++o) {
+    torch::Tensor loss = per_example_loss(options, outputs[o], labels.at(o));
+    if (!options.loss_weights.empty()) loss = loss * options.loss_weights.at(o);
+    total = total.defined() ? total + loss : loss;
+  }
+  return total;
+}
 
 torch::Tensor per_example_loss(const LossOptions& options, const torch::Tensor& raw_outputs,
                                const torch::Tensor& labels) {
   if (options.custom) {
-    const std::int64_t n = raw_outputs.dim() > 0 ? raw_outputs.size(0) : 1;
-    const torch::Tensor loss = at_least_float32(options.custom(raw_outputs, labels));
-    if (loss.dim() == 0) return loss.expand({n}); // the slice's mean, once per example
-    if (loss.dim() != 1 || loss.size(0) != n) {
-      throw ConfigError("the custom loss gave a tensor of shape " + c10::str(loss.sizes()) +
-                        " for " + std::to_string(n) + " examples; give one value per example ([" +
-                        std::to_string(n) + "]) or a scalar (their mean)");
-    }
-    return loss;
+    return per_example_of(options.custom(raw_outputs, labels), rows_of(raw_outputs),
+                          "the custom loss");
   }
   const torch::Tensor outputs = at_least_float32(raw_outputs);
   const double s = options.label_smoothing;

@@ -19,12 +19,38 @@
 
 namespace flotilla::train {
 
+namespace {
+
+Model::MultiForward of_one(Model::Forward forward) {
+  if (!forward) return {};
+  return [forward = std::move(forward)](const Tensors& inputs) {
+    return Tensors{forward(inputs[0])};
+  };
+}
+
+} // namespace
+
 Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
              Forward forward, std::function<Replica()> clone)
+    : Model(strategy, std::move(module), of_one(std::move(forward)), Signature{},
+            clone ? std::function<MultiReplica()>([clone = std::move(clone)] {
+              auto [module, forward] = clone();
+              return MultiReplica{std::move(module), of_one(std::move(forward))};
+            })
+                  : std::function<MultiReplica()>{}) {}
+
+Model::Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
+             MultiForward forward, Signature signature, std::function<MultiReplica()> clone)
     : strategy_(strategy), module_(std::move(module)), forward_(std::move(forward)),
-      clone_(std::move(clone)), timer_(std::make_unique<detail::StepTimer>()),
+      signature_(signature), clone_(std::move(clone)),
+      timer_(std::make_unique<detail::StepTimer>()),
       progress_(std::make_unique<detail::FitProgress>()) {
   if (!module_ || !forward_) throw ConfigError("Model needs a module and its forward function");
+  if (signature_.inputs < 1 || signature_.outputs < 1) {
+    throw ConfigError("a model's Signature needs at least 1 input and 1 output; saw " +
+                      std::to_string(signature_.inputs) + " and " +
+                      std::to_string(signature_.outputs));
+  }
 }
 
 Model::~Model() = default;
@@ -46,13 +72,22 @@ void Model::compile(const CompileOptions& options) {
   healer_.reset();
   step_.reset();
   resume_.reset();
-  step_ = std::make_unique<detail::TrainStep>(strategy_, Replica{module_, forward_}, clone_,
-                                              options, global_policy(), *timer_);
+  step_ = std::make_unique<detail::TrainStep>(strategy_, MultiReplica{module_, forward_},
+                                              signature_, clone_, options, global_policy(),
+                                              *timer_);
   healer_ = std::make_unique<detail::Healer>(
       strategy_, *step_, *progress_, stop_training,
       [this](collective::Communicator& comm, int donor, const TrainingState& mine) {
         return share_training_state(*this, comm, donor, mine);
       });
+}
+
+void Model::require_single(const char* what) const {
+  if (signature_.inputs != 1 || signature_.outputs != 1) {
+    throw ConfigError(std::string("Model.") + what + "() gives one output for one input; this "
+                      "model has " + std::to_string(signature_.inputs) + " inputs and " +
+                      std::to_string(signature_.outputs) + " outputs: use predict_outputs()");
+  }
 }
 
 void Model::require_compiled(const char* what) const {
@@ -175,27 +210,52 @@ EvalResult Model::evaluate(const data::DistributedDataset& data) {
 }
 
 torch::Tensor Model::predict(const data::Dataset& data) {
-  return predict(data::distribute_dataset(data, detail::evaluation_context(strategy_)));
+  require_single("predict");
+  return predict_outputs(data).front();
 }
 
 torch::Tensor Model::predict(const data::DistributedDataset& data) {
-  require_compiled("predict");
-  return collective_pass<torch::Tensor>(
-      data, [this](const data::DistributedDataset& d) { return detail::predict_pass(*step_, d); });
+  require_single("predict");
+  return predict_outputs(data).front();
 }
 
 torch::Tensor Model::predict(const torch::Tensor& features) {
+  require_single("predict");
+  return predict_outputs(Tensors{features}).front();
+}
+
+Tensors Model::predict_outputs(const data::Dataset& data) {
+  return predict_outputs(data::distribute_dataset(data, detail::evaluation_context(strategy_)));
+}
+
+Tensors Model::predict_outputs(const data::DistributedDataset& data) {
+  require_compiled("predict");
+  return collective_pass<Tensors>(
+      data, [this](const data::DistributedDataset& d) { return detail::predict_pass(*step_, d); });
+}
+
+Tensors Model::predict_outputs(const Tensors& inputs) {
+  if (static_cast<int>(inputs.size()) != signature_.inputs) {
+    throw ConfigError("predict_outputs: this model takes " + std::to_string(signature_.inputs) +
+                      " inputs; saw " + std::to_string(inputs.size()));
+  }
   torch::NoGradGuard no_grad;
   detail::EvalMode eval_mode(*module_);
-  const torch::Device device = step_ ? step_->device() : features.device();
+  const torch::Device device = step_ ? step_->device() : inputs[0].device();
   const Policy policy = this->policy();
-  torch::Tensor outputs;
+  Tensors on_device;
+  for (const auto& x : inputs) on_device.push_back(detail::on_device(x, device));
+  Tensors outputs;
   {
     AutocastGuard autocast(policy, device.type());
-    outputs = forward_(detail::on_device(features, device));
+    outputs = forward_(on_device);
   }
+  detail::check_outputs(outputs, signature_);
   // On the caller's device, as given.
-  return (policy == Policy::kFloat32 ? outputs : outputs.to(torch::kFloat32)).to(features.device());
+  for (auto& y : outputs) {
+    y = (policy == Policy::kFloat32 ? y : y.to(torch::kFloat32)).to(inputs[0].device());
+  }
+  return outputs;
 }
 
 } // namespace flotilla::train

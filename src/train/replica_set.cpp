@@ -71,17 +71,23 @@ void set_memory_format(torch::nn::Module& module, bool channels_last) {
   for (const auto& b : module.buffers()) convert(b);
 }
 
-// The forward, taking a 4-D input channels-last: a view where its memory is in that order
-// already (any one-channel image), else a copy.
-Model::Forward channels_last_input(Model::Forward forward) {
-  return [forward = std::move(forward)](const torch::Tensor& x) {
-    if (x.dim() != 4 || x.suggest_memory_format() == torch::MemoryFormat::ChannelsLast) {
-      return forward(x);
-    }
-    if (x.is_contiguous(torch::MemoryFormat::ChannelsLast)) {
-      return forward(x.as_strided(x.sizes(), nhwc_strides(x.sizes()), x.storage_offset()));
-    }
-    return forward(x.contiguous(torch::MemoryFormat::ChannelsLast));
+// A 4-D input channels-last: a view where its memory is in that order already (any one-channel
+// image), else a copy.
+torch::Tensor channels_last(const torch::Tensor& x) {
+  if (x.dim() != 4 || x.suggest_memory_format() == torch::MemoryFormat::ChannelsLast) return x;
+  if (x.is_contiguous(torch::MemoryFormat::ChannelsLast)) {
+    return x.as_strided(x.sizes(), nhwc_strides(x.sizes()), x.storage_offset());
+  }
+  return x.contiguous(torch::MemoryFormat::ChannelsLast);
+}
+
+// The forward, taking its 4-D inputs channels-last.
+Model::MultiForward channels_last_input(Model::MultiForward forward) {
+  return [forward = std::move(forward)](const Tensors& inputs) {
+    if (inputs.size() == 1) return forward(Tensors{channels_last(inputs[0])});
+    Tensors converted;
+    for (const auto& x : inputs) converted.push_back(channels_last(x));
+    return forward(converted);
   };
 }
 
@@ -94,8 +100,8 @@ bool has_convolutions(const torch::nn::Module& module) {
   return false;
 }
 
-ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
-                       const std::function<Model::Replica()>& clone,
+ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::MultiReplica first,
+                       const std::function<Model::MultiReplica()>& clone,
                        const OptimizerOptions& optimizer, bool channels_last)
     : devices_(devices) {
   const int replicas = static_cast<int>(devices.size());

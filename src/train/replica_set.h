@@ -24,14 +24,14 @@ class ReplicaSet {
   // that layout is both); otherwise they are made contiguous (NCHW).
   // ConfigError when several replicas are asked for without a clone function, or when the model
   // sits on a GPU the CPU replicas cannot use.
-  ReplicaSet(const std::vector<torch::Device>& devices, Model::Replica first,
-             const std::function<Model::Replica()>& clone, const OptimizerOptions& optimizer,
+  ReplicaSet(const std::vector<torch::Device>& devices, Model::MultiReplica first,
+             const std::function<Model::MultiReplica()>& clone, const OptimizerOptions& optimizer,
              bool channels_last);
   ~ReplicaSet();
 
   int size() const { return static_cast<int>(replicas_.size()); }
   torch::nn::Module& module(int r) const { return *replicas_[static_cast<std::size_t>(r)].first; }
-  const Model::Forward& forward(int r) const {
+  const Model::MultiForward& forward(int r) const {
     return replicas_[static_cast<std::size_t>(r)].second;
   }
   const torch::Device& device(int r) const { return devices_[static_cast<std::size_t>(r)]; }
@@ -66,7 +66,7 @@ class ReplicaSet {
 
  private:
   struct Threads;
-  std::vector<Model::Replica> replicas_;
+  std::vector<Model::MultiReplica> replicas_;
   std::vector<torch::Device> devices_;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
   std::vector<double> learning_rate_ratios_; // each group's rate over the first's, as built

@@ -133,17 +133,17 @@ TorchScriptModuleImpl::TorchScriptModuleImpl(torch::jit::Module module, std::str
       source_(source.empty() ? "TorchScript module" : std::move(source)) {
   const auto method = script_.find_method("forward");
   if (!method) throw ConfigError(source_ + " has no forward method; script or trace an nn.Module");
-  // self plus one input; further arguments only with defaults.
+  // self plus the inputs; further arguments only with defaults.
   const auto& args = method->function().getSchema().arguments();
   std::size_t required = 0;
   for (std::size_t i = 1; i < args.size(); ++i) required += args[i].default_value() ? 0 : 1;
-  if (args.size() < 2 || required > 1) {
+  if (args.size() < 2) {
     std::ostringstream schema;
     schema << method->function().getSchema();
     throw ConfigError(source_ + ": forward is " + schema.str() +
-                      "; flotilla trains a forward of one tensor (a batch) to one tensor (its "
-                      "outputs)");
+                      "; flotilla trains a forward of one tensor (a batch) or several");
   }
+  inputs_ = static_cast<int>(std::max<std::size_t>(required, 1));
   std::set<const c10::TensorImpl*> seen;
   mirror(*this, script_, source_, seen);
   script_.train(is_training());
@@ -184,6 +184,48 @@ int TorchScriptModuleImpl::convert_sync_batchnorm() {
 }
 
 torch::Tensor TorchScriptModuleImpl::forward(const torch::Tensor& x) {
+  if (inputs_ != 1) {
+    throw ConfigError(source_ + ": forward takes " + std::to_string(inputs_) +
+                      " inputs; give the Model torchscript_forward() and a Signature of " +
+                      std::to_string(inputs_) + " inputs");
+  }
+  c10::IValue out = run({x});
+  if (!out.isTensor()) {
+    throw ConfigError(source_ + ": forward returned " + out.tagKind() +
+                      ", not a tensor; flotilla trains a forward of one tensor to one tensor "
+                      "(return the logits alone), or give the Model torchscript_forward() and a "
+                      "Signature of several outputs");
+  }
+  return out.toTensor();
+}
+
+Tensors TorchScriptModuleImpl::forward_all(const Tensors& inputs) {
+  if (static_cast<int>(inputs.size()) != inputs_) {
+    throw ConfigError(source_ + ": forward takes " + std::to_string(inputs_) + " inputs; saw " +
+                      std::to_string(inputs.size()));
+  }
+  const c10::IValue out = run(std::vector<c10::IValue>(inputs.begin(), inputs.end()));
+  Tensors outputs;
+  const auto add = [&](const c10::IValue& v) {
+    if (!v.isTensor()) {
+      throw ConfigError(source_ + ": forward returned " + out.tagKind() + " holding " +
+                        v.tagKind() + "; flotilla trains outputs that are tensors");
+    }
+    outputs.push_back(v.toTensor());
+  };
+  if (out.isTuple()) {
+    for (const auto& v : out.toTupleRef().elements()) add(v);
+  } else if (out.isList()) {
+    for (const auto& v : out.toListRef()) add(v);
+  } else if (out.isGenericDict()) {
+    for (const auto& item : out.toGenericDict()) add(item.value());
+  } else {
+    add(out);
+  }
+  return outputs;
+}
+
+c10::IValue TorchScriptModuleImpl::run(std::vector<c10::IValue> inputs) {
   has_run_ = true;
   // Op by op, as eager PyTorch (thread-local; restored on return).
   torch::jit::GraphOptimizerEnabledGuard eager(false);
@@ -193,13 +235,18 @@ torch::Tensor TorchScriptModuleImpl::forward(const torch::Tensor& x) {
     explicit SyncScope(const strategy::ReplicaContext* c) { t_sync_context = c; }
     ~SyncScope() { t_sync_context = before; }
   } scope(sync_layers_ > 0 && is_training() ? &context_ : nullptr);
-  c10::IValue out = script_.forward({x});
-  if (!out.isTensor()) {
-    throw ConfigError(source_ + ": forward returned " + out.tagKind() +
-                      ", not a tensor; flotilla trains a forward of one tensor to one tensor "
-                      "(return the logits alone)");
-  }
-  return out.toTensor();
+  return script_.forward(std::move(inputs));
+}
+
+Model::MultiForward torchscript_forward(const TorchScriptModule& module) {
+  return [impl = module.ptr()](const Tensors& inputs) { return impl->forward_all(inputs); };
+}
+
+std::function<Model::MultiReplica()> torchscript_clone(const TorchScriptModule& module) {
+  return [impl = module.ptr()]() -> Model::MultiReplica {
+    auto copy = std::dynamic_pointer_cast<TorchScriptModuleImpl>(impl->clone());
+    return {copy, torchscript_forward(TorchScriptModule(copy))};
+  };
 }
 
 void TorchScriptModuleImpl::train(bool on) {

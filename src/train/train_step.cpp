@@ -36,6 +36,39 @@ namespace detail {
 
 namespace {
 
+std::vector<Metric> make_metrics(const CompileOptions& options);
+
+// Each metric for each output ("output_<o>_<name>" when there are several); `outputs_read`
+// gets the output each reads.
+std::vector<Metric> make_metrics(const CompileOptions& options, int outputs,
+                                 std::vector<int>& outputs_read) {
+  if (options.output_metrics && static_cast<int>(options.output_metrics->size()) != outputs) {
+    throw ConfigError("CompileOptions::output_metrics has " +
+                      std::to_string(options.output_metrics->size()) +
+                      " lists; the model has " + std::to_string(outputs) + " outputs");
+  }
+  const std::vector<Metric> metrics = make_metrics(options);
+  if (outputs == 1 && !options.output_metrics) {
+    outputs_read.assign(metrics.size(), 0);
+    return metrics;
+  }
+  std::vector<Metric> each;
+  for (int o = 0; o < outputs; ++o) {
+    std::vector<Metric> own = metrics;
+    if (options.output_metrics) {
+      own.clear();
+      for (const auto& name : (*options.output_metrics)[static_cast<std::size_t>(o)]) {
+        own.push_back(make_metric(name, options.loss));
+      }
+    }
+    for (const auto& metric : own) {
+      each.push_back({"output_" + std::to_string(o) + "_" + metric.name, metric.per_example});
+      outputs_read.push_back(o);
+    }
+  }
+  return each;
+}
+
 std::vector<Metric> make_metrics(const CompileOptions& options) {
   std::vector<Metric> metrics;
   for (const auto& name : options.metrics) metrics.push_back(make_metric(name, options.loss));
@@ -91,10 +124,29 @@ torch::Tensor on_device(const torch::Tensor& t, const torch::Device& device) {
   return t.to(torch::TensorOptions().device(device), /*non_blocking=*/t.is_pinned());
 }
 
-void check_element(const data::Element& e) {
-  if (e.size() < 2) {
-    throw DataError("a training element needs (features, labels[, weights]); saw " +
-                    std::to_string(e.size()) + " component(s)");
+void check_element(const data::Element& e, const Signature& signature) {
+  const std::size_t needed = static_cast<std::size_t>(signature.inputs + signature.outputs);
+  if (e.size() < needed || e.size() > needed + 1) {
+    throw DataError(
+        signature.inputs == 1 && signature.outputs == 1
+            ? "a training element needs (features, labels[, weights]); saw " +
+                  std::to_string(e.size()) + " component(s)"
+            : "a training element of this model needs " + std::to_string(signature.inputs) +
+                  " inputs, " + std::to_string(signature.outputs) +
+                  " labels (one per output) and, optionally, sample weights; saw " +
+                  std::to_string(e.size()) + " component(s)");
+  }
+}
+
+void check_outputs(const Tensors& outputs, const Signature& signature) {
+  if (static_cast<int>(outputs.size()) != signature.outputs) {
+    throw ConfigError("the model's forward returned " + std::to_string(outputs.size()) +
+                      " outputs; its Signature says " + std::to_string(signature.outputs));
+  }
+  for (std::size_t o = 0; o < outputs.size(); ++o) {
+    if (!outputs[o].defined()) {
+      throw ConfigError("the model's forward returned no tensor for output " + std::to_string(o));
+    }
   }
 }
 
@@ -103,13 +155,20 @@ std::vector<double> to_host(const torch::Tensor& sums) {
   return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
 }
 
-TrainStep::TrainStep(strategy::Strategy& strategy, Model::Replica model,
-                     const std::function<Model::Replica()>& clone, const CompileOptions& options,
-                     Policy policy, StepTimer& timer)
+TrainStep::TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Signature signature,
+                     const std::function<Model::MultiReplica()>& clone,
+                     const CompileOptions& options, Policy policy, StepTimer& timer)
     : strategy_(strategy), timer_(timer), options_(options), model_forward_(model.second),
-      policy_(policy) {
+      signature_(signature), policy_(policy) {
   check_compile_options(options);
-  metrics_ = make_metrics(options);
+  if (!options.loss.loss_weights.empty() &&
+      static_cast<int>(options.loss.loss_weights.size()) != signature.outputs) {
+    throw ConfigError("LossOptions::loss_weights has " +
+                      std::to_string(options.loss.loss_weights.size()) +
+                      " weights; the model has " + std::to_string(signature.outputs) +
+                      " outputs (give one each, or none)");
+  }
+  metrics_ = make_metrics(options, signature.outputs, metric_outputs_);
   if (options.loss_scale) {
     loss_scale_.emplace(*options.loss_scale);
   } else if (policy == Policy::kMixedFloat16) {
@@ -228,27 +287,51 @@ void TrainStep::set_means(Logs& logs, const double* sums, double count) const {
   for (std::size_t m = 0; m < metrics_.size(); ++m) logs.set(metrics_[m].name, sums[m + 1] / count);
 }
 
-torch::Tensor TrainStep::per_example(const torch::Tensor& outputs, const data::Element& e) const {
-  torch::Tensor loss = per_example_loss(options_.loss, outputs, e[1]);
-  if (e.size() > 2) loss = loss * e[2].to(loss.dtype());
+Tensors TrainStep::forward(int r, const data::Element& e) const {
+  const auto inputs = static_cast<std::ptrdiff_t>(signature_.inputs);
+  Tensors outputs;
+  {
+    AutocastGuard autocast(policy_, e[0].device().type());
+    const auto& forward = r < 0 ? model_forward_ : replicas_->forward(r);
+    outputs = signature_.inputs == 1 ? forward(Tensors{e[0]})
+                                     : forward(Tensors(e.begin(), e.begin() + inputs));
+  }
+  check_outputs(outputs, signature_);
+  return outputs;
+}
+
+torch::Tensor TrainStep::per_example(const Tensors& outputs, const data::Element& e) const {
+  const auto first_label = e.begin() + signature_.inputs;
+  torch::Tensor loss =
+      signature_.outputs == 1 && !options_.loss.custom_outputs
+          ? per_example_loss(options_.loss, outputs[0], *first_label)
+          : per_example_loss(options_.loss, outputs,
+                             Tensors(first_label, first_label + signature_.outputs));
+  const std::size_t weights = static_cast<std::size_t>(signature_.inputs + signature_.outputs);
+  if (e.size() > weights) loss = loss * e[weights].to(loss.dtype());
   return loss;
 }
 
-torch::Tensor TrainStep::batch_sums(const torch::Tensor& per_example_loss,
-                                    const torch::Tensor& outputs,
-                                    const torch::Tensor& labels) const {
+torch::Tensor TrainStep::batch_sums(const torch::Tensor& per_example_loss, const Tensors& outputs,
+                                    const data::Element& e) const {
   // On the device, in float64, the example count last: summed over steps there and read by the
   // host only when logs are due (no synchronisation per step on CUDA).
   std::vector<torch::Tensor> sums = {per_example_loss.sum()};
-  for (const auto& metric : metrics_) sums.push_back(metric.per_example(outputs, labels).sum());
-  sums.push_back(torch::full({}, static_cast<double>(labels.size(0)),
+  for (std::size_t m = 0; m < metrics_.size(); ++m) {
+    const auto o = static_cast<std::size_t>(metric_outputs_[m]);
+    sums.push_back(
+        metrics_[m]
+            .per_example(outputs[o].detach(), e[static_cast<std::size_t>(signature_.inputs) + o])
+            .sum());
+  }
+  sums.push_back(torch::full({}, static_cast<double>(rows_of(e, signature_)),
                              per_example_loss.options().dtype(torch::kFloat64)));
   return torch::stack(sums).to(torch::kFloat64);
 }
 
 std::vector<data::Element> TrainStep::split(const data::ReplicaBatch& batch) const {
   const int num_replicas = replicas_->size();
-  check_element(batch.element);
+  check_element(batch.element, signature_);
   // This worker's batch, split as evenly as possible over its replicas.
   std::vector<data::Element> parts(static_cast<std::size_t>(num_replicas));
   for (const auto& component : batch.element) {
@@ -270,17 +353,13 @@ std::optional<torch::Tensor> TrainStep::replay(const data::Element& part, double
   auto body = [&](const data::Element& e, const torch::Tensor& factor) {
     reducer_->zero_grad();
     reducer_->prepare(true);
-    torch::Tensor outputs;
-    {
-      AutocastGuard autocast(policy_, replicas_->device(0).type());
-      outputs = replicas_->forward(0)(e[0]);
-    }
+    const Tensors outputs = forward(0, e);
     const torch::Tensor loss = per_example(outputs, e);
     (loss.sum() * factor).backward();
     torch::Tensor sums;
     {
       torch::NoGradGuard no_grad;
-      sums = batch_sums(loss.detach(), outputs.detach(), e[1]);
+      sums = batch_sums(loss.detach(), outputs, e);
     }
     reducer_->finish();
     return sums;
@@ -294,16 +373,11 @@ std::optional<torch::Tensor> TrainStep::replay(const data::Element& part, double
 
 void TrainStep::replica_body(int r, const data::Element& e, double loss_factor,
                              std::vector<torch::Tensor>& results) {
-  const torch::Tensor& labels = e[1];
   // An empty slice (a short last batch over many replicas, a worker whose input ended) runs
   // no forward — a batch norm could not — but still joins the reduction, with no gradients of
   // its own. With SyncBatchNorm it does run: its layers are collectives every replica joins.
-  if (labels.size(0) == 0 && sync_batchnorm_layers_ == 0) return;
-  torch::Tensor outputs;
-  {
-    AutocastGuard autocast(policy_, e[0].device().type());
-    outputs = replicas_->forward(r)(e[0]);
-  }
+  if (rows_of(e, signature_) == 0 && sync_batchnorm_layers_ == 0) return;
+  const Tensors outputs = forward(r, e);
   const torch::Tensor loss = per_example(outputs, e);
   // Replica 0 runs on this thread and times the phases; the others' extra time shows as
   // backward, where this thread waits for them.
@@ -314,7 +388,7 @@ void TrainStep::replica_body(int r, const data::Element& e, double loss_factor,
   (loss.sum() * loss_factor).backward();
   if (r == 0) timer_.mark(Phase::kBackward);
   torch::NoGradGuard no_grad;
-  results[r] = batch_sums(loss.detach(), outputs.detach(), labels);
+  results[r] = batch_sums(loss.detach(), outputs, e);
   if (r == 0) timer_.mark(Phase::kMetrics);
 }
 
@@ -325,7 +399,7 @@ torch::Tensor TrainStep::run(const data::ReplicaBatch& batch, int& micro) {
   const double loss_factor = (loss_scale_ ? loss_scale_->scale() : 1.0) / share;
   buffers_dirty_ = true;
   update_rows_ += batch.global_batch_size;
-  if (captured_ && parts[0][1].size(0) > 0 && captured_->warmed_up()) {
+  if (captured_ && rows_of(parts[0], signature_) > 0 && captured_->warmed_up()) {
     if (auto sums = replay(parts[0], loss_factor)) return *sums;
   }
   timer_.mark(Phase::kCopy);

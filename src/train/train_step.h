@@ -29,8 +29,8 @@ class StepTimer;
 class TrainStep {
  public:
   // ConfigError for options compile() refuses. `timer` outlives this step (it is the model's).
-  TrainStep(strategy::Strategy& strategy, Model::Replica model,
-            const std::function<Model::Replica()>& clone, const CompileOptions& options,
+  TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Signature signature,
+            const std::function<Model::MultiReplica()>& clone, const CompileOptions& options,
             Policy policy, StepTimer& timer);
   ~TrainStep();
 
@@ -78,7 +78,8 @@ class TrainStep {
   const torch::Device& device() const;
   // The model's own forward (replica 0 as given; the replicas' may view a 4-D input
   // channels-last first): evaluate() and predict() call it.
-  const Model::Forward& model_forward() const { return model_forward_; }
+  const Model::MultiForward& model_forward() const { return model_forward_; }
+  const Signature& signature() const { return signature_; }
   const strategy::GradientReducer& reducer() const { return *reducer_; }
   CapturedStep* captured() const { return captured_.get(); }
   const std::vector<Metric>& metrics() const { return metrics_; }
@@ -86,11 +87,14 @@ class TrainStep {
   bool channels_last() const { return channels_last_; }
   const std::optional<LossScale>& loss_scale() const { return loss_scale_; }
   int sync_batchnorm_layers() const { return sync_batchnorm_layers_; }
-  // The per-example loss of `outputs` against e[1], weighted by e[2] when there is one.
-  torch::Tensor per_example(const torch::Tensor& outputs, const data::Element& e) const;
+  // The per-example loss of `outputs` against e's labels, weighted by its sample weights when
+  // it has them (see Signature).
+  torch::Tensor per_example(const Tensors& outputs, const data::Element& e) const;
   // Sums of the per-example loss, the metrics and the count (float64, on the device).
-  torch::Tensor batch_sums(const torch::Tensor& per_example_loss, const torch::Tensor& outputs,
-                           const torch::Tensor& labels) const;
+  torch::Tensor batch_sums(const torch::Tensor& per_example_loss, const Tensors& outputs,
+                           const data::Element& e) const;
+  // The forward's outputs for e's inputs (replica r), checked against the signature.
+  Tensors forward(int r, const data::Element& e) const;
 
  private:
   std::int64_t schedule_step() const {
@@ -110,7 +114,8 @@ class TrainStep {
   strategy::Strategy& strategy_;
   StepTimer& timer_;
   CompileOptions options_;
-  Model::Forward model_forward_;
+  Model::MultiForward model_forward_;
+  Signature signature_;
   std::unique_ptr<ReplicaSet> replicas_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
   std::unique_ptr<CapturedStep> captured_;
@@ -118,6 +123,7 @@ class TrainStep {
   int sync_batchnorm_layers_ = 0;                          // per replica
   bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored
   std::vector<Metric> metrics_;
+  std::vector<int> metric_outputs_; // the output each metric reads
   Policy policy_;
   bool channels_last_ = false;
   std::optional<LossScale> loss_scale_;
@@ -131,8 +137,14 @@ class TrainStep {
 
 // `t` on `device`: itself when it is there; asynchronous from pinned host memory.
 torch::Tensor on_device(const torch::Tensor& t, const torch::Device& device);
-// (features, labels[, weights]), checked: DataError otherwise.
-void check_element(const data::Element& e);
+// (inputs..., labels...[, weights]) as `signature` lays them out, checked: DataError otherwise.
+void check_element(const data::Element& e, const Signature& signature);
+// The forward gave as many outputs as `signature` says, each defined: ConfigError otherwise.
+void check_outputs(const Tensors& outputs, const Signature& signature);
+// An element's rows (its first label's).
+inline std::int64_t rows_of(const data::Element& e, const Signature& signature) {
+  return e[static_cast<std::size_t>(signature.inputs)].size(0);
+}
 // A float64 tensor's values on the host.
 std::vector<double> to_host(const torch::Tensor& sums);
 

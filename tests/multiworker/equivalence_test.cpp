@@ -267,6 +267,122 @@ TEST(Equivalence, AUsersOwnOptimizerWithParameterGroupsTrainsAsPyTorchsLoop) {
   EXPECT_GT(max_relative_difference(reference(false), expected), 1e-3);
 }
 
+// A model of two inputs and two outputs: the image and its brightness in, the class and
+// "is it upper-body clothing" (classes 0, 2, 3, 4, 6) out.
+struct TwoHeadsImpl : torch::nn::Module {
+  torch::nn::Conv2d conv{torch::nn::Conv2dOptions(1, 4, 3).padding(1)};
+  torch::nn::Linear side{1, 4}, classes{4 * 14 * 14 + 4, 10}, upper{4 * 14 * 14 + 4, 2};
+  TwoHeadsImpl() {
+    register_module("conv", conv);
+    register_module("side", side);
+    register_module("classes", classes);
+    register_module("upper", upper);
+  }
+  train::Tensors forward(const train::Tensors& in) {
+    torch::Tensor h = torch::max_pool2d(torch::relu(conv(in[0])), 2).flatten(1);
+    h = torch::cat({h, torch::relu(side(in[1]))}, 1);
+    return {classes(h), upper(h)};
+  }
+};
+TORCH_MODULE(TwoHeads);
+
+TwoHeads seeded_two_heads() {
+  std::lock_guard<std::mutex> lock(build_mutex);
+  torch::manual_seed(77);
+  TwoHeads m;
+  m->to(torch::kFloat64);
+  return m;
+}
+
+// (image, brightness, class, upper body) from (image, class).
+data::Element two_heads_element(const data::Element& e) {
+  const torch::Tensor brightness = e[0].mean({1, 2, 3}).unsqueeze(1);
+  const torch::Tensor c = e[1];
+  const torch::Tensor upper = ((c == 0) | (c == 2) | (c == 3) | (c == 4) | (c == 6)).to(torch::kLong);
+  return {e[0], brightness, c, upper};
+}
+
+// Two workers train a model of two inputs and two outputs with the built-in loss on each
+// output, weighted 1 and 0.5, as LibTorch's loop does on the global batches (within 1e-9 in
+// float64); evaluate() reports each output's accuracy, and predict_outputs() gives every worker
+// both outputs of every element in the dataset's order.
+TEST(Equivalence, AModelOfTwoInputsAndTwoOutputsTrainsAsPyTorchsLoop) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  const auto images = data::fashion_mnist(data::kFashionMnistDir, data::Split::kTrain);
+  // A new dataset for each run: each iteration of one reshuffles (TF's default).
+  const auto batches = [&] { return global_batches(images).map(two_heads_element); };
+  const std::vector<double> weights = {1.0, 0.5};
+  const auto reference = [&](double upper_weight) {
+    auto net = seeded_two_heads();
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    auto it = batches().make_iterator();
+    for (std::int64_t step = 0; step < kSteps; ++step) {
+      const auto e = it.next().value();
+      sgd.zero_grad();
+      const auto out = net->forward({e[0], e[1]});
+      (torch::nn::functional::cross_entropy(out[0], e[2]) +
+       upper_weight * torch::nn::functional::cross_entropy(out[1], e[3]))
+          .backward();
+      sgd.step();
+    }
+    std::vector<torch::Tensor> out;
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+    return std::make_pair(out, net);
+  };
+  auto [expected, expected_net] = reference(weights[1]);
+
+  const torch::Tensor probe_x = torch::randn({21, 1, 28, 28}, torch::kFloat64);
+  const torch::Tensor probe_s = torch::randn({21, 1}, torch::kFloat64);
+  const auto probe = data::Dataset::from_tensor_slices({probe_x, probe_s}).batch(8);
+  std::vector<std::vector<torch::Tensor>> pair(2);
+  std::vector<train::EvalResult> evaluated(2);
+  std::vector<train::Tensors> predicted(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    auto net = s.scope([] { return seeded_two_heads(); });
+    train::Model model(
+        s, net.ptr(), [impl = net.ptr()](const train::Tensors& in) { return impl->forward(in); },
+        train::Signature{2, 2});
+    train::CompileOptions compile;
+    compile.optimizer = train::OptimizerOptions::sgd(0.05, 0.9);
+    compile.loss.loss_weights = weights;
+    model.compile(compile);
+    train::FitOptions fit;
+    fit.steps_per_epoch = kSteps;
+    fit.verbose = train::Verbosity::kSilent;
+    model.fit(data::distribute_dataset(batches(), s.input_context()), fit);
+    for (const auto& p : net->parameters()) pair[rank].push_back(p.detach().clone());
+    evaluated[rank] = model.evaluate(batches().take(3));
+    predicted[rank] = model.predict_outputs(probe);
+  });
+  const double diff = max_relative_difference(pair[0], expected);
+  RecordProperty("max_relative_difference", std::to_string(diff));
+  EXPECT_LT(diff, 1e-9);
+  EXPECT_GT(max_relative_difference(reference(0).first, expected), 1e-3); // the weight counts
+  for (std::size_t i = 0; i < pair[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(pair[0][i], pair[1][i])) << "parameter " << i;
+  }
+  for (const std::string key : {"loss", "output_0_accuracy", "output_1_accuracy"}) {
+    EXPECT_TRUE(evaluated[0].values.get(key).has_value()) << key;
+  }
+  EXPECT_GT(evaluated[0].at("output_1_accuracy"), evaluated[0].at("output_0_accuracy"));
+  EXPECT_EQ(evaluated[0].samples, 3 * kGlobalBatch);
+
+  // Predicting: every worker has both outputs of all 21 elements, as the trained model gives.
+  torch::NoGradGuard no_grad;
+  expected_net->eval();
+  const auto direct = expected_net->forward({probe_x, probe_s});
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(predicted[rank].size(), 2u);
+    for (std::size_t o = 0; o < 2; ++o) {
+      ASSERT_EQ(predicted[rank][o].sizes(), direct[o].sizes()) << "output " << o;
+      EXPECT_LT((predicted[rank][o] - direct[o].to(torch::kFloat32)).abs().max().item<double>(),
+                1e-5)
+          << "rank " << rank << ", output " << o;
+    }
+  }
+}
+
 // Channels-last changes where each number sits in memory, not the mathematics: a ResNet-20
 // (convolutions of many channels, BatchNorm, a one-channel input) trained 6 steps with NHWC
 // weights and activations ends where the NCHW run does, within 1e-9 in float64; its gradients

@@ -12,6 +12,8 @@
 
 namespace flotilla::train {
 
+using Tensors = std::vector<torch::Tensor>;
+
 enum class LossKind {
   kSparseCategoricalCrossentropy, // integer class labels [N]; outputs [N, classes]
   kCategoricalCrossentropy,       // one-hot (or soft) labels [N, classes]
@@ -33,18 +35,30 @@ struct LossOptions {
   // mean over the whole global batch, on every replica and worker. (Metrics' "accuracy" still
   // follows `kind`: sparse labels unless set otherwise.)
   std::function<torch::Tensor(const torch::Tensor& outputs, const torch::Tensor& labels)> custom;
+  // A model of several outputs (Signature): the loss of each output (the built-in, or `custom`)
+  // against its labels, weighted by loss_weights[o] (Keras's loss_weights; empty: 1 each), and
+  // summed per example.
+  std::vector<double> loss_weights;
+  // Or one loss of all the outputs and all the labels at once, in place of the above: one value
+  // per example, or a scalar read as their mean, as `custom`.
+  std::function<torch::Tensor(const Tensors& outputs, const Tensors& labels)> custom_outputs;
 };
 
 // "sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy", "mse"
 // (or "mean_squared_error"); ConfigError for anything else.
 LossKind parse_loss(const std::string& name);
 std::string to_string(LossKind kind);
-// ConfigError on a label_smoothing outside [0, 1].
+// ConfigError on a label_smoothing outside [0, 1] or a loss weight that is negative or not
+// finite.
 void validate(const LossOptions& options);
 
 // One loss value per example: float32 (or float64 when the outputs are), shape [N].
 torch::Tensor per_example_loss(const LossOptions& options, const torch::Tensor& outputs,
                                const torch::Tensor& labels);
+// The same for a model's outputs against their labels (as many of each): custom_outputs, or the
+// weighted sum of each output's loss.
+torch::Tensor per_example_loss(const LossOptions& options, const Tensors& outputs,
+                               const Tensors& labels);
 
 struct Metric {
   std::string name; // the key in logs ("accuracy"; "val_accuracy" after validation)

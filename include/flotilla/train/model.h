@@ -44,6 +44,10 @@ struct CompileOptions {
   LossOptions loss;           // sparse categorical cross-entropy from logits
   std::vector<std::string> metrics = {"accuracy"}; // Keras names (see make_metric)
   std::vector<Metric> custom_metrics;              // your own per-example means
+  // A model of several outputs (Signature): the metrics of each output, by Keras name, reported
+  // as "output_<o>_<name>" (Keras's per-output lists). Unset: `metrics` and `custom_metrics`
+  // for every output.
+  std::optional<std::vector<std::vector<std::string>>> output_metrics;
   // Keras runs this many steps per call of its compiled function; here the steps are C++
   // already, so it sets how often batch-level callbacks (and the progress bar) run.
   int steps_per_execution = 1;
@@ -71,6 +75,16 @@ struct CompileOptions {
 // `gradient_accumulation_steps` (what compile() says when it has no effect); "" when it can.
 std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accumulation_steps);
 
+// Where a model of several inputs or outputs finds them in a training element (Keras's
+// Model(inputs=[...], outputs=[...]) over a dataset of ((x1, x2), (y1, y2)); here an element is
+// flat): its first `inputs` components are the forward's inputs, the next `outputs` are the
+// labels, one per output in the forward's order, and one more, if there is one, the sample
+// weights. The default is (features, labels[, weights]).
+struct Signature {
+  int inputs = 1;
+  int outputs = 1;
+};
+
 enum class Verbosity { kAuto = -1, kSilent = 0, kProgressBar = 1, kOneLinePerEpoch = 2 };
 
 struct FitOptions {
@@ -93,6 +107,10 @@ class Model {
   // A module and its forward, for a replica (copies of the model on one worker).
   using Replica = std::pair<std::shared_ptr<torch::nn::Module>, Forward>;
 
+  // A forward of several inputs and outputs (see Signature), and a module with it.
+  using MultiForward = std::function<Tensors(const Tensors&)>;
+  using MultiReplica = std::pair<std::shared_ptr<torch::nn::Module>, MultiForward>;
+
   // Any module holder whose forward takes and returns one tensor (torch::nn::Sequential, a
   // TORCH_MODULE of your own, ...). Cloneable modules (all of torch::nn) can also be copied
   // for several replicas per worker.
@@ -106,6 +124,13 @@ class Model {
   // `clone` makes another replica (needed only with replicas_per_worker > 1).
   Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module, Forward forward,
         std::function<Replica()> clone = {});
+  // A model of `signature.inputs` inputs and `signature.outputs` outputs: `forward` gets the
+  // inputs in the element's order and returns the outputs (TorchScript: torchscript_forward()).
+  // Every built-in loss applies to each output against its labels, and the losses are summed
+  // (weighted by LossOptions::loss_weights); each metric is reported for each output, as
+  // "output_<o>_<metric>". ConfigError when a count is below 1.
+  Model(strategy::Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
+        MultiForward forward, Signature signature, std::function<MultiReplica()> clone = {});
   ~Model();
 
   // Reads the global mixed-precision policy (set_global_policy) as Keras does.
@@ -129,6 +154,12 @@ class Model {
   // evaluate() is.
   torch::Tensor predict(const data::Dataset& data);
   torch::Tensor predict(const data::DistributedDataset& data);
+  // predict() for a model of several inputs or outputs (the single-tensor forms refuse one):
+  // every output, in the forward's order. A dataset's elements hold the inputs first.
+  Tensors predict_outputs(const Tensors& inputs);
+  Tensors predict_outputs(const data::Dataset& data);
+  Tensors predict_outputs(const data::DistributedDataset& data);
+  const Signature& signature() const { return signature_; }
   // The buffers (BatchNorm's running statistics) as TF keeps them: each replica updates its own
   // from its own batches, and where they are read they are the mean over every replica of every
   // worker (TF's ON_READ variables with MEAN aggregation). fit() does this at every epoch's end,
@@ -204,6 +235,7 @@ class Model {
     return [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
   }
   void require_compiled(const char* what) const;
+  void require_single(const char* what) const; // one input and one output
   // evaluate() and predict(): the buffers mirrored, then `pass` over `data`. Elastic, outside
   // fit: a member's failure heals, and the pass runs again on the data split among the workers
   // there are (inside fit, fit heals).
@@ -213,8 +245,9 @@ class Model {
 
   strategy::Strategy& strategy_;
   std::shared_ptr<torch::nn::Module> module_;
-  Forward forward_;
-  std::function<Replica()> clone_;
+  MultiForward forward_;
+  Signature signature_;
+  std::function<MultiReplica()> clone_;
   std::unique_ptr<detail::StepTimer> timer_;      // the steps' phases (and the timeline)
   std::unique_ptr<detail::FitProgress> progress_; // where the running (or last) fit stands
   // What compile() built: the train step and, over it, the healer (elastic groups).

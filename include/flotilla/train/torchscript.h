@@ -22,21 +22,30 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <string>
 
 #include "flotilla/strategy/replica_context.h"
+#include "flotilla/train/model.h"
 
 namespace flotilla::train {
 
 class TorchScriptModuleImpl : public torch::nn::Module {
  public:
-  // `source`: where it came from (a path), for messages. ConfigError when its forward does not
-  // take exactly one input.
+  // `source`: where it came from (a path), for messages. ConfigError when its forward takes no
+  // input.
   explicit TorchScriptModuleImpl(torch::jit::Module module, std::string source = "");
 
-  // ConfigError naming the source when forward returns anything but one tensor; torch's own
-  // errors pass through as they are (see check_forward for a clear first-batch check).
+  // ConfigError naming the source when forward takes several inputs or returns anything but one
+  // tensor; torch's own errors pass through as they are (see check_forward for a clear
+  // first-batch check).
   torch::Tensor forward(const torch::Tensor& x);
+  // A forward of several inputs (the arguments without defaults, in order) and outputs: a tensor,
+  // or a tuple, list or dict of tensors (a dict's values in its order). ConfigError for a count of
+  // inputs other than inputs() or an output of anything else.
+  Tensors forward_all(const Tensors& inputs);
+  // The tensors forward requires (its arguments without defaults).
+  int inputs() const { return inputs_; }
   void train(bool on = true) override;
   // A deep copy (its own parameters and buffers), for another replica.
   std::shared_ptr<torch::nn::Module>
@@ -59,13 +68,22 @@ class TorchScriptModuleImpl : public torch::nn::Module {
   const std::string& source() const { return source_; }
 
  private:
+  c10::IValue run(std::vector<c10::IValue> inputs);
+
   torch::jit::Module script_;
   std::string source_;
+  int inputs_ = 1;
   int sync_layers_ = 0;
   bool has_run_ = false;
   strategy::ReplicaContext context_;
 };
 TORCH_MODULE(TorchScriptModule);
+
+// A TorchScript module of several inputs or outputs as a Model's (Model(strategy, module,
+// torchscript_forward(module), Signature{inputs, outputs}, torchscript_clone(module))).
+Model::MultiForward torchscript_forward(const TorchScriptModule& module);
+// Deep copies of `module` with their forwards, for a worker's other replicas.
+std::function<Model::MultiReplica()> torchscript_clone(const TorchScriptModule& module);
 
 // torch::jit::load onto the CPU. ConfigError (one line: the path, what it is, torch's message)
 // for a missing file or one that is not a TorchScript module. A parameter held under two names
