@@ -344,6 +344,82 @@ TEST_F(TorchScript, ATiedWeightIsTrainedOnceAndATraceInTrainingModeIsNamed) {
   EXPECT_FALSE(train::load_torchscript(path("bn.pt"))->traced_in_training_mode());
 }
 
+// A scripted module of two inputs (an image, a side feature) and two outputs (a tuple: class
+// logits, a regression), trained by two workers on half batches with a loss of both outputs
+// (LossOptions::custom_outputs), ends as PyTorch's two replicas do (1e-5, one thread); evaluate()
+// reports each output's own metric, and predict_outputs() gives both outputs of every element.
+TEST_F(TorchScript, AModuleOfTwoInputsAndTwoOutputsTrainsAsPyTorchDoes) {
+  OneThread one;
+  namespace F = torch::nn::functional;
+  const torch::Tensor side = images_.mean({1, 2, 3}).unsqueeze(1);
+  const torch::Tensor targets = images_.flatten(1).std(1);
+  checkpoint::save_safetensors(
+      path("two_io_batches.safetensors"),
+      {{"images", images_}, {"side", side}, {"labels", labels_}, {"targets", targets}});
+  const auto elements = data::Dataset::from_tensor_slices({images_, side, labels_, targets});
+  std::map<std::string, torch::Tensor> ours;
+  std::vector<train::EvalResult> evaluated(2);
+  std::vector<train::Tensors> predicted(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    train::TorchScriptModule script = train::load_torchscript(path("two_io.pt"));
+    EXPECT_EQ(script->inputs(), 2);
+    train::Model model(s, script.ptr(), train::torchscript_forward(script),
+                       train::Signature{2, 2}, train::torchscript_clone(script));
+    train::CompileOptions compile;
+    compile.optimizer = train::OptimizerOptions::sgd(0.05, 0.9);
+    compile.loss.custom_outputs = [](const train::Tensors& out, const train::Tensors& labels) {
+      return F::cross_entropy(out[0], labels[0],
+                              F::CrossEntropyFuncOptions().reduction(torch::kNone)) +
+             0.1 * (out[1].squeeze(1) - labels[1]).square();
+    };
+    compile.output_metrics = std::vector<std::vector<std::string>>{{"accuracy"}, {"mae"}};
+    model.compile(compile);
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+    model.fit(data::distribute_dataset(elements.batch(kBatch, true), s.input_context()), fit);
+    if (rank == 0) {
+      for (const auto& p : script->named_parameters()) ours[p.key()] = p.value().detach().clone();
+    }
+    evaluated[rank] = model.evaluate(elements.batch(kBatch));
+    predicted[rank] = model.predict_outputs(
+        data::Dataset::from_tensor_slices({images_.slice(0, 0, 10), side.slice(0, 0, 10)})
+            .batch(4));
+  });
+  python({"train_two_io", dir_->path(), std::to_string(kSteps)});
+  expect_equal_to(ours, "expected_two_io_2.safetensors", 1e-5);
+
+  EXPECT_EQ(evaluated[0].at("output_0_accuracy"), evaluated[1].at("output_0_accuracy"));
+  EXPECT_GT(evaluated[0].at("output_1_mae"), 0);
+  EXPECT_FALSE(evaluated[0].values.get("output_1_accuracy").has_value());
+  // The trained module's own outputs for the first 10 elements.
+  train::TorchScriptModule trained = train::load_torchscript(path("two_io.pt"));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : trained->named_parameters()) p.value().copy_(ours.at(p.key()));
+  }
+  trained->eval();
+  torch::NoGradGuard no_grad;
+  const auto direct = trained->forward_all({images_.slice(0, 0, 10), side.slice(0, 0, 10)});
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(predicted[rank].size(), 2u);
+    for (std::size_t o = 0; o < 2; ++o) {
+      EXPECT_LT((predicted[rank][o] - direct[o]).abs().max().item<double>(), 1e-5)
+          << "rank " << rank << ", output " << o;
+    }
+  }
+  // Its one-tensor forward says what to use instead.
+  try {
+    trained->forward(images_.slice(0, 0, 2));
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("forward takes 2 inputs; give the Model "
+                                         "torchscript_forward() and a Signature of 2 inputs"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(TorchScript, ReplicasAreDeepCopiesUnderTheSameNames) {
   train::TorchScriptModule script = train::load_torchscript(path("bn.pt"));
   auto copy = std::dynamic_pointer_cast<train::TorchScriptModuleImpl>(script->clone());
