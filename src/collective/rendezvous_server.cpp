@@ -310,60 +310,50 @@ struct RendezvousServer::Impl {
   // when the store wakes it, or at its deadline).
   void handle_store(int id, Conn& c, WireReader& in) {
     const std::uint8_t op = in.u8();
-    const auto reply = [&](auto&& write) {
+    try {
+      if (op == kGet || op == kWait) return handle_wait(id, c, in, op == kGet);
       WireWriter w;
       w.u8(kOk);
-      write(w);
+      answer(op, in, w);
       queue(c, w.frame());
-    };
-    try {
-      switch (op) {
-      case kSet: {
-        const std::string key = in.str(kMaxKeyBytes);
-        kv.set(key, in.bytes(kMaxValueBytes));
-        reply_status(c, kOk);
-        return;
-      }
-      case kGet:
-      case kWait:
-        return handle_wait(id, c, in, op == kGet);
-      case kAdd: {
-        const std::string key = in.str(kMaxKeyBytes);
-        const std::int64_t sum = kv.add(key, in.i64());
-        return reply([&](WireWriter& w) { w.i64(sum); });
-      }
-      case kCompareSet: {
-        const std::string key = in.str(kMaxKeyBytes);
-        Bytes expected = in.bytes(kMaxValueBytes);
-        Bytes desired = in.bytes(kMaxValueBytes);
-        const Bytes current = kv.compare_set(key, std::move(expected), std::move(desired));
-        return reply([&](WireWriter& w) { w.bytes(current); });
-      }
-      case kCheck: {
-        const bool all = kv.contains(read_keys(in));
-        return reply([&](WireWriter& w) { w.u8(all ? 1 : 0); });
-      }
-      case kDelete: {
-        const bool erased = kv.erase(in.str(kMaxKeyBytes));
-        return reply([&](WireWriter& w) { w.u8(erased ? 1 : 0); });
-      }
-      case kAdvance: {
-        const auto from = static_cast<std::uint64_t>(in.i64());
-        if (!config.elastic) throw WireError("advance asked of a rendezvous that is not elastic");
-        Membership::Changes changes;
-        const auto generation = static_cast<std::int64_t>(members.advance(from, changes));
-        apply(changes);
-        return reply([&](WireWriter& w) { w.i64(generation); });
-      }
-      case kNumKeys: {
-        const auto keys = static_cast<std::int64_t>(kv.num_keys());
-        return reply([&](WireWriter& w) { w.i64(keys); });
-      }
-      default:
-        throw WireError("unknown store operation " + std::to_string(op));
-      }
     } catch (const KvStoreError& e) {
       reply_status(c, kFailed, e.what());
+    }
+  }
+
+  // The store's answer to a request that needs no waiting, after its kOk.
+  void answer(std::uint8_t op, WireReader& in, WireWriter& w) {
+    switch (op) {
+    case kSet: {
+      const std::string key = in.str(kMaxKeyBytes);
+      kv.set(key, in.bytes(kMaxValueBytes));
+      return;
+    }
+    case kAdd: {
+      const std::string key = in.str(kMaxKeyBytes);
+      w.i64(kv.add(key, in.i64()));
+      return;
+    }
+    case kCompareSet: {
+      const std::string key = in.str(kMaxKeyBytes);
+      Bytes expected = in.bytes(kMaxValueBytes);
+      Bytes desired = in.bytes(kMaxValueBytes);
+      w.bytes(kv.compare_set(key, std::move(expected), std::move(desired)));
+      return;
+    }
+    case kCheck: w.u8(kv.contains(read_keys(in)) ? 1 : 0); return;
+    case kDelete: w.u8(kv.erase(in.str(kMaxKeyBytes)) ? 1 : 0); return;
+    case kAdvance: {
+      const auto from = static_cast<std::uint64_t>(in.i64());
+      if (!config.elastic) throw WireError("advance asked of a rendezvous that is not elastic");
+      Membership::Changes changes;
+      const auto generation = static_cast<std::int64_t>(members.advance(from, changes));
+      apply(changes);
+      w.i64(generation);
+      return;
+    }
+    case kNumKeys: w.i64(static_cast<std::int64_t>(kv.num_keys())); return;
+    default: throw WireError("unknown store operation " + std::to_string(op));
     }
   }
 
