@@ -12,6 +12,14 @@ fail() {
   exit 1
 }
 
+# README.md shows the consumer's program whole: the block after its marker is this file.
+readme=$consumer_src/../../README.md
+awk '/^<!-- examples\/consumer\/main.cpp -->$/ { marked = 1; next }
+     marked && /^```cpp$/ { inside = 1; next }
+     inside && /^```$/ { exit }
+     inside { print }' "$readme" | cmp -s - "$consumer_src/main.cpp" ||
+  fail "README.md's program (after <!-- examples/consumer/main.cpp -->) differs from $consumer_src/main.cpp"
+
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/flotilla-install-test.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 prefix=$tmp/prefix
