@@ -1,7 +1,11 @@
 #include "tools/flotilla/flags.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
+
+#include "flotilla/error.h"
 
 namespace flotilla::tools {
 
@@ -189,6 +193,17 @@ profile::FindingFormat cli_findings_format(std::int64_t updates_per_epoch) {
   };
   format.text = with_flags;
   return format;
+}
+
+std::chrono::milliseconds seconds_flag(double seconds, const std::string& flag) {
+  constexpr double kWeek = 7 * 24 * 3600;
+  if (!(seconds > 0 && seconds <= kWeek)) {
+    std::ostringstream seen;
+    seen << seconds;
+    throw ConfigError(flag + " takes a number of seconds above 0 and at most a week (604800); "
+                             "saw " + seen.str());
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000)));
 }
 
 } // namespace flotilla::tools

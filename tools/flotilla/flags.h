@@ -5,6 +5,7 @@
 // the logger's rewrite hook, to log lines; the doctor's findings are shown with it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -42,6 +43,10 @@ std::string with_flags(const std::string& message);
 // "without --no-overlap"); API terms (profile::to_string) where the CLI has no flag for it.
 // `updates_per_epoch` converts the kEpochs form (0: unknown, API terms).
 std::string setting_as_flag(const profile::Setting& setting, std::int64_t updates_per_epoch = 0);
+
+// The seconds given to `flag` as a duration: ConfigError unless they are a finite number above 0
+// and at most a week (inf, nan or a huge number has no duration; converting one was undefined).
+std::chrono::milliseconds seconds_flag(double seconds, const std::string& flag);
 
 // The doctor's findings as the CLI shows them: settings as flags, the API names in the advice
 // followed by their flags.

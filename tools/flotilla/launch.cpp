@@ -51,6 +51,7 @@
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 extern char** environ;
 
@@ -725,6 +726,8 @@ int run(const LaunchArgs& a) {
     throw ConfigError("--min-workers " + std::to_string(a.min_workers) +
                       " is more than --workers " + std::to_string(a.workers));
   }
+  seconds_flag(a.grace_s, "--grace"); // checked before anything starts
+  seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   if (a.port > 0 && a.port + a.workers - 1 > 65535) {
     throw ConfigError("--port " + std::to_string(a.port) + " leaves no room for " +
                       std::to_string(a.workers) + " consecutive ports; use a port up to " +
@@ -763,8 +766,7 @@ int run(const LaunchArgs& a) {
       collective::RendezvousService::Options options;
       options.listen = {"127.0.0.1", 0};
       options.workers = a.workers;
-      options.heartbeat_timeout =
-          std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+      options.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
       options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
       if (!options.cluster_token) options.cluster_token = token;
       service = std::make_unique<collective::RendezvousService>(options);

@@ -11,6 +11,7 @@
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla::tools {
 namespace {
@@ -27,12 +28,7 @@ int run(const RendezvousArgs& a) {
   options.listen = cluster::parse_address(a.listen, "--listen");
   options.workers = a.workers;
   options.elastic = !a.fixed;
-  if (!(a.heartbeat_timeout_s > 0)) {
-    throw ConfigError("--heartbeat-timeout must be positive; saw " +
-                      std::to_string(a.heartbeat_timeout_s));
-  }
-  options.heartbeat_timeout =
-      std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+  options.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
   // Blocked before the service's thread starts, so only sigwait below receives them.
   sigset_t stop;

@@ -176,7 +176,7 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
                                                        const cluster::Environment& env) {
   collective::CommunicationOptions comm;
   comm.implementation = collective::parse_implementation(a.implementation);
-  comm.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  comm.timeout = seconds_flag(a.timeout_s, "--timeout");
   comm.cluster_token = cluster::cluster_token(
       env,
       a.cluster_token_file.empty() ? std::nullopt : std::optional<fs::path>(a.cluster_token_file));
@@ -191,8 +191,7 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.elastic_batch = a.elastic_batch == "per-replica"
                            ? collective::CommunicationOptions::ElasticBatch::kPerReplica
                            : collective::CommunicationOptions::ElasticBatch::kGlobal;
-  comm.heartbeat_timeout =
-      std::chrono::milliseconds(static_cast<std::int64_t>(a.heartbeat_timeout_s * 1000));
+  comm.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   // At least four beats per timeout, so one late beat on a busy machine is not a failure.
   comm.heartbeat_interval = std::min(comm.heartbeat_interval, comm.heartbeat_timeout / 4);
   return comm;
@@ -701,7 +700,7 @@ int run_evaluator(const TrainArgs& a) {
   model.compile({});
   options.checkpoint_dir = a.checkpoint_dir;
   if (!a.tensorboard_dir.empty()) options.log_dir = fs::path(a.tensorboard_dir) / "evaluation";
-  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout_s * 1000));
+  options.timeout = seconds_flag(a.timeout_s, "--timeout");
   options.last_epoch = a.recipe.epochs;
   options.on_result = [&a](const train::SidecarResult& r) {
     std::printf("Evaluator: %s (epoch %lld, step %lld): loss: %.4f - accuracy: %.4f\n",

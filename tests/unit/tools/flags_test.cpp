@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <limits>
 #include <set>
 
 #include "flotilla/error.h"
@@ -147,6 +149,34 @@ TEST(Flags, TheLogRewriteHookShowsTheFlagOnLogLines) {
   EXPECT_EQ(err, "[worker 0/2] warning: the input ran out; set FitOptions::steps_per_epoch "
                  "(--steps-per-epoch)\n"
                  "[worker 0/2] warning: as written: FitOptions::steps_per_epoch\n");
+}
+
+// A duration flag (--timeout, --heartbeat-timeout, --grace) is a finite number of seconds up to
+// a week; inf or 1e300 used to become an undefined conversion (an expel-everyone timeout).
+TEST(Flags, SecondsAreAFiniteDurationOfUpToAWeek) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(seconds_flag(1.5, "--timeout"), milliseconds(1500));
+  EXPECT_EQ(seconds_flag(0.0001, "--timeout"), milliseconds(1)); // never rounded to nothing
+  EXPECT_EQ(seconds_flag(604800, "--timeout"), milliseconds(604800000));
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN(), 1e300, 604801.0}) {
+    try {
+      seconds_flag(bad, "--heartbeat-timeout");
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("--heartbeat-timeout takes a number of seconds above "
+                                            "0 and at most a week (604800); saw ",
+                                            0),
+                0u)
+          << e.what();
+    }
+  }
+  try {
+    seconds_flag(std::numeric_limits<double>::infinity(), "--heartbeat-timeout");
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "--heartbeat-timeout takes a number of seconds above 0 and at most a "
+                           "week (604800); saw inf");
+  }
 }
 
 } // namespace
