@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <torch/nn.h>
+#include <torch/optim/rmsprop.h>
+
+#include <memory>
+#include <utility>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
@@ -109,6 +113,73 @@ TEST(StateTransfer, AJoinerGetsWeightsOptimizerStateAndPositionBitForBitFromALiv
     }
   });
   EXPECT_NE(error.find("the training state from rank 0"), std::string::npos) << error;
+}
+
+// RMSprop in two groups (LibTorch's archive of it is what travels).
+std::unique_ptr<torch::optim::Optimizer> grouped_rmsprop(nn::Module& m) {
+  std::vector<torch::Tensor> weights, biases;
+  for (const auto& p : m.named_parameters()) {
+    (p.value().dim() > 1 ? weights : biases).push_back(p.value());
+  }
+  using Options = torch::optim::RMSpropOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights, std::make_unique<Options>(Options(0.01).momentum(0.5)));
+  groups.emplace_back(biases, std::make_unique<Options>(Options(0.005).momentum(0.5)));
+  return std::make_unique<torch::optim::RMSprop>(std::move(groups), Options(0.01));
+}
+
+// An optimizer of the user's own (OptimizerOptions::custom) reaches a joiner too: after the
+// transfer, donor and joiner take the same next steps bit for bit; a joiner that got the weights
+// alone (its RMSprop averages empty) steps elsewhere.
+TEST(StateTransfer, AJoinerGetsAnOptimizerOfTheUsersOwnFromALivePeer) {
+  auto solo = collective::Communicator::local_group(1);
+  strategy::Strategy s(thread_cluster(0, 1), solo[0]);
+  train::CompileOptions compile;
+  compile.optimizer.custom = grouped_rmsprop;
+  torch::manual_seed(5);
+  const auto data =
+      data::Dataset::from_tensor_slices({torch::randn({40, 8}), torch::randint(0, 3, {40})})
+          .batch(8);
+  train::FitOptions fit;
+  fit.verbose = train::Verbosity::kSilent;
+  auto donor_net = s.scope([] { return net(1); });
+  train::Model donor(s, donor_net);
+  donor.compile(compile);
+  donor.fit(data, fit);
+  const train::TrainingState sent = donor.training_state();
+
+  auto joined = [&](bool with_state) {
+    auto joiner_net = s.scope([] { return net(2); });
+    auto joiner = std::make_unique<train::Model>(s, joiner_net);
+    joiner->compile(compile);
+    run_ranks(2, [&](int rank, collective::Communicator& comm) {
+      if (rank == 0) {
+        train::share_training_state(donor, comm, 0, sent);
+      } else {
+        // Weights and optimizer state arrive; the position (the donor's finished fit) is not
+        // restored, so the next fit is a whole pass for both.
+        train::share_training_state(*joiner, comm, 0, {});
+      }
+    });
+    if (!with_state) { // the weights alone
+      auto fresh_net = s.scope([] { return net(2); });
+      auto fresh = std::make_unique<train::Model>(s, fresh_net);
+      fresh->compile(compile);
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < fresh_net->parameters().size(); ++i) {
+        fresh_net->parameters()[i].copy_(joiner_net->parameters()[i]);
+      }
+      return std::make_pair(std::move(fresh), fresh_net);
+    }
+    return std::make_pair(std::move(joiner), joiner_net);
+  };
+  auto [joiner, joiner_net] = joined(true);
+  auto [weights_only, weights_only_net] = joined(false);
+  for (auto* m : {&donor, joiner.get(), weights_only.get()}) m->fit(data, fit);
+  for (std::size_t i = 0; i < donor_net->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::equal(joiner_net->parameters()[i], donor_net->parameters()[i])) << i;
+  }
+  EXPECT_FALSE(torch::equal(weights_only_net->parameters()[0], donor_net->parameters()[0]));
 }
 
 } // namespace
