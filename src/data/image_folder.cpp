@@ -2,7 +2,10 @@
 // the validation split), a shardable file source, and JPEG/PNG decoding.
 #include "flotilla/data/image_folder.h"
 
+#include <fcntl.h>
 #include <setjmp.h>
+#include <sys/stat.h>
+#include <unistd.h>
 // jpeglib.h needs size_t and FILE declared first.
 #include <cstdio>
 #include <jpeglib.h>
@@ -202,16 +205,51 @@ class ImageFilesNode : public detail::FileSourceNode {
 
 // --- decoding ---
 
+// An image file is at most this big: the largest image decoded (kMaxPixels) compresses to far
+// less, and a file that is not an image must not be read whole into memory.
+constexpr std::int64_t kMaxImageFileBytes = std::int64_t{256} << 20;
+
+// The whole file, which must be a regular file (a link to one is followed): a FIFO, a device
+// (/dev/zero), a socket or a directory would block, never end or fill the memory.
 std::string read_bytes(const std::string& path) {
-  errno = 0;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw DataError(path + ": cannot open the image" +
-                    (errno ? " (" + std::string(std::strerror(errno)) + ")" : std::string()));
+  // O_NONBLOCK: opening a FIFO with no writer returns at once (then refused below).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    throw DataError(path + ": cannot open the image (" + std::strerror(errno) + ")");
   }
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    throw DataError(path + ": cannot read the image (" + std::strerror(errno) + ")");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    throw DataError(path + ": " + kind + ", not an image file; an image folder holds regular "
+                                         "files (or links to them)");
+  }
+  if (st.st_size > kMaxImageFileBytes) {
+    throw DataError(path + ": " + std::to_string(st.st_size) + " bytes, over the " +
+                    std::to_string(kMaxImageFileBytes >> 20) +
+                    " MiB an image file may have; it is not an image flotilla can decode");
+  }
+  std::string bytes(static_cast<std::size_t>(st.st_size), '\0');
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw DataError(path + ": cannot read the image (" + std::strerror(errno) + ")");
+    if (n == 0) break; // it shrank while being read: decoding says it is truncated
+    got += static_cast<std::size_t>(n);
+  }
+  bytes.resize(got);
+  return bytes;
 }
 
 // libjpeg reports errors through a callback that must not return: longjmp back to the setjmp in

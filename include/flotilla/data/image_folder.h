@@ -76,8 +76,10 @@ ImageFolder image_dataset_from_directory(const std::string& directory,
 // is an error, never grey filler. PNG decodes with libpng's simplified API: palettes and low bit
 // depths expanded, 16-bit samples scaled to 8, alpha dropped (not blended), colour to grey as
 // ITU-R 601-2 luma (Pillow's convert("L")); a gAMA chunk other than sRGB's is applied by libpng.
-// DataError naming the file, for unreadable, corrupt, truncated, oversized (> 2^28 pixels) and
-// unsupported (GIF, BMP, CMYK JPEG, other) files.
+// DataError naming the file, for unreadable, corrupt, truncated, oversized (> 2^28 pixels or a
+// file over 256 MiB) and unsupported (GIF, BMP, CMYK JPEG, other) files, and for anything but a
+// regular file (a FIFO, a device such as /dev/zero, a directory; links are followed), which is
+// never read.
 torch::Tensor decode_image(const std::string& path, ColorMode mode);
 
 // Bilinear resize with half-pixel centres and no antialiasing (tf.image.resize's "bilinear", as

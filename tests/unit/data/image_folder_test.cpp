@@ -2,6 +2,7 @@
 // by scripts/fashion_mnist_images.py (Pillow), decoded by flotilla and by Pillow; Keras's own
 // index and tf.image.resize's values (fixtures/image_folder_index.json, written by Keras and TF).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -248,6 +249,22 @@ TEST_F(ImageFolderFiles, BrokenImagesAreDataErrorsNamingTheFile) {
   expect_data_error(broken.path() + "/anim.gif", "a GIF image; flotilla decodes JPEG and PNG only");
   std::ofstream(broken.path() + "/text.png") << "hello";
   expect_data_error(broken.path() + "/text.png", "not a JPEG or PNG image");
+  // Nothing but a regular file is read: a FIFO with no writer would block, a link to /dev/zero
+  // never end, a huge file fill the memory (this one is sparse: it costs no disk).
+  const std::string fifo = broken.path() + "/fifo.png";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_data_error(fifo, "a FIFO, not an image file");
+  fs::create_symlink("/dev/zero", broken.path() + "/zero.png");
+  expect_data_error(broken.path() + "/zero.png", "a device, not an image file");
+  fs::create_directory(broken.path() + "/dir.png");
+  expect_data_error(broken.path() + "/dir.png", "a directory, not an image file");
+  const std::string huge = broken.path() + "/huge.png";
+  std::ofstream(huge) << "\x89PNG\r\n\x1A\n";
+  fs::resize_file(huge, std::uintmax_t{300} << 20);
+  expect_data_error(huge, "314572800 bytes, over the 256 MiB an image file may have");
+  fs::create_symlink(png, broken.path() + "/link.png"); // a link to an image is one
+  EXPECT_TRUE(torch::equal(decode_image(broken.path() + "/link.png", ColorMode::kGrayscale),
+                           decode_image(png, ColorMode::kGrayscale)));
   // In a pipeline, the error reaches the consumer, naming the file.
   fs::create_directories(broken.path() + "/tree/cls");
   fs::copy_file(broken.path() + "/half.png", broken.path() + "/tree/cls/a.png");
