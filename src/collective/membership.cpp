@@ -2,10 +2,14 @@
 
 namespace flotilla::collective::detail {
 
-std::string Membership::Generation::record() const {
+std::string Membership::Generation::slot_list() const {
   std::string text;
   for (int slot : slots) text += (text.empty() ? "" : ",") + std::to_string(slot);
-  return text + "\n" + why + (afresh ? "\nafresh" : "");
+  return text;
+}
+
+std::string Membership::Generation::record() const {
+  return slot_list() + "\n" + why + (afresh ? "\nafresh" : "");
 }
 
 Membership::Membership(int world_size, bool elastic, std::function<std::string(int)> name)

@@ -46,7 +46,9 @@ class Membership {
     std::string why;
     bool departure = false; // formed because a member left (older generations can never meet)
     bool afresh = false;    // the training starts over (generation 0, or after the group was lost)
-    // kGenerationKey's value: "slot,slot,...\nwhy" and a third line "afresh" when it is.
+    // "slot,slot,..."
+    std::string slot_list() const;
+    // kGenerationKey's value: slot_list(), "\n", why, and a third line "afresh" when it is.
     std::string record() const;
   };
 

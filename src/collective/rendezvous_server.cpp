@@ -175,10 +175,9 @@ struct RendezvousServer::Impl {
 
   void record(const Membership::Generation& g) {
     const std::string number = std::to_string(g.number);
-    std::string slots;
-    for (int slot : g.slots) slots += (slots.empty() ? "" : ",") + std::to_string(slot);
     log.info("rendezvous: generation " + number + " has " + std::to_string(g.slots.size()) +
-             " of " + std::to_string(config.world_size) + " workers [" + slots + "]: " + g.why);
+             " of " + std::to_string(config.world_size) + " workers [" + g.slot_list() +
+             "]: " + g.why);
     try {
       kv.set(kGenerationKey + number, bytes_of(g.record()));
       kv.set(kLatestKey, bytes_of(number));

@@ -13,11 +13,11 @@
 namespace flotilla::train::detail {
 
 namespace {
-// Each worker's outputs and rows per batch, gathered, then each batch's rows in worker order.
+// Each worker's outputs gathered, then each batch's rows in worker order; `counts`: every
+// worker's rows per batch (gathered once for all the outputs).
 torch::Tensor in_dataset_order(collective::Communicator& workers, const torch::Tensor& mine,
-                               const std::vector<std::int64_t>& rows, bool predicted) {
+                               const std::vector<torch::Tensor>& counts, bool predicted) {
   const auto flat = collective::all_gather_uneven(workers, mine.reshape({-1}));
-  const auto counts = collective::all_gather_uneven(workers, torch::tensor(rows, torch::kLong));
   // A row's shape, from a worker that has one (this one may have predicted nothing).
   const auto shapes = collective::all_gather_uneven(
       workers, predicted ? torch::tensor(mine.sizes().slice(1).vec(), torch::kLong)
@@ -107,11 +107,16 @@ Tensors predict_pass(const TrainStep& step, const data::DistributedDataset& data
     }
   }
   auto& workers = step.strategy().communicator();
+  std::vector<torch::Tensor> counts;
+  if (workers.size() > 1) {
+    counts = collective::all_gather_uneven(workers, torch::tensor(rows, torch::kLong));
+  }
   Tensors all;
   for (const auto& per_batch : outputs) {
     const torch::Tensor mine = per_batch.empty() ? torch::empty({0}) : torch::cat(per_batch);
-    all.push_back(workers.size() == 1 ? mine
-                                      : in_dataset_order(workers, mine, rows, !per_batch.empty()));
+    all.push_back(workers.size() == 1
+                      ? mine
+                      : in_dataset_order(workers, mine, counts, !per_batch.empty()));
   }
   return all;
 }

@@ -108,9 +108,6 @@ torch::Tensor per_example_loss(const LossOptions& options, const Tensors& output
     return per_example_of(options.custom_outputs(outputs, labels), rows_of(outputs.at(0)),
                           "the custom loss of the outputs");
   }
-  if (outputs.size() == 1 && options.loss_weights.empty()) {
-    return per_example_loss(options, outputs[0], labels.at(0));
-  }
   torch::Tensor total;
   for (std::size_t o = 0; o < outputs.size(); ++o) {
     torch::Tensor loss = per_example_loss(options, outputs[o], labels.at(o));

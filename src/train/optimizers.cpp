@@ -50,16 +50,16 @@ std::string OptimizerOptions::describe() const {
   } else {
     out << learning_rate;
   }
-  if (custom) {
-    // its options are its own
-  } else if (kind == OptimizerKind::kSGD) {
-    if (momentum != 0) out << ", momentum=" << momentum;
-    if (nesterov) out << ", nesterov=true";
-  } else {
-    out << ", beta_1=" << beta_1 << ", beta_2=" << beta_2 << ", epsilon=" << epsilon;
-    if (amsgrad) out << ", amsgrad=true";
+  if (!custom) { // your optimizer's options are its own
+    if (kind == OptimizerKind::kSGD) {
+      if (momentum != 0) out << ", momentum=" << momentum;
+      if (nesterov) out << ", nesterov=true";
+    } else {
+      out << ", beta_1=" << beta_1 << ", beta_2=" << beta_2 << ", epsilon=" << epsilon;
+      if (amsgrad) out << ", amsgrad=true";
+    }
+    if (weight_decay != 0) out << ", weight_decay=" << weight_decay;
   }
-  if (weight_decay != 0 && !custom) out << ", weight_decay=" << weight_decay;
   if (global_clipnorm > 0) out << ", global_clipnorm=" << global_clipnorm;
   out << ")";
   return out.str();

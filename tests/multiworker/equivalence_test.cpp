@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 
@@ -105,21 +106,27 @@ TEST(Equivalence, TwoWorkersOfBatch32StepLikeOneWorkerOfBatch64) {
 }
 
 // kSteps steps of a plain LibTorch loop (PyTorch as its users write it: mean loss, backward,
-// `before_step`, SGD) on the global batches; the parameters it ends with.
-std::vector<torch::Tensor>
-reference_loop(const data::Dataset& images,
-               const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-               const std::function<void(torch::nn::Module&)>& before_step = {}) {
+// `before_step`, the optimizer: SGD unless `make_optimizer` builds another) on the global
+// batches; the parameters it ends with.
+using BeforeStep = std::function<void(torch::nn::Module&, torch::optim::Optimizer&, std::int64_t)>;
+std::vector<torch::Tensor> reference_loop(
+    const data::Dataset& images,
+    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
+    const BeforeStep& before_step = {},
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(torch::nn::Module&)>&
+        make_optimizer = {}) {
   auto net = seeded_cnn();
-  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto optimizer = make_optimizer ? make_optimizer(*net)
+                                  : std::make_unique<torch::optim::SGD>(
+                                        net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto batches = global_batches(images).make_iterator();
   for (std::int64_t step = 0; step < kSteps; ++step) {
     const auto batch = batches.next();
     if (!batch) throw std::runtime_error("the dataset ended early");
-    sgd.zero_grad();
+    optimizer->zero_grad();
     loss(net->forward((*batch)[0]), (*batch)[1]).backward();
-    if (before_step) before_step(*net);
-    sgd.step();
+    if (before_step) before_step(*net, *optimizer, step);
+    optimizer->step();
   }
   std::vector<torch::Tensor> out;
   for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
@@ -141,7 +148,7 @@ TEST(Equivalence, GlobalNormClippingOnTwoWorkersIsClipGradNormOnTheGlobalBatch) 
       [](const torch::Tensor& outputs, const torch::Tensor& labels) {
         return torch::nn::functional::cross_entropy(outputs, labels);
       },
-      [&](torch::nn::Module& net) {
+      [&](torch::nn::Module& net, torch::optim::Optimizer&, std::int64_t) {
         clipped += torch::nn::utils::clip_grad_norm_(net.parameters(), kClip) > kClip;
       });
   EXPECT_EQ(clipped, kSteps);
@@ -232,21 +239,16 @@ TEST(Equivalence, AUsersOwnOptimizerWithParameterGroupsTrainsAsPyTorchsLoop) {
   const auto schedule = std::make_shared<train::CosineDecay>(
       train::CosineDecayOptions{/*initial_learning_rate=*/0.01, /*decay_steps=*/kSteps});
   const auto reference = [&](bool keep_ratio) {
-    auto net = seeded_cnn();
-    auto optimizer = grouped_rmsprop(*net);
-    auto batches = global_batches(images).make_iterator();
-    for (std::int64_t step = 0; step < kSteps; ++step) {
-      const auto batch = batches.next();
-      if (!batch) throw std::runtime_error("the dataset ended early");
-      optimizer->zero_grad();
-      torch::nn::functional::cross_entropy(net->forward((*batch)[0]), (*batch)[1]).backward();
-      optimizer->param_groups()[0].options().set_lr((*schedule)(step));
-      optimizer->param_groups()[1].options().set_lr((*schedule)(step) * (keep_ratio ? 0.25 : 1));
-      optimizer->step();
-    }
-    std::vector<torch::Tensor> out;
-    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
-    return out;
+    return reference_loop(
+        images,
+        [](const torch::Tensor& outputs, const torch::Tensor& labels) {
+          return torch::nn::functional::cross_entropy(outputs, labels);
+        },
+        [&](torch::nn::Module&, torch::optim::Optimizer& optimizer, std::int64_t step) {
+          optimizer.param_groups()[0].options().set_lr((*schedule)(step));
+          optimizer.param_groups()[1].options().set_lr((*schedule)(step) * (keep_ratio ? 0.25 : 1));
+        },
+        grouped_rmsprop);
   };
   const auto expected = reference(true);
 

@@ -173,6 +173,7 @@ TEST(Flags, SecondsAreAFiniteDurationOfUpToAWeek) {
   }
   try {
     seconds_flag(std::numeric_limits<double>::infinity(), "--heartbeat-timeout");
+    ADD_FAILURE() << "accepted inf";
   } catch (const ConfigError& e) {
     EXPECT_STREQ(e.what(), "--heartbeat-timeout takes a number of seconds above 0 and at most a "
                            "week (604800); saw inf");
