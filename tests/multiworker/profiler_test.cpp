@@ -67,10 +67,13 @@ TEST(Profiler, PhasesAddUpToTheStepsAndTheStepsToTheEpoch) {
     const auto& p = e.phases;
     EXPECT_EQ(p.steps, 40);
     ASSERT_GT(p.step_seconds, 0);
-    // Consecutive phases: their sum is the steps' wall-clock time...
-    EXPECT_NEAR(p.sum(), p.step_seconds, 0.05 * p.step_seconds);
-    // ...and the steps' time is the epoch's, measured apart by fit().
-    EXPECT_NEAR(p.step_seconds, e.seconds, 0.05 * e.seconds);
+    // Consecutive phases share their clock readings: their sum is the steps' wall-clock time
+    // (to rounding)...
+    EXPECT_NEAR(p.sum(), p.step_seconds, 1e-6 * p.step_seconds);
+    // ...and the steps lie inside the epoch that fit() times apart. (How much of the epoch falls
+    // between steps depends on the machine's load, so no closeness is asserted: a 5% bound failed
+    // in CI when a preemption landed outside a step.)
+    EXPECT_LE(p.step_seconds, e.seconds);
     // The phases that must take time here did.
     EXPECT_GT(p[Phase::kForward], 0);
     EXPECT_GT(p[Phase::kBackward], 0);
