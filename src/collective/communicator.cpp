@@ -593,7 +593,6 @@ detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& s
   config.heartbeat_timeout = options.heartbeat_timeout;
   config.names = rank_names(spec);
   config.session = new_session();
-  config.elastic = options.elastic;
   config.external = spec.external_rendezvous;
   return config;
 }
@@ -609,10 +608,6 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
 
   const std::string where =
       "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
-  if (options.elastic) {
-    throw ConfigError("CommunicationOptions::elastic: an elastic group is joined through "
-                      "collective::ElasticGroup::join, not Communicator::connect");
-  }
   const detail::RendezvousConfig rendezvous = detail::rendezvous_config(spec, options);
   std::unique_ptr<detail::RendezvousServer> server;
   if (spec.rank == 0 && !spec.external_rendezvous) {

@@ -232,7 +232,7 @@ ElasticGroup::~ElasticGroup() {
 }
 
 std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spec,
-                                                 CommunicationOptions options) {
+                                                 const CommunicationOptions& options) {
   if (spec.is_evaluator()) {
     throw ConfigError("this task is the evaluator, which is not part of the training group");
   }
@@ -244,12 +244,12 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
         "` and set FLOTILLA_RENDEZVOUS=HOST:PORT on every task, or run under `flotilla launch "
         "--elastic`");
   }
-  options.elastic = true;
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
   impl->options = options;
   impl->config = detail::rendezvous_config(spec, options);
   auto& config = impl->config;
+  config.elastic = true;
   impl->log = Logger(spec.rank, spec.world_size);
   impl->store = c10::make_intrusive<detail::RendezvousStore>(config);
   Impl* raw = impl.get();

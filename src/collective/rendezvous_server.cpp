@@ -265,7 +265,7 @@ struct RendezvousServer::Impl {
     if (((join.flags & kJoinElastic) != 0) != config.elastic) {
       return config.elastic
                  ? "this rendezvous runs an elastic group and the task is not elastic; run every "
-                   "task in elastic mode (CommunicationOptions::elastic), or start the "
+                   "task in elastic mode (ElasticOptions::enabled, --elastic), or start the "
                    "rendezvous with --fixed"
                  : "the task is elastic and this rendezvous is not; an elastic group needs its "
                    "rendezvous outside the workers (flotilla rendezvous, or flotilla launch "

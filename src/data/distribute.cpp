@@ -406,7 +406,7 @@ DistributedIterator DistributedDataset::make_iterator(const IteratorState& state
                         " rows into the pass (an elastic fit that kept the per-replica batch), "
                         "not at a global batch boundary of this pipeline (" +
                         std::to_string(global) +
-                        " rows); resume with CommunicationOptions::elastic_batch kPerReplica, "
+                        " rows); resume with ElasticOptions::batch kPerReplica, "
                         "as it was saved");
     }
     resume.produced = state.produced / global;

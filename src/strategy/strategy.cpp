@@ -170,8 +170,9 @@ Strategy::Strategy(cluster::ClusterSpec cluster, collective::Communicator commun
     : Strategy(std::move(cluster), std::move(communicator), cpu_replicas(replicas_per_worker)) {}
 
 Strategy::Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
-                   std::vector<torch::Device> devices)
+                   std::vector<torch::Device> devices, ElasticOptions::Batch batch)
     : Strategy(std::move(cluster), group->communicator(), std::move(devices)) {
+  elastic_batch_ = batch;
   if (devices_.size() != 1) {
     throw ConfigError("an elastic group runs one replica per worker for now; saw " +
                       std::to_string(devices_.size()) + " (start one worker per device instead)");
@@ -200,8 +201,7 @@ void Strategy::adopt_generation() {
 InputContext Strategy::input_context() const {
   InputContext context{num_workers(), worker_index(), num_replicas_in_sync()};
   context.uneven_split = elastic_ != nullptr; // the global batch stays when the members change
-  if (elastic_ && communicator_.options().elastic_batch ==
-                      collective::CommunicationOptions::ElasticBatch::kPerReplica) {
+  if (elastic_ && elastic_batch_ == ElasticOptions::Batch::kPerReplica) {
     context.full_replicas = cluster_.world_size; // one replica per worker in elastic mode
   }
   return context;
@@ -320,8 +320,9 @@ MirroredStrategy::MirroredStrategy(std::vector<torch::Device> devices,
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
-    int replicas_per_worker)
-    : MultiWorkerMirroredStrategy(cluster, options, default_devices(replicas_per_worker)) {}
+    int replicas_per_worker, const ElasticOptions& elastic)
+    : MultiWorkerMirroredStrategy(cluster, options, default_devices(replicas_per_worker),
+                                  elastic) {}
 
 namespace {
 // Checks the devices before joining: a bad list fails this worker alone, at once.
@@ -342,9 +343,9 @@ std::shared_ptr<collective::ElasticGroup> join_with(const cluster::ClusterSpec& 
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
-    std::vector<torch::Device> devices)
-    : Strategy(options.elastic
-                   ? Strategy(cluster, join_with(cluster, options, devices), devices)
+    std::vector<torch::Device> devices, const ElasticOptions& elastic)
+    : Strategy(elastic.enabled
+                   ? Strategy(cluster, join_with(cluster, options, devices), devices, elastic.batch)
                    : Strategy(cluster, connect_with(cluster, options, devices), devices)) {}
 
 } // namespace flotilla::strategy

@@ -379,7 +379,7 @@ void FitLoop::check_options(const data::DistributedDataset& train) const {
 
 void FitLoop::check_elastic(const data::DistributedDataset& train) const {
   const auto refuse = [](const std::string& what) {
-    throw ConfigError("elastic mode (CommunicationOptions::elastic) cannot heal a fit with " +
+    throw ConfigError("elastic mode (ElasticOptions::enabled) cannot heal a fit with " +
                       what + " yet; leave it out, or train without elastic mode");
   };
   if (step_.captured()) refuse("jit_compile's captured steps");
@@ -395,7 +395,7 @@ void FitLoop::check_elastic(const data::DistributedDataset& train) const {
   if (per_replica != (train.slice_rows() > 0)) {
     throw ConfigError(std::string("elastic mode: the training dataset was distributed for ") +
                       (per_replica ? "a constant global batch" : "a constant per-replica batch") +
-                      ", but the strategy's CommunicationOptions::elastic_batch keeps the " +
+                      ", but the strategy's ElasticOptions::batch keeps the " +
                       (per_replica ? "per-replica batch" : "global batch") +
                       "; distribute it with this strategy's input_context()");
   }

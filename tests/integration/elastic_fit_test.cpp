@@ -195,7 +195,7 @@ TEST(ElasticFit, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   fit.expect_one_workers_result(4);
 }
 
-// The option that keeps the per-replica batch instead (CommunicationOptions::elastic_batch
+// The option that keeps the per-replica batch instead (strategy::ElasticOptions::batch
 // kPerReplica): worker 2 of 3 is SIGKILLed at global step 7; the two others go on with their 8
 // rows each (16 per update instead of 24) at 16/24 of the learning rate, the updates of the
 // epoch growing to cover its rows, until the restart is admitted. Each process records its rows

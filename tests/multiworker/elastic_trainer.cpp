@@ -181,13 +181,12 @@ int main(int argc, char** argv) {
     options.heartbeat_interval = std::chrono::milliseconds(200);
     options.heartbeat_timeout = std::chrono::seconds(2);
     if (!reference_rows.empty()) reference = true;
-    options.elastic = !reference;
-    if (per_replica) {
-      options.elastic_batch = collective::CommunicationOptions::ElasticBatch::kPerReplica;
-    }
+    strategy::ElasticOptions elastic;
+    elastic.enabled = !reference;
+    if (per_replica) elastic.batch = strategy::ElasticOptions::Batch::kPerReplica;
     options.cluster_token = cluster::cluster_token(env);
     const auto spec = reference ? cluster::single_worker() : cluster::resolve_cluster(env);
-    strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1);
+    strategy::MultiWorkerMirroredStrategy strategy(spec, options, 1, elastic);
     const int slot = reference ? 0 : strategy.elastic()->slot();
     std::cout << "slot " << slot << " pid " << ::getpid() << std::endl;
     signal_at = testing::armed_signal_step(signal_at, signal_slot, slot, signal_once);

@@ -79,8 +79,8 @@ struct TrainArgs {
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
-  bool elastic = false;                 // CommunicationOptions::elastic
-  std::string elastic_batch = "global"; // CommunicationOptions::elastic_batch
+  bool elastic = false;                 // ElasticOptions::enabled
+  std::string elastic_batch = "global"; // ElasticOptions::batch
   double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
@@ -183,18 +183,22 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
-  comm.elastic = a.elastic;
-  if (!a.elastic && a.elastic_batch != "global") {
-    throw ConfigError("--elastic-batch " + a.elastic_batch +
-                      " says what an elastic group keeps when workers leave; add --elastic");
-  }
-  comm.elastic_batch = a.elastic_batch == "per-replica"
-                           ? collective::CommunicationOptions::ElasticBatch::kPerReplica
-                           : collective::CommunicationOptions::ElasticBatch::kGlobal;
   comm.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   // At least four beats per timeout, so one late beat on a busy machine is not a failure.
   comm.heartbeat_interval = std::min(comm.heartbeat_interval, comm.heartbeat_timeout / 4);
   return comm;
+}
+
+strategy::ElasticOptions elastic_options(const TrainArgs& a) {
+  if (!a.elastic && a.elastic_batch != "global") {
+    throw ConfigError("--elastic-batch " + a.elastic_batch +
+                      " says what an elastic group keeps when workers leave; add --elastic");
+  }
+  strategy::ElasticOptions elastic;
+  elastic.enabled = a.elastic;
+  elastic.batch = a.elastic_batch == "per-replica" ? strategy::ElasticOptions::Batch::kPerReplica
+                                                   : strategy::ElasticOptions::Batch::kGlobal;
+  return elastic;
 }
 
 // Found before joining, not after an epoch of training.
@@ -729,6 +733,7 @@ int run(const TrainArgs& a) {
   torch::set_num_threads(threads);
   const bool kept_freed_memory = a.freed_memory == "keep" && base::keep_freed_memory();
   const collective::CommunicationOptions comm = communication_options(a, env);
+  const strategy::ElasticOptions elastic = elastic_options(a);
   if (spec.is_evaluator()) return run_evaluator(a);
   const std::string metrics_json = spec.is_chief() ? a.metrics_json : "";
   if (!metrics_json.empty()) check_metrics_file(metrics_json);
@@ -736,7 +741,7 @@ int run(const TrainArgs& a) {
   const train::TorchScriptModule script = script_model(a, sources, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
 
-  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices);
+  strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices, elastic);
   // Elastic: the global batch is the whole cluster's, whoever is in the group now, so the
   // learning rate and the schedule stay as planned while workers come and go.
   const std::int64_t global_batch =

@@ -18,7 +18,7 @@ struct InputContext {
   // row, and since each replica's loss is summed and divided by G, the all-reduced gradient is
   // still the mean over the global batch.
   bool uneven_split = false;
-  // Elastic mode keeping the per-replica batch instead (CommunicationOptions::elastic_batch):
+  // Elastic mode keeping the per-replica batch instead (strategy::ElasticOptions::batch):
   // the full cluster's replica count N. A global batch of G becomes a stream of per-replica
   // slices of B = G/N rows, and with R replicas each step takes the next R slices, so the step's
   // batch is R·B rows (fewer only at a pass's end) and the learning rate follows it linearly.

@@ -67,16 +67,8 @@ struct CommunicationOptions {
   // about that time, inside a collective or between them.
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
   std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
-  // Elastic mode (collective::ElasticGroup, include/flotilla/collective/elastic.h): a failed
-  // worker is dropped and the others go on in a new group. It needs a rendezvous outside the
-  // workers (FLOTILLA_RENDEZVOUS): Communicator::connect refuses it.
-  bool elastic = false;
-  // Elastic mode, what stays when the members change: kGlobal (the default) keeps the global
-  // batch and the learning rate, each member's batch growing as the group shrinks; kPerReplica
-  // keeps each member's batch (the global batch over the full cluster's workers) and scales the
-  // learning rate linearly with the step's rows (Goyal et al.'s rule, applied per step).
-  enum class ElasticBatch { kGlobal, kPerReplica };
-  ElasticBatch elastic_batch = ElasticBatch::kGlobal;
+  // (A fixed group is joined with Communicator::connect, an elastic one with
+  // ElasticGroup::join; a strategy chooses with strategy::ElasticOptions.)
 };
 
 // Whether this build has the NCCL backend (LibTorch with CUDA).

@@ -62,7 +62,7 @@ class ElasticGroup {
   // generation admits this worker or options.timeout passes (TimeoutError). ConfigError when
   // the rendezvous refuses (wrong token, slot taken by a live process, not elastic).
   static std::unique_ptr<ElasticGroup> join(const cluster::ClusterSpec& spec,
-                                            CommunicationOptions options);
+                                            const CommunicationOptions& options);
   ~ElasticGroup(); // leaves: the others regroup without this worker
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;

@@ -51,6 +51,20 @@ std::vector<torch::Device> parse_devices(const std::string& text);
 // listed once. ConfigError otherwise.
 void check_devices(const std::vector<torch::Device>& devices);
 
+// Elastic mode (collective/elastic.h): a worker that fails is dropped and the others go on in a
+// new group, Model::fit healing where it stands; a restarted worker rejoins from a live peer's
+// memory. It needs a rendezvous outside the workers (FLOTILLA_RENDEZVOUS, `flotilla rendezvous`
+// or `flotilla launch --elastic`) and runs one replica per worker.
+struct ElasticOptions {
+  bool enabled = false;
+  // What stays when the members change: kGlobal (the default) keeps the global batch and the
+  // learning rate, each member's batch growing as the group shrinks; kPerReplica keeps each
+  // member's batch (the global batch over the full cluster's workers) and scales the learning
+  // rate linearly with the step's rows (Goyal et al.'s rule, applied per step).
+  enum class Batch { kGlobal, kPerReplica };
+  Batch batch = Batch::kGlobal;
+};
+
 class Strategy {
  public:
   // One replica per entry of `devices` on each worker (replicas on one worker run on threads,
@@ -60,10 +74,11 @@ class Strategy {
   // `replicas_per_worker` CPU replicas, whatever GPUs there are.
   Strategy(cluster::ClusterSpec cluster, collective::Communicator communicator,
            int replicas_per_worker = 1);
-  // An elastic group's strategy (MultiWorkerMirroredStrategy with CommunicationOptions::elastic
-  // builds it): one replica, on `devices`' only entry.
+  // An elastic group's strategy (MultiWorkerMirroredStrategy with ElasticOptions::enabled
+  // builds it): one replica, on `devices`' only entry; `batch` says what stays when the members
+  // change.
   Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::ElasticGroup> group,
-           std::vector<torch::Device> devices);
+           std::vector<torch::Device> devices, ElasticOptions::Batch batch);
   virtual ~Strategy() = default;
 
   int num_replicas_in_sync() const { return communicator_.size() * replicas_per_worker(); }
@@ -97,8 +112,8 @@ class Strategy {
   std::unique_ptr<GradientReducer>
   make_gradient_reducer(const std::vector<std::shared_ptr<torch::nn::Module>>& replicas);
 
-  // Elastic mode (CommunicationOptions::elastic): this worker's membership, generation by
-  // generation; null otherwise.
+  // Elastic mode (ElasticOptions::enabled): this worker's membership, generation by generation;
+  // null otherwise.
   collective::ElasticGroup* elastic() const { return elastic_.get(); }
   // A worker that joined a group already training (restarted after a failure): it gets the
   // weights and the rest of the training state from a live peer when fit starts, so scope()
@@ -136,6 +151,7 @@ class Strategy {
   std::vector<torch::Device> devices_;
   Logger log_;
   std::shared_ptr<collective::ElasticGroup> elastic_;
+  ElasticOptions::Batch elastic_batch_ = ElasticOptions::Batch::kGlobal;
   bool joining_ = false;
   std::shared_ptr<collective::Communicator> saving_alone_; // saving_group()'s group of one
 };
@@ -150,18 +166,18 @@ class MirroredStrategy : public Strategy {
 };
 
 // The workers of `cluster`, joined through the chief's rendezvous; blocks until all have joined.
-// Each worker runs a replica on each of its devices. With CommunicationOptions::elastic the
-// workers join an elastic group instead (collective/elastic.h: a rendezvous outside the
-// workers, FLOTILLA_RENDEZVOUS), one replica each, and Model::fit heals: a worker that fails
-// is dropped and the others go on; a restarted one rejoins from a live peer's memory.
+// Each worker runs a replica on each of its devices. With `elastic.enabled` the workers join an
+// elastic group instead (ElasticOptions above), one replica each.
 class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
                                        const collective::CommunicationOptions& options = {},
-                                       int replicas_per_worker = 0);
+                                       int replicas_per_worker = 0,
+                                       const ElasticOptions& elastic = {});
   MultiWorkerMirroredStrategy(const cluster::ClusterSpec& cluster,
                               const collective::CommunicationOptions& options,
-                              std::vector<torch::Device> devices);
+                              std::vector<torch::Device> devices,
+                              const ElasticOptions& elastic = {});
 };
 
 } // namespace flotilla::strategy

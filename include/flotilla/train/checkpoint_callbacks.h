@@ -2,7 +2,7 @@
 // every N updates, the best only) and BackupAndRestore (resume an interrupted fit exactly, and
 // save at an agreed step when preempted). Both save collectively: every worker takes part, the
 // chief into the real directory, the others into temporary ones removed afterwards. In an
-// elastic group (CommunicationOptions::elastic) the chief saves alone, so that no save waits for
+// elastic group (strategy::ElasticOptions) the chief saves alone, so that no save waits for
 // a member that joins or leaves mid-fit; a worker joining mid-fit skips the restore (its state
 // comes from a live peer).
 #pragma once
