@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "flotilla/error.h"
 
@@ -56,6 +57,18 @@ std::string read_token_file(const std::filesystem::path& path, const std::string
 std::optional<std::string> cluster_token(const Environment& env,
                                          const std::optional<std::filesystem::path>& file) {
   const auto variable = env.get("FLOTILLA_CLUSTER_TOKEN");
+  // Set but empty reads as "no token" everywhere else, so the job would run unauthenticated
+  // while its author believes it holds a secret (a template's ${TOKEN} that expanded to nothing).
+  const std::pair<const char*, const char*> sources[] = {
+      {"FLOTILLA_CLUSTER_TOKEN", ""}, {"FLOTILLA_CLUSTER_TOKEN_FILE", " into a file it names"}};
+  for (const auto& [name, where] : sources) {
+    if (env.is_set(name) && !env.get(name)) {
+      throw ConfigError(std::string(name) +
+                        " is set but empty, which would mean no authentication at all; set a "
+                        "long random secret (e.g. openssl rand -hex 32" +
+                        where + "), or unset it to run without a token");
+    }
+  }
   std::optional<std::filesystem::path> path = file;
   std::string source = "the file given to cluster::cluster_token";
   if (!path) {

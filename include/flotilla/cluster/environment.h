@@ -27,6 +27,8 @@ class Environment {
 
   // The value, or nullopt when unset or empty.
   std::optional<std::string> get(const std::string& name) const;
+  // Whether the variable is set, even to "" (where an empty value is a mistake, not an absence).
+  bool is_set(const std::string& name) const { return vars_.count(name) != 0; }
 
  private:
   std::map<std::string, std::string> vars_;

@@ -80,5 +80,22 @@ TEST_F(ClusterToken, MissingEmptyOrAmbiguousSourcesAreClearErrors) {
   EXPECT_NE(error_of(Environment(), dir_).find("is not a regular file"), std::string::npos);
 }
 
+// Set but empty is a mistake (a template's ${TOKEN} that expanded to nothing), not "no token":
+// before, it silently ran the job unauthenticated.
+TEST_F(ClusterToken, AVariableSetButEmptyIsAnErrorNotNoAuthentication) {
+  EXPECT_EQ(error_of(env({{"FLOTILLA_CLUSTER_TOKEN", ""}})),
+            "FLOTILLA_CLUSTER_TOKEN is set but empty, which would mean no authentication at all; "
+            "set a long random secret (e.g. openssl rand -hex 32), or unset it to run without a "
+            "token");
+  EXPECT_EQ(error_of(env({{"FLOTILLA_CLUSTER_TOKEN_FILE", ""}})),
+            "FLOTILLA_CLUSTER_TOKEN_FILE is set but empty, which would mean no authentication at "
+            "all; set a long random secret (e.g. openssl rand -hex 32 into a file it names), or "
+            "unset it to run without a token");
+  // An empty variable beside a token file given explicitly is the same mistake.
+  const auto file = write("token", "x", 0600);
+  EXPECT_NE(error_of(env({{"FLOTILLA_CLUSTER_TOKEN", ""}}), file).find("set but empty"),
+            std::string::npos);
+}
+
 } // namespace
 } // namespace flotilla::cluster
