@@ -232,8 +232,18 @@ constexpr char kCacheEnd[] = "END\n";
 
 class FileReader {
  public:
-  explicit FileReader(const std::string& path) : in_(path, std::ios::binary), path_(path) {}
+  explicit FileReader(const std::string& path)
+      : in_(path, std::ios::binary | std::ios::ate), path_(path) {
+    size_ = in_ ? static_cast<std::uint64_t>(in_.tellg()) : 0;
+    in_.seekg(0);
+  }
   explicit operator bool() const { return static_cast<bool>(in_); }
+  const std::string& path() const { return path_; }
+  // Bytes left after the read position: what any length read from the file may claim at most.
+  std::uint64_t remaining() {
+    const auto at = in_.tellg();
+    return at < 0 ? 0 : size_ - std::min(size_, static_cast<std::uint64_t>(at));
+  }
   template <class T> T read() {
     T v{};
     in_.read(reinterpret_cast<char*>(&v), sizeof v);
@@ -241,6 +251,7 @@ class FileReader {
     return v;
   }
   std::string read_string(std::size_t n) {
+    if (n > remaining()) check_failed();
     std::string s(n, '\0');
     in_.read(s.data(), static_cast<std::streamsize>(n));
     check();
@@ -253,11 +264,48 @@ class FileReader {
 
  private:
   void check() {
-    if (!in_) throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
+    if (!in_) check_failed();
+  }
+  [[noreturn]] void check_failed() const {
+    throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
   }
   std::ifstream in_;
   std::string path_;
+  std::uint64_t size_ = 0;
 };
+
+// One tensor's header as the file claims it, checked before anything is allocated from it: the
+// file may be damaged, or written by someone else into a shared directory.
+torch::Tensor empty_from_header(FileReader& in) {
+  const auto corrupt = [&](const std::string& what) {
+    return DataError("cache file " + in.path() + " is corrupt (" + what +
+                     "); delete it to rebuild it");
+  };
+  const auto code = in.read<std::int8_t>();
+  const auto dtype = static_cast<torch::ScalarType>(code);
+  if (code < 0 || code >= static_cast<int>(torch::ScalarType::NumOptions) ||
+      c10::isQIntType(dtype)) {
+    throw corrupt("dtype code " + std::to_string(code));
+  }
+  const auto ndim = in.read<std::uint8_t>();
+  if (ndim > 16) throw corrupt(std::to_string(ndim) + " dimensions");
+  std::vector<std::int64_t> dims(ndim);
+  std::uint64_t numel = 1;
+  const std::uint64_t limit = in.remaining(); // no tensor holds more elements than bytes left
+  for (auto& d : dims) {
+    d = in.read<std::int64_t>();
+    if (d < 0 || (d > 0 && numel > limit / static_cast<std::uint64_t>(d))) {
+      throw corrupt("a dimension of " + std::to_string(d));
+    }
+    numel *= static_cast<std::uint64_t>(d);
+  }
+  const auto bytes = in.read<std::uint64_t>();
+  if (numel > limit || bytes != numel * c10::elementSize(dtype)) {
+    throw corrupt("a tensor's size does not match its shape");
+  }
+  if (bytes > in.remaining()) throw corrupt("a tensor runs past the end of the file");
+  return torch::empty(dims, dtype);
+}
 
 // The fingerprint at the head of a complete cache file, or "" if absent or incomplete.
 std::string cached_fingerprint(const std::string& path) {
@@ -300,17 +348,8 @@ class FileReplayStage : public Stage {
     if (arity == 0xFFFFFFFFu) return std::nullopt; // the count marker follows
     Element out;
     for (std::uint32_t i = 0; i < arity; ++i) {
-      const auto dtype = static_cast<torch::ScalarType>(in_.read<std::int8_t>());
-      const auto ndim = in_.read<std::uint8_t>();
-      std::vector<std::int64_t> dims(ndim);
-      for (auto& d : dims) d = in_.read<std::int64_t>();
-      const auto bytes = in_.read<std::uint64_t>();
-      torch::Tensor t = torch::empty(dims, dtype);
-      if (static_cast<std::uint64_t>(t.numel()) * t.element_size() != bytes) {
-        throw DataError("cache file is corrupt (a tensor's size does not match its shape); "
-                        "delete it to rebuild it");
-      }
-      in_.read_into(t.data_ptr(), bytes);
+      torch::Tensor t = empty_from_header(in_);
+      in_.read_into(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
       out.push_back(std::move(t));
     }
     return out;

@@ -290,7 +290,9 @@ struct Jpeg {
   JpegErrors errors;
 };
 
-bool jpeg_start(Jpeg* j, const unsigned char* data, unsigned long size, bool gray) {
+// The header only: the size it claims is checked before jpeg_start allocates (a progressive
+// JPEG's whole-image coefficient arrays are allocated there, 25 GB for a 65500x65500 claim).
+bool jpeg_header(Jpeg* j, const unsigned char* data, unsigned long size, bool gray) {
   j->cinfo.err = jpeg_std_error(&j->errors.pub);
   j->errors.pub.error_exit = jpeg_fail;
   j->errors.pub.emit_message = jpeg_warn;
@@ -302,6 +304,11 @@ bool jpeg_start(Jpeg* j, const unsigned char* data, unsigned long size, bool gra
   j->cinfo.out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
   j->cinfo.dct_method = JDCT_ISLOW;
   j->cinfo.do_fancy_upsampling = TRUE;
+  return true;
+}
+
+bool jpeg_start(Jpeg* j) {
+  if (setjmp(j->errors.jump)) return false;
   jpeg_start_decompress(&j->cinfo);
   return true;
 }
@@ -331,17 +338,28 @@ torch::Tensor decode_jpeg(const std::string& bytes, const std::string& path, Col
   Jpeg j{};
   const bool gray = mode == ColorMode::kGrayscale;
   torch::Tensor hwc;
-  bool ok = jpeg_start(&j, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), gray);
+  bool ok =
+      jpeg_header(&j, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), gray);
+  const auto destroy_and_throw = [&] {
+    jpeg_destroy_decompress(&j.cinfo);
+    throw;
+  };
   if (ok) {
     try {
-      const auto h = static_cast<std::int64_t>(j.cinfo.output_height);
-      const auto w = static_cast<std::int64_t>(j.cinfo.output_width);
-      check_size(h, w, path);
-      hwc = torch::empty({h, w, static_cast<std::int64_t>(j.cinfo.output_components)},
+      check_size(j.cinfo.image_height, j.cinfo.image_width, path);
+    } catch (...) {
+      destroy_and_throw();
+    }
+    ok = jpeg_start(&j);
+  }
+  if (ok) {
+    try {
+      hwc = torch::empty({static_cast<std::int64_t>(j.cinfo.output_height),
+                          static_cast<std::int64_t>(j.cinfo.output_width),
+                          static_cast<std::int64_t>(j.cinfo.output_components)},
                          torch::kUInt8);
     } catch (...) {
-      jpeg_destroy_decompress(&j.cinfo);
-      throw;
+      destroy_and_throw();
     }
     ok = jpeg_rows(&j, hwc.data_ptr<std::uint8_t>());
   }

@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <set>
 #include <thread>
 
@@ -189,6 +192,64 @@ TEST(Dataset, FileCacheSurvivesARestartAndIsRebuiltWhenItsSourceChanges) {
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
     EXPECT_EQ(e.path().filename().string(), "train.flotilla-cache");
   }
+}
+
+// A cache file is read back from a directory others may write (or a disk that damaged it): its
+// headers are checked before anything is allocated from them. Before, a dimension of 2^62 went
+// straight to torch::empty (a c10::Error from the allocator, not a DataError), a negative one or
+// an unknown dtype code likewise, and a claimed length was read into a buffer of that size.
+TEST(Dataset, ACorruptCacheFileIsADataErrorBeforeAnythingIsAllocatedFromIt) {
+  testing::TempDir dir;
+  const std::string file = dir.path() + "/rows";
+  const auto build = [&] {
+    return Dataset::from_tensor_slices({torch::arange(12, torch::kInt64).reshape({6, 2})})
+        .cache(file);
+  };
+  ASSERT_EQ(values(build()), iota(0, 12)); // writes the cache file
+  const std::string path = file + ".flotilla-cache";
+  std::string good;
+  {
+    std::ifstream in(path, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // magic (17 bytes), u64 fingerprint length, the fingerprint, then the first element: u32
+  // arity, i8 dtype, u8 ndim, i64 dims, u64 bytes.
+  std::uint64_t fingerprint = 0;
+  std::memcpy(&fingerprint, good.data() + 17, 8);
+  const std::size_t dtype_at = 17 + 8 + fingerprint + 4;
+  const std::size_t dim_at = dtype_at + 2;
+  const auto patched = [&](std::size_t at, const void* value, std::size_t n) {
+    std::string bad = good;
+    std::memcpy(bad.data() + at, value, n);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+    try {
+      values(build());
+    } catch (const DataError& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not a DataError: ") + e.what();
+    }
+    return std::string("read without an error");
+  };
+  const std::string corrupt = "cache file " + path + " is corrupt (";
+  const std::int64_t huge = std::int64_t{1} << 62, negative = -3, past_end = 1 << 20;
+  EXPECT_EQ(patched(dim_at, &huge, 8), corrupt + "a dimension of " + std::to_string(huge) +
+                                           "); delete it to rebuild it");
+  EXPECT_EQ(patched(dim_at, &negative, 8), corrupt + "a dimension of -3); delete it to rebuild it");
+  const std::int8_t dtype = 99;
+  EXPECT_EQ(patched(dtype_at, &dtype, 1), corrupt + "dtype code 99); delete it to rebuild it");
+  const std::uint8_t ndim = 200;
+  EXPECT_EQ(patched(dtype_at + 1, &ndim, 1), corrupt + "200 dimensions); delete it to rebuild it");
+  // A shape and byte count that agree, but claim more than the file holds.
+  std::string header(16, '\0');
+  const std::uint64_t bytes = std::uint64_t{past_end} * 8;
+  std::memcpy(header.data(), &past_end, 8);
+  std::memcpy(header.data() + 8, &bytes, 8);
+  EXPECT_EQ(patched(dim_at, header.data(), 16),
+            corrupt + "a dimension of " + std::to_string(past_end) + "); delete it to rebuild it");
+  // The file as written still reads.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << good;
+  EXPECT_EQ(values(build()), iota(0, 12));
 }
 
 TEST(Dataset, AnExceptionInAMapFunctionReachesTheConsumerWithTheElementIndex) {

@@ -262,6 +262,24 @@ TEST_F(ImageFolderFiles, BrokenImagesAreDataErrorsNamingTheFile) {
   std::ofstream(huge) << "\x89PNG\r\n\x1A\n";
   fs::resize_file(huge, std::uintmax_t{300} << 20);
   expect_data_error(huge, "314572800 bytes, over the 256 MiB an image file may have");
+  // A header may claim any size. A progressive JPEG claiming 65500x65500 is refused from its
+  // header: libjpeg would allocate (and zero) its whole-image coefficient arrays, 25 GB, in
+  // jpeg_start_decompress, where the size used to be checked only after.
+  const std::string small = broken.path() + "/small.jpg";
+  const auto made = testing::run_process(
+      {testing::test_python(), "-c",
+       "import sys; from PIL import Image; Image.new('RGB', (16, 16), (90, 30, 200)).save("
+       "sys.argv[1], 'JPEG', progressive=True, subsampling=0)",
+       small});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  std::string giant = testing::read_file(small);
+  const auto sof = giant.find("\xFF\xC2"); // SOF2: length, precision, height, width
+  ASSERT_NE(sof, std::string::npos);
+  for (const std::size_t at : {sof + 5, sof + 7}) giant.replace(at, 2, "\xFF\xDC"); // 65500
+  std::ofstream(broken.path() + "/giant.jpg", std::ios::binary) << giant;
+  expect_data_error(broken.path() + "/giant.jpg",
+                    "the image claims 65500x65500 pixels, more than flotilla decodes (2^28)");
+  EXPECT_EQ(decode_image(small, ColorMode::kRgb).sizes(), (std::vector<std::int64_t>{3, 16, 16}));
   fs::create_symlink(png, broken.path() + "/link.png"); // a link to an image is one
   EXPECT_TRUE(torch::equal(decode_image(broken.path() + "/link.png", ColorMode::kGrayscale),
                            decode_image(png, ColorMode::kGrayscale)));
