@@ -1,7 +1,9 @@
 #include "flotilla/train/recipe.h"
 
+#include <cmath>
 #include <cstdio>
 #include <memory>
+#include <sstream>
 
 #include "flotilla/error.h"
 #include "flotilla/train/schedules.h"
@@ -34,6 +36,31 @@ std::pair<Policy, std::string> choose_precision(const std::string& precision,
   return {policy, line};
 }
 
+namespace {
+
+// NaN and inf are not "unset": every comparison with NaN is false, so an lr of NaN fell through
+// to the scaled rate and a weight decay or warmup of NaN to its default, and the run trained.
+void check_numbers(const RecipeOptions& a) {
+  const auto check = [](const char* name, double value, bool ok, const char* rule) {
+    if (std::isfinite(value) && ok) return;
+    std::ostringstream seen;
+    seen << value;
+    throw ConfigError(std::string("make_recipe: RecipeOptions::") + name + " must be " + rule +
+                      "; saw " + seen.str());
+  };
+  check("lr", a.lr, a.lr >= 0, "a finite rate above 0 (or 0: base_lr, scaled)");
+  check("base_lr", a.base_lr, a.base_lr > 0 || a.lr > 0, "a finite rate above 0");
+  check("warmup_epochs", a.warmup_epochs, a.warmup_epochs >= 0 || a.warmup_epochs == -1,
+        "a finite number of epochs at least 0 (or -1: the default)");
+  check("weight_decay", a.weight_decay, a.weight_decay >= 0 || a.weight_decay == -1,
+        "a finite number at least 0 (or -1: the optimizer's default)");
+  check("momentum", a.momentum, a.momentum >= 0 && a.momentum < 1, "in [0, 1)");
+  check("global_clipnorm", a.global_clipnorm, a.global_clipnorm >= 0,
+        "a finite number at least 0 (0: no clipping)");
+}
+
+} // namespace
+
 Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch, std::int64_t steps_per_epoch,
                    const torch::Device& device) {
   if (a.epochs < 1 || a.accumulation_steps < 1) {
@@ -41,6 +68,7 @@ Recipe make_recipe(const RecipeOptions& a, std::int64_t global_batch, std::int64
                       ") and accumulation steps (" + std::to_string(a.accumulation_steps) +
                       ") must both be at least 1");
   }
+  check_numbers(a);
   Recipe r;
   char buf[256];
   auto [policy, precision_line] = choose_precision(a.precision, device);

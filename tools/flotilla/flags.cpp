@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iomanip>
 #include <sstream>
 
 #include "flotilla/error.h"
@@ -83,6 +84,12 @@ const std::vector<FlagFor>& flag_table() {
       {"OptimizerOptions::momentum", "--momentum"},
       {"OptimizerOptions::weight_decay", "--weight-decay"},
       {"CosineDecayOptions::warmup_steps", "--warmup-epochs", Form::kEpochs},
+      {"RecipeOptions::lr", "--lr"},
+      {"RecipeOptions::base_lr", "--base-lr"},
+      {"RecipeOptions::warmup_epochs", "--warmup-epochs"},
+      {"RecipeOptions::weight_decay", "--weight-decay"},
+      {"RecipeOptions::momentum", "--momentum"},
+      {"RecipeOptions::global_clipnorm", "--global-clipnorm"},
       {"train::CosineDecay", "--schedule cosine"},
       {"train::linear_scaling", "--lr-scaling linear"},
       {"train::set_global_policy", "--precision"},
@@ -194,6 +201,35 @@ profile::FindingFormat cli_findings_format(std::int64_t updates_per_epoch) {
   };
   format.text = with_flags;
   return format;
+}
+
+namespace {
+// `rule` says what is taken ("above 0"); `ok` decides on a finite value.
+template <class Ok> CLI::Validator finite_number(const std::string& rule, Ok ok) {
+  return CLI::Validator(
+      [rule, ok](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        const bool parsed = !text.empty() && end == text.c_str() + text.size();
+        if (parsed && std::isfinite(value) && ok(value)) return "";
+        return "takes a finite number " + rule + "; saw " + text;
+      },
+      "NUMBER " + rule);
+}
+} // namespace
+
+CLI::Validator positive_number() {
+  return finite_number("above 0", [](double v) { return v > 0; });
+}
+
+CLI::Validator non_negative_number() {
+  return finite_number("at least 0", [](double v) { return v >= 0; });
+}
+
+CLI::Validator number_in(double lo, double hi) {
+  std::ostringstream rule;
+  rule << std::setprecision(12) << "from " << lo << " to " << hi;
+  return finite_number(rule.str(), [lo, hi](double v) { return v >= lo && v <= hi; });
 }
 
 std::chrono::milliseconds seconds_flag(double seconds, const std::string& flag) {

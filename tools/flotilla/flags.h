@@ -5,6 +5,8 @@
 // the logger's rewrite hook, to log lines; the doctor's findings are shown with it.
 #pragma once
 
+#include <CLI/CLI.hpp>
+
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -47,6 +49,13 @@ std::string setting_as_flag(const profile::Setting& setting, std::int64_t update
 // The seconds given to `flag` as a duration: ConfigError unless they are a finite number above 0
 // and at most a week (inf, nan or a huge number has no duration; converting one was undefined).
 std::chrono::milliseconds seconds_flag(double seconds, const std::string& flag);
+
+// Checks for numeric flags. CLI11's PositiveNumber, NonNegativeNumber and Range let NaN through
+// (every comparison with NaN is false), so `--lr nan` trained; these take finite numbers only
+// and say so: "--lr: takes a finite number above 0; saw nan".
+CLI::Validator positive_number();
+CLI::Validator non_negative_number();
+CLI::Validator number_in(double lo, double hi); // lo <= x <= hi
 
 // The doctor's findings as the CLI shows them: settings as flags, the API names in the advice
 // followed by their flags.

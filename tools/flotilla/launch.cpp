@@ -807,21 +807,21 @@ Command add_launch(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "launch", "Start N workers of a command on this machine (127.0.0.1), each with TF_CONFIG");
   app->add_option("--workers", args->workers, "Number of worker processes")
-      ->check(CLI::Range(1, 256))
+      ->check(number_in(1, 256))
       ->capture_default_str();
   app->add_option("--port", args->port,
                   "First port; worker i listens on port+i (0: free ports chosen by the kernel)")
-      ->check(CLI::Range(0, 65535))
+      ->check(number_in(0, 65535))
       ->capture_default_str();
   app->add_option("--grace", args->grace_s,
                   "Seconds stopped workers get between SIGTERM and SIGKILL")
-      ->check(CLI::Range(0.0, 3600.0))
+      ->check(number_in(0.0, 3600.0))
       ->capture_default_str();
   app->add_option("--max-restarts", args->max_restarts,
                   "Restart the whole cluster (fresh ports) up to N times after a worker fails; "
                   "with flotilla train --backup-dir the workers resume from the last backup. A "
                   "preempted worker (exit 75: it saved) restarts it without counting")
-      ->check(CLI::Range(0, 1000000))
+      ->check(number_in(0, 1000000))
       ->capture_default_str();
   app->add_flag("--elastic", args->elastic,
                 "Host the rendezvous here (FLOTILLA_RENDEZVOUS) for an elastic group: a failed "
@@ -831,11 +831,11 @@ Command add_launch(CLI::App& parent) {
                   "With --elastic: when fewer workers than this are left and none can be "
                   "restarted, stop the rest (SIGTERM: with --backup-dir they save and exit 75, "
                   "and so does launch)")
-      ->check(CLI::Range(1, 256))
+      ->check(number_in(1, 256))
       ->capture_default_str();
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
                   "With --elastic: seconds of silence after which the rendezvous drops a worker")
-      ->check(CLI::Range(0.1, 3600.0))
+      ->check(number_in(0.1, 3600.0))
       ->capture_default_str();
   app->add_flag("--evaluator", args->evaluator,
                 "Also start an evaluator task (TF_CONFIG type \"evaluator\"): it evaluates each "

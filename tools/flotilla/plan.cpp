@@ -12,6 +12,7 @@
 #include "flotilla/error.h"
 #include "flotilla/profile/planner.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla::tools {
 namespace {
@@ -158,7 +159,7 @@ Command add_plan(CLI::App& parent) {
       ->required();
   app->add_option("--workers", args->workers, "Worker counts to predict, comma-separated")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--link", args->link,
                   "Bandwidth a connection achieves between two workers: 25Gbit, 100Mbit, "

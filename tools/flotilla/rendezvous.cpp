@@ -58,7 +58,7 @@ Command add_rendezvous(CLI::App& parent) {
       ->required();
   app->add_option("--workers", args->workers, "Training tasks in the cluster (chief + workers)")
       ->required()
-      ->check(CLI::Range(1, 65536));
+      ->check(number_in(1, 65536));
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
                   "Seconds of silence after which a worker is expelled")
       ->capture_default_str();

@@ -805,35 +805,35 @@ Command add_train(CLI::App& parent) {
   app->add_option("--validation-split", args->validation_split,
                   "image-folder: test on this fraction of DIR's images (Keras's validation "
                   "subset, seeded with --seed), train on the rest")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(number_in(0.0, 1.0))
       ->capture_default_str();
   app->add_option("--image-size", args->image_size,
                   "image-folder: HEIGHT [WIDTH] every image is resized to (bilinear)")
       ->expected(1, 2)
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--color-mode", args->color_mode, "image-folder: grayscale or rgb")
       ->check(CLI::IsMember({"grayscale", "rgb"}))
       ->capture_default_str();
   app->add_option("--epochs", args->recipe.epochs, "Epochs to train")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--steps-per-epoch", args->steps_per_epoch,
                   "Steps per epoch (0: the whole dataset)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   app->add_option("--batch-per-replica", args->batch_per_replica,
                   "Batch per replica; global batch = this x replicas in sync")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--optimizer", args->recipe.optimizer, "sgd (momentum), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->capture_default_str();
   app->add_option("--base-lr", args->recipe.base_lr, "Learning rate per --base-batch examples")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--base-batch", args->recipe.base_batch, "The batch --base-lr is meant for")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--lr-scaling", args->recipe.lr_scaling,
                   "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
@@ -841,27 +841,27 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--lr", args->recipe.lr,
                   "Peak learning rate as given (overrides --base-lr scaling)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   app->add_option("--schedule", args->recipe.schedule,
                   "cosine (warmup, then cosine decay) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app->add_option("--warmup-epochs", args->recipe.warmup_epochs,
                   "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   app->add_option("--momentum", args->recipe.momentum, "SGD momentum")
-      ->check(CLI::Range(0.0, 0.999))
+      ->check(number_in(0.0, 0.999))
       ->capture_default_str();
   app->add_option("--weight-decay", args->recipe.weight_decay,
                   "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(number_in(0.0, 1.0));
   app->add_option("--global-clipnorm", args->recipe.global_clipnorm,
                   "Clip the gradients to this global L2 norm before each update, after the "
                   "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(number_in(0.0, 1.0))
       ->capture_default_str();
   app->add_option("--precision", args->recipe.precision,
                   "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
@@ -887,7 +887,7 @@ Command add_train(CLI::App& parent) {
       "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
   app->add_option("--steps-per-execution", args->steps_per_execution,
                   "Steps between batch-level callbacks and progress updates")
-      ->check(CLI::Range(1, 1 << 20))
+      ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--seed", args->seed, "Seed for initialisation and shuffling")
       ->capture_default_str();
@@ -895,18 +895,18 @@ Command add_train(CLI::App& parent) {
                   "Full checkpoints after each epoch: <dir>/ckpt-<epoch> (safetensors, optimizer "
                   "state, manifest) and TF's 'checkpoint' pointer (chief; others use temp dirs)");
   app->add_option("--max-to-keep", args->max_to_keep, "Checkpoints kept in --checkpoint-dir")
-      ->check(CLI::Range(1, 1 << 20))
+      ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--backup-dir", args->backup_dir,
                   "BackupAndRestore: resume an interrupted run from here; removed when done");
   app->add_option("--backup-freq", args->backup_freq,
                   "Also back up every N optimizer updates (0: at epoch ends only)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   app->add_option("--preemption-check-ms", args->preemption_check_ms,
                   "With --backup-dir, SIGTERM to any worker makes all save a backup at one step "
                   "and exit 75; they compare notes about this often (0: every step)")
-      ->check(CLI::Range(0.0, 3600e3))
+      ->check(number_in(0.0, 3600e3))
       ->capture_default_str();
   app->add_option("--tensorboard-dir", args->tensorboard_dir,
                   "TensorBoard event files: <dir>/train and <dir>/validation (chief)");
@@ -915,7 +915,7 @@ Command add_train(CLI::App& parent) {
                 "Evaluate on the test split after each epoch (val_loss, val_accuracy)");
   app->add_option("--threads", args->threads,
                   "Intra-op threads per worker (0: cores / workers on this machine)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   app->add_option("--metrics-json", args->metrics_json,
                   "Chief appends one JSON object per epoch and one with the test result");
@@ -951,17 +951,17 @@ Command add_train(CLI::App& parent) {
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
                   "Seconds of silence after which a worker counts as failed (stopped, hung, cut "
                   "off)")
-      ->check(CLI::Range(0.1, 3600.0))
+      ->check(number_in(0.1, 3600.0))
       ->capture_default_str();
   app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
-      ->check(CLI::Range(0.1, 7 * 86400.0))
+      ->check(number_in(0.1, 7 * 86400.0))
       ->capture_default_str();
   app->add_option("--implementation", args->implementation,
                   "Collective implementation: auto, ring or nccl")
       ->check(CLI::IsMember({"auto", "ring", "nccl"}, CLI::ignore_case))
       ->capture_default_str();
   app->add_option("--bytes-per-pack", args->bytes_per_pack, "Gradient bucket size in bytes")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_flag("--no-overlap", args->no_overlap,
                 "Start the gradient all-reduces after backward instead of during it");
@@ -972,7 +972,7 @@ Command add_train(CLI::App& parent) {
   app->add_option("--replicas-per-worker", args->replicas_per_worker,
                   "Model replicas per worker, reduced locally before the all-reduce: the first N "
                   "GPUs, or N CPU replicas (threads) without a GPU; 0: one per --devices entry")
-      ->check(CLI::Range(0, 64))
+      ->check(number_in(0, 64))
       ->capture_default_str();
   app->add_option("--devices", args->devices,
                   "Each worker's replica devices: auto (every visible GPU, else the CPU), cpu, "
@@ -980,10 +980,10 @@ Command add_train(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--accumulation-steps", args->recipe.accumulation_steps,
                   "Batches whose gradients are summed before one all-reduce and optimizer step")
-      ->check(CLI::Range(1, 1 << 20))
+      ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--shuffle-buffer", args->shuffle_buffer, "Elements in the shuffle buffer")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--cache", args->cache,
                   "Cache the decoded training set: none, memory, or a file path prefix")

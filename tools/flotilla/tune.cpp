@@ -18,6 +18,7 @@
 #include "flotilla/train/recipe.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
+#include "tools/flotilla/flags.h"
 
 namespace flotilla::tools {
 namespace {
@@ -181,34 +182,34 @@ Command add_tune(CLI::App& parent) {
                   "--workers-per-machine x --safety; CUDA default: the device's memory)");
   app->add_option("--workers-per-machine", args->workers_per_machine,
                   "Workers that will share this machine's memory and cores")
-      ->check(CLI::Range(1, 4096))
+      ->check(number_in(1, 4096))
       ->capture_default_str();
   app->add_option("--safety", args->safety,
                   "Share of the available memory the default budget allows (the rest is for the "
                   "data set and the input pipeline)")
       ->capture_default_str();
   app->add_option("--start", args->start, "First batch tried")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--max", args->max, "Largest batch tried")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--resolution", args->resolution, "The answer is a multiple of this")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--max-probes", args->max_probes, "Training steps tried at most")
-      ->check(CLI::Range(1, 1000))
+      ->check(number_in(1, 1000))
       ->capture_default_str();
   app->add_option("--threads", args->threads,
                   "Intra-op threads (0: cores / --workers-per-machine, as flotilla train)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->capture_default_str();
   app->add_option("--base-lr", args->base_lr, "For the suggestion: rate per --base-batch examples")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--base-batch", args->base_batch,
                   "For the suggestion: the batch --base-lr is for")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_flag("--json", args->json, "One JSON line instead of the text report");
   app->footer("Example: flotilla tune --max-batch --model cnn --memory-budget 4GiB");

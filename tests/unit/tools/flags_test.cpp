@@ -180,5 +180,32 @@ TEST(Flags, SecondsAreAFiniteDurationOfUpToAWeek) {
   }
 }
 
+// CLI11's PositiveNumber and Range let NaN through, so `flotilla train --lr nan` trained (the
+// recipe took NaN as "unset"); every numeric flag now takes finite numbers only.
+TEST(Flags, NumericFlagsTakeFiniteNumbersOnly) {
+  const auto parse = [](CLI::Validator check, const std::string& value) {
+    CLI::App app("test");
+    double x = 0;
+    app.add_option("--x", x)->check(check);
+    try {
+      app.parse("--x " + value, false);
+    } catch (const CLI::ParseError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(parse(positive_number(), "nan"), "--x: takes a finite number above 0; saw nan");
+  EXPECT_EQ(parse(positive_number(), "inf"), "--x: takes a finite number above 0; saw inf");
+  EXPECT_EQ(parse(positive_number(), "0"), "--x: takes a finite number above 0; saw 0");
+  EXPECT_EQ(parse(positive_number(), "1e-3"), "accepted");
+  EXPECT_EQ(parse(non_negative_number(), "-1"), "--x: takes a finite number at least 0; saw -1");
+  EXPECT_EQ(parse(non_negative_number(), "0"), "accepted");
+  EXPECT_EQ(parse(number_in(0, 0.999), "NaN"),
+            "--x: takes a finite number from 0 to 0.999; saw NaN");
+  EXPECT_EQ(parse(number_in(1, 1 << 20), "2000000"),
+            "--x: takes a finite number from 1 to 1048576; saw 2000000");
+  EXPECT_EQ(parse(number_in(0.1, 3600), "0.1"), "accepted");
+}
+
 } // namespace
 } // namespace flotilla::tools

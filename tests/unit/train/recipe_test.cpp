@@ -2,6 +2,8 @@
 // choice flotilla train and flotilla tune share, and the errors it gives.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 
 #include "flotilla/error.h"
@@ -79,6 +81,54 @@ TEST(Recipe, NamesItDoesNotKnowAndAWarmupLeavingNothingToDecayAreRefused) {
     EXPECT_NE(std::string(e.what()).find("leaves no steps to decay over"), std::string::npos)
         << e.what();
   }
+}
+
+// NaN is not "unset": before, an lr of NaN fell through to the scaled rate (every comparison with
+// NaN is false), and a weight decay or warmup of NaN to its default, and the run trained.
+TEST(Recipe, NanInfAndNegativeNumbersAreRefusedNotTakenAsUnset) {
+  const auto error = [](auto set) {
+    RecipeOptions options;
+    options.precision = "float32";
+    options.epochs = 2;
+    set(options);
+    try {
+      make_recipe(options, 32, 10, torch::Device(torch::kCPU));
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.lr = nan; }),
+            "make_recipe: RecipeOptions::lr must be a finite rate above 0 (or 0: base_lr, "
+            "scaled); saw nan");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.lr = inf; }),
+            "make_recipe: RecipeOptions::lr must be a finite rate above 0 (or 0: base_lr, "
+            "scaled); saw inf");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.base_lr = nan; }),
+            "make_recipe: RecipeOptions::base_lr must be a finite rate above 0; saw nan");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.warmup_epochs = nan; }),
+            "make_recipe: RecipeOptions::warmup_epochs must be a finite number of epochs at "
+            "least 0 (or -1: the default); saw nan");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.weight_decay = nan; }),
+            "make_recipe: RecipeOptions::weight_decay must be a finite number at least 0 (or -1: "
+            "the optimizer's default); saw nan");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.weight_decay = -0.5; }),
+            "make_recipe: RecipeOptions::weight_decay must be a finite number at least 0 (or -1: "
+            "the optimizer's default); saw -0.5");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.momentum = nan; }),
+            "make_recipe: RecipeOptions::momentum must be in [0, 1); saw nan");
+  EXPECT_EQ(error([&](RecipeOptions& o) { o.global_clipnorm = inf; }),
+            "make_recipe: RecipeOptions::global_clipnorm must be a finite number at least 0 (0: "
+            "no clipping); saw inf");
+  // The defaults and plain values still make a recipe.
+  EXPECT_EQ(error([](RecipeOptions& o) {
+              o.lr = 0.1;
+              o.base_lr = 0;
+              o.weight_decay = 0;
+            }),
+            "accepted");
 }
 
 } // namespace
