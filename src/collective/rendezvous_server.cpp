@@ -29,6 +29,10 @@ namespace flotilla::collective::detail {
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading is dropped
+// Log lines of one kind (refusals, drops): at most kLogBurst per kLogWindow, the rest counted and
+// summed up once the window is over, so a flood of strangers cannot flood the log.
+constexpr int kLogBurst = 5;
+constexpr auto kLogWindow = std::chrono::seconds(10);
 } // namespace
 
 const std::string kGenerationKey = "flotilla/elastic/generation/";
@@ -68,8 +72,14 @@ struct RendezvousServer::Impl {
   int wake_read = -1, wake_write = -1;
   std::thread thread;
   std::atomic<bool> stopping{false};
-  std::map<int, Conn> conns; // by id; ids are never reused
+  std::map<int, Conn> conns; // by id; ids are never reused, so the first is the oldest
   int next_id = 0;
+  struct LogLimit {
+    Clock::time_point window_start{};
+    int lines = 0;
+    int suppressed = 0;
+  };
+  std::map<std::string, LogLimit> log_limits; // by kind
   KvStore kv{[this](const KvStore::Waiter& w, const Bytes* value) { answer_waiter(w, value); }};
   Membership members;
   std::vector<SlotConns> slot_conns;
@@ -116,15 +126,37 @@ struct RendezvousServer::Impl {
   void queue(Conn& c, const std::string& frame) {
     c.out += frame;
     if (c.out.size() > kMaxOutBytes) {
-      log.warn("rendezvous: dropped the connection from " + c.peer +
-               ": it does not read its answers");
+      warn_limited("dropped connections", "rendezvous: dropped the connection from " + c.peer +
+                                              ": it does not read its answers");
       c.close_after_flush = true;
       c.out.clear();
     }
   }
 
+  // A warning of `kind` ("refused joins"), within that kind's limit.
+  void warn_limited(const std::string& kind, const std::string& line) {
+    LogLimit& l = log_limits[kind];
+    const auto now = Clock::now();
+    if (now - l.window_start >= kLogWindow) {
+      sum_up(kind, l);
+      l.window_start = now;
+      l.lines = 0;
+    }
+    if (l.lines++ < kLogBurst) {
+      log.warn(line);
+    } else {
+      ++l.suppressed;
+    }
+  }
+  void sum_up(const std::string& kind, LogLimit& l) {
+    if (l.suppressed == 0) return;
+    log.warn("rendezvous: " + std::to_string(l.suppressed) + " more " + kind + " within " +
+             std::to_string(kLogWindow.count()) + " s, not logged one by one");
+    l.suppressed = 0;
+  }
+
   void refuse(Conn& c, const std::string& reason) {
-    log.warn("rendezvous: refused " + c.peer + ": " + reason);
+    warn_limited("refused joins", "rendezvous: refused " + c.peer + ": " + reason);
     queue(c, Welcome::refusal(reason).frame());
     c.close_after_flush = true;
   }
@@ -417,8 +449,9 @@ struct RendezvousServer::Impl {
       const std::uint32_t n = read_le32(c.in.data());
       const std::size_t limit = c.joined ? kMaxFrameBytes : kMaxHandshakeFrame;
       if (n > limit) {
-        log.warn("rendezvous: dropped the connection from " + c.peer + ": a message of " +
-                 std::to_string(n) + " bytes, over the limit of " + std::to_string(limit));
+        warn_limited("dropped connections",
+                     "rendezvous: dropped the connection from " + c.peer + ": a message of " +
+                         std::to_string(n) + " bytes, over the limit of " + std::to_string(limit));
         return false;
       }
       if (c.in.size() < 4 + n) break;
@@ -427,8 +460,8 @@ struct RendezvousServer::Impl {
       try {
         handle_frame(id, c, body);
       } catch (const WireError& e) {
-        log.warn("rendezvous: dropped the connection from " + c.peer + ": malformed message (" +
-                 e.what() + ")");
+        warn_limited("dropped connections", "rendezvous: dropped the connection from " + c.peer +
+                                                ": malformed message (" + e.what() + ")");
         return false;
       }
     }
@@ -462,10 +495,14 @@ struct RendezvousServer::Impl {
       const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
                                SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
-      // Each rank holds two connections; the rest of the room is for handshakes in flight.
-      if (conns.size() >= static_cast<std::size_t>(2 * config.world_size + 64)) {
-        log.warn("rendezvous: refused a connection from " + peer_name(addr) +
-                 ": too many connections");
+      // Each rank holds two connections; the rest of the room is for handshakes in flight. Once
+      // it is full, the oldest connection that has not joined makes room (a real handshake takes
+      // a round trip; a stranger's idle connections must not keep real workers out).
+      if (conns.size() >= static_cast<std::size_t>(2 * config.world_size + 64) &&
+          !drop_oldest_unjoined()) {
+        warn_limited("refused connections", "rendezvous: refused a connection from " +
+                                                peer_name(addr) +
+                                                ": every connection held has joined");
         ::close(fd);
         continue;
       }
@@ -480,9 +517,25 @@ struct RendezvousServer::Impl {
     }
   }
 
-  // The deadlines: waits that timed out, joins not completed in time, silent heartbeats.
+  bool drop_oldest_unjoined() {
+    for (auto& [id, c] : conns) {
+      if (c.joined || c.close_after_flush) continue;
+      warn_limited("dropped connections", "rendezvous: dropped the connection from " + c.peer +
+                                              " to make room: it had not joined, and was the "
+                                              "oldest such");
+      drop(id);
+      return true;
+    }
+    return false;
+  }
+
+  // The deadlines: waits that timed out, joins not completed in time, silent heartbeats; the
+  // log's counts of what it did not say one by one.
   void tick() {
     const auto now = Clock::now();
+    for (auto& [kind, limit] : log_limits) {
+      if (now - limit.window_start >= kLogWindow) sum_up(kind, limit);
+    }
     for (const auto& waiter : kv.expire(now)) {
       if (auto conn = conns.find(waiter.owner); conn != conns.end()) {
         reply_status(conn->second, kTimedOut);
@@ -493,8 +546,9 @@ struct RendezvousServer::Impl {
       if (!c.joined && !c.close_after_flush && now > c.join_deadline) late.push_back(id);
     }
     for (int id : late) {
-      log.warn("rendezvous: dropped the connection from " + conns[id].peer +
-               ": no valid join within " + ms_text(config.join_timeout));
+      warn_limited("dropped connections", "rendezvous: dropped the connection from " +
+                                              conns[id].peer + ": no valid join within " +
+                                              ms_text(config.join_timeout));
       drop(id);
     }
     const std::string silent = "stopped sending heartbeats for " +

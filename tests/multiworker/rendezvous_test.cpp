@@ -268,6 +268,53 @@ TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
       << log;
 }
 
+// The connection cap (two per rank and 64 for handshakes in flight) used to refuse every newcomer
+// once strangers held it: 2W+64 idle connections kept the real workers out until the strangers'
+// join deadline, and each refusal was a log line. Now the oldest connection that has not joined
+// makes room, and the log says so at most 5 times per 10 s.
+TEST(Rendezvous, IdleStrangersCannotFillTheConnectionsRealWorkersNeed) {
+  ::testing::internal::CaptureStderr();
+  RendezvousServer server(local_config(0, 2, 0)); // join deadline 10 s: the strangers stay
+  const int port = server.port();
+  std::vector<std::unique_ptr<RawSocket>> strangers;
+  for (int i = 0; i < 2 * 2 + 64 + 30; ++i) {
+    strangers.push_back(std::make_unique<RawSocket>("127.0.0.1", port));
+    ASSERT_TRUE(strangers.back()->connected());
+  }
+  // Before, both were refused (closed at once) until their timeout: failures, not a crash.
+  std::unique_ptr<RendezvousStore> rank0, rank1;
+  std::string error0, error1;
+  std::thread other([&] {
+    try {
+      rank1 = std::make_unique<RendezvousStore>(local_config(1, 2, port));
+    } catch (const std::exception& e) {
+      error1 = e.what();
+    }
+  });
+  try {
+    rank0 = std::make_unique<RendezvousStore>(local_config(0, 2, port));
+  } catch (const std::exception& e) {
+    error0 = e.what();
+  }
+  other.join();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(rank0 && rank1) << "rank 0: " << error0 << "\nrank 1: " << error1 << "\n" << log;
+  rank0->wait_for_all_ranks();
+  rank1->set("k", std::vector<std::uint8_t>{7});
+  EXPECT_EQ(rank0->get("k"), (std::vector<std::uint8_t>{7}));
+  std::size_t lines = 0;
+  for (std::size_t at = log.find("to make room"); at != std::string::npos;
+       at = log.find("to make room", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 5u) << log; // 30 and more made room; the rest are counted, not logged
+  EXPECT_TRUE(has(log, "rendezvous: dropped the connection from 127.0.0.1:" +
+                           std::to_string(strangers.front()->local_port()) +
+                           " to make room: it had not joined, and was the oldest such"))
+      << log;
+  EXPECT_FALSE(has(log, "refused")) << log;
+}
+
 TEST(Rendezvous, TheServerListensOnlyOnTheChiefsAddress) {
   RendezvousServer server(local_config(0, 2, 0));
   // 127.0.0.2 is this host too (all of 127/8 is loopback), but not the chief's address.
