@@ -101,7 +101,8 @@ std::string RendezvousService::address() const {
 
 // ------------------------------------------------------------------------------------------
 
-struct ElasticGroup::Impl {
+// One worker's membership through the rendezvous service: what RendezvousGroup holds.
+struct MembershipState {
   cluster::ClusterSpec spec;
   CommunicationOptions options;
   detail::RendezvousConfig config;
@@ -222,9 +223,31 @@ struct ElasticGroup::Impl {
   }
 };
 
-ElasticGroup::ElasticGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+namespace {
 
-ElasticGroup::~ElasticGroup() {
+// The real ElasticGroup: membership through the rendezvous service.
+class RendezvousGroup final : public ElasticGroup {
+ public:
+  explicit RendezvousGroup(std::unique_ptr<MembershipState> impl) : impl_(std::move(impl)) {}
+  ~RendezvousGroup() override;
+  Communicator& communicator() override;
+  std::uint64_t generation() const override;
+  const std::vector<int>& members() const override;
+  int slot() const override;
+  const std::string& reason() const override;
+  int waiting() const override;
+  bool starts_afresh() const override;
+  void training_finished() override;
+  void regroup() override;
+  bool admit() override;
+
+ private:
+  std::unique_ptr<MembershipState> impl_;
+};
+
+} // namespace
+
+RendezvousGroup::~RendezvousGroup() {
   if (!impl_) return;
   impl_->heartbeat.reset(); // the goodbye: the others regroup without this worker
   std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -244,7 +267,7 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
         "` and set FLOTILLA_RENDEZVOUS=HOST:PORT on every task, or run under `flotilla launch "
         "--elastic`");
   }
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<MembershipState>();
   impl->spec = spec;
   impl->options = options;
   impl->config = detail::rendezvous_config(spec, options);
@@ -252,7 +275,7 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   config.elastic = true;
   impl->log = Logger(spec.rank, spec.world_size);
   impl->store = c10::make_intrusive<detail::RendezvousStore>(config);
-  Impl* raw = impl.get();
+  MembershipState* raw = impl.get();
   impl->heartbeat = std::make_unique<detail::Heartbeat>(
       config, [raw](const std::string& why) { raw->on_failure(why); },
       [raw](const detail::Pong& pong) { raw->on_pong(pong); });
@@ -282,36 +305,36 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
       break;
     }
   }
-  return std::unique_ptr<ElasticGroup>(new ElasticGroup(std::move(impl)));
+  return std::make_unique<RendezvousGroup>(std::move(impl));
 }
 
-Communicator& ElasticGroup::communicator() {
+Communicator& RendezvousGroup::communicator() {
   return *impl_->communicator;
 }
-std::uint64_t ElasticGroup::generation() const {
+std::uint64_t RendezvousGroup::generation() const {
   return impl_->generation;
 }
-const std::vector<int>& ElasticGroup::members() const {
+const std::vector<int>& RendezvousGroup::members() const {
   return impl_->members;
 }
-int ElasticGroup::slot() const {
+int RendezvousGroup::slot() const {
   return impl_->config.rank;
 }
-const std::string& ElasticGroup::reason() const {
+const std::string& RendezvousGroup::reason() const {
   return impl_->reason;
 }
-int ElasticGroup::waiting() const {
+int RendezvousGroup::waiting() const {
   return impl_->waiting;
 }
-bool ElasticGroup::starts_afresh() const {
+bool RendezvousGroup::starts_afresh() const {
   return impl_->afresh;
 }
 
-void ElasticGroup::training_finished() {
+void RendezvousGroup::training_finished() {
   impl_->store->set(detail::kFinishedKey, std::vector<std::uint8_t>{'1'});
 }
 
-void ElasticGroup::regroup() {
+void RendezvousGroup::regroup() {
   auto& impl = *impl_;
   for (;;) {
     if (const std::string lost = impl.lost_text(); !lost.empty()) {
@@ -335,7 +358,7 @@ void ElasticGroup::regroup() {
   }
 }
 
-bool ElasticGroup::admit() {
+bool RendezvousGroup::admit() {
   auto& impl = *impl_;
   const std::uint64_t current = impl.generation;
   const std::uint64_t newest = impl.store->advance(current);

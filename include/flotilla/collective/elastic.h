@@ -55,6 +55,9 @@ class RendezvousService {
   std::unique_ptr<Impl> impl_;
 };
 
+// One worker's membership of an elastic group, generation by generation. join() makes the real
+// one (through the rendezvous); the training loop (Model::fit's healer) uses nothing but this
+// interface, so a test can drive it with generations of its own.
 class ElasticGroup {
  public:
   // Joins the elastic group through the rendezvous at spec.rendezvous, which must be external
@@ -63,44 +66,41 @@ class ElasticGroup {
   // the rendezvous refuses (wrong token, slot taken by a live process, not elastic).
   static std::unique_ptr<ElasticGroup> join(const cluster::ClusterSpec& spec,
                                             const CommunicationOptions& options);
-  ~ElasticGroup(); // leaves: the others regroup without this worker
+  virtual ~ElasticGroup() = default; // join()'s leaves: the others regroup without this worker
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
 
   // The current generation's group: rank() is this worker's place among members().
-  Communicator& communicator();
-  std::uint64_t generation() const;
-  const std::vector<int>& members() const; // slots, in rank order
-  int slot() const;
+  virtual Communicator& communicator() = 0;
+  virtual std::uint64_t generation() const = 0;
+  virtual const std::vector<int>& members() const = 0; // slots, in rank order
+  virtual int slot() const = 0;
   // What made the current generation ("all 4 workers joined", "worker 2 at ... left ...").
-  const std::string& reason() const;
+  virtual const std::string& reason() const = 0;
   // From the rendezvous's last heartbeat answer: how many restarted workers wait to be admitted.
-  int waiting() const;
+  virtual int waiting() const = 0;
   // Whether the generation this worker joined starts the training over: generation 0, or every
   // slot joined again after the whole group was lost (every member left before any finished its
   // fit). Such a worker makes fit's start-up agreements and restores from a backup on disk, if
   // any; the others join a running training and take a live peer's state.
-  bool starts_afresh() const;
+  virtual bool starts_afresh() const = 0;
   // Tells the rendezvous that this worker's fit ran to its end: workers claiming a slot after
   // every member has left then learn there is nothing to join, instead of starting it afresh.
-  void training_finished();
+  virtual void training_finished() = 0;
 
   // After a collective of this generation failed: waits for the rendezvous to form a generation
   // without the departed member(s) (within heartbeat_timeout and a few heartbeats) and joins
   // its group; again when another member leaves while it forms. CommError when this worker was
   // expelled or the rendezvous is lost; TimeoutError when no member left (the failure was
   // something else, which the caller should report).
-  void regroup();
+  virtual void regroup() = 0;
   // Every member together, at a step boundary: admits the waiting workers into a new generation
   // and joins it. False when nobody was waiting (the group is unchanged). GroupChanged when a
   // member left meanwhile (then regroup()).
-  bool admit();
+  virtual bool admit() = 0;
 
-  struct Impl;
-
- private:
-  explicit ElasticGroup(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+ protected:
+  ElasticGroup() = default;
 };
 
 } // namespace flotilla::collective
