@@ -306,7 +306,9 @@ print(json.dumps({"bench": "link", "metric": "measured_link_mbit_s",
                   "bytes": r["bytes"], "from": "ns0", "to": "ns1"}, separators=(",", ":")))' \
   "$tmp/link.json" "$RATE"
 
-# Training: all namespaces at once, the chief first in TF_CONFIG.
+# Training: all namespaces at once, the chief first in TF_CONFIG. Every task holds one random
+# cluster token: a job across hosts without one is refused (CommunicationOptions::insecure).
+cluster_token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 cores=$(nproc)
 threads=$((cores / WORKERS > 0 ? cores / WORKERS : 1))
 port=20000
@@ -336,7 +338,7 @@ run_config() {  # name run -> appends one result line to $tmp/result-<name>.json
       task="{\"type\":\"worker\",\"index\":$((i - 1))}"
     fi
     ip netns exec "$prefix-$i" env TF_CONFIG="{\"cluster\":$c,\"task\":$task}" \
-      OMP_NUM_THREADS="$threads" \
+      OMP_NUM_THREADS="$threads" FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
       timeout --kill-after=10 "$RUN_TIMEOUT" "$bin" train --model "$MODEL" --batch-per-replica "$BATCH" \
       --steps-per-epoch "$STEPS" --epochs 2 --verbose 0 --metrics-json "$metrics" --timeout 120 \
       --precision "${PRECISION:-auto}" \

@@ -1,5 +1,6 @@
 #include "flotilla/collective/communicator.h"
 
+#include <arpa/inet.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -570,6 +571,28 @@ std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
 
 } // namespace
 
+bool detail::loopback_host(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr v4{};
+  return ::inet_pton(AF_INET, host.c_str(), &v4) == 1 && (ntohl(v4.s_addr) >> 24) == 127;
+}
+
+void detail::check_authenticated(bool reachable, const std::optional<std::string>& token,
+                                 bool insecure, const std::string& what) {
+  if (token || !reachable) return;
+  if (!insecure) {
+    throw ConfigError(
+        what + " without a cluster token: any process that reaches it could join the job, "
+               "read and write its store and feed the workers. Set the same long random secret "
+               "on every task (FLOTILLA_CLUSTER_TOKEN or FLOTILLA_CLUSTER_TOKEN_FILE; e.g. "
+               "openssl rand -hex 32), or allow this explicitly with "
+               "CommunicationOptions::insecure");
+  }
+  Logger().warn("INSECURE: " + what +
+                " without a cluster token (CommunicationOptions::insecure): any process that "
+                "reaches it can join this job");
+}
+
 detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& spec,
                                                    const CommunicationOptions& options) {
   if (options.heartbeat_interval <= std::chrono::milliseconds(0) ||
@@ -582,6 +605,16 @@ detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& s
   if (options.cluster_token && options.cluster_token->empty()) {
     throw ConfigError("CommunicationOptions::cluster_token is empty; set a long random secret "
                       "(e.g. openssl rand -hex 32) or leave it unset");
+  }
+  // Another host takes part, or reaches the rendezvous: the network is not only this machine's.
+  bool reachable = !loopback_host(spec.rendezvous.host);
+  for (const auto& address : spec.training_addresses()) {
+    reachable = reachable || !loopback_host(address.host);
+  }
+  if (spec.world_size > 1) {
+    check_authenticated(reachable, options.cluster_token, options.insecure,
+                        "this job's rendezvous at " + spec.rendezvous.to_string() +
+                            " is reachable from other hosts");
   }
   RendezvousConfig config;
   config.rank = spec.rank;

@@ -77,6 +77,9 @@ RendezvousService::RendezvousService(const Options& options) : impl_(std::make_u
     throw ConfigError("the cluster token is empty; set a long random secret (e.g. openssl rand "
                       "-hex 32) or none");
   }
+  detail::check_authenticated(!detail::loopback_host(options.listen.host), options.cluster_token,
+                              options.insecure,
+                              "the rendezvous listening at " + options.listen.to_string());
   auto& config = impl_->config;
   config.rank = 0;
   config.world_size = options.workers;

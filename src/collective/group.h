@@ -37,6 +37,14 @@ bool group_failed(const Health& health);
 RendezvousConfig rendezvous_config(const cluster::ClusterSpec& spec,
                                    const CommunicationOptions& options);
 
+// Whether `host` is this machine's loopback (127.0.0.0/8, ::1, localhost): nothing from another
+// host reaches it. A name is taken as reachable from others.
+bool loopback_host(const std::string& host);
+// ConfigError when a rendezvous that others can reach (at `where`: `what`) would run without a
+// cluster token and without `insecure`; with `insecure`, the warning that says so.
+void check_authenticated(bool reachable, const std::optional<std::string>& token, bool insecure,
+                         const std::string& what);
+
 // "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)", one per rank of
 // `spec`; empty when the spec lists no addresses.
 std::vector<std::string> rank_names(const cluster::ClusterSpec& spec);

@@ -11,10 +11,12 @@
 #include <memory>
 #include <thread>
 
+#include "collective/group.h"
 #include "collective/rendezvous_server.h"
 #include "collective/rendezvous_store.h"
 #include "collective/wire.h"
 #include "flotilla/cluster/cluster_spec.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
 #include "support/ranks.h"
@@ -313,6 +315,72 @@ TEST(Rendezvous, IdleStrangersCannotFillTheConnectionsRealWorkersNeed) {
                            " to make room: it had not joined, and was the oldest such"))
       << log;
   EXPECT_FALSE(has(log, "refused")) << log;
+}
+
+// A rendezvous others can reach, without a token, let any stranger join, read and write the
+// store and feed the workers, and nothing said so. Now it is refused unless the user says
+// --insecure (CommunicationOptions::insecure), and then a warning says it.
+TEST(Rendezvous, AJobAcrossHostsWithoutATokenIsRefusedUnlessToldInsecure) {
+  using collective::detail::loopback_host;
+  for (const char* host : {"127.0.0.1", "127.3.2.1", "::1", "localhost"}) {
+    EXPECT_TRUE(loopback_host(host)) << host;
+  }
+  for (const char* host : {"198.18.0.1", "0.0.0.0", "10.0.0.9", "node-0", "::", ""}) {
+    EXPECT_FALSE(loopback_host(host)) << host;
+  }
+  cluster::ClusterSpec across;
+  across.worker = {{"198.18.0.1", 2222}, {"198.18.0.2", 2222}};
+  across.world_size = 2;
+  across.rank = 1;
+  across.rendezvous = across.worker.front();
+  collective::CommunicationOptions options;
+  try {
+    collective::detail::rendezvous_config(across, options);
+    ADD_FAILURE() << "a job across hosts ran without a token";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("this job's rendezvous at 198.18.0.1:2222 is reachable "
+                                          "from other hosts without a cluster token: any process "
+                                          "that reaches it could join the job",
+                                          0),
+              0u)
+        << e.what();
+    EXPECT_TRUE(has(e.what(), "or allow this explicitly with CommunicationOptions::insecure"));
+  }
+  // A worker on another host is enough, even with the rendezvous on loopback.
+  auto one_remote = across;
+  one_remote.worker.front().host = "127.0.0.1";
+  one_remote.rendezvous = one_remote.worker.front();
+  EXPECT_THROW(collective::detail::rendezvous_config(one_remote, options), ConfigError);
+  // A token, or the user's explicit consent (said loudly), lets it run.
+  auto with_token = options;
+  with_token.cluster_token = "a-long-random-secret-0123456789abcdef";
+  EXPECT_NO_THROW(collective::detail::rendezvous_config(across, with_token));
+  auto insecure = options;
+  insecure.insecure = true;
+  ::testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(collective::detail::rendezvous_config(across, insecure));
+  EXPECT_TRUE(has(::testing::internal::GetCapturedStderr(),
+                  "INSECURE: this job's rendezvous at 198.18.0.1:2222 is reachable from other "
+                  "hosts without a cluster token (CommunicationOptions::insecure)"));
+  // Loopback only: nothing from another host reaches it, no token needed.
+  auto local = across;
+  local.worker = {{"127.0.0.1", 2222}, {"localhost", 2223}};
+  local.rendezvous = local.worker.front();
+  EXPECT_NO_THROW(collective::detail::rendezvous_config(local, options));
+  // flotilla rendezvous on a reachable address, refused before it binds.
+  collective::RendezvousService::Options service;
+  service.listen = {"0.0.0.0", 0};
+  service.workers = 2;
+  try {
+    collective::RendezvousService refused(service);
+    ADD_FAILURE() << "a rendezvous on 0.0.0.0 started without a token";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("the rendezvous listening at 0.0.0.0:0 without a "
+                                          "cluster token: any process that reaches it",
+                                          0),
+              0u)
+        << e.what();
+  }
 }
 
 TEST(Rendezvous, TheServerListensOnlyOnTheChiefsAddress) {

@@ -115,6 +115,7 @@ const std::vector<FlagFor>& flag_table() {
       {"ElasticOptions::batch", "--elastic-batch"},
       {"CommunicationOptions::heartbeat_timeout", "--heartbeat-timeout"},
       {"CommunicationOptions::cluster_token", "--cluster-token-file"},
+      {"CommunicationOptions::insecure", "--insecure", Form::kSwitch},
       {"cluster::cluster_token", "--cluster-token-file"},
       {"strategy::parse_devices", "--devices"},
       {"strategy::default_devices", "--replicas-per-worker"},

@@ -21,6 +21,7 @@ struct RendezvousArgs {
   int workers = 0;
   double heartbeat_timeout_s = 10;
   bool fixed = false;
+  bool insecure = false;
 };
 
 int run(const RendezvousArgs& a) {
@@ -30,6 +31,7 @@ int run(const RendezvousArgs& a) {
   options.elastic = !a.fixed;
   options.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
+  options.insecure = a.insecure;
   // Blocked before the service's thread starts, so only sigwait below receives them.
   sigset_t stop;
   sigemptyset(&stop);
@@ -64,6 +66,8 @@ Command add_rendezvous(CLI::App& parent) {
       ->capture_default_str();
   app->add_flag("--fixed", args->fixed,
                 "A fixed group (any failure ends the job), as when the chief hosts it");
+  app->add_flag("--insecure", args->insecure,
+                "Without a cluster token, listen on an address other hosts reach anyway");
   app->footer("Example: flotilla rendezvous --listen 10.0.0.9:29400 --workers 4, and "
               "FLOTILLA_RENDEZVOUS=10.0.0.9:29400 in every task's environment");
   return {app, [args] { return run(*args); }};

@@ -76,6 +76,7 @@ struct TrainArgs {
   std::string command; // this process's argv, for the report
   double timeout_s = 300;
   std::string cluster_token_file; // "": FLOTILLA_CLUSTER_TOKEN(_FILE) or none
+  bool insecure = false;          // CommunicationOptions::insecure
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
@@ -180,6 +181,7 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.cluster_token = cluster::cluster_token(
       env,
       a.cluster_token_file.empty() ? std::nullopt : std::optional<fs::path>(a.cluster_token_file));
+  comm.insecure = a.insecure;
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
   comm.compression = collective::parse_compression(a.compression);
@@ -937,7 +939,10 @@ Command add_train(CLI::App& parent) {
   app->add_option("--cluster-token-file", args->cluster_token_file,
                   "File holding the cluster token (mode 600); the chief admits only tasks that "
                   "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
-                  "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication)");
+                  "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication, refused across hosts)");
+  app->add_flag("--insecure", args->insecure,
+                "Without a cluster token, run a job across hosts anyway (anyone who reaches the "
+                "rendezvous could join it)");
   app->add_flag("--elastic", args->elastic,
                 "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
                 "rendezvous): a failed worker is dropped and the others go on with the same "

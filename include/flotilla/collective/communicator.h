@@ -62,6 +62,10 @@ struct CommunicationOptions {
   // chief lets it join; nullopt: none is asked for. Set it on every task or on none. Resolve it
   // with cluster::cluster_token(); it is never logged.
   std::optional<std::string> cluster_token;
+  // Without a cluster token, a job whose rendezvous or tasks are on other hosts than this one's
+  // loopback is refused (ConfigError): anyone who can reach the rendezvous could join it, read
+  // and write its store. true: run it unauthenticated anyway (a warning says so at the start).
+  bool insecure = false;
   // Every rank pings the chief this often; a rank silent for heartbeat_timeout (stopped, hung,
   // cut off) or whose connection closes (it died) fails the group on every other rank within
   // about that time, inside a collective or between them.

@@ -37,6 +37,7 @@ class RendezvousService {
     cluster::Address listen;                  // port 0: the kernel picks one (port())
     int workers = 1;                          // slots: every training task of the cluster
     std::optional<std::string> cluster_token; // as the workers' CommunicationOptions
+    bool insecure = false; // without a token, listen on more than loopback anyway (as above)
     bool elastic = true;                      // false: a fixed group, as the chief would host
     std::chrono::milliseconds heartbeat_timeout{10000}; // a member silent this long is expelled
   };
