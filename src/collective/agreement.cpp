@@ -4,7 +4,11 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <openssl/crypto.h>
+
 #include <algorithm>
+
+#include "flotilla/base/hashes.h"
 
 namespace flotilla::collective {
 namespace {
@@ -63,6 +67,36 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
     out.emplace_back(begin, begin + t.numel());
   }
   return out;
+}
+
+namespace {
+constexpr std::size_t kMacBytes = 32;
+
+std::string mac_of(const std::string& token, const std::string& purpose,
+                   const std::string& message, std::size_t length) {
+  const auto mac =
+      base::hmac_sha256(token, "flotilla sealed v1\n" + purpose + "\n" + message.substr(0, length));
+  return std::string(mac.begin(), mac.end());
+}
+} // namespace
+
+std::string seal(const std::optional<std::string>& token, const std::string& purpose,
+                 std::string message) {
+  if (!token) return message;
+  const std::size_t length = message.size();
+  message += mac_of(*token, purpose, message, length);
+  return message;
+}
+
+std::optional<std::string> open_sealed(const std::optional<std::string>& token,
+                                       const std::string& purpose, std::string sealed) {
+  if (!token) return sealed;
+  if (sealed.size() < kMacBytes) return std::nullopt;
+  const std::size_t length = sealed.size() - kMacBytes;
+  const std::string expected = mac_of(*token, purpose, sealed, length);
+  if (CRYPTO_memcmp(expected.data(), sealed.data() + length, kMacBytes) != 0) return std::nullopt;
+  sealed.resize(length);
+  return sealed;
 }
 
 std::string broadcast_string(Communicator& comm, const std::string& mine, int root) {

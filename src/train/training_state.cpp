@@ -125,19 +125,31 @@ checkpoint::CheckpointData checkpoint_data(Model& model) {
 
 TrainingState share_training_state(Model& model, collective::Communicator& comm, int donor,
                                    const TrainingState& state) {
+  // Under a cluster token the message carries an HMAC of it: a joiner takes no weights from a
+  // process without the token, nor any the wire changed.
+  const std::string purpose = "the training state from rank " + std::to_string(donor);
+  const std::optional<std::string>& token = comm.options().cluster_token;
   std::string bytes;
   if (comm.rank() == donor) {
     const checkpoint::CheckpointData data = local_checkpoint_data(model, state);
     checkpoint::NamedTensors tensors;
     for (const auto& [name, t] : data.model) tensors.emplace_back(kModelPrefix + name, t);
     for (const auto& [name, t] : data.optimizer) tensors.emplace_back(kOptimizerPrefix + name, t);
-    bytes = checkpoint::encode_safetensors(tensors,
-                                           {{"state", data.state.dump()}, {"policy", data.policy}});
+    bytes = collective::seal(
+        token, purpose,
+        checkpoint::encode_safetensors(tensors,
+                                       {{"state", data.state.dump()}, {"policy", data.policy}}));
   }
   bytes = collective::broadcast_string(comm, bytes, donor);
   if (comm.rank() == donor) return state;
-  const std::string source = "the training state from rank " + std::to_string(donor);
-  const checkpoint::SafetensorsFile file = checkpoint::decode_safetensors(bytes, source);
+  const std::string& source = purpose;
+  const std::optional<std::string> opened = collective::open_sealed(token, purpose, std::move(bytes));
+  if (!opened) {
+    throw CheckpointError(source + " failed its HMAC-SHA256 check under the cluster token: it "
+                                   "changed on the way, or came from a process without the "
+                                   "token; it is not loaded");
+  }
+  const checkpoint::SafetensorsFile file = checkpoint::decode_safetensors(*opened, source);
   checkpoint::CheckpointData data;
   for (const auto& [name, t] : file.tensors) {
     if (name.rfind(kModelPrefix, 0) == 0)

@@ -6,10 +6,13 @@
 #include <torch/optim/rmsprop.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/train/model.h"
 #include "flotilla/train/training_state.h"
@@ -32,6 +35,36 @@ train::CompileOptions adam() {
   options.optimizer = train::OptimizerOptions::adam(0.01);
   options.loss_scale = train::LossScaleOptions{};
   return options;
+}
+
+collective::CommunicationOptions with_token() {
+  auto options = testing::test_options();
+  options.cluster_token = "the-cluster-token-0123456789abcdef";
+  return options;
+}
+
+// Under a cluster token the state transfer is sealed (collective::seal: an HMAC-SHA256 keyed by
+// the token): a joiner refuses a state that changed on the way or that a process without the
+// token sent. Before, the transfer carried no check at all.
+TEST(StateTransfer, UnderATokenAChangedOrForeignMessageIsRefused) {
+  const std::optional<std::string> token = "the-cluster-token-0123456789abcdef";
+  const std::string purpose = "the training state from rank 0";
+  const std::string sealed = collective::seal(token, purpose, "weights");
+  ASSERT_EQ(sealed.size(), std::string("weights").size() + 32);
+  EXPECT_EQ(collective::open_sealed(token, purpose, sealed), "weights");
+  std::string changed = sealed;
+  changed[2] ^= 1;
+  EXPECT_EQ(collective::open_sealed(token, purpose, changed), std::nullopt);
+  EXPECT_EQ(collective::open_sealed(std::string("another-token"), purpose, sealed), std::nullopt);
+  EXPECT_EQ(collective::open_sealed(token, "the training state from rank 1", sealed), std::nullopt);
+  EXPECT_EQ(collective::open_sealed(token, purpose, "short"), std::nullopt);
+  // A sender without the token sends it bare: refused too.
+  EXPECT_EQ(collective::open_sealed(token, purpose, collective::seal(std::nullopt, purpose,
+                                                                     std::string(64, 'w'))),
+            std::nullopt);
+  // Without a token there is no key: the message passes as it is.
+  EXPECT_EQ(collective::seal(std::nullopt, purpose, "weights"), "weights");
+  EXPECT_EQ(collective::open_sealed(std::nullopt, purpose, "weights"), "weights");
 }
 
 TEST(StateTransfer, AJoinerGetsWeightsOptimizerStateAndPositionBitForBitFromALivePeer) {
@@ -61,13 +94,16 @@ TEST(StateTransfer, AJoinerGetsWeightsOptimizerStateAndPositionBitForBitFromALiv
   ASSERT_FALSE(torch::equal(joiner_net->parameters()[0], donor_net->parameters()[0]));
 
   train::TrainingState received;
-  run_ranks(2, [&](int rank, collective::Communicator& comm) {
-    if (rank == 0) {
-      train::share_training_state(donor, comm, 0, sent);
-    } else {
-      received = train::share_training_state(joiner, comm, 0, {});
-    }
-  });
+  run_ranks(
+      2,
+      [&](int rank, collective::Communicator& comm) {
+        if (rank == 0) {
+          train::share_training_state(donor, comm, 0, sent);
+        } else {
+          received = train::share_training_state(joiner, comm, 0, {});
+        }
+      },
+      with_token()); // sealed with an HMAC under the token, checked by the joiner
   const auto a = checkpoint::model_state(*donor_net);
   const auto b = checkpoint::model_state(*joiner_net);
   ASSERT_EQ(a.size(), b.size());

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,5 +59,16 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 // Rank `root`'s bytes, on every rank (two broadcasts: the length, then the bytes); `mine` is
 // read on the root only.
 std::string broadcast_string(Communicator& comm, const std::string& mine, int root);
+
+// Messages between members checked under the group's cluster token (CommunicationOptions::
+// cluster_token). seal() appends an HMAC-SHA256 of `message`, keyed by the token and bound to
+// `purpose`; open_sealed() checks and strips it: nullopt when it does not match (the message
+// changed on the way, or was sealed by a process without the token) or is too short to hold it.
+// Without a token both pass the message as it is: there is no key (and the rendezvous admits
+// anyone then).
+std::string seal(const std::optional<std::string>& token, const std::string& purpose,
+                 std::string message);
+std::optional<std::string> open_sealed(const std::optional<std::string>& token,
+                                       const std::string& purpose, std::string sealed);
 
 } // namespace flotilla::collective
