@@ -9,6 +9,8 @@ Environment Environment::from_process() {
       "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
       "LOCAL_WORLD_SIZE", "FLOTILLA_TERMINAL", "FLOTILLA_CLUSTER_TOKEN",
       "FLOTILLA_CLUSTER_TOKEN_FILE", "FLOTILLA_RENDEZVOUS",
+      // torchrun's agent, read by from_torchrun_env.
+      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
       // Slurm's, read by from_slurm_env, local_rank and local_world_size.
       "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURMD_NODENAME", "SLURM_STEP_NODELIST",
       "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",

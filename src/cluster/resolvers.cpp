@@ -312,6 +312,11 @@ ClusterSpec from_torchrun_env(const Environment& env) {
   spec.rendezvous =
       parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port, "MASTER_ADDR/MASTER_PORT");
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
+  if (env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    spec.agent_store_key = "flotilla/rendezvous/" +
+                           env.get("TORCHELASTIC_RUN_ID").value_or("run") + "/restart-" +
+                           env.get("TORCHELASTIC_RESTART_COUNT").value_or("0");
+  }
   // A loopback master means every rank is on this machine; otherwise let Gloo pick the
   // address this host's name resolves to.
   if (spec.rendezvous.host == "127.0.0.1" || spec.rendezvous.host == "localhost" ||
@@ -344,6 +349,7 @@ ClusterSpec resolve_cluster(const Environment& env) {
   if (const auto external = env.get("FLOTILLA_RENDEZVOUS")) {
     spec.rendezvous = parse_address(*external, "FLOTILLA_RENDEZVOUS");
     spec.external_rendezvous = true;
+    spec.agent_store_key.clear(); // the rendezvous is that process, not torchrun's agent store
   }
   return spec;
 }

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "collective/agent_store.h"
 #include "collective/backend_failure.h"
 #include "collective/backends.h"
 #include "collective/group.h"
@@ -641,9 +642,11 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
 
   const std::string where =
       "rank " + std::to_string(spec.rank) + " of " + std::to_string(spec.world_size);
-  const detail::RendezvousConfig rendezvous = detail::rendezvous_config(spec, options);
+  detail::RendezvousConfig rendezvous = detail::rendezvous_config(spec, options);
   std::unique_ptr<detail::RendezvousServer> server;
-  if (spec.rank == 0 && !spec.external_rendezvous) {
+  if (!spec.agent_store_key.empty()) {
+    detail::meet_through_agent_store(spec, options, rendezvous, server);
+  } else if (spec.rank == 0 && !spec.external_rendezvous) {
     server = std::make_unique<detail::RendezvousServer>(rendezvous);
   }
   auto rendezvous_store = c10::make_intrusive<detail::RendezvousStore>(rendezvous);

@@ -557,5 +557,33 @@ TEST(Launch, ProfilingGathersEveryWorkersTimelineAndWritesTheRecordAndReport) {
   EXPECT_NE(html.find("data-worker=\"1\""), std::string::npos);
 }
 
+// The real torchrun from the venv, run as the user ran it. Its agent keeps its own c10d
+// store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), so the chief's rendezvous failed there:
+// "Address already in use", exit 1. The chief now hosts it on a port of its own and publishes
+// the address in the agent's store (ClusterSpec::agent_store_key).
+TEST(Torchrun, TwoWorkersTrainUnderTheRealTorchrun) {
+  const int port = testing::free_ports(1)[0];
+  std::vector<std::string> argv = {testing::test_python(), "-m", "torch.distributed.run"};
+  for (const std::string& arg : {"--nnodes", "1", "--nproc-per-node", "2", "--master-port"}) {
+    argv.push_back(arg);
+  }
+  argv.push_back(std::to_string(port));
+  for (const std::string& arg : {"--no-python", kCli.c_str(), "train", "--model", "mlp"}) {
+    argv.push_back(arg);
+  }
+  for (const std::string& arg : {"--epochs", "1", "--steps-per-epoch", "5", "--batch-per-replica",
+                                 "16", "--threads", "1", "--verbose", "0"}) {
+    argv.push_back(arg);
+  }
+  const auto r =
+      run_process(argv, {{"TF_CONFIG", ""}, {"FLOTILLA_RENDEZVOUS", ""}, {"OMP_NUM_THREADS", "1"}},
+                  std::chrono::seconds(240));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("MultiWorkerMirroredStrategy: 2 worker(s)"), std::string::npos) << all;
+  EXPECT_NE(all.find("torchrun environment"), std::string::npos) << all;
+  EXPECT_EQ(all.find("Address already in use"), std::string::npos) << all;
+}
+
 } // namespace
 } // namespace flotilla

@@ -308,13 +308,19 @@ std::vector<torch::Device> replica_devices(const TrainArgs& a, const cluster::En
 void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
                   const cluster::ClusterSpec& spec, const std::vector<torch::Device>& devices,
                   int threads, std::int64_t global_batch) {
+  std::string rendezvous;
+  if (spec.world_size > 1) {
+    rendezvous = (spec.agent_store_key.empty() ? ", rendezvous "
+                                               : ", rendezvous found through torchrun's agent "
+                                                 "store at ") +
+                 spec.rendezvous.to_string();
+  }
   strategy.log().info("MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) +
                       " worker(s), " + std::to_string(strategy.num_replicas_in_sync()) +
                       " replica(s) in sync, global batch " + std::to_string(global_batch) + " (" +
                       std::to_string(a.batch_per_replica) + " per replica), replicas on " +
                       device_list(devices) + ", " + std::to_string(threads) +
-                      " thread(s) per worker; cluster from " + spec.source +
-                      (spec.world_size > 1 ? ", rendezvous " + spec.rendezvous.to_string() : ""));
+                      " thread(s) per worker; cluster from " + spec.source + rendezvous);
   for (const auto& note : spec.notes) strategy.log().info(note);
 }
 

@@ -48,6 +48,12 @@ struct ClusterSpec {
   // The rendezvous is hosted outside the training tasks (FLOTILLA_RENDEZVOUS: `flotilla
   // rendezvous`, or `flotilla launch --elastic`): `rendezvous` is that process's address.
   bool external_rendezvous = false;
+  // Under torchrun, whose agent keeps its own c10d store on MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True), `rendezvous` is that store, not a free port: the chief
+  // hosts flotilla's rendezvous on a port of its own on that host and publishes its address in
+  // the agent's store under this key (one per run and restart), where the others read it.
+  // "" without an agent store.
+  std::string agent_store_key;
   std::string local_host; // this task's own host (to bind collectives to); "" when unknown
   // "TF_CONFIG", "torchrun environment", "Slurm environment" or "single worker".
   std::string source;

@@ -22,7 +22,8 @@ class Environment {
   // rendezvous outside the workers, see resolve_cluster); Slurm's SLURM_PROCID,
   // SLURM_LOCALID, SLURM_NTASKS, SLURMD_NODENAME, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST,
   // SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE and SLURM_JOB_ID
-  // (set by srun for each task; see from_slurm_env).
+  // (set by srun for each task; see from_slurm_env); torchrun's TORCHELASTIC_USE_AGENT_STORE,
+  // TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT (see ClusterSpec::agent_store_key).
   static Environment from_process();
 
   // The value, or nullopt when unset or empty.

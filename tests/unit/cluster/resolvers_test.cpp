@@ -55,6 +55,27 @@ TEST(Resolvers, TorchrunEnvironment) {
   EXPECT_TRUE(chief.is_chief());
   EXPECT_EQ(chief.local_host, "127.0.0.1");
   EXPECT_EQ(chief.task.type, TaskType::kChief);
+  EXPECT_EQ(chief.agent_store_key, ""); // MASTER_PORT is free for flotilla's rendezvous
+}
+
+// torchrun's agent keeps its c10d store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): the
+// chief must host elsewhere and publish where, under a key of this run and restart.
+TEST(Resolvers, TorchrunWithTheAgentsStoreOnMasterPort) {
+  const auto spec = resolve_cluster(env({{"RANK", "1"},
+                                         {"WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "127.0.0.1"},
+                                         {"MASTER_PORT", "29500"},
+                                         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                         {"TORCHELASTIC_RUN_ID", "job-7"},
+                                         {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  EXPECT_EQ(spec.rendezvous.to_string(), "127.0.0.1:29500");
+  EXPECT_EQ(spec.agent_store_key, "flotilla/rendezvous/job-7/restart-2");
+  const auto own_store = resolve_cluster(env({{"RANK", "1"},
+                                              {"WORLD_SIZE", "2"},
+                                              {"MASTER_ADDR", "127.0.0.1"},
+                                              {"MASTER_PORT", "29500"},
+                                              {"TORCHELASTIC_USE_AGENT_STORE", "False"}}));
+  EXPECT_EQ(own_store.agent_store_key, "");
 }
 
 TEST(Resolvers, TorchrunIpv6Master) {
@@ -119,14 +140,13 @@ TEST(SlurmHostlist, Expands) {
   EXPECT_EQ(hosts("node[01-03,07]"), (Hosts{"node01", "node02", "node03", "node07"}));
   EXPECT_EQ(hosts("node[01-03,07],gpu-a[1-2]"),
             (Hosts{"node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2"}));
-  EXPECT_EQ(hosts("n[8-11]"), (Hosts{"n8", "n9", "n10", "n11"}));   // no padding asked
+  EXPECT_EQ(hosts("n[8-11]"), (Hosts{"n8", "n9", "n10", "n11"})); // no padding asked
   EXPECT_EQ(hosts("n[098-101]"), (Hosts{"n098", "n099", "n100", "n101"}));
   EXPECT_EQ(hosts("n[7]"), (Hosts{"n7"}));
   EXPECT_EQ(hosts("n[0009-0010]"), (Hosts{"n0009", "n0010"}));
   EXPECT_EQ(hosts("rack[1-2]-n[1-2]"), (Hosts{"rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"}));
   EXPECT_EQ(hosts("[1-2]x"), (Hosts{"1x", "2x"}));
-  EXPECT_EQ(hosts("cn.example.org,n_2[3-4].ib"),
-            (Hosts{"cn.example.org", "n_23.ib", "n_24.ib"}));
+  EXPECT_EQ(hosts("cn.example.org,n_2[3-4].ib"), (Hosts{"cn.example.org", "n_23.ib", "n_24.ib"}));
   EXPECT_EQ(hosts("a[1,1]"), (Hosts{"a1", "a1"})); // kept as written: Slurm never repeats one
   EXPECT_EQ(hosts("n[0-65535]").size(), 65536u);   // exactly the cap
 }
