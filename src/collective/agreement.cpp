@@ -72,10 +72,12 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 namespace {
 constexpr std::size_t kMacBytes = 32;
 
+// The HMAC of the first `length` bytes of `message` (one copy of them, with the header).
 std::string mac_of(const std::string& token, const std::string& purpose,
                    const std::string& message, std::size_t length) {
-  const auto mac =
-      base::hmac_sha256(token, "flotilla sealed v1\n" + purpose + "\n" + message.substr(0, length));
+  std::string input = "flotilla sealed v1\n" + purpose + "\n";
+  input.append(message, 0, length);
+  const auto mac = base::hmac_sha256(token, input);
   return std::string(mac.begin(), mac.end());
 }
 } // namespace

@@ -234,44 +234,38 @@ class FileReader {
  public:
   explicit FileReader(const std::string& path)
       : in_(path, std::ios::binary | std::ios::ate), path_(path) {
-    size_ = in_ ? static_cast<std::uint64_t>(in_.tellg()) : 0;
+    left_ = in_ ? static_cast<std::uint64_t>(in_.tellg()) : 0;
     in_.seekg(0);
   }
   explicit operator bool() const { return static_cast<bool>(in_); }
   const std::string& path() const { return path_; }
   // Bytes left after the read position: what any length read from the file may claim at most.
-  std::uint64_t remaining() {
-    const auto at = in_.tellg();
-    return at < 0 ? 0 : size_ - std::min(size_, static_cast<std::uint64_t>(at));
-  }
+  // Counted as the reads go (no tellg, a seek, per tensor of a replayed element).
+  std::uint64_t remaining() const { return left_; }
   template <class T> T read() {
     T v{};
-    in_.read(reinterpret_cast<char*>(&v), sizeof v);
-    check();
+    read_into(&v, sizeof v);
     return v;
   }
   std::string read_string(std::size_t n) {
-    if (n > remaining()) check_failed();
+    if (n > left_) check_failed();
     std::string s(n, '\0');
-    in_.read(s.data(), static_cast<std::streamsize>(n));
-    check();
+    read_into(s.data(), n);
     return s;
   }
   void read_into(void* out, std::size_t n) {
     in_.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
-    check();
+    if (!in_ || n > left_) check_failed();
+    left_ -= n;
   }
 
  private:
-  void check() {
-    if (!in_) check_failed();
-  }
   [[noreturn]] void check_failed() const {
     throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
   }
   std::ifstream in_;
   std::string path_;
-  std::uint64_t size_ = 0;
+  std::uint64_t left_ = 0;
 };
 
 // One tensor's header as the file claims it, checked before anything is allocated from it: the
