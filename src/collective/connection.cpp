@@ -1,5 +1,7 @@
 #include "collective/connection.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -51,6 +53,7 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
                                              Clock::time_point deadline) {
   auto conn = std::make_unique<Connection>();
   conn->chief_ = config.chief.to_string();
+  conn->external_ = config.external;
   std::string last_error;
   for (;;) {
     AddrInfo info;
@@ -78,6 +81,14 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   set_nodelay(conn->fd_);
+  if (config.standing) {
+    // Elastic: a request the server's host does not acknowledge within the heartbeat timeout
+    // breaks the connection (its host is gone, or the network), so the member joins a
+    // rendezvous restarted elsewhere. A stopped server process does not: its kernel still
+    // acknowledges, and the member waits for its answer.
+    const unsigned ms = static_cast<unsigned>(config.heartbeat_timeout.count());
+    ::setsockopt(conn->fd_, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+  }
   conn->handshake(config, role, deadline);
   return conn;
 }
@@ -98,7 +109,7 @@ std::string Connection::receive(Clock::time_point deadline, std::size_t max) {
   read_exactly(head, 4, deadline);
   const std::uint32_t n = read_le32(head);
   if (n > max) {
-    throw CommError("the chief at " + chief_ + " sent a message of " + std::to_string(n) +
+    throw CommError(server() + " sent a message of " + std::to_string(n) +
                     " bytes, over the limit of " + std::to_string(max) +
                     "; is that address really a flotilla chief?");
   }
@@ -136,8 +147,12 @@ void Connection::throw_timeout(const std::string& what) const {
 }
 
 void Connection::throw_lost(const std::string& why) const {
-  throw CommError("lost the connection to the chief's rendezvous at " + chief_ + " (" + why +
-                  "): the chief exited, was killed, or is unreachable");
+  if (external_) {
+    throw ConnectionLost("lost the connection to the rendezvous at " + chief_ + " (" + why +
+                         "): it exited, was killed, or is unreachable");
+  }
+  throw ConnectionLost("lost the connection to the chief's rendezvous at " + chief_ + " (" + why +
+                       "): the chief exited, was killed, or is unreachable");
 }
 
 void Connection::handshake(const RendezvousConfig& config, Role role, Clock::time_point deadline) {
@@ -150,7 +165,7 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
                     "address and port in TF_CONFIG");
   }
   if (hello.auth_required && !config.token) {
-    throw ConfigError("the chief at " + chief_ +
+    throw ConfigError(server() +
                       " requires a cluster token and this task has none; set "
                       "FLOTILLA_CLUSTER_TOKEN (or FLOTILLA_CLUSTER_TOKEN_FILE) as on the chief");
   }
@@ -166,17 +181,24 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
   join.world = config.world_size;
   join.session = config.session;
   join.client_nonce = random_bytes<32>();
+  if (config.standing) {
+    std::lock_guard<std::mutex> lock(config.standing->mutex);
+    if (config.standing->member) {
+      join.flags |= kJoinMember;
+      join.generation = config.standing->generation;
+      join.members = config.standing->slots;
+    }
+  }
   if (config.token) join.mac = join_mac(*config.token, hello.nonce, join);
   send(join.frame(), deadline);
   Welcome welcome;
   try {
     welcome = Welcome::parse(receive(deadline));
   } catch (const WireError& e) {
-    throw CommError("the chief at " + chief_ + " sent a malformed answer (" + e.what() + ")");
+    throw CommError(server() + " sent a malformed answer (" + e.what() + ")");
   }
   if (!welcome.accepted) {
-    throw ConfigError("the chief at " + chief_ + " refused " + config.name(config.rank) + ": " +
-                      welcome.reason);
+    throw ConfigError(server() + " refused " + config.name(config.rank) + ": " + welcome.reason);
   }
   if (config.token &&
       (!welcome.has_mac || !equal_secret(welcome.mac, chief_mac(*config.token, hello.nonce,

@@ -10,8 +10,14 @@
 
 #include "collective/rendezvous.h"
 #include "collective/wire.h"
+#include "flotilla/error.h"
 
 namespace flotilla::collective::detail {
+
+// The connection broke (the server closed it, died, or reset it): an elastic member reconnects.
+struct ConnectionLost : CommError {
+  using CommError::CommError;
+};
 
 class Connection {
  public:
@@ -29,7 +35,7 @@ class Connection {
   static std::unique_ptr<Connection> join(const RendezvousConfig& config, Role role,
                                           Clock::time_point deadline);
 
-  // TimeoutError past `deadline`; CommError when the connection is lost.
+  // TimeoutError past `deadline`; ConnectionLost when the connection is lost.
   void send(const std::string& frame, Clock::time_point deadline);
   // One message; `max` bounds its size before anything is allocated for it.
   std::string receive(Clock::time_point deadline, std::size_t max = kMaxFrameBytes);
@@ -37,6 +43,10 @@ class Connection {
   int fd() const { return fd_; }
   // "host:port", for messages.
   const std::string& chief() const { return chief_; }
+  // "the chief at host:port", or "the rendezvous at host:port" for `flotilla rendezvous`.
+  std::string server() const {
+    return (external_ ? "the rendezvous at " : "the chief at ") + chief_;
+  }
 
  private:
   bool wait_ready(short events, Clock::time_point deadline);
@@ -47,6 +57,7 @@ class Connection {
 
   int fd_ = -1;
   std::string chief_;
+  bool external_ = false; // chief_ is `flotilla rendezvous`, not a training rank
 };
 
 } // namespace flotilla::collective::detail

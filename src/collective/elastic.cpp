@@ -170,7 +170,7 @@ struct MembershipState {
     if (at == record.slots.end()) {
       throw CommError(config.name(config.rank) + " is not a member of generation " +
                       std::to_string(g) + " (" + record.reason +
-                      "): it was expelled; start it again to rejoin");
+                      "): it was expelled from the training group (start it again to rejoin)");
     }
     return static_cast<int>(at - record.slots.begin());
   }
@@ -213,6 +213,13 @@ struct MembershipState {
       const std::string name = config.name(slot);
       names.push_back(name + " (rank " + std::to_string(names.size()) + " of generation " +
                       std::to_string(g) + ")");
+    }
+    {
+      // What this process names to a restarted rendezvous from now on.
+      std::lock_guard<std::mutex> lock(config.standing->mutex);
+      config.standing->member = true;
+      config.standing->generation = g;
+      config.standing->slots = record.slots;
     }
     communicator = detail::make_group(
         rank, size, options,
@@ -276,12 +283,18 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   impl->config = detail::rendezvous_config(spec, options);
   auto& config = impl->config;
   config.elastic = true;
+  config.standing = std::make_shared<detail::Standing>();
   impl->log = Logger(spec.rank, spec.world_size);
   impl->store = c10::make_intrusive<detail::RendezvousStore>(config);
   MembershipState* raw = impl.get();
+  detail::ElasticHooks hooks;
+  hooks.on_pong = [raw](const detail::Pong& pong) { raw->on_pong(pong); };
+  hooks.on_outage = [raw] { raw->waiting = 0; };
+  hooks.rejoin_store = [store = impl->store](Clock::time_point deadline) {
+    store->reconnect(deadline);
+  };
   impl->heartbeat = std::make_unique<detail::Heartbeat>(
-      config, [raw](const std::string& why) { raw->on_failure(why); },
-      [raw](const detail::Pong& pong) { raw->on_pong(pong); });
+      config, [raw](const std::string& why) { raw->on_failure(why); }, std::move(hooks));
   // The newest generation that lists this slot. Any record formed after the claim was accepted
   // is about this process: the server frees a slot before it lets another process claim it.
   const auto deadline = Clock::now() + options.timeout;
@@ -334,7 +347,12 @@ bool RendezvousGroup::starts_afresh() const {
 }
 
 void RendezvousGroup::training_finished() {
-  impl_->store->set(detail::kFinishedKey, std::vector<std::uint8_t>{'1'});
+  // Best effort: a rendezvous that is down now learns nothing, and a worker restarted later
+  // waits for its join timeout instead of hearing at once that there is nothing to join.
+  if (!impl_->store->set_if_connected(detail::kFinishedKey, std::vector<std::uint8_t>{'1'})) {
+    impl_->log.warn("could not tell the rendezvous that the training finished (it is not "
+                    "reachable now)");
+  }
 }
 
 void RendezvousGroup::regroup() {

@@ -2,6 +2,7 @@
 // its own, so it beats while the rank is blocked in a collective.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -10,15 +11,30 @@
 
 namespace flotilla::collective::detail {
 
-// Calls on_failure once, from its thread, with a sentence naming the failed rank(s) or the
-// chief; says goodbye on destruction, so a rank that leaves normally is not reported. In elastic
-// mode a peer's failure is membership news, not the end: every answer goes to on_pong and the
-// heartbeat goes on; on_failure is called only when the server is lost or expels this rank.
 struct Pong;
+
+// Elastic mode: a peer's failure is membership news, not the end, and so is a lost rendezvous.
+struct ElasticHooks {
+  // Every answer.
+  std::function<void(const Pong&)> on_pong;
+  // The rendezvous stopped answering or its connection broke: training goes on; nothing waits
+  // to be admitted until it is back.
+  std::function<void()> on_outage;
+  // Before the heartbeat joins again: the store connection joins first (the server takes a
+  // heartbeat only from a process that holds its slot). Throws what Connection::join throws.
+  std::function<void(std::chrono::steady_clock::time_point deadline)> rejoin_store;
+};
+
+// Calls on_failure once, from its thread, with a sentence naming the failed rank(s) or the
+// chief; says goodbye on destruction, so a rank that leaves normally is not reported. With
+// `elastic` hooks every answer goes to on_pong and the heartbeat goes on; a rendezvous that dies
+// or freezes is waited for (and joined again once it is back: config.standing names this
+// process's generation to it) until config.timeout; on_failure is called only then, or when the
+// server expels this rank.
 class Heartbeat {
  public:
   Heartbeat(const RendezvousConfig& config, std::function<void(const std::string&)> on_failure,
-            std::function<void(const Pong&)> on_pong = {});
+            ElasticHooks elastic = {});
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;

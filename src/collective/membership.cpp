@@ -1,5 +1,7 @@
 #include "collective/membership.h"
 
+#include <algorithm>
+
 namespace flotilla::collective::detail {
 
 std::string Membership::Generation::slot_list() const {
@@ -30,6 +32,13 @@ std::string Membership::why_refused(int s, const Session& session, bool heartbea
 
 Membership::Changes Membership::claim(int s, const Session& session, const std::string& peer) {
   Changes changes;
+  // Another process in the slot of a member expected back after a restart: that member is gone.
+  if (elastic_ && !at(s).claimed && at(s).member) {
+    changes = release(s,
+                      "did not come back after the rendezvous restarted (a new process "
+                      "claimed its slot)",
+                      false);
+  }
   Slot& state = at(s);
   const bool first = !state.claimed;
   state.claimed = true;
@@ -49,6 +58,38 @@ Membership::Changes Membership::claim(int s, const Session& session, const std::
          "no member left to admit " + name_(s), /*departure=*/false);
   } else {
     changes.info.push_back(name_(s) + " (" + peer + ") is waiting to be admitted at the next step");
+  }
+  return changes;
+}
+
+Membership::Changes Membership::resume(int s, const Session& session, const std::string& peer,
+                                       std::uint64_t g, const std::vector<int>& slots,
+                                       Clock::time_point now) {
+  Changes changes;
+  Slot& state = at(s);
+  state.claimed = true;
+  state.session = session;
+  state.peer = peer;
+  state.resumed = true;
+  if (!formed_ || g > generation_) {
+    formed_ = true;
+    lost_ = false;
+    generation_ = g;
+    intact_from_ = g;
+    for (auto& x : slots_) x.member = false;
+    for (int m : slots) {
+      at(m).member = true;
+      if (!at(m).claimed) at(m).last_seen = now;
+    }
+    Generation resumed{g, slots,
+                       "taken up after the rendezvous restarted (" + name_(s) + ", " + peer +
+                           ", was a member)"};
+    resumed.resumed = true;
+    changes.formed.push_back(resumed);
+  } else if (!state.member) {
+    changes.info.push_back(name_(s) + " (" + peer + ") came back from generation " +
+                           std::to_string(g) + ", which generation " + std::to_string(generation_) +
+                           " replaced without it: it is not admitted, and exits when it regroups");
   }
   return changes;
 }
@@ -88,12 +129,12 @@ Membership::Changes Membership::release(int s, const std::string& what, bool fin
 
 std::uint64_t Membership::advance(std::uint64_t from, Changes& changes) {
   if (formed_ && from == generation_) {
-    const auto waiting = slots_where([](const Slot& x) { return x.claimed && !x.member; });
+    const auto waiting = slots_where([](const Slot& x) { return waits(x); });
     if (!waiting.empty()) {
       std::string names;
       for (int slot : waiting) names += (names.empty() ? "" : ", ") + name_(slot);
-      form(changes, slots_where([](const Slot& x) { return x.claimed; }), "admitted " + names,
-           /*departure=*/false);
+      form(changes, slots_where([](const Slot& x) { return x.member || waits(x); }),
+           "admitted " + names, /*departure=*/false);
     }
   }
   return generation_;
@@ -107,12 +148,18 @@ void Membership::fail(int s, const std::string& what) {
 
 std::vector<int> Membership::silent(Clock::time_point now, Clock::duration timeout) const {
   return slots_where([&](const Slot& x) {
-    return x.heartbeating && !x.left && x.failure.empty() && now - x.last_seen > timeout;
+    const bool watched =
+        (x.heartbeating && !x.left && x.failure.empty()) || (x.member && !x.claimed);
+    return watched && now - x.last_seen > timeout;
   });
 }
 
+void Membership::paused(Clock::duration gap, Clock::time_point now) {
+  for (auto& x : slots_) x.last_seen = std::min(now, x.last_seen + gap);
+}
+
 int Membership::waiting() const {
-  return static_cast<int>(slots_where([](const Slot& x) { return x.claimed && !x.member; }).size());
+  return static_cast<int>(slots_where([](const Slot& x) { return waits(x); }).size());
 }
 
 std::vector<std::pair<int, std::string>> Membership::failures() const {

@@ -9,6 +9,9 @@
 // No member left: after a finished training the waiting workers form a generation at once
 // (nothing to join); before it, the group is lost, and the next generation forms when every
 // slot is claimed again and starts afresh.
+// A restarted rendezvous starts with nothing: a member that joins it again names its generation
+// and that generation's slots (resume), and the newest generation so named is taken up as it
+// was; its members that do not come back within the heartbeat timeout have left.
 // Fixed rules: slots are claimed once; a rank that fails keeps its failure; one that says goodbye
 // has left and never fails.
 #pragma once
@@ -36,7 +39,12 @@ class Membership {
     Clock::time_point last_seen;
     bool left = false;   // fixed: said goodbye
     std::string failure; // fixed: why it failed; empty while healthy
-    bool member = false; // elastic: in the newest generation
+    bool member = false; // elastic: in the newest generation (not claimed yet: a member
+                         // of before a restart, expected back by last_seen + the timeout)
+    // Elastic: claimed by a process that named an older generation (resume). Not a member of
+    // the newest, it is stale: never admitted (its state is of before), it learns it was
+    // expelled when it regroups.
+    bool resumed = false;
   };
 
   // A generation formed by a transition.
@@ -46,6 +54,7 @@ class Membership {
     std::string why;
     bool departure = false; // formed because a member left (older generations can never meet)
     bool afresh = false;    // the training starts over (generation 0, or after the group was lost)
+    bool resumed = false;   // taken up from its members by a restarted server
     // "slot,slot,..."
     std::string slot_list() const;
     // kGenerationKey's value: slot_list(), "\n", why, and a third line "afresh" when it is.
@@ -69,6 +78,14 @@ class Membership {
   std::string why_refused(int s, const Session& session, bool heartbeat) const;
   // Slot `s`'s store connection joined (again, for the same process).
   Changes claim(int s, const Session& session, const std::string& peer);
+  // Elastic, on a restarted server: slot `s`'s process was a member of generation `g` of
+  // `slots` (ascending, `s` among them). The first such claim, or one naming a newer
+  // generation, makes `g` the newest (formed[0] records it, marked resumed); each of its
+  // members not claimed yet is expected back within the heartbeat timeout of `now`
+  // (silent()). A member of an older generation claims its slot and learns of the newer one as
+  // after any change (intact_from).
+  Changes resume(int s, const Session& session, const std::string& peer, std::uint64_t g,
+                 const std::vector<int>& slots, Clock::time_point now);
   void start_heartbeat(int s, Clock::time_point now);
   void heard_from(int s, Clock::time_point now) { at(s).last_seen = now; }
   // Elastic: slot `s`'s process is gone ("<name> <what>"); its slot is free again. `finished`:
@@ -81,14 +98,18 @@ class Membership {
   // Fixed: slot `s` failed (its first failure is kept; not after it left) / said goodbye.
   void fail(int s, const std::string& what);
   void leave(int s) { at(s).left = true; }
-  // The healthy heartbeating slots silent for longer than `timeout` at `now`.
+  // The healthy heartbeating slots silent for longer than `timeout` at `now`, and the members
+  // of a resumed generation not back within it.
   std::vector<int> silent(Clock::time_point now, Clock::duration timeout) const;
+  // The server did not run for `gap` until `now` (it was stopped): nobody could be heard in
+  // it, so no silence counts it.
+  void paused(Clock::duration gap, Clock::time_point now);
 
   bool formed() const { return formed_; }
   std::uint64_t generation() const { return generation_; }
   // No member has left a generation numbered this or higher.
   std::uint64_t intact_from() const { return intact_from_; }
-  // Claimed slots that are not members of the newest generation.
+  // Claimed slots that are not members of the newest generation (stale ones aside).
   int waiting() const;
   // The newest departure of a member (slot, why); slot -1 before any.
   const std::pair<int, std::string>& last_departure() const { return last_departure_; }
@@ -97,6 +118,8 @@ class Membership {
 
  private:
   Slot& at(int s) { return slots_.at(static_cast<std::size_t>(s)); }
+  // A fresh process waiting to be admitted.
+  static bool waits(const Slot& x) { return x.claimed && !x.member && !x.resumed; }
   std::vector<int> slots_where(const std::function<bool(const Slot&)>& pick) const;
   void form(Changes& changes, const std::vector<int>& slots, const std::string& why,
             bool departure, bool afresh = false);

@@ -10,7 +10,8 @@
 // heartbeat_interval; the chief declares a rank failed when its connection closes without a
 // goodbye (the process died) or when it has been silent for heartbeat_timeout (stopped, hung,
 // cut off), and tells every other rank in its next answer. A rank that hears nothing from the
-// chief for heartbeat_timeout declares the chief failed. So a dead or frozen peer is known
+// chief for heartbeat_timeout declares the chief failed; in elastic mode (an outside rendezvous)
+// it waits for it instead, and joins it again once it is back (see heartbeat.h). So a dead or frozen peer is known
 // everywhere within about heartbeat_timeout, between collectives as well as inside one.
 //
 // The parts, one file each, from the bytes up:
@@ -27,6 +28,8 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,6 +37,16 @@
 #include "flotilla/cluster/cluster_spec.h"
 
 namespace flotilla::collective::detail {
+
+// Elastic: the generation this process is a member of, shared by its store and heartbeat
+// connections. A connection that reconnects to a restarted rendezvous names it (kJoinMember),
+// so the server rebuilds the membership from the members.
+struct Standing {
+  std::mutex mutex;
+  bool member = false;
+  std::uint64_t generation = 0;
+  std::vector<int> slots;
+};
 
 struct RendezvousConfig {
   int rank = 0;
@@ -58,6 +71,10 @@ struct RendezvousConfig {
   // Random, one per process: the store and heartbeat connections of one process share it, and
   // a rank already claimed by another session is refused.
   std::array<std::uint8_t, 16> session{};
+  // Elastic: set, the connections reconnect when the rendezvous is lost (it died, or the
+  // connection broke), until `timeout`, naming this process's generation; null, a lost
+  // rendezvous is an error at once.
+  std::shared_ptr<Standing> standing;
 
   std::string name(int r) const;
   // "chief at 198.18.0.1:2222 (rank 0), which hosts the rendezvous" or "the rendezvous at

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -33,6 +34,8 @@ constexpr std::size_t kMaxOutBytes = 64u << 20; // a client that stops reading i
 // summed up once the window is over, so a flood of strangers cannot flood the log.
 constexpr int kLogBurst = 5;
 constexpr auto kLogWindow = std::chrono::seconds(10);
+// The loop wakes every 100 ms: a longer gap between two turns means the process was stopped.
+constexpr auto kStall = std::chrono::seconds(1);
 } // namespace
 
 const std::string kGenerationKey = "flotilla/elastic/generation/";
@@ -83,6 +86,7 @@ struct RendezvousServer::Impl {
   KvStore kv{[this](const KvStore::Waiter& w, const Bytes* value) { answer_waiter(w, value); }};
   Membership members;
   std::vector<SlotConns> slot_conns;
+  Clock::time_point last_tick = Clock::now();
 
   ~Impl() {
     for (auto& [id, c] : conns) ::close(c.fd);
@@ -278,6 +282,10 @@ struct RendezvousServer::Impl {
     auto& own = slot_conns[static_cast<std::size_t>(rank)];
     if (join->role == kRoleStore) {
       if (!members.slot(rank).claimed) own.store = id;
+      if (join->flags & kJoinMember) {
+        apply(members.resume(rank, join->session, c.peer, join->generation, join->members,
+                             Clock::now()));
+      }
       claim(c, *join);
     } else {
       members.start_heartbeat(rank, Clock::now());
@@ -311,6 +319,11 @@ struct RendezvousServer::Impl {
     if (rank < 0 || rank >= world || (join.role != kRoleStore && join.role != kRoleHeartbeat)) {
       return "it claims rank " + std::to_string(rank) + " of " + std::to_string(world) +
              " with role " + std::to_string(join.role) + ", which does not exist";
+    }
+    if ((join.flags & kJoinMember) &&
+        !std::binary_search(join.members.begin(), join.members.end(), rank)) {
+      return "it claims rank " + std::to_string(rank) + " as a member of generation " +
+             std::to_string(join.generation) + ", which does not list it";
     }
     return members.why_refused(rank, join.session, join.role == kRoleHeartbeat);
   }
@@ -447,7 +460,8 @@ struct RendezvousServer::Impl {
   bool consume(int id, Conn& c) {
     while (c.in.size() >= 4 && !c.close_after_flush) {
       const std::uint32_t n = read_le32(c.in.data());
-      const std::size_t limit = c.joined ? kMaxFrameBytes : kMaxHandshakeFrame;
+      const std::size_t limit =
+          c.joined ? kMaxFrameBytes : JoinRequest::max_bytes(config.world_size);
       if (n > limit) {
         warn_limited("dropped connections",
                      "rendezvous: dropped the connection from " + c.peer + ": a message of " +
@@ -533,6 +547,14 @@ struct RendezvousServer::Impl {
   // log's counts of what it did not say one by one.
   void tick() {
     const auto now = Clock::now();
+    if (const auto gap = now - last_tick; gap > kStall) {
+      // Stopped (SIGSTOP, a paused VM) or starved: nobody could be heard meanwhile.
+      members.paused(gap, now);
+      log.warn("rendezvous: this process did not run for " +
+               ms_text(std::chrono::duration_cast<std::chrono::milliseconds>(gap)) +
+               " (stopped or starved); no worker's silence counts that time");
+    }
+    last_tick = now;
     for (auto& [kind, limit] : log_limits) {
       if (now - limit.window_start >= kLogWindow) sum_up(kind, limit);
     }
@@ -555,7 +577,12 @@ struct RendezvousServer::Impl {
                                ms_text(config.heartbeat_timeout) +
                                " (stopped, hung, or cut off from the network)";
     for (int r : members.silent(now, config.heartbeat_timeout)) {
-      if (config.elastic) {
+      if (config.elastic && !members.slot(r).claimed) {
+        release(r,
+                "did not come back within " + ms_text(config.heartbeat_timeout) +
+                    " after the rendezvous restarted",
+                /*expel=*/true);
+      } else if (config.elastic) {
         release(r, silent, /*expel=*/true);
       } else {
         members.fail(r, silent);

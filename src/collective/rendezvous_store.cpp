@@ -1,6 +1,7 @@
 #include "collective/rendezvous_store.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "collective/connection.h"
 #include "collective/wire.h"
@@ -34,7 +35,7 @@ std::uint32_t wire_ms(std::chrono::milliseconds d) {
 
 RendezvousStore::RendezvousStore(const RendezvousConfig& config)
     : c10d::Store(config.timeout), config_(config) {
-  connection_ = Connection::join(config_, kRoleStore, Clock::now() + config_.timeout);
+  connect(Clock::now() + config_.timeout);
 }
 
 RendezvousStore::~RendezvousStore() = default;
@@ -44,12 +45,45 @@ c10::intrusive_ptr<c10d::Store> RendezvousStore::clone() {
   return c10::make_intrusive<RendezvousStore>(config_);
 }
 
-Bytes RendezvousStore::request(const std::string& frame, std::chrono::milliseconds wait) {
+void RendezvousStore::connect(Clock::time_point deadline) {
+  connection_ = Connection::join(config_, kRoleStore, deadline);
+}
+
+void RendezvousStore::reconnect(Clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // The chief answers a blocking request at its own deadline; allow for the trip.
-  const auto deadline = Clock::now() + wait + std::chrono::seconds(5);
-  connection_->send(frame, deadline);
-  const std::string body = connection_->receive(deadline);
+  connection_.reset();
+  connect(deadline);
+}
+
+Bytes RendezvousStore::request(const std::string& frame, std::chrono::milliseconds wait,
+                               bool reconnect) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string body;
+  // Elastic: a lost connection is joined again (naming this process's generation) and the
+  // request repeated, until the rendezvous timeout. Only a restarted server can take it back (a
+  // running one has released the slot of a process whose connection closed), and it holds none
+  // of the keys of before: every request means there what it meant.
+  const auto give_up = Clock::now() + config_.timeout;
+  for (;;) {
+    if (!connection_) {
+      if (!reconnect)
+        throw CommError("no connection to the rendezvous at " + config_.chief.to_string());
+      connect(give_up);
+    }
+    // The chief answers a blocking request at its own deadline; allow for the trip.
+    const auto deadline = Clock::now() + wait + std::chrono::seconds(5);
+    try {
+      connection_->send(frame, deadline);
+      body = connection_->receive(deadline);
+      break;
+    } catch (const ConnectionLost&) {
+      connection_.reset();
+      if (!config_.standing || !reconnect) throw;
+    } catch (const TimeoutError&) {
+      connection_.reset(); // its answer may still come: the next request must not read it
+      throw;
+    }
+  }
   WireReader in(body);
   try {
     const std::uint8_t status = in.u8();
@@ -66,6 +100,19 @@ Bytes RendezvousStore::request(const std::string& frame, std::chrono::millisecon
   } catch (const WireError& e) {
     throw CommError("the chief at " + connection_->chief() + " sent a malformed answer (" +
                     e.what() + ")");
+  }
+}
+
+bool RendezvousStore::set_if_connected(const std::string& key, const Bytes& value) {
+  check_key(key);
+  check_value(value);
+  WireWriter w;
+  w.u8(kSet).str(key).bytes(value);
+  try {
+    request(w.frame(), std::chrono::milliseconds(0), /*reconnect=*/false);
+    return true;
+  } catch (const CommError&) {
+    return false;
   }
 }
 

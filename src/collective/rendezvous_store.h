@@ -20,8 +20,9 @@ class Connection;
 
 // Construction connects (retrying while the chief is not up yet, until the timeout),
 // authenticates and claims config.rank; a refusal (wrong token, rank taken, another cluster) is
-// a ConfigError. A key or value over the protocol's bounds is refused before it is sent
-// (CommError); a wait past its timeout is a TimeoutError.
+// a ConfigError. With config.standing (elastic), a lost connection is joined again and the
+// request repeated, until the timeout. A key or value over the protocol's bounds is refused before
+// it is sent (CommError); a wait past its timeout is a TimeoutError.
 class RendezvousStore : public c10d::Store {
  public:
   explicit RendezvousStore(const RendezvousConfig& config);
@@ -43,12 +44,21 @@ class RendezvousStore : public c10d::Store {
 
   // Blocks until every rank has joined; TimeoutError naming the ranks that did not.
   void wait_for_all_ranks();
+  // Elastic: closes the connection and joins again by `deadline` (TimeoutError after it;
+  // ConfigError when refused). The heartbeat calls it when its own connection broke, before it
+  // joins again: the server takes a heartbeat only from a process that holds its slot, and after
+  // a lost heartbeat a running server has released it (or a restarted one never knew it).
+  void reconnect(std::chrono::steady_clock::time_point deadline);
+  // A SET that does not wait for a lost rendezvous: false when it is not reachable now.
+  bool set_if_connected(const std::string& key, const std::vector<std::uint8_t>& value);
   // Elastic: asks the server to admit the waiting workers into the generation after `from`;
   // returns the newest generation's number (`from` when nobody waits).
   std::uint64_t advance(std::uint64_t from);
 
  private:
-  std::vector<std::uint8_t> request(const std::string& frame, std::chrono::milliseconds wait);
+  std::vector<std::uint8_t> request(const std::string& frame, std::chrono::milliseconds wait,
+                                    bool reconnect = true);
+  void connect(std::chrono::steady_clock::time_point deadline); // with mutex_ held
   RendezvousConfig config_;
   std::mutex mutex_; // one request at a time on the connection
   std::unique_ptr<Connection> connection_;

@@ -3,6 +3,7 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "flotilla/base/hashes.h"
@@ -116,11 +117,46 @@ Hello Hello::parse(const std::string& body) {
   return hello;
 }
 
+namespace {
+// JoinRequest::members as it travels: bit s of byte s / 8 is slot s.
+Bytes member_bitmap(const std::vector<int>& members, std::int32_t world) {
+  Bytes bits((static_cast<std::size_t>(std::max(world, 0)) + 7) / 8, 0);
+  for (int s : members) {
+    if (s >= 0 && s < world) bits[static_cast<std::size_t>(s) / 8] |= std::uint8_t(1u << (s % 8));
+  }
+  return bits;
+}
+
+std::vector<int> members_of(const Bytes& bits, std::int32_t world) {
+  if (world < 1 || bits.size() != (static_cast<std::size_t>(world) + 7) / 8) {
+    throw WireError("a member list of " + std::to_string(bits.size()) + " bytes for a group of " +
+                    std::to_string(world));
+  }
+  std::vector<int> out;
+  for (std::size_t s = 0; s < bits.size() * 8; ++s) {
+    if (!(bits[s / 8] & (1u << (s % 8)))) continue;
+    if (s >= static_cast<std::size_t>(world)) {
+      throw WireError("a member list naming slot " + std::to_string(s) + " of " +
+                      std::to_string(world));
+    }
+    out.push_back(static_cast<int>(s));
+  }
+  return out;
+}
+} // namespace
+
 std::string JoinRequest::frame() const {
   WireWriter w;
   w.u32(kMagic).u8(kVersion).u8(role).u8(flags).i32(rank).i32(world);
   w.fixed(session).fixed(client_nonce).fixed(mac);
+  if (flags & kJoinMember) {
+    w.i64(static_cast<std::int64_t>(generation)).bytes(member_bitmap(members, world));
+  }
   return w.frame();
+}
+
+std::size_t JoinRequest::max_bytes(int world) {
+  return kMaxHandshakeFrame + (static_cast<std::size_t>(std::max(world, 0)) + 7) / 8;
 }
 
 std::optional<JoinRequest> JoinRequest::parse(const std::string& body) {
@@ -134,6 +170,10 @@ std::optional<JoinRequest> JoinRequest::parse(const std::string& body) {
   join.session = in.fixed<16>();
   join.client_nonce = in.fixed<32>();
   join.mac = in.fixed<32>();
+  if (join.flags & kJoinMember) {
+    join.generation = static_cast<std::uint64_t>(in.i64());
+    join.members = members_of(in.bytes(kMaxMemberBitmapBytes), join.world);
+  }
   if (!in.done()) throw WireError("trailing bytes after the join message");
   return join;
 }
@@ -175,6 +215,10 @@ std::string join_message(const Nonce& server_nonce, const JoinRequest& join) {
   WireWriter w;
   w.str("flotilla join v2").fixed(server_nonce).fixed(join.client_nonce);
   w.i32(join.rank).i32(join.world).u8(join.role).u8(join.flags).fixed(join.session);
+  if (join.flags & kJoinMember) {
+    w.i64(static_cast<std::int64_t>(join.generation))
+        .bytes(member_bitmap(join.members, join.world));
+  }
   return w.frame();
 }
 

@@ -54,6 +54,13 @@ enum Op : std::uint8_t {
 };
 // JoinRequest::flags.
 inline constexpr std::uint8_t kJoinElastic = 1; // the task runs in elastic mode
+// Elastic: the process is a member of a generation, which it names (JoinRequest::generation and
+// members) when it reconnects to a restarted rendezvous, so that the server rebuilds the
+// membership from the members.
+inline constexpr std::uint8_t kJoinMember = 2;
+// JoinRequest::members travels as a bitmap of (world + 7) / 8 bytes; this bounds it (the
+// rendezvous serves at most 65536 slots).
+inline constexpr std::size_t kMaxMemberBitmapBytes = 8192;
 
 enum Status : std::uint8_t { kOk = 0, kTimedOut = 1, kFailed = 2 };
 
@@ -136,11 +143,17 @@ struct JoinRequest {
   Session session{};
   Nonce client_nonce{};
   Mac mac{}; // zeros without a token
+  // With kJoinMember: the generation this process is a member of, and its slots (ascending,
+  // each in [0, world)).
+  std::uint64_t generation = 0;
+  std::vector<int> members;
 
   std::string frame() const;
   // nullopt when the message does not start as flotilla's protocol (version 2) does, which the
   // server answers with a refusal; WireError when it does but is malformed.
   static std::optional<JoinRequest> parse(const std::string& body);
+  // The largest JoinRequest a server of `world` slots reads before it has been proved.
+  static std::size_t max_bytes(int world);
 };
 
 // The server's verdict on a JoinRequest.

@@ -41,7 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const auto again = JoinRequest::parse(join->frame().substr(4));
       check(again && again->role == join->role && again->flags == join->flags &&
             again->rank == join->rank && again->world == join->world &&
-            again->session == join->session && again->mac == join->mac);
+            again->session == join->session && again->mac == join->mac &&
+            again->generation == join->generation && again->members == join->members);
       break;
     }
     case 2: {

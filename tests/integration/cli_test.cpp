@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <thread>
 
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
@@ -190,6 +191,83 @@ TEST(RendezvousCommand, AnElasticGroupOutlivesItsKilledChiefAndTheServiceStopsOn
   EXPECT_NE(served.out.find("stopped by SIGTERM"), std::string::npos) << served.out;
   EXPECT_NE(served.err.find("rendezvous: generation 1 has 1 of 2 workers [1]"), std::string::npos)
       << served.err;
+}
+
+// The step number of the last "step K gen ..." line a worker printed; -1 before any.
+long last_step(const std::string& out) {
+  const auto at = out.rfind("\nstep ");
+  if (at == std::string::npos) return -1;
+  return std::stol(out.substr(at + 6, out.find(' ', at + 6) - at - 6));
+}
+
+// The rendezvous is no single point of failure: frozen (SIGSTOP) past the heartbeat timeout, and
+// then killed, the group trains on without it; a new rendezvous on the same address takes the
+// membership up from the members (generation 0 as it was), and heals the next fault.
+TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHealsThroughTheNext) {
+  const auto ports = testing::free_ports(4);
+  const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
+  const std::vector<std::string> serve = {
+      kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"};
+  auto service = std::make_unique<testing::Process>(serve);
+  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int slot = 0; slot < 3; ++slot) {
+    cluster::ClusterSpec spec;
+    for (int i = 0; i < 3; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+    spec.task = {cluster::TaskType::kWorker, slot};
+    workers.push_back(std::make_unique<testing::Process>(
+        std::vector<std::string>{worker, "--steps", "100000", "--step-ms", "10",
+                                 "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms",
+                                 "200"},
+        std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
+                                           {"FLOTILLA_RENDEZVOUS", listen}}));
+  }
+  auto& chief = *workers[0];
+  ASSERT_TRUE(chief.wait_for_output("step 10 gen 0 rank 0/3 sum 6 ok")) << chief.errors_so_far();
+  // Frozen for twice the heartbeat timeout: the members wait for its answer and train on; woken,
+  // it counts nobody silent for the time it did not run.
+  service->signal(SIGSTOP);
+  const long frozen_at = last_step(chief.output_so_far());
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const long thawed_at = last_step(chief.output_so_far());
+  service->signal(SIGCONT);
+  EXPECT_GT(thawed_at, frozen_at + 10) << chief.output_so_far();
+  ASSERT_TRUE(service->wait_for_errors("(stopped or starved); no worker's silence counts that time",
+                                       std::chrono::seconds(10)))
+      << service->errors_so_far();
+  // Killed: the members train on without it.
+  service->signal(SIGKILL);
+  const auto first = service->wait(std::chrono::seconds(10));
+  const long killed_at = last_step(chief.output_so_far());
+  ASSERT_TRUE(chief.wait_for_errors("lost the connection to the rendezvous at " + listen))
+      << chief.errors_so_far();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_GT(last_step(chief.output_so_far()), killed_at + 10) << chief.output_so_far();
+  // A new one on the same address: the members join it again and name generation 0.
+  service = std::make_unique<testing::Process>(serve);
+  ASSERT_TRUE(service->wait_for_errors(
+      "rendezvous: generation 0 has 3 of 3 workers [0,1,2]: taken up after the rendezvous "
+      "restarted",
+      std::chrono::seconds(30)))
+      << service->errors_so_far();
+  for (auto& w : workers) {
+    EXPECT_TRUE(w->wait_for_errors("answers again after", std::chrono::seconds(30)))
+        << w->errors_so_far();
+  }
+  // The next fault heals through it: slot 2 is killed, the others regroup as generation 1.
+  workers[2]->signal(SIGKILL);
+  ASSERT_TRUE(workers[1]->wait_for_output("rank 1/2 sum 3 ok", std::chrono::seconds(30)))
+      << workers[1]->errors_so_far();
+  EXPECT_TRUE(service->wait_for_errors("rendezvous: generation 1 has 2 of 3 workers [0,1]: slot 2 "
+                                       "lost its connection to the rendezvous"))
+      << service->errors_so_far();
+  const std::string out = chief.output_so_far();
+  EXPECT_NE(out.find("regrouped after"), std::string::npos) << out;
+  EXPECT_NE(out.find("generation 1 [0,1] (slot 2 lost its connection"), std::string::npos) << out;
+  EXPECT_EQ(out.find("WRONG"), std::string::npos) << out;
+  // Until slot 2's death no member regrouped: the rendezvous's outages cost nothing.
+  EXPECT_EQ(out.find("regrouped after"), out.rfind("regrouped after")) << out;
+  EXPECT_EQ(first.err.find("rendezvous: generation 1"), std::string::npos) << first.err;
 }
 
 // The table's flags are the CLI's: each one a subcommand's --help lists.

@@ -173,6 +173,118 @@ TEST(Membership, SilentHeartbeatsAreFoundAtTheirTimeout) {
   EXPECT_TRUE(m.silent(t0 + std::chrono::seconds(5), std::chrono::seconds(5)).empty());
 }
 
+// A restarted rendezvous knows nothing: the members that join it again name their generation.
+TEST(Membership, ARestartedServerTakesUpTheGenerationItsMembersNameAndWaitsForTheRest) {
+  Membership m = elastic(3);
+  const auto t0 = Clock::now();
+  const Changes first = m.resume(1, session_of(1), "b", 4, {0, 1}, t0);
+  ASSERT_EQ(first.formed.size(), 1u);
+  EXPECT_EQ(first.formed[0].number, 4u);
+  EXPECT_EQ(first.formed[0].slots, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(first.formed[0].resumed);
+  EXPECT_FALSE(first.formed[0].departure);
+  EXPECT_FALSE(first.formed[0].afresh);
+  EXPECT_EQ(first.formed[0].why,
+            "taken up after the rendezvous restarted (worker 1, b, was a member)");
+  EXPECT_TRUE(m.formed());
+  EXPECT_EQ(m.generation(), 4u);
+  EXPECT_EQ(m.intact_from(), 4u);
+  EXPECT_EQ(members(m), (std::vector<int>{0, 1}));
+  EXPECT_EQ(m.waiting(), 0); // slot 0 is expected back, not waiting
+  // The other member of the same generation changes nothing.
+  EXPECT_TRUE(m.resume(0, session_of(0), "a", 4, {0, 1}, t0).formed.empty());
+  EXPECT_TRUE(m.slot(0).claimed);
+  // A restarted worker that was no member waits to be admitted, as before the restart.
+  EXPECT_TRUE(m.claim(2, session_of(2), "c").formed.empty());
+  EXPECT_EQ(m.waiting(), 1);
+  EXPECT_EQ(m.generation(), 4u);
+}
+
+TEST(Membership, ANewerGenerationNamedLaterWinsAndAnOlderOneIsToldByIntactFrom) {
+  Membership m = elastic(3);
+  const auto t0 = Clock::now();
+  m.resume(2, session_of(2), "c", 3, {0, 1, 2}, t0); // still in generation 3 when it died
+  const Changes newer = m.resume(0, session_of(0), "a", 4, {0, 1}, t0);
+  ASSERT_EQ(newer.formed.size(), 1u);
+  EXPECT_EQ(newer.formed[0].number, 4u);
+  EXPECT_EQ(m.intact_from(), 4u); // slot 2's generation 3 must regroup, and find itself out
+  EXPECT_EQ(members(m), (std::vector<int>{0, 1}));
+  // Slot 2's process holds the state of before: it is never admitted as a fresh one would be.
+  EXPECT_EQ(m.waiting(), 0);
+  Changes none;
+  EXPECT_EQ(m.advance(4, none), 4u);
+  EXPECT_TRUE(none.formed.empty());
+  const Changes older = m.resume(1, session_of(1), "b", 3, {0, 1, 2}, t0);
+  EXPECT_TRUE(older.formed.empty());
+  EXPECT_EQ(m.generation(), 4u);
+  EXPECT_EQ(members(m), (std::vector<int>{0, 1}));
+  // Once it left, a fresh process in its slot waits to be admitted.
+  m.release(2, "exited", false);
+  m.claim(2, session_of(12), "c2");
+  EXPECT_EQ(m.waiting(), 1);
+}
+
+// A member cut off from a running rendezvous, which expelled it, comes back naming its old
+// generation: it is stale, not admitted, and learns it was expelled when it regroups.
+TEST(Membership, AMemberBackFromAGenerationReplacedWithoutItIsNeverAdmitted) {
+  Membership m = formed(3);
+  m.release(2, "stopped sending heartbeats", false); // generation 1: [0, 1]
+  const Changes back = m.resume(2, session_of(2), "c", 0, {0, 1, 2}, Clock::now());
+  EXPECT_TRUE(back.formed.empty());
+  EXPECT_EQ(back.info, (std::vector<std::string>{
+                           "worker 2 (c) came back from generation 0, which generation 1 replaced "
+                           "without it: it is not admitted, and exits when it regroups"}));
+  EXPECT_EQ(m.waiting(), 0);
+  EXPECT_EQ(m.intact_from(), 1u);
+}
+
+TEST(Membership, AMemberNotBackWithinTheTimeoutIsSilentAndItsReleaseFormsTheNext) {
+  Membership m = elastic(3);
+  const auto t0 = Clock::now();
+  m.resume(0, session_of(0), "a", 7, {0, 1, 2}, t0);
+  m.start_heartbeat(0, t0);
+  m.resume(1, session_of(1), "b", 7, {0, 1, 2}, t0);
+  m.start_heartbeat(1, t0);
+  m.heard_from(0, t0 + std::chrono::seconds(6));
+  m.heard_from(1, t0 + std::chrono::seconds(6));
+  EXPECT_TRUE(m.silent(t0 + std::chrono::seconds(4), std::chrono::seconds(5)).empty());
+  EXPECT_EQ(m.silent(t0 + std::chrono::seconds(6), std::chrono::seconds(5)), (std::vector<int>{2}));
+  const Changes gone = m.release(2, "did not come back", false);
+  ASSERT_EQ(gone.formed.size(), 1u);
+  EXPECT_EQ(gone.formed[0].number, 8u);
+  EXPECT_EQ(gone.formed[0].slots, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(gone.formed[0].departure);
+  EXPECT_EQ(m.intact_from(), 8u);
+}
+
+TEST(Membership, ANewProcessInTheSlotOfAMemberExpectedBackEndsThatMembership) {
+  Membership m = elastic(2);
+  m.resume(0, session_of(0), "a", 2, {0, 1}, Clock::now());
+  const Changes c = m.claim(1, session_of(9), "new");
+  ASSERT_EQ(c.formed.size(), 1u);
+  EXPECT_EQ(c.formed[0].number, 3u);
+  EXPECT_EQ(c.formed[0].slots, (std::vector<int>{0}));
+  EXPECT_EQ(c.formed[0].why, "worker 1 did not come back after the rendezvous restarted (a new "
+                             "process claimed its slot)");
+  EXPECT_TRUE(m.slot(1).claimed);
+  EXPECT_EQ(m.waiting(), 1); // the new process waits to be admitted
+}
+
+TEST(Membership, TimeTheServerDidNotRunIsNoWorkersSilence) {
+  Membership m = formed(2);
+  const auto t0 = Clock::now();
+  m.start_heartbeat(0, t0);
+  m.start_heartbeat(1, t0);
+  // Stopped for 30 s right after hearing from both; on waking it hears slot 0 at once.
+  const auto woke = t0 + std::chrono::seconds(30);
+  m.heard_from(0, woke);
+  m.paused(std::chrono::seconds(30), woke);
+  EXPECT_TRUE(m.silent(woke + std::chrono::seconds(4), std::chrono::seconds(5)).empty());
+  EXPECT_EQ(m.silent(woke + std::chrono::seconds(6), std::chrono::seconds(5)),
+            (std::vector<int>{0, 1}));
+  EXPECT_EQ(m.slot(0).last_seen, woke); // never later than now
+}
+
 TEST(Membership, AFixedGroupKeepsEachRanksFirstFailureAndNeverFailsOneThatLeft) {
   Membership m(3, /*elastic=*/false, [](int s) { return "worker " + std::to_string(s); });
   for (int s = 0; s < 3; ++s) {

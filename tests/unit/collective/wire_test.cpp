@@ -79,6 +79,46 @@ TEST(Wire, AJoinRequestCarriesTheClaimAndTheProofInAFixedLayout) {
   }
 }
 
+// A member joining a restarted rendezvous names its generation and its slots, as a bitmap.
+TEST(Wire, AMembersJoinRequestAddsItsGenerationAndItsSlotsAsABitmap) {
+  JoinRequest join;
+  join.role = kRoleStore;
+  join.flags = kJoinElastic | kJoinMember;
+  join.rank = 9;
+  join.world = 10;
+  join.session = counting<16>(1);
+  join.client_nonce = counting<32>(2);
+  join.generation = 0x0102030405;
+  join.members = {0, 3, 9};
+  const std::string fixed = kMagicBytes + "\x02" + std::string("\0", 1) + "\x03" + le32(9) +
+                            le32(10) + raw(join.session) + raw(join.client_nonce) +
+                            std::string(32, '\0');
+  const std::string body = fixed + le32(0x02030405) + le32(0x01) + le32(2) + "\x09\x02";
+  EXPECT_EQ(join.frame(), framed(body));
+  const auto back = JoinRequest::parse(body);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->generation, 0x0102030405u);
+  EXPECT_EQ(back->members, (std::vector<int>{0, 3, 9}));
+  EXPECT_LE(body.size(), JoinRequest::max_bytes(10));
+  // A bitmap of the wrong size, or naming a slot past the group, is malformed.
+  EXPECT_THROW(JoinRequest::parse(fixed + le32(5) + le32(0) + le32(1) + "\x09"), WireError);
+  EXPECT_THROW(JoinRequest::parse(fixed + le32(5) + le32(0) + le32(2) + "\x09\x04"), WireError);
+  // The proof covers the generation and the slots.
+  const Nonce server = counting<32>(3);
+  JoinRequest other = join;
+  other.generation = 6;
+  EXPECT_NE(join_mac("token-0123456789", server, other),
+            join_mac("token-0123456789", server, join));
+  other = join;
+  other.members = {0, 9};
+  EXPECT_NE(join_mac("token-0123456789", server, other),
+            join_mac("token-0123456789", server, join));
+  // Without the flag neither travels (a fresh worker's join is as before).
+  JoinRequest plain = join;
+  plain.flags = kJoinElastic;
+  EXPECT_EQ(plain.frame().size(), 4 + fixed.size());
+}
+
 TEST(Wire, AWelcomeIsARefusalWithAReasonOrAnAcceptanceWithTheChiefsProof) {
   const auto refusal = Welcome::refusal("rank 1 is taken");
   EXPECT_EQ(refusal.frame(), framed(std::string("\x01") + le32(15) + "rank 1 is taken" + '\0'));
