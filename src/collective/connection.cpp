@@ -13,6 +13,7 @@
 
 #include "collective/sockets.h"
 #include "flotilla/error.h"
+#include "flotilla/log.h"
 
 namespace flotilla::collective::detail {
 
@@ -51,6 +52,32 @@ Connection::~Connection() {
 
 std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Role role,
                                              Clock::time_point deadline) {
+  bool told = false;
+  for (;;) {
+    auto conn = connect(config, deadline);
+    try {
+      conn->handshake(config, role, deadline);
+      return conn;
+    } catch (const RefusedForNow& e) {
+      const auto pause = std::chrono::milliseconds(200);
+      if (Clock::now() + pause >= deadline) {
+        throw TimeoutError(config.name(config.rank) + " could not join " + conn->server() +
+                           " within " + ms_text(config.timeout) + ": " + e.what() +
+                           "; raise CommunicationOptions::timeout if that is expected");
+      }
+      if (!told) {
+        Logger(config.rank, config.world_size)
+            .warn(std::string(e.what()) + "; trying again until the timeout (" +
+                  ms_text(config.timeout) + ")");
+        told = true;
+      }
+      std::this_thread::sleep_for(pause);
+    }
+  }
+}
+
+std::unique_ptr<Connection> Connection::connect(const RendezvousConfig& config,
+                                                Clock::time_point deadline) {
   auto conn = std::make_unique<Connection>();
   conn->chief_ = config.chief.to_string();
   conn->external_ = config.external;
@@ -89,7 +116,6 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
     const unsigned ms = static_cast<unsigned>(config.heartbeat_timeout.count());
     ::setsockopt(conn->fd_, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
   }
-  conn->handshake(config, role, deadline);
   return conn;
 }
 
@@ -159,6 +185,9 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
   Hello hello;
   try {
     hello = Hello::parse(receive(deadline, kMaxHandshakeFrame));
+  } catch (const ConnectionLost&) {
+    throw RefusedForNow(server() + " closed the connection before its greeting (it holds as many "
+                                   "connections as it takes, or it is stopping)");
   } catch (const WireError&) {
     throw CommError("the process at " + chief_ +
                     " does not speak flotilla's rendezvous protocol; check the chief's "
@@ -196,6 +225,10 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
     welcome = Welcome::parse(receive(deadline));
   } catch (const WireError& e) {
     throw CommError(server() + " sent a malformed answer (" + e.what() + ")");
+  }
+  if (!welcome.accepted && welcome.retry) {
+    throw RefusedForNow(server() + " refused " + config.name(config.rank) +
+                        " for now: " + welcome.reason);
   }
   if (!welcome.accepted) {
     throw ConfigError(server() + " refused " + config.name(config.rank) + ": " + welcome.reason);

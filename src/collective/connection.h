@@ -19,6 +19,12 @@ struct ConnectionLost : CommError {
   using CommError::CommError;
 };
 
+// Refused for now (the slot is still held by a process the server has not released, or the
+// server closed the connection before its greeting): join() tries again until its deadline.
+struct RefusedForNow : CommError {
+  using CommError::CommError;
+};
+
 class Connection {
  public:
   using Clock = std::chrono::steady_clock;
@@ -28,10 +34,11 @@ class Connection {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // Connects to the chief, retrying while nobody listens yet, and joins as config.rank in
-  // `role`. TimeoutError when the chief cannot be reached by `deadline`; ConfigError when it
-  // refuses (wrong token, rank taken, another cluster) or cannot prove it is the chief;
-  // CommError when what answers is not a flotilla chief.
+  // Connects to the chief, retrying while nobody listens yet or it refuses for now (see
+  // RefusedForNow), and joins as config.rank in `role`. TimeoutError when the chief cannot be
+  // reached or joined by `deadline`; ConfigError when it refuses (wrong token, rank taken in a
+  // fixed group, another cluster) or cannot prove it is the chief; CommError when what answers
+  // is not a flotilla chief.
   static std::unique_ptr<Connection> join(const RendezvousConfig& config, Role role,
                                           Clock::time_point deadline);
 
@@ -49,6 +56,9 @@ class Connection {
   }
 
  private:
+  // A connected socket, not joined yet; TimeoutError when nobody listens by `deadline`.
+  static std::unique_ptr<Connection> connect(const RendezvousConfig& config,
+                                             Clock::time_point deadline);
   bool wait_ready(short events, Clock::time_point deadline);
   void read_exactly(char* out, std::size_t n, Clock::time_point deadline);
   [[noreturn]] void throw_timeout(const std::string& what) const;

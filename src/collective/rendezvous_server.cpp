@@ -159,9 +159,10 @@ struct RendezvousServer::Impl {
     l.suppressed = 0;
   }
 
-  void refuse(Conn& c, const std::string& reason) {
-    warn_limited("refused joins", "rendezvous: refused " + c.peer + ": " + reason);
-    queue(c, Welcome::refusal(reason).frame());
+  void refuse(Conn& c, const std::string& reason, bool retry = false) {
+    warn_limited("refused joins",
+                 "rendezvous: refused " + c.peer + (retry ? " for now: " : ": ") + reason);
+    queue(c, Welcome::refusal(reason, retry).frame());
     c.close_after_flush = true;
   }
 
@@ -268,11 +269,17 @@ struct RendezvousServer::Impl {
       refuse(c, "it does not speak flotilla's rendezvous protocol (version 2)");
       return;
     }
-    if (const std::string why = why_refused(c, *join); !why.empty()) {
+    if (const std::string why = why_invalid(c, *join); !why.empty()) {
       refuse(c, why);
       return;
     }
     const int rank = join->rank;
+    const bool heartbeat = join->role == kRoleHeartbeat;
+    if (const std::string why = members.why_refused(rank, join->session, heartbeat); !why.empty()) {
+      // Elastic: a slot held by another process frees once that one is gone or expelled.
+      refuse(c, why, config.elastic && !heartbeat);
+      return;
+    }
     c.joined = true;
     c.rank = rank;
     c.role = join->role;
@@ -293,9 +300,9 @@ struct RendezvousServer::Impl {
     }
   }
 
-  // Why a join is refused ("" when it is not). The token first: a process without it learns
-  // nothing about the cluster.
-  std::string why_refused(const Conn& c, const JoinRequest& join) const {
+  // Why a join is refused whatever the slots' state ("" when it is not). The token first: a
+  // process without it learns nothing about the cluster.
+  std::string why_invalid(const Conn& c, const JoinRequest& join) const {
     const int rank = join.rank;
     const int world = join.world;
     if (config.token && !equal_secret(join.mac, join_mac(*config.token, c.nonce, join))) {
@@ -325,7 +332,7 @@ struct RendezvousServer::Impl {
       return "it claims rank " + std::to_string(rank) + " as a member of generation " +
              std::to_string(join.generation) + ", which does not list it";
     }
-    return members.why_refused(rank, join.session, join.role == kRoleHeartbeat);
+    return "";
   }
 
   // A store connection claims its rank's slot (again, for the same process).

@@ -178,8 +178,9 @@ std::optional<JoinRequest> JoinRequest::parse(const std::string& body) {
   return join;
 }
 
-Welcome Welcome::refusal(const std::string& reason) {
+Welcome Welcome::refusal(const std::string& reason, bool retry) {
   Welcome welcome;
+  welcome.retry = retry;
   welcome.reason = reason.substr(0, kMaxReasonBytes);
   return welcome;
 }
@@ -194,7 +195,7 @@ Welcome Welcome::acceptance(const std::optional<Mac>& mac) {
 
 std::string Welcome::frame() const {
   WireWriter w;
-  w.u8(accepted ? 0 : 1).str(reason).u8(has_mac ? 1 : 0);
+  w.u8(accepted ? 0 : retry ? 2 : 1).str(reason).u8(has_mac ? 1 : 0);
   if (accepted) w.fixed(mac);
   return w.frame();
 }
@@ -202,7 +203,9 @@ std::string Welcome::frame() const {
 Welcome Welcome::parse(const std::string& body) {
   WireReader in(body);
   Welcome welcome;
-  welcome.accepted = in.u8() == 0;
+  const std::uint8_t verdict = in.u8();
+  welcome.accepted = verdict == 0;
+  welcome.retry = verdict == 2;
   welcome.reason = in.str(kMaxReasonBytes);
   welcome.has_mac = in.u8() != 0;
   if (welcome.accepted) welcome.mac = in.fixed<32>();

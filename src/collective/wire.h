@@ -159,11 +159,15 @@ struct JoinRequest {
 // The server's verdict on a JoinRequest.
 struct Welcome {
   bool accepted = false;
+  // Refused for now: the claim may succeed later (elastic: the slot is held by a process the
+  // rendezvous has not released yet, stopped or cut off until its heartbeat timeout). The first
+  // byte is 0 (accepted), 1 (refused) or 2 (refused for now).
+  bool retry = false;
   std::string reason; // why it was refused; empty when accepted
   bool has_mac = false;
   Mac mac{}; // the server's proof (chief_mac); sent only when accepted
 
-  static Welcome refusal(const std::string& reason);
+  static Welcome refusal(const std::string& reason, bool retry = false);
   // `mac`: the server's proof, nullopt without a token.
   static Welcome acceptance(const std::optional<Mac>& mac);
   std::string frame() const;

@@ -270,6 +270,49 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   EXPECT_EQ(first.err.find("rendezvous: generation 1"), std::string::npos) << first.err;
 }
 
+// A restarted worker whose slot is still held (its old process stopped, not expelled yet) waits
+// for the slot instead of failing as a misconfigured task would: it joins once the rendezvous
+// expels the old one, and the others admit it.
+TEST(RendezvousCommand, ARestartWhoseSlotIsStillHeldWaitsForItAndIsAdmitted) {
+  const auto ports = testing::free_ports(3);
+  const std::string listen = "127.0.0.1:" + std::to_string(ports[2]);
+  testing::Process service(
+      {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "1"});
+  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
+  const auto start = [&](int slot, std::vector<std::string> flags) {
+    cluster::ClusterSpec spec;
+    for (int i = 0; i < 2; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+    spec.task = {cluster::TaskType::kWorker, slot};
+    std::vector<std::string> argv = {worker, "--heartbeat-timeout-ms", "1000",
+                                     "--heartbeat-interval-ms", "200"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    return std::make_unique<testing::Process>(
+        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
+                                                 {"FLOTILLA_RENDEZVOUS", listen}});
+  };
+  auto chief = start(0, {"--steps", "5", "--until-members", "2"});
+  auto stopped = start(1, {"--steps", "5", "--signal-at", "3", "--signal", "STOP"});
+  ASSERT_TRUE(stopped->wait_for_output("step 2 gen 0")) << stopped->errors_so_far();
+  auto again = start(1, {"--steps", "5"});
+  const auto restarted = again->wait(std::chrono::seconds(60));
+  const auto first = chief->wait(std::chrono::seconds(60));
+  EXPECT_EQ(restarted.exit_code, 0) << restarted.err;
+  EXPECT_NE(restarted.err.find("the rendezvous at " + listen +
+                               " refused worker 1 at 127.0.0.1:" + std::to_string(ports[1]) +
+                               " (rank 1) for now: slot 1 is already taken by the process at"),
+            std::string::npos)
+      << restarted.err;
+  EXPECT_NE(restarted.err.find("trying again until the timeout (60 s)"), std::string::npos)
+      << restarted.err;
+  EXPECT_NE(restarted.out.find("joined: generation 2 [0,1] (admitted slot 1)"), std::string::npos)
+      << restarted.out;
+  EXPECT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_NE(first.out.find("generation 1 [0] (slot 1 stopped sending heartbeats"),
+            std::string::npos)
+      << first.out;
+  EXPECT_EQ(first.out.find("WRONG"), std::string::npos) << first.out;
+}
+
 // The table's flags are the CLI's: each one a subcommand's --help lists.
 TEST(TrainCommand, EveryFlagOfTheApiTableIsAFlagOfTheCli) {
   auto help_of = [](const std::string& sub) {

@@ -125,6 +125,13 @@ TEST(Wire, AWelcomeIsARefusalWithAReasonOrAnAcceptanceWithTheChiefsProof) {
   const auto refused = Welcome::parse(refusal.frame().substr(4));
   EXPECT_FALSE(refused.accepted);
   EXPECT_EQ(refused.reason, "rank 1 is taken");
+  EXPECT_FALSE(refused.retry);
+  // Refused for now (elastic: the slot is still held): the first byte is 2.
+  const auto for_now = Welcome::refusal("slot 1 is taken", /*retry=*/true);
+  EXPECT_EQ(for_now.frame(), framed(std::string("\x02") + le32(15) + "slot 1 is taken" + '\0'));
+  const auto later = Welcome::parse(for_now.frame().substr(4));
+  EXPECT_FALSE(later.accepted);
+  EXPECT_TRUE(later.retry);
   // A reason is cut to kMaxReasonBytes before it is sent.
   EXPECT_EQ(Welcome::refusal(std::string(5000, 'r')).reason.size(), kMaxReasonBytes);
 
