@@ -12,6 +12,9 @@
 #   stop  SIGSTOP, then SIGCONT after --heartbeat-timeout + 3 s
 #   cut   every packet of the host dropped (iptables, inside its namespace), restored after
 #         --heartbeat-timeout + 3 s
+#   rendezvous  the rendezvous SIGKILLed, and a new one started on its address after
+#         --heartbeat-timeout + 3 s (a cluster's supervisor would): the members train on and
+#         join the new one, which takes the membership up from them; no regroup is expected
 # Each run's processes append a step ledger (flotilla train --step-ledger): per committed
 # update, the epoch and step it trained on. A global batch is the same rows whoever trains it
 # (the deterministic pipeline; the exactness test in `make test` checks it sample by sample), so
@@ -43,7 +46,7 @@ BATCH=${BATCH:-32}
 MODEL=${MODEL:-mlp}
 HB=${HB:-2}
 SEED=${SEED:-1}
-FAULTS=${FAULTS:-kill stop cut} # cycled through in this order
+FAULTS=${FAULTS:-kill stop cut rendezvous} # cycled through in this order
 GAP_MIN=${GAP_MIN:-20}          # seconds between faults: drawn from [GAP_MIN, GAP_MAX]
 GAP_MAX=${GAP_MAX:-40}
 WORKER_HOSTS=3 # + the chief: 4 workers
@@ -72,18 +75,14 @@ run() {
   local name=$1 port=$2 faults=$3 host
   local rdzv="$(host_ip "$RDZV_HOST"):$port"
   mkdir -p "$tmp/$name/ledger"
-  ip netns exec "$(host_ns "$RDZV_HOST")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
-    "$bin" rendezvous --listen "$rdzv" --workers "$HOSTS" --heartbeat-timeout "$HB" \
-    >"$tmp/$name/rendezvous.log" 2>&1 &
-  local rdzv_pid=$!
-  pids+=("$rdzv_pid")
+  start_rendezvous "$name" "$rdzv"
   local start=$SECONDS supervisors=()
   for ((host = 0; host < HOSTS; host++)); do
     supervise "$name" "$host" "$port" "$rdzv" &
     supervisors+=($!)
     pids+=($!)
   done
-  if ((faults)); then inject "$name" "$start" & fi
+  if ((faults)); then inject "$name" "$start" "$rdzv" & fi
   local injector=$!
   # Once the group has finished, a worker still waiting to rejoin it has nothing to join.
   while [[ ! -e $tmp/$name/done ]] && kill -0 "${supervisors[0]}" 2>/dev/null; do sleep 1; done
@@ -97,9 +96,18 @@ run() {
   [[ -e $tmp/$name/done ]] || die "$name: no worker finished; logs in $tmp/$name"
   run_seconds=$(($(cat "$tmp/$name/done") - start))
   if ((faults)); then wait "$injector" || true; fi
-  kill -TERM "$rdzv_pid" 2>/dev/null || true
-  wait "$rdzv_pid" 2>/dev/null || true
+  kill -TERM "$(cat "$tmp/$name/rdzv-pid")" 2>/dev/null || true
+  while kill -0 "$(cat "$tmp/$name/rdzv-pid")" 2>/dev/null; do sleep 0.1; done
   log "$name: $run_seconds s; $(grep -ho 'Test: .*' "$tmp/$name"/host-*.log | tail -n1)"
+}
+
+# start_rendezvous RUN RDZV: `flotilla rendezvous` on its host; its pid in RUN/rdzv-pid.
+start_rendezvous() {
+  ip netns exec "$(host_ns "$RDZV_HOST")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
+    "$bin" rendezvous --listen "$2" --workers "$HOSTS" --heartbeat-timeout "$HB" \
+    >>"$tmp/$1/rendezvous.log" 2>&1 &
+  echo $! >"$tmp/$1/rdzv-pid"
+  pids+=($!)
 }
 
 # supervise RUN HOST PORT RDZV: starts the host's worker again until the group has finished.
@@ -146,9 +154,9 @@ sample() {
 heals() { cat "$tmp/$1"/host-*.log 2>/dev/null | grep -c '; going on from epoch' || true; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-# inject RUN START: a fault every 20-40 s until DURATION s after START (or the run's end).
+# inject RUN START RDZV: a fault every 20-40 s until DURATION s after START (or the run's end).
 inject() {
-  local name=$1 start=$2 n=0 kind host pid before t0 resumed hold_ms=$(((HB + 3) * 1000)) i j t
+  local name=$1 start=$2 rdzv=$3 n=0 kind host pid before t0 resumed hold_ms=$(((HB + 3) * 1000)) i j t
   local order=()
   local kinds=($FAULTS)
   RANDOM=$SEED
@@ -164,6 +172,20 @@ inject() {
       done
     fi
     host=${order[n % HOSTS]}
+    if [[ $kind == rendezvous ]]; then
+      # The group must not notice: no heal while it is down, nor right after its return.
+      n=$((n + 1))
+      before=$(heals "$name")
+      t0=$(now_ms)
+      kill -KILL "$(cat "$tmp/$name/rdzv-pid")"
+      sleep $((HB + 3))
+      start_rendezvous "$name" "$rdzv"
+      sleep 10
+      echo "$((SECONDS - start)) $kind $RDZV_HOST $(cat "$tmp/$name/rdzv-pid") $(($(heals "$name") - before)) $t0" >>"$tmp/$name/faults"
+      log "fault $n at $((SECONDS - start)) s: rendezvous killed, a new one after $((HB + 3)) s;" \
+        "$(($(heals "$name") - before)) regroups"
+      continue
+    fi
     pid=$(cat "$tmp/$name/pid-$host")
     kill -0 "$pid" 2>/dev/null || continue
     n=$((n + 1))
@@ -354,6 +376,11 @@ if seen:
 a_free, a_chaos = accuracy("free"), accuracy("chaos")
 out(metric="test_accuracy", fault_free=a_free, chaos=a_chaos,
     diff_points=None if a_free is None or a_chaos is None else round(abs(a_free - a_chaos) * 100, 2), goal="<= 0.5")
+outages = [f for f in faults if f[1] == "rendezvous"]
+if outages:
+    out(metric="rendezvous_outages", count=len(outages), regroups=sum(int(f[4]) for f in outages),
+        goal_regroups=0, note="each: killed, a new one after heartbeat timeout + 3 s; regroups "
+        "counted to 10 s after its return (a fault of another kind in that time would count too)")
 for kind in ("kill", "stop", "cut"):
     times = [int(f[4]) / 1000 for f in faults if f[1] == kind and f[4] != "none"]
     if times:

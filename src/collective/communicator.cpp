@@ -199,6 +199,14 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    if (!silent.empty()) {
+      // An elastic rendezvous expels the members this one waited for in vain (see
+      // Membership::reported_silent); a fixed group's keeps the report as a plain key.
+      std::string ranks;
+      for (int r : silent) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      store.set(detail::kSilentPrefix + std::to_string(rank),
+                bytes(std::to_string(sequence) + " " + ranks + " " + description));
+    }
   } catch (const std::exception& e) {
     return "; the other ranks could not be asked where they are (rendezvous store: " +
            backend_message(e) + "; is the chief down?)";

@@ -140,6 +140,19 @@ std::uint64_t Membership::advance(std::uint64_t from, Changes& changes) {
   return generation_;
 }
 
+std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
+                                             const std::vector<int>& ranks) const {
+  const auto members = slots_where([](const Slot& x) { return x.member; });
+  if (!formed_ || g != generation_ || !slot(reporter).member) return {};
+  std::vector<int> out;
+  for (int r : ranks) {
+    if (r < 0 || r >= static_cast<int>(members.size())) continue;
+    const int s = members[static_cast<std::size_t>(r)];
+    if (s != reporter && std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  return out;
+}
+
 void Membership::fail(int s, const std::string& what) {
   Slot& state = at(s);
   if (!state.failure.empty() || state.left) return;

@@ -95,6 +95,12 @@ class Membership {
   // member's request forms the next generation, the others' find it formed). Returns the newest
   // generation's number.
   std::uint64_t advance(std::uint64_t from, Changes& changes);
+  // Elastic: the member in slot `reporter` timed out in a collective of generation `g`, which
+  // ranks `ranks` of that generation never reached. The slots to expel: those ranks' slots, when
+  // `g` is the newest generation and the reporter is one of its members (a hang outside the
+  // collectives while the heartbeat thread runs; a late or stale report expels nobody).
+  std::vector<int> reported_silent(int reporter, std::uint64_t g,
+                                   const std::vector<int>& ranks) const;
   // Fixed: slot `s` failed (its first failure is kept; not after it left) / said goodbye.
   void fail(int s, const std::string& what);
   void leave(int s) { at(s).left = true; }

@@ -252,13 +252,15 @@ struct RendezvousServer::Impl {
   // Elastic: slot `r`'s process is gone (or expelled): its connections are closed, and the
   // membership frees the slot (see Membership::release).
   void release(int r, const std::string& what, bool expel) {
+    // The membership first: an expelled process's last answer quotes why (last_departure).
+    const auto changes = members.release(r, what, finished());
     for (auto& [id, c] : conns) {
       if (!c.joined || c.rank != r || c.close_after_flush) continue;
       if (c.role == kRoleHeartbeat && expel) send_pong(c, false, /*expelled=*/true);
       c.close_after_flush = true;
     }
     slot_conns[static_cast<std::size_t>(r)] = SlotConns{};
-    apply(members.release(r, what, finished()));
+    apply(changes);
   }
 
   bool finished() const { return kv.contains({kFinishedKey}); }
@@ -365,7 +367,7 @@ struct RendezvousServer::Impl {
       if (op == kGet || op == kWait) return handle_wait(id, c, in, op == kGet);
       WireWriter w;
       w.u8(kOk);
-      answer(op, in, w);
+      answer(op, in, w, c.rank);
       queue(c, w.frame());
     } catch (const KvStoreError& e) {
       reply_status(c, kFailed, e.what());
@@ -373,11 +375,13 @@ struct RendezvousServer::Impl {
   }
 
   // The store's answer to a request that needs no waiting, after its kOk.
-  void answer(std::uint8_t op, WireReader& in, WireWriter& w) {
+  void answer(std::uint8_t op, WireReader& in, WireWriter& w, int slot) {
     switch (op) {
     case kSet: {
       const std::string key = in.str(kMaxKeyBytes);
-      kv.set(key, in.bytes(kMaxValueBytes));
+      Bytes value = in.bytes(kMaxValueBytes);
+      expel_silent(slot, key, value);
+      kv.set(key, std::move(value));
       return;
     }
     case kAdd: {
@@ -406,6 +410,35 @@ struct RendezvousServer::Impl {
     case kNumKeys: w.i64(static_cast<std::int64_t>(kv.num_keys())); return;
     default: throw WireError("unknown store operation " + std::to_string(op));
     }
+  }
+
+  // Elastic: a member's report (kSilentPrefix, under its generation's prefix) of ranks that never
+  // reached the collective it timed out in: they hang outside the collectives while their
+  // heartbeat runs, and are expelled like silent ones.
+  void expel_silent(int reporter, const std::string& key, const Bytes& value) {
+    const auto g = generation_of(key);
+    if (!g) return;
+    const std::string rest = key.substr(key.find('/', 10) + 1);
+    if (rest.rfind(kSilentPrefix, 0) != 0) return;
+    const std::string text(value.begin(), value.end());
+    const auto first = text.find(' ');
+    const auto second = first == std::string::npos ? first : text.find(' ', first + 1);
+    if (second == std::string::npos) return;
+    std::vector<int> ranks;
+    for (std::size_t at = first + 1; at < second;) {
+      const auto end = std::min(text.find(',', at), second);
+      const std::string r = text.substr(at, end - at);
+      if (r.empty() || r.size() > 9 || r.find_first_not_of("0123456789") != std::string::npos) {
+        return;
+      }
+      ranks.push_back(std::stoi(r));
+      at = end + 1;
+    }
+    const std::string why = "made no progress: it never reached " + text.substr(second + 1) +
+                            ", in which " + config.name(reporter) +
+                            " waited until its timeout (hung outside the collectives while its "
+                            "heartbeat ran)";
+    for (int s : members.reported_silent(reporter, *g, ranks)) release(s, why, /*expel=*/true);
   }
 
   // A GET (one key) or WAIT (several): answered when the store wakes it, or at its deadline.

@@ -313,6 +313,52 @@ TEST(RendezvousCommand, ARestartWhoseSlotIsStillHeldWaitsForItAndIsAdmitted) {
   EXPECT_EQ(first.out.find("WRONG"), std::string::npos) << first.out;
 }
 
+// A member whose training thread hangs outside the collectives while its heartbeat runs: the
+// others time out in the collective it never reaches, say so to the rendezvous, which expels it,
+// and they go on without it instead of exiting.
+TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGoOn) {
+  const auto ports = testing::free_ports(4);
+  const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
+  testing::Process service(
+      {kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"});
+  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int slot = 0; slot < 3; ++slot) {
+    cluster::ClusterSpec spec;
+    for (int i = 0; i < 3; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
+    spec.task = {cluster::TaskType::kWorker, slot};
+    std::vector<std::string> argv = {worker, "--steps",
+                                     "8",    "--timeout-ms",
+                                     "4000", "--heartbeat-timeout-ms",
+                                     "1000", "--heartbeat-interval-ms",
+                                     "200"};
+    if (slot == 2) argv.insert(argv.end(), {"--signal-at", "3", "--signal", "HANG"});
+    workers.push_back(std::make_unique<testing::Process>(
+        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
+                                                 {"FLOTILLA_RENDEZVOUS", listen}}));
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    const auto r = workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("generation 1 [0,1] (slot 2 made no progress: it never reached "
+                         "all_reduce #"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("step 7 gen 1 rank " + std::to_string(slot) + "/2 sum 3 ok"),
+              std::string::npos)
+        << r.out;
+  }
+  // Its heartbeat hears it: the process says so (its hung thread cannot be stopped from here).
+  EXPECT_TRUE(workers[2]->wait_for_errors("slot 2 made no progress: it never reached all_reduce "
+                                          "#",
+                                          std::chrono::seconds(10)))
+      << workers[2]->errors_so_far();
+  EXPECT_TRUE(workers[2]->wait_for_errors("it was expelled from the training group (start it "
+                                          "again to rejoin)",
+                                          std::chrono::seconds(10)))
+      << workers[2]->errors_so_far();
+}
+
 // The table's flags are the CLI's: each one a subcommand's --help lists.
 TEST(TrainCommand, EveryFlagOfTheApiTableIsAFlagOfTheCli) {
   auto help_of = [](const std::string& sub) {

@@ -11,8 +11,9 @@
 // and exits 0 when every sum was right, 1 otherwise, or flotilla's exit code for an error.
 // Flags: --steps N (default 6); --until-members M (go on past N steps until the group has M
 // members again and 3 steps more, at most 600 steps); --step-ms MS (sleep per step, default 20);
-// --signal-at K --signal STOP|KILL (this process sends itself the signal at step K, before
-// its all-reduce, while the others are inside theirs); --signal-slot S (only slot S does);
+// --signal-at K --signal STOP|KILL|HANG (this process sends itself the signal at step K, before
+// its all-reduce, while the others are inside theirs; HANG: its training thread sleeps for ever
+// there, while its heartbeat goes on); --signal-slot S (only slot S does);
 // --signal-once FILE (only when FILE does not exist yet; it is created first, so a restarted
 // process does not signal itself again); --heartbeat-timeout-ms,
 // --heartbeat-interval-ms, --timeout-ms.
@@ -49,7 +50,11 @@ int main(int argc, char** argv) {
     if (flag == "--signal-at") signal_at = value;
     if (flag == "--signal-slot") signal_slot = value;
     if (flag == "--signal-once") signal_once = argv[i + 1];
-    if (flag == "--signal") signal = !std::strcmp(argv[i + 1], "STOP") ? SIGSTOP : SIGKILL;
+    if (flag == "--signal") {
+      signal = !std::strcmp(argv[i + 1], "STOP")   ? SIGSTOP
+               : !std::strcmp(argv[i + 1], "HANG") ? 0
+                                                   : SIGKILL;
+    }
     if (flag == "--timeout-ms") options.timeout = std::chrono::milliseconds(value);
     if (flag == "--heartbeat-timeout-ms") {
       options.heartbeat_timeout = std::chrono::milliseconds(value);
@@ -94,6 +99,9 @@ int main(int argc, char** argv) {
             whole_at = step;
           }
           continue;
+        }
+        if (step == signal_at && signal == 0) {
+          for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
         }
         if (step == signal_at) ::raise(signal);
         auto value = torch::full({1000}, static_cast<float>(group->slot() + 1));

@@ -285,6 +285,19 @@ TEST(Membership, TimeTheServerDidNotRunIsNoWorkersSilence) {
   EXPECT_EQ(m.slot(0).last_seen, woke); // never later than now
 }
 
+// A member that timed out in a collective names the ranks that never reached it: their slots
+// are expelled, if the report is about the newest generation and comes from one of its members.
+TEST(Membership, RanksReportedSilentInTheNewestGenerationAreItsSlotsToExpel) {
+  Membership m = formed(4);
+  m.release(1, "was killed", false); // generation 1: slots [0, 2, 3] as ranks 0, 1, 2
+  EXPECT_EQ(m.reported_silent(0, 1, {2}), (std::vector<int>{3}));
+  EXPECT_EQ(m.reported_silent(3, 1, {0, 1}), (std::vector<int>{0, 2}));
+  EXPECT_TRUE(m.reported_silent(0, 1, {0}).empty());     // never itself
+  EXPECT_TRUE(m.reported_silent(0, 0, {2}).empty());     // about an older generation: late
+  EXPECT_TRUE(m.reported_silent(1, 1, {2}).empty());     // from a slot that is no member
+  EXPECT_TRUE(m.reported_silent(0, 1, {3, -1}).empty()); // ranks the generation does not have
+}
+
 TEST(Membership, AFixedGroupKeepsEachRanksFirstFailureAndNeverFailsOneThatLeft) {
   Membership m(3, /*elastic=*/false, [](int s) { return "worker " + std::to_string(s); });
   for (int s = 0; s < 3; ++s) {
