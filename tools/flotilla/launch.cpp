@@ -449,16 +449,22 @@ class Launcher {
 // Elastic: the others go on without a failed worker (the rendezvous, hosted here, drops it),
 // and it is started again, alone, while restarts remain; it rejoins from a live peer.
 void Launcher::reap_elastic() {
+  // Every exit first, then the decisions: a worker that finished finished the group's training
+  // (the members end together), so a worker failing at the same time or after (one stopped
+  // until the others were done, then told it was expelled) is not replaced, whatever its place
+  // in the list: its restart would find no member to admit it.
+  std::vector<std::pair<Child*, int>> ended;
   for (auto& c : children_) {
     if (!c.running) continue;
     int status = 0;
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    // A worker that finished finished the group's training: the members end together, so a
-    // worker failing after that (one stopped until the others were done, then told it was
-    // expelled) is not replaced: its restart would find no member to admit it.
     if (c.exit_code == 0 && c.index < args_.workers) group_finished_ = true;
+    ended.emplace_back(&c, status);
+  }
+  for (auto& [child, status] : ended) {
+    Child& c = *child;
     // Once stopped below --min-workers, the rest's exits are how they took it (supervise's end).
     if (c.exit_code == 0 || forwarded_ || c.index >= args_.workers || !stopped_below_min_.empty()) {
       continue;
