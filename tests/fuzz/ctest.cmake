@@ -13,7 +13,7 @@ add_test(NAME fuzz_run COMMAND ${FLOTILLA_FUZZ_RUNNER} --all 8 ${FLOTILLA_FUZZ_R
 # The timeout only guards against a hang: seven runs of 8 s, two at a time, plus start-up.
 set_tests_properties(fuzz_run PROPERTIES LABELS fuzz SKIP_RETURN_CODE 77 TIMEOUT 600
   FIXTURES_REQUIRED fuzz_targets FIXTURES_SETUP fuzz_results ENVIRONMENT ${FLOTILLA_FUZZ_ENV})
-foreach(target tf_config slurm idx tfrecord csv manifest wire)
+foreach(target tf_config slurm idx tfrecord csv manifest pointer wire)
   add_test(NAME fuzz_${target}
     COMMAND ${FLOTILLA_FUZZ_RUNNER} --report ${target} ${FLOTILLA_FUZZ_RESULTS})
   set_tests_properties(fuzz_${target} PROPERTIES LABELS fuzz SKIP_RETURN_CODE 77 TIMEOUT 60

@@ -31,6 +31,7 @@
 
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/checkpoint/optimizer_state.h"
+#include "flotilla/checkpoint/pointer.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/log.h"
@@ -108,14 +109,8 @@ std::optional<CheckpointData> restore_latest(const std::filesystem::path& direct
                                              std::filesystem::path* restored_from = nullptr,
                                              const AcceptCheckpoint& accept = {});
 
-// The pointer file's contents. TensorFlow's CheckpointState in protobuf text format; paths are
-// as written (relative to the directory unless absolute).
-struct CheckpointPointer {
-  std::string model_checkpoint_path;
-  std::vector<std::string> all_model_checkpoint_paths; // oldest first
-};
-// nullopt when `directory` has no pointer file; CheckpointError when it cannot be parsed.
+// nullopt when `directory` has no pointer file (flotilla/checkpoint/pointer.h); CheckpointError
+// when it cannot be parsed.
 std::optional<CheckpointPointer> read_pointer(const std::filesystem::path& directory);
-std::string format_pointer(const CheckpointPointer& pointer);
 
 } // namespace flotilla::checkpoint
