@@ -66,8 +66,11 @@ Bytes RendezvousStore::request(const std::string& frame, std::chrono::millisecon
   const auto give_up = Clock::now() + config_.timeout;
   for (;;) {
     if (!connection_) {
-      if (!reconnect)
-        throw CommError("no connection to the rendezvous at " + config_.chief.to_string());
+      // A fixed group's chief-hosted rendezvous cannot come back: its loss was final.
+      if (!reconnect || !config_.standing) {
+        throw CommError("the connection to the rendezvous at " + config_.chief.to_string() +
+                        " was lost earlier; this rank cannot use its store any more");
+      }
       connect(give_up);
     }
     // The chief answers a blocking request at its own deadline; allow for the trip.
