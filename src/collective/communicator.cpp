@@ -21,6 +21,7 @@
 #include "collective/rendezvous.h"
 #include "collective/rendezvous_server.h"
 #include "collective/rendezvous_store.h"
+#include "collective/wire.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 
@@ -202,10 +203,8 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
     if (!silent.empty()) {
       // An elastic rendezvous expels the members this one waited for in vain (see
       // Membership::reported_silent); a fixed group's keeps the report as a plain key.
-      std::string ranks;
-      for (int r : silent) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
       store.set(detail::kSilentPrefix + std::to_string(rank),
-                bytes(std::to_string(sequence) + " " + ranks + " " + description));
+                bytes(detail::SilentReport{sequence, silent, description}.text()));
     }
   } catch (const std::exception& e) {
     return "; the other ranks could not be asked where they are (rendezvous store: " +

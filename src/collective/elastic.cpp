@@ -41,17 +41,12 @@ Record parse_record(const std::string& value, std::uint64_t generation) {
     record.afresh = record.reason.substr(mark + 1) == "afresh";
     record.reason.resize(mark);
   }
-  std::size_t at = 0;
-  while (at < list.size()) {
-    const auto comma = std::min(list.find(',', at), list.size());
-    try {
-      record.slots.push_back(std::stoi(list.substr(at, comma - at)));
-    } catch (const std::exception&) {
-      throw CommError("the rendezvous recorded generation " + std::to_string(generation) +
-                      " as \"" + list + "\", which is not a list of slots");
-    }
-    at = comma + 1;
+  auto slots = detail::parse_int_list(list);
+  if (!slots) {
+    throw CommError("the rendezvous recorded generation " + std::to_string(generation) +
+                    " as \"" + list + "\", which is not a list of slots");
   }
+  record.slots = std::move(*slots);
   return record;
 }
 

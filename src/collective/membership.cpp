@@ -5,9 +5,7 @@
 namespace flotilla::collective::detail {
 
 std::string Membership::Generation::slot_list() const {
-  std::string text;
-  for (int slot : slots) text += (text.empty() ? "" : ",") + std::to_string(slot);
-  return text;
+  return int_list(slots);
 }
 
 std::string Membership::Generation::record() const {

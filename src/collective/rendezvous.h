@@ -82,11 +82,6 @@ struct RendezvousConfig {
   std::string server_name() const;
 };
 
-// Under a generation's prefix ("flotilla/g<N>/"), "<this>R" = "<sequence> <r>,<r>,...
-// <description>": rank R of that generation timed out in operation <sequence> and ranks <r>...
-// never reached it (no word from them). An elastic rendezvous expels them.
-inline const std::string kSilentPrefix = "flotilla/silent/";
-
 // 16 random bytes for RendezvousConfig::session.
 std::array<std::uint8_t, 16> new_session();
 

@@ -417,28 +417,14 @@ struct RendezvousServer::Impl {
   // heartbeat runs, and are expelled like silent ones.
   void expel_silent(int reporter, const std::string& key, const Bytes& value) {
     const auto g = generation_of(key);
-    if (!g) return;
-    const std::string rest = key.substr(key.find('/', 10) + 1);
-    if (rest.rfind(kSilentPrefix, 0) != 0) return;
-    const std::string text(value.begin(), value.end());
-    const auto first = text.find(' ');
-    const auto second = first == std::string::npos ? first : text.find(' ', first + 1);
-    if (second == std::string::npos) return;
-    std::vector<int> ranks;
-    for (std::size_t at = first + 1; at < second;) {
-      const auto end = std::min(text.find(',', at), second);
-      const std::string r = text.substr(at, end - at);
-      if (r.empty() || r.size() > 9 || r.find_first_not_of("0123456789") != std::string::npos) {
-        return;
-      }
-      ranks.push_back(std::stoi(r));
-      at = end + 1;
-    }
-    const std::string why = "made no progress: it never reached " + text.substr(second + 1) +
+    if (!g || key.compare(key.find('/', 10) + 1, kSilentPrefix.size(), kSilentPrefix) != 0) return;
+    const auto report = SilentReport::parse(std::string(value.begin(), value.end()));
+    if (!report) return;
+    const std::string why = "made no progress: it never reached " + report->description +
                             ", in which " + config.name(reporter) +
                             " waited until its timeout (hung outside the collectives while its "
                             "heartbeat ran)";
-    for (int s : members.reported_silent(reporter, *g, ranks)) release(s, why, /*expel=*/true);
+    for (int s : members.reported_silent(reporter, *g, report->ranks)) release(s, why, /*expel=*/true);
   }
 
   // A GET (one key) or WAIT (several): answered when the store wakes it, or at its deadline.

@@ -27,6 +27,14 @@ void check_value(const Bytes& value) {
   }
 }
 
+std::string set_frame(const std::string& key, const Bytes& value) {
+  check_key(key);
+  check_value(value);
+  WireWriter w;
+  w.u8(kSet).str(key).bytes(value);
+  return w.frame();
+}
+
 std::uint32_t wire_ms(std::chrono::milliseconds d) {
   return static_cast<std::uint32_t>(std::clamp<std::int64_t>(d.count(), 0, 0x7fffffff));
 }
@@ -107,12 +115,9 @@ Bytes RendezvousStore::request(const std::string& frame, std::chrono::millisecon
 }
 
 bool RendezvousStore::set_if_connected(const std::string& key, const Bytes& value) {
-  check_key(key);
-  check_value(value);
-  WireWriter w;
-  w.u8(kSet).str(key).bytes(value);
+  const std::string frame = set_frame(key, value); // a key over the bounds is an error still
   try {
-    request(w.frame(), std::chrono::milliseconds(0), /*reconnect=*/false);
+    request(frame, std::chrono::milliseconds(0), /*reconnect=*/false);
     return true;
   } catch (const CommError&) {
     return false;
@@ -120,11 +125,7 @@ bool RendezvousStore::set_if_connected(const std::string& key, const Bytes& valu
 }
 
 void RendezvousStore::set(const std::string& key, const Bytes& value) {
-  check_key(key);
-  check_value(value);
-  WireWriter w;
-  w.u8(kSet).str(key).bytes(value);
-  request(w.frame(), std::chrono::milliseconds(0));
+  request(set_frame(key, value), std::chrono::milliseconds(0));
 }
 
 Bytes RendezvousStore::compareSet(const std::string& key, const Bytes& expected,

@@ -276,6 +276,46 @@ Pong Pong::parse(const std::string& body, int world_size) {
 
 // ------------------------------------------------------------------------------------------
 
+std::string int_list(const std::vector<int>& values) {
+  std::string text;
+  for (int v : values) text += (text.empty() ? "" : ",") + std::to_string(v);
+  return text;
+}
+
+std::optional<std::vector<int>> parse_int_list(const std::string& text) {
+  std::vector<int> out;
+  for (std::size_t at = 0; at < text.size();) {
+    const auto end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    if (item.empty() || item.size() > 9 ||
+        item.find_first_not_of("0123456789") != std::string::npos) {
+      return std::nullopt;
+    }
+    out.push_back(std::stoi(item));
+    at = end + 1;
+    if (at == text.size()) return std::nullopt; // a trailing comma
+  }
+  return out;
+}
+
+std::string SilentReport::text() const {
+  return std::to_string(sequence) + " " + int_list(ranks) + " " + description;
+}
+
+std::optional<SilentReport> SilentReport::parse(const std::string& text) {
+  const auto first = text.find(' ');
+  const auto second = first == std::string::npos ? first : text.find(' ', first + 1);
+  if (second == std::string::npos) return std::nullopt;
+  const std::string sequence = text.substr(0, first);
+  if (sequence.empty() || sequence.size() > 19 ||
+      sequence.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  auto ranks = parse_int_list(text.substr(first + 1, second - first - 1));
+  if (!ranks) return std::nullopt;
+  return SilentReport{std::stoull(sequence), std::move(*ranks), text.substr(second + 1)};
+}
+
 void fill_random(std::uint8_t* out, std::size_t n) {
   if (RAND_bytes(out, static_cast<int>(n)) != 1) {
     throw Error("the system's random number generator failed (OpenSSL RAND_bytes)");

@@ -200,6 +200,29 @@ struct Pong {
 };
 
 // ------------------------------------------------------------------------------------------
+// Store values the server reads as well as stores.
+
+// "a,b,c": the slot lists of generation records and the ranks of silent reports.
+std::string int_list(const std::vector<int>& values);
+// nullopt unless `text` is empty or non-negative decimal integers (at most 9 digits each)
+// separated by commas.
+std::optional<std::vector<int>> parse_int_list(const std::string& text);
+
+// A member's report (key kSilentPrefix + its rank, under its generation's prefix "flotilla/g<N>/")
+// that `ranks` of its generation never reached the collective it timed out in:
+// "<sequence> <rank>,<rank>,... <description>". An elastic rendezvous expels them.
+inline const std::string kSilentPrefix = "flotilla/silent/";
+struct SilentReport {
+  std::uint64_t sequence = 0;
+  std::vector<int> ranks;
+  std::string description;
+
+  std::string text() const;
+  // nullopt when `text` is not such a report.
+  static std::optional<SilentReport> parse(const std::string& text);
+};
+
+// ------------------------------------------------------------------------------------------
 // Secrets.
 
 // N random bytes from the system's generator (OpenSSL); Error when it fails.

@@ -155,6 +155,21 @@ TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
       << r.err;
 }
 
+// tests/multiworker/elastic_worker with `flags`, as slot `slot` of the `world` workers on
+// `ports`, meeting at the rendezvous at `listen`.
+std::unique_ptr<testing::Process> elastic_worker(const std::vector<int>& ports, int world, int slot,
+                                                 const std::string& listen,
+                                                 const std::vector<std::string>& flags) {
+  cluster::ClusterSpec spec;
+  for (int i = 0; i < world; ++i) spec.worker.push_back({"127.0.0.1", ports[static_cast<std::size_t>(i)]});
+  spec.task = {cluster::TaskType::kWorker, slot};
+  std::vector<std::string> argv = {testing::test_bin_dir() + "/elastic_worker"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  return std::make_unique<testing::Process>(
+      argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
+                                               {"FLOTILLA_RENDEZVOUS", listen}});
+}
+
 // flotilla rendezvous: the arbiter as a process of its own. The chief of an elastic group is
 // killed; the service (not the chief) hosted the rendezvous, so the other worker goes on.
 TEST(RendezvousCommand, AnElasticGroupOutlivesItsKilledChiefAndTheServiceStopsOnSigterm) {
@@ -162,18 +177,10 @@ TEST(RendezvousCommand, AnElasticGroupOutlivesItsKilledChiefAndTheServiceStopsOn
   const std::string listen = "127.0.0.1:" + std::to_string(ports[2]);
   testing::Process service(
       {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "30"});
-  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
   std::vector<std::unique_ptr<testing::Process>> workers;
-  for (int slot = 0; slot < 2; ++slot) {
-    std::vector<std::string> argv = {worker, "--steps", "5"};
-    if (slot == 0) argv.insert(argv.end(), {"--signal-at", "2", "--signal", "KILL"});
-    cluster::ClusterSpec spec;
-    for (int i = 0; i < 2; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
-    spec.task = {cluster::TaskType::kWorker, slot};
-    workers.push_back(std::make_unique<testing::Process>(
-        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
-                                                 {"FLOTILLA_RENDEZVOUS", listen}}));
-  }
+  workers.push_back(
+      elastic_worker(ports, 2, 0, listen, {"--steps", "5", "--signal-at", "2", "--signal", "KILL"}));
+  workers.push_back(elastic_worker(ports, 2, 1, listen, {"--steps", "5"}));
   const auto chief = workers[0]->wait(std::chrono::seconds(60));
   const auto other = workers[1]->wait(std::chrono::seconds(60));
   EXPECT_EQ(chief.exit_code, 128 + SIGKILL) << chief.err;
@@ -209,18 +216,12 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   const std::vector<std::string> serve = {
       kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"};
   auto service = std::make_unique<testing::Process>(serve);
-  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
   std::vector<std::unique_ptr<testing::Process>> workers;
   for (int slot = 0; slot < 3; ++slot) {
-    cluster::ClusterSpec spec;
-    for (int i = 0; i < 3; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
-    spec.task = {cluster::TaskType::kWorker, slot};
-    workers.push_back(std::make_unique<testing::Process>(
-        std::vector<std::string>{worker, "--steps", "100000", "--step-ms", "10",
-                                 "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms",
-                                 "200"},
-        std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
-                                           {"FLOTILLA_RENDEZVOUS", listen}}));
+    workers.push_back(elastic_worker(ports, 3, slot, listen,
+                                     {"--steps", "100000", "--step-ms", "10",
+                                      "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms",
+                                      "200"}));
   }
   auto& chief = *workers[0];
   ASSERT_TRUE(chief.wait_for_output("step 10 gen 0 rank 0/3 sum 6 ok")) << chief.errors_so_far();
@@ -278,17 +279,9 @@ TEST(RendezvousCommand, ARestartWhoseSlotIsStillHeldWaitsForItAndIsAdmitted) {
   const std::string listen = "127.0.0.1:" + std::to_string(ports[2]);
   testing::Process service(
       {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "1"});
-  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
   const auto start = [&](int slot, std::vector<std::string> flags) {
-    cluster::ClusterSpec spec;
-    for (int i = 0; i < 2; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
-    spec.task = {cluster::TaskType::kWorker, slot};
-    std::vector<std::string> argv = {worker, "--heartbeat-timeout-ms", "1000",
-                                     "--heartbeat-interval-ms", "200"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    return std::make_unique<testing::Process>(
-        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
-                                                 {"FLOTILLA_RENDEZVOUS", listen}});
+    flags.insert(flags.end(), {"--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms", "200"});
+    return elastic_worker(ports, 2, slot, listen, flags);
   };
   auto chief = start(0, {"--steps", "5", "--until-members", "2"});
   auto stopped = start(1, {"--steps", "5", "--signal-at", "3", "--signal", "STOP"});
@@ -321,21 +314,13 @@ TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGo
   const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
   testing::Process service(
       {kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"});
-  const std::string worker = testing::test_bin_dir() + "/elastic_worker";
   std::vector<std::unique_ptr<testing::Process>> workers;
   for (int slot = 0; slot < 3; ++slot) {
-    cluster::ClusterSpec spec;
-    for (int i = 0; i < 3; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
-    spec.task = {cluster::TaskType::kWorker, slot};
-    std::vector<std::string> argv = {worker, "--steps",
-                                     "8",    "--timeout-ms",
-                                     "4000", "--heartbeat-timeout-ms",
-                                     "1000", "--heartbeat-interval-ms",
-                                     "200"};
-    if (slot == 2) argv.insert(argv.end(), {"--signal-at", "3", "--signal", "HANG"});
-    workers.push_back(std::make_unique<testing::Process>(
-        argv, std::map<std::string, std::string>{{"TF_CONFIG", cluster::to_tf_config(spec)},
-                                                 {"FLOTILLA_RENDEZVOUS", listen}}));
+    std::vector<std::string> flags = {"--steps", "8", "--timeout-ms", "4000",
+                                      "--heartbeat-timeout-ms", "1000",
+                                      "--heartbeat-interval-ms", "200"};
+    if (slot == 2) flags.insert(flags.end(), {"--signal-at", "3", "--signal", "HANG"});
+    workers.push_back(elastic_worker(ports, 3, slot, listen, flags));
   }
   for (int slot = 0; slot < 2; ++slot) {
     const auto r = workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90));

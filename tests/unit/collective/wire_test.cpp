@@ -119,6 +119,26 @@ TEST(Wire, AMembersJoinRequestAddsItsGenerationAndItsSlotsAsABitmap) {
   EXPECT_EQ(plain.frame().size(), 4 + fixed.size());
 }
 
+// The slot lists of generation records and silent reports: written once, read strictly.
+TEST(Wire, IntListsAndSilentReportsReadBackWhatWasWrittenAndNothingElse) {
+  EXPECT_EQ(int_list({0, 3, 12}), "0,3,12");
+  EXPECT_EQ(parse_int_list("0,3,12"), (std::vector<int>{0, 3, 12}));
+  EXPECT_EQ(parse_int_list(""), std::vector<int>{});
+  for (const char* bad : {",", "1,", ",1", "1,,2", "-1", "1x", " 1", "1234567890"}) {
+    EXPECT_FALSE(parse_int_list(bad).has_value()) << bad;
+  }
+  const SilentReport report{57, {2, 0}, "all_reduce #57 (sum, 1000 x float)"};
+  EXPECT_EQ(report.text(), "57 2,0 all_reduce #57 (sum, 1000 x float)");
+  const auto back = SilentReport::parse(report.text());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->sequence, 57u);
+  EXPECT_EQ(back->ranks, (std::vector<int>{2, 0}));
+  EXPECT_EQ(back->description, report.description);
+  for (const char* bad : {"", "57", "57 2", "x 2 op", "57 2,x op", "-1 2 op"}) {
+    EXPECT_FALSE(SilentReport::parse(bad).has_value()) << bad;
+  }
+}
+
 TEST(Wire, AWelcomeIsARefusalWithAReasonOrAnAcceptanceWithTheChiefsProof) {
   const auto refusal = Welcome::refusal("rank 1 is taken");
   EXPECT_EQ(refusal.frame(), framed(std::string("\x01") + le32(15) + "rank 1 is taken" + '\0'));
