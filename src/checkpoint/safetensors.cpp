@@ -5,6 +5,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/safetensors_header.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/error.h"
 
@@ -102,77 +103,23 @@ SafetensorsFile load_safetensors(const std::filesystem::path& path) {
 }
 
 SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
-  const std::string where = source + ": ";
-  const auto file_size = static_cast<std::int64_t>(bytes.size());
-  if (file_size < 8) {
-    throw CheckpointError(where + "truncated: " + std::to_string(file_size) +
-                          " bytes, shorter than the 8-byte header length");
-  }
-  const auto* length_bytes = reinterpret_cast<const unsigned char*>(bytes.data());
-  std::uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
-  if (header_size > static_cast<std::uint64_t>(file_size - 8) || header_size > (100u << 20)) {
-    throw CheckpointError(where + "header length " + std::to_string(header_size) +
-                          " does not fit in a file of " + std::to_string(file_size) +
-                          " bytes; the file is truncated or not safetensors");
-  }
-  const std::string text = bytes.substr(8, header_size);
-  json header;
-  try {
-    header = json::parse(text);
-  } catch (const json::exception& e) {
-    throw CheckpointError(where + "header is not valid JSON (" + std::string(e.what()) + ")");
-  }
-  if (!header.is_object()) throw CheckpointError(where + "header is not a JSON object");
-  const std::int64_t data_start = 8 + static_cast<std::int64_t>(header_size);
-  const std::int64_t data_size = file_size - data_start;
-  const char* blob = bytes.data() + data_start;
-
+  const detail::SafetensorsHeader header = detail::parse_safetensors_header(bytes, source);
+  const char* data = bytes.data() + header.data_start;
   SafetensorsFile out;
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      for (const auto& [key, value] : entry.items()) {
-        if (value.is_string()) out.metadata[key] = value.get<std::string>();
-      }
-      continue;
+  out.metadata = header.metadata;
+  for (const auto& entry : header.entries) {
+    const auto found = std::find_if(dtype_names().begin(), dtype_names().end(),
+                                    [&](const auto& p) { return entry.dtype == p.second; });
+    const std::size_t size = static_cast<std::size_t>(entry.end - entry.begin);
+    torch::Tensor t;
+    if (found != dtype_names().end()) t = torch::empty(entry.shape, found->first);
+    // The header parser's dtypes and sizes are LibTorch's (Safetensors.RoundTripsEveryDtype...).
+    if (!t.defined() || t.nbytes() != size) {
+      throw CheckpointError(source + ": tensor \"" + entry.name + "\": flotilla's dtype table " +
+                            "disagrees with LibTorch on " + entry.dtype + "; please report it");
     }
-    try {
-      const std::string dtype = entry.at("dtype").get<std::string>();
-      auto found = std::find_if(dtype_names().begin(), dtype_names().end(),
-                                [&](const auto& p) { return dtype == p.second; });
-      if (found == dtype_names().end()) {
-        throw CheckpointError(where + "tensor \"" + name + "\" has unknown dtype \"" + dtype +
-                              "\"");
-      }
-      const auto shape = entry.at("shape").get<std::vector<std::int64_t>>();
-      const auto offsets = entry.at("data_offsets").get<std::vector<std::int64_t>>();
-      // Sizes are checked against the file before anything is allocated.
-      std::int64_t numel = 1;
-      for (const auto d : shape) {
-        if (d < 0 || (d > 0 && numel > data_size / d)) {
-          throw CheckpointError(where + "tensor \"" + name + "\" has shape " +
-                                c10::str(c10::IntArrayRef(shape)) + ", larger than the file's " +
-                                std::to_string(data_size) +
-                                "-byte data section; the file is corrupt");
-        }
-        numel *= d;
-      }
-      const std::int64_t bytes = numel * static_cast<std::int64_t>(c10::elementSize(found->first));
-      if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
-          offsets[1] - offsets[0] != bytes || offsets[1] > data_size) {
-        throw CheckpointError(where + "tensor \"" + name + "\" claims bytes [" +
-                              std::to_string(offsets.empty() ? -1 : offsets[0]) + ", " +
-                              std::to_string(offsets.size() < 2 ? -1 : offsets[1]) + ") for " +
-                              std::to_string(bytes) + " bytes of data in a " +
-                              std::to_string(data_size) + "-byte section; the file is corrupt");
-      }
-      torch::Tensor t = torch::empty(shape, found->first);
-      std::memcpy(t.data_ptr(), blob + offsets[0], static_cast<std::size_t>(bytes));
-      out.tensors[name] = t;
-    } catch (const json::exception& e) {
-      throw CheckpointError(where + "tensor \"" + name + "\" has a malformed entry (" +
-                            std::string(e.what()) + ")");
-    }
+    std::memcpy(t.data_ptr(), data + entry.begin, size);
+    out.tensors[entry.name] = t;
   }
   return out;
 }

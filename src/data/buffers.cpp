@@ -6,10 +6,10 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
-#include <fstream>
 #include <random>
 #include <thread>
 
+#include "data/cache_format.h"
 #include "data/read_ahead.h"
 #include "data/stages.h"
 #include "data/tuner.h"
@@ -222,135 +222,46 @@ class MemoryFillStage : public UnaryStage {
   std::vector<Element> pending_;
 };
 
-// --- cache in a file ---
-// Layout: "FLOTILLA-CACHE-1\n", the input's fingerprint (u64 length + bytes), the elements
-// (u32 arity; per tensor: i8 dtype, u8 ndim, i64 dims, u64 bytes, data), a u64 count and the
-// marker "END\n". Written to a temporary name and renamed when complete.
+// --- cache in a file (its layout and reader: cache_format.h) ---
 
-constexpr char kCacheMagic[] = "FLOTILLA-CACHE-1\n";
-constexpr char kCacheEnd[] = "END\n";
-
-class FileReader {
- public:
-  explicit FileReader(const std::string& path)
-      : in_(path, std::ios::binary | std::ios::ate), path_(path) {
-    left_ = in_ ? static_cast<std::uint64_t>(in_.tellg()) : 0;
-    in_.seekg(0);
-  }
-  explicit operator bool() const { return static_cast<bool>(in_); }
-  const std::string& path() const { return path_; }
-  // Bytes left after the read position: what any length read from the file may claim at most.
-  // Counted as the reads go (no tellg, a seek, per tensor of a replayed element).
-  std::uint64_t remaining() const { return left_; }
-  template <class T> T read() {
-    T v{};
-    read_into(&v, sizeof v);
-    return v;
-  }
-  std::string read_string(std::size_t n) {
-    if (n > left_) check_failed();
-    std::string s(n, '\0');
-    read_into(s.data(), n);
-    return s;
-  }
-  void read_into(void* out, std::size_t n) {
-    in_.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
-    if (!in_ || n > left_) check_failed();
-    left_ -= n;
-  }
-
- private:
-  [[noreturn]] void check_failed() const {
-    throw DataError("cache file " + path_ + " ends early; delete it to rebuild it");
-  }
-  std::ifstream in_;
-  std::string path_;
-  std::uint64_t left_ = 0;
-};
-
-// One tensor's header as the file claims it, checked before anything is allocated from it: the
-// file may be damaged, or written by someone else into a shared directory.
-torch::Tensor empty_from_header(FileReader& in) {
-  const auto corrupt = [&](const std::string& what) {
-    return DataError("cache file " + in.path() + " is corrupt (" + what +
-                     "); delete it to rebuild it");
-  };
-  const auto code = in.read<std::int8_t>();
+std::size_t element_size(std::int8_t code) {
   const auto dtype = static_cast<torch::ScalarType>(code);
   if (code < 0 || code >= static_cast<int>(torch::ScalarType::NumOptions) ||
-      c10::isQIntType(dtype)) {
-    throw corrupt("dtype code " + std::to_string(code));
+      dtype == torch::ScalarType::Undefined || c10::isQIntType(dtype)) {
+    return 0;
   }
-  const auto ndim = in.read<std::uint8_t>();
-  if (ndim > 16) throw corrupt(std::to_string(ndim) + " dimensions");
-  std::vector<std::int64_t> dims(ndim);
-  std::uint64_t numel = 1;
-  const std::uint64_t limit = in.remaining(); // no tensor holds more elements than bytes left
-  for (auto& d : dims) {
-    d = in.read<std::int64_t>();
-    if (d < 0 || (d > 0 && numel > limit / static_cast<std::uint64_t>(d))) {
-      throw corrupt("a dimension of " + std::to_string(d));
-    }
-    numel *= static_cast<std::uint64_t>(d);
+  try {
+    return c10::elementSize(dtype);
+  } catch (const c10::Error&) {
+    return 0; // a code LibTorch knows but cannot size: no cached tensor has it
   }
-  const auto bytes = in.read<std::uint64_t>();
-  if (numel > limit || bytes != numel * c10::elementSize(dtype)) {
-    throw corrupt("a tensor's size does not match its shape");
-  }
-  if (bytes > in.remaining()) throw corrupt("a tensor runs past the end of the file");
-  return torch::empty(dims, dtype);
-}
-
-// The fingerprint at the head of a complete cache file, or "" if absent or incomplete.
-std::string cached_fingerprint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return "";
-  const auto size = static_cast<std::int64_t>(in.tellg());
-  const std::int64_t magic = sizeof(kCacheMagic) - 1;
-  const std::int64_t end = sizeof(kCacheEnd) - 1;
-  if (size < magic + 8 + 8 + end) return "";
-  std::string tail(static_cast<std::size_t>(end), '\0');
-  in.seekg(size - end);
-  in.read(tail.data(), end);
-  in.seekg(0);
-  std::string head(static_cast<std::size_t>(magic), '\0');
-  in.read(head.data(), magic);
-  std::uint64_t length = 0;
-  in.read(reinterpret_cast<char*>(&length), 8);
-  if (!in || head != kCacheMagic || tail != kCacheEnd ||
-      length > static_cast<std::uint64_t>(size)) {
-    return "";
-  }
-  std::string fingerprint(length, '\0');
-  in.read(fingerprint.data(), static_cast<std::streamsize>(length));
-  return in ? fingerprint : "";
 }
 
 class FileReplayStage : public Stage {
  public:
-  explicit FileReplayStage(const std::string& path) : Stage("Cache(file read)"), in_(path) {
-    in_.read_string(sizeof(kCacheMagic) - 1);
-    fingerprint_ = in_.read_string(in_.read<std::uint64_t>());
-  }
+  explicit FileReplayStage(const std::string& path)
+      : Stage("Cache(file read)"), in_(CacheReader::open(path, element_size)),
+        fingerprint_(in_.fingerprint()) {}
   // The fingerprint of the file actually opened (another process may have replaced it since
   // it was checked).
   const std::string& fingerprint() const { return fingerprint_; }
 
  protected:
   std::optional<Element> produce() override {
-    const auto arity = in_.read<std::uint32_t>();
-    if (arity == 0xFFFFFFFFu) return std::nullopt; // the count marker follows
+    const auto arity = in_.next_arity();
+    if (!arity) return std::nullopt; // the count marker
     Element out;
-    for (std::uint32_t i = 0; i < arity; ++i) {
-      torch::Tensor t = empty_from_header(in_);
-      in_.read_into(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+    for (std::uint32_t i = 0; i < *arity; ++i) {
+      const CacheTensorHeader h = in_.tensor_header();
+      torch::Tensor t = torch::empty(h.dims, static_cast<torch::ScalarType>(h.dtype));
+      in_.read_into(t.data_ptr(), static_cast<std::size_t>(h.bytes));
       out.push_back(std::move(t));
     }
     return out;
   }
 
  private:
-  FileReader in_;
+  CacheReader in_;
   std::string fingerprint_;
 };
 
@@ -369,7 +280,7 @@ class FileFillStage : public UnaryStage {
     auto e = input_->next();
     if (!file_) return e;
     if (!e) {
-      put<std::uint32_t>(0xFFFFFFFFu);
+      put<std::uint32_t>(kCacheCountMarker);
       put<std::uint64_t>(static_cast<std::uint64_t>(count_));
       file_->write(kCacheEnd, sizeof(kCacheEnd) - 1);
       file_->commit(); // only now does the cache file appear, whole

@@ -17,7 +17,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 build=${FLOTILLA_FUZZ_BUILD:-$root/build/fuzz}
-targets=(tf_config slurm idx tfrecord csv manifest pointer wire)
+targets=(tf_config slurm idx tfrecord csv manifest pointer wire safetensors cache image)
 
 usage() {
   echo "usage: $0 TARGET SECONDS | --list | --build   (targets: ${targets[*]})" >&2

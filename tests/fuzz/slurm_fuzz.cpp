@@ -23,7 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                        "SLURMD_NODENAME",     "SLURM_JOB_ID",
                                        "MASTER_PORT"};
   std::map<std::string, std::string> vars;
-  for (std::size_t i = 0; i < lines.size() && i < std::size(kNames); ++i) vars[kNames[i]] = lines[i];
+  for (std::size_t i = 0; i < lines.size() && i < std::size(kNames); ++i)
+    vars[kNames[i]] = lines[i];
   const Environment env(vars);
 
   flotilla::fuzz::expect_only_flotilla_errors(

@@ -30,7 +30,7 @@
 namespace flotilla::data {
 
 enum class ColorMode {
-  kGrayscale, // 1 channel (a colour image is converted by the decoder: libjpeg's Y, libpng's)
+  kGrayscale, // 1 channel (colour converted: libjpeg's Y for JPEG, Pillow's luma for PNG)
   kRgb,       // 3 channels (a grey image is repeated)
 };
 
