@@ -9,6 +9,7 @@
 
 #include "collective/group.h"
 #include "collective/heartbeat.h"
+#include "collective/probe.h"
 #include "collective/rendezvous.h"
 #include "collective/rendezvous_server.h"
 #include "collective/rendezvous_store.h"
@@ -107,6 +108,7 @@ struct MembershipState {
   Logger log;
   c10::intrusive_ptr<detail::RendezvousStore> store;
   std::unique_ptr<detail::Heartbeat> heartbeat;
+  std::unique_ptr<detail::ProbeResponder> probe; // null: this member cannot be probed
 
   // The current generation. Written by the training thread; `mutex` guards what the
   // heartbeat's thread reads (the generation's number and health).
@@ -120,8 +122,60 @@ struct MembershipState {
   bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
 
+  // A departure the rendezvous saw reaches a member within a heartbeat or two; none by then, the
+  // members probe each other (report_unreachable).
+  std::chrono::milliseconds probe_after() const { return 2 * options.heartbeat_interval; }
+  static constexpr std::chrono::milliseconds kProbeWait{1500};
   std::chrono::milliseconds regroup_wait() const {
-    return options.heartbeat_timeout + 2 * options.heartbeat_interval + std::chrono::seconds(2);
+    return options.heartbeat_timeout + probe_after() + kProbeWait + std::chrono::seconds(2);
+  }
+
+  static std::string key_in(std::uint64_t g, const std::string& key) {
+    return "flotilla/g" + std::to_string(g) + "/" + key;
+  }
+
+  // Where the others probe this member in generation g (best effort: without it, this member is
+  // never judged unreachable).
+  void publish_probe(std::uint64_t g, int rank) {
+    if (!probe) return;
+    try {
+      const std::string& address = probe->address();
+      store->set(key_in(g, detail::kProbePrefix + std::to_string(rank)),
+                 std::vector<std::uint8_t>(address.begin(), address.end()));
+    } catch (const std::exception& e) {
+      log.warn("could not publish where this worker answers probes (" + std::string(e.what()) +
+               ")");
+    }
+  }
+
+  // A collective of generation g failed and no member left: asks every other member of it
+  // directly whether it answers, and reports the ones that do not (maybe none) to the rendezvous,
+  // which expels the smaller side of a partition (Membership::partitioned).
+  void report_unreachable(std::uint64_t g) {
+    const auto me = std::find(members.begin(), members.end(), config.rank);
+    if (!probe || me == members.end()) return;
+    const int rank = static_cast<int>(me - members.begin());
+    try {
+      std::vector<std::pair<int, std::string>> peers;
+      for (int r = 0; r < static_cast<int>(members.size()); ++r) {
+        const std::string key = key_in(g, detail::kProbePrefix + std::to_string(r));
+        if (r != rank && store->check({key})) peers.emplace_back(r, text(store->get(key)));
+      }
+      const std::vector<int> lost = detail::unreachable(peers, config.token, kProbeWait);
+      const std::string report = detail::SilentReport{0, lost, "a probe"}.text();
+      store->set(key_in(g, detail::kUnreachablePrefix + std::to_string(rank)),
+                 std::vector<std::uint8_t>(report.begin(), report.end()));
+      if (!lost.empty()) {
+        std::string names;
+        for (int r : lost) names += (names.empty() ? "" : ", ") + config.name(members[r]);
+        log.warn("generation " + std::to_string(g) + ": " + names +
+                 " did not answer a probe; told the rendezvous (the smaller side of a partition "
+                 "is expelled)");
+      }
+    } catch (const std::exception& e) {
+      log.warn("could not probe the other members of generation " + std::to_string(g) + " (" +
+               e.what() + ")");
+    }
   }
 
   void on_pong(const detail::Pong& pong) {
@@ -216,11 +270,12 @@ struct MembershipState {
       config.standing->generation = g;
       config.standing->slots = record.slots;
     }
+    members = record.slots;
+    publish_probe(g, rank);
     communicator = detail::make_group(
         rank, size, options,
         c10::make_intrusive<c10d::PrefixStore>("flotilla/g" + std::to_string(g), store),
         spec.local_host, std::move(names), fresh);
-    members = record.slots;
     reason = record.reason;
     log = Logger(rank, size);
     log.info("generation " + std::to_string(g) + ": rank " + std::to_string(rank) + " of " +
@@ -290,6 +345,13 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   };
   impl->heartbeat = std::make_unique<detail::Heartbeat>(
       config, [raw](const std::string& why) { raw->on_failure(why); }, std::move(hooks));
+  try {
+    impl->probe = std::make_unique<detail::ProbeResponder>(spec.local_host, config.token);
+  } catch (const Error& e) {
+    impl->log.warn(std::string(e.what()) +
+                   "; if the workers are ever cut off from each other while all reach the "
+                   "rendezvous, this one cannot be told apart from the others");
+  }
   // The newest generation that lists this slot. Any record formed after the claim was accepted
   // is about this process: the server frees a slot before it lets another process claim it.
   const auto deadline = Clock::now() + options.timeout;
@@ -357,8 +419,14 @@ void RendezvousGroup::regroup() {
       throw CommError(lost + "; this worker cannot regroup");
     }
     const std::uint64_t current = impl.generation;
+    const auto deadline = Clock::now() + impl.regroup_wait();
     try {
-      impl.wait_for(current + 1, Clock::now() + impl.regroup_wait());
+      try {
+        impl.wait_for(current + 1, Clock::now() + impl.probe_after());
+      } catch (const TimeoutError&) {
+        impl.report_unreachable(current);
+        impl.wait_for(current + 1, deadline);
+      }
     } catch (const TimeoutError&) {
       if (const std::string lost = impl.lost_text(); !lost.empty()) {
         throw CommError(lost + "; this worker cannot regroup");

@@ -151,6 +151,94 @@ std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
   return out;
 }
 
+void Membership::reported_unreachable(int reporter, std::uint64_t g, const std::vector<int>& ranks,
+                                      Clock::time_point now) {
+  const auto members = slots_where([](const Slot& x) { return x.member; });
+  if (!formed_ || g != generation_ || !slot(reporter).member || partition_decided_) return;
+  for (const auto& report : unreachable_) {
+    if (report.first == reporter) return; // its first report stands
+  }
+  std::vector<int> slots;
+  for (int r : ranks) {
+    if (r < 0 || r >= static_cast<int>(members.size())) continue;
+    const int s = members[static_cast<std::size_t>(r)];
+    if (s != reporter) slots.push_back(s);
+  }
+  if (unreachable_.empty()) first_report_ = now;
+  unreachable_.emplace_back(reporter, std::move(slots));
+}
+
+namespace {
+
+// The largest set of `n` nodes with no edge inside (adjacency as bit masks); of sets equally large,
+// the one holding the lowest node that differs. Exact up to 16 nodes; beyond, the node with the
+// most edges (the highest of equals) leaves until no edge is left.
+std::uint64_t largest_reaching_set(const std::vector<std::uint64_t>& adjacent) {
+  const int n = static_cast<int>(adjacent.size());
+  const auto independent = [&](std::uint64_t set) {
+    for (int i = 0; i < n; ++i) {
+      if ((set >> i & 1) && (adjacent[static_cast<std::size_t>(i)] & set)) return false;
+    }
+    return true;
+  };
+  const auto better = [](std::uint64_t a, std::uint64_t b) {
+    const int ca = __builtin_popcountll(a), cb = __builtin_popcountll(b);
+    if (ca != cb) return ca > cb;
+    const std::uint64_t differ = a ^ b;
+    return differ != 0 && (a & differ & (~differ + 1)) != 0;
+  };
+  if (n <= 16) {
+    std::uint64_t best = 0;
+    for (std::uint64_t set = 1; set < (std::uint64_t{1} << n); ++set) {
+      if (better(set, best) && independent(set)) best = set;
+    }
+    return best;
+  }
+  std::uint64_t set = n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1;
+  while (!independent(set)) {
+    int worst = -1, most = -1;
+    for (int i = 0; i < n; ++i) {
+      if (!(set >> i & 1)) continue;
+      const int edges = __builtin_popcountll(adjacent[static_cast<std::size_t>(i)] & set);
+      if (edges >= most) most = edges, worst = i;
+    }
+    set &= ~(std::uint64_t{1} << worst);
+  }
+  return set;
+}
+
+} // namespace
+
+std::vector<int> Membership::partitioned(Clock::time_point now, Clock::duration window) {
+  if (unreachable_.empty() || partition_decided_) return {};
+  const auto members = slots_where([](const Slot& x) { return x.member; });
+  if (unreachable_.size() < members.size() && now - first_report_ < window) return {};
+  partition_decided_ = true;
+  if (members.size() > 64) return {}; // masks of 64 bits: a group this large is not judged
+  const auto index = [&](int s) {
+    return static_cast<int>(std::find(members.begin(), members.end(), s) - members.begin());
+  };
+  std::vector<std::uint64_t> adjacent(members.size(), 0);
+  bool any = false;
+  for (const auto& [reporter, slots] : unreachable_) {
+    const int a = index(reporter);
+    for (int s : slots) {
+      const int b = index(s);
+      if (a == b || b >= static_cast<int>(members.size())) continue;
+      adjacent[static_cast<std::size_t>(a)] |= std::uint64_t{1} << b;
+      adjacent[static_cast<std::size_t>(b)] |= std::uint64_t{1} << a;
+      any = true;
+    }
+  }
+  if (!any) return {};
+  const std::uint64_t keep = largest_reaching_set(adjacent);
+  std::vector<int> out;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (!(keep >> i & 1)) out.push_back(members[i]);
+  }
+  return out;
+}
+
 void Membership::fail(int s, const std::string& what) {
   Slot& state = at(s);
   if (!state.failure.empty() || state.left) return;
@@ -196,6 +284,8 @@ void Membership::form(Changes& changes, const std::vector<int>& slots, const std
   if (departure) intact_from_ = generation_;
   for (auto& state : slots_) state.member = false;
   for (int slot : slots) at(slot).member = true;
+  unreachable_.clear();
+  partition_decided_ = false;
   changes.formed.push_back({generation_, slots, why, departure, afresh});
 }
 

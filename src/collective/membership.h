@@ -101,6 +101,17 @@ class Membership {
   // collectives while the heartbeat thread runs; a late or stale report expels nobody).
   std::vector<int> reported_silent(int reporter, std::uint64_t g,
                                    const std::vector<int>& ranks) const;
+  // Elastic: after a collective of generation `g` failed and no member left, the member in slot
+  // `reporter` probed the others directly and could not reach `ranks` of that generation (maybe
+  // none). Kept until the next generation forms; a late or stale report is dropped.
+  void reported_unreachable(int reporter, std::uint64_t g, const std::vector<int>& ranks,
+                            Clock::time_point now);
+  // Elastic: the slots on the losing side of a partition between members that all reach the
+  // rendezvous. Decided once every member of the newest generation has reported, or `window`
+  // after the first report: the members outside the largest set of members that reach each
+  // other (of sets equally large, the one with the lowest slots, the chief's side) lose. Empty
+  // until then, when every member reached every other, or once decided for this generation.
+  std::vector<int> partitioned(Clock::time_point now, Clock::duration window);
   // Fixed: slot `s` failed (its first failure is kept; not after it left) / said goodbye.
   void fail(int s, const std::string& what);
   void leave(int s) { at(s).left = true; }
@@ -139,6 +150,10 @@ class Membership {
   std::uint64_t intact_from_ = 0;
   bool lost_ = false;
   std::pair<int, std::string> last_departure_{-1, ""};
+  // Partition reports of the newest generation: reporter slot -> the slots it could not reach.
+  std::vector<std::pair<int, std::vector<int>>> unreachable_;
+  Clock::time_point first_report_;
+  bool partition_decided_ = false;
 };
 
 } // namespace flotilla::collective::detail

@@ -380,7 +380,7 @@ struct RendezvousServer::Impl {
     case kSet: {
       const std::string key = in.str(kMaxKeyBytes);
       Bytes value = in.bytes(kMaxValueBytes);
-      expel_silent(slot, key, value);
+      read_report(slot, key, value);
       kv.set(key, std::move(value));
       return;
     }
@@ -412,19 +412,49 @@ struct RendezvousServer::Impl {
     }
   }
 
-  // Elastic: a member's report (kSilentPrefix, under its generation's prefix) of ranks that never
-  // reached the collective it timed out in: they hang outside the collectives while their
-  // heartbeat runs, and are expelled like silent ones.
-  void expel_silent(int reporter, const std::string& key, const Bytes& value) {
+  // Elastic: a member's report, under its generation's prefix, of ranks that never reached the
+  // collective it timed out in (kSilentPrefix: they hang outside the collectives while their
+  // heartbeat runs, and are expelled like silent ones), or of those it could not reach after a
+  // collective failed (kUnreachablePrefix: a partition, decided once all have reported).
+  void read_report(int reporter, const std::string& key, const Bytes& value) {
     const auto g = generation_of(key);
-    if (!g || key.compare(key.find('/', 10) + 1, kSilentPrefix.size(), kSilentPrefix) != 0) return;
+    if (!g) return;
+    const std::string what = key.substr(key.find('/', 10) + 1);
+    const bool silent = what.rfind(kSilentPrefix, 0) == 0;
+    if (!silent && what.rfind(kUnreachablePrefix, 0) != 0) return;
     const auto report = SilentReport::parse(std::string(value.begin(), value.end()));
     if (!report) return;
+    if (!silent) {
+      members.reported_unreachable(reporter, *g, report->ranks, Clock::now());
+      expel_partitioned(Clock::now());
+      return;
+    }
     const std::string why = "made no progress: it never reached " + report->description +
                             ", in which " + config.name(reporter) +
                             " waited until its timeout (hung outside the collectives while its "
                             "heartbeat ran)";
     for (int s : members.reported_silent(reporter, *g, report->ranks)) release(s, why, /*expel=*/true);
+  }
+
+  // The smaller side of a partition between the members, once decided (Membership::partitioned;
+  // every member reported, or the heartbeat timeout passed since the first report).
+  void expel_partitioned(Clock::time_point now) {
+    const auto losers = members.partitioned(now, config.heartbeat_timeout);
+    if (losers.empty()) return;
+    std::vector<int> kept;
+    for (int s = 0; s < members.world_size(); ++s) {
+      if (members.slot(s).member && std::find(losers.begin(), losers.end(), s) == losers.end()) {
+        kept.push_back(s);
+      }
+    }
+    std::string names;
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      names += (i == 0 ? "" : i + 1 == kept.size() ? " and " : ", ") + config.name(kept[i]);
+    }
+    const std::string why = "could not be reached by the other members after a collective failed, "
+                            "though all reach the rendezvous (a partition between the workers); " +
+                            names + " go on";
+    for (int s : losers) release(s, why, /*expel=*/true);
   }
 
   // A GET (one key) or WAIT (several): answered when the store wakes it, or at its deadline.
@@ -602,6 +632,7 @@ struct RendezvousServer::Impl {
     const std::string silent = "stopped sending heartbeats for " +
                                ms_text(config.heartbeat_timeout) +
                                " (stopped, hung, or cut off from the network)";
+    if (config.elastic) expel_partitioned(now);
     for (int r : members.silent(now, config.heartbeat_timeout)) {
       if (config.elastic && !members.slot(r).claimed) {
         release(r,

@@ -212,6 +212,12 @@ std::optional<std::vector<int>> parse_int_list(const std::string& text);
 // that `ranks` of its generation never reached the collective it timed out in:
 // "<sequence> <rank>,<rank>,... <description>". An elastic rendezvous expels them.
 inline const std::string kSilentPrefix = "flotilla/silent/";
+// Its report, after a collective failed and no member left, of the ranks it could not reach
+// with a probe (maybe none; key kUnreachablePrefix + its rank, under the generation's prefix;
+// the same text, sequence 0): the rendezvous expels the smaller side of a partition.
+inline const std::string kUnreachablePrefix = "flotilla/unreachable/";
+// Where a member answers probes ("host:port"; key kProbePrefix + its rank, likewise).
+inline const std::string kProbePrefix = "flotilla/probe/";
 struct SilentReport {
   std::uint64_t sequence = 0;
   std::vector<int> ranks;

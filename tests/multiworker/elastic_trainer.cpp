@@ -24,7 +24,8 @@
 // loop over the same rows in the same order, taking as many rows per update as FILE's lines say,
 // at the rate per_replica_schedule(rows trained before / 24) x rows / 24, weights to
 // <out>/weights-0.safetensors); --all-die-at K (every slot SIGKILLs itself before its step K,
-// once per slot: the whole group lost at once). Prints "slot S pid P" once it has joined.
+// once per slot: the whole group lost at once); --timeout-s N (the collectives' and joining's
+// timeout, 60 s by default). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -148,6 +149,7 @@ int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir, reference_rows;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL, all_die_at = -1;
   bool reference = false, batchnorm = false, evaluate = false, per_replica = false;
+  int timeout_s = 60;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -172,12 +174,13 @@ int main(int argc, char** argv) {
     if (flag == "--fault") fault_flags.push_back(value);
     if (flag == "--reference-rows") reference_rows = value;
     if (flag == "--all-die-at") all_die_at = std::stoi(value);
+    if (flag == "--timeout-s") timeout_s = std::stoi(value);
   }
   try {
     at::set_num_threads(1);
     const auto env = cluster::Environment::from_process();
     collective::CommunicationOptions options;
-    options.timeout = std::chrono::seconds(60);
+    options.timeout = std::chrono::seconds(timeout_s);
     options.heartbeat_interval = std::chrono::milliseconds(200);
     options.heartbeat_timeout = std::chrono::seconds(2);
     if (!reference_rows.empty()) reference = true;

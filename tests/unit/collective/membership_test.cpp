@@ -298,6 +298,65 @@ TEST(Membership, RanksReportedSilentInTheNewestGenerationAreItsSlotsToExpel) {
   EXPECT_TRUE(m.reported_silent(0, 1, {3, -1}).empty()); // ranks the generation does not have
 }
 
+// A partition between members that all reach the rendezvous: each reports whom its probe could
+// not reach; once all have reported (or the window passed), the members outside the largest set
+// that reach each other are the ones to expel; of equal sets, the one with the lowest slots.
+TEST(Membership, APartitionExpelsTheSmallerSideOnceEveryMemberReported) {
+  const auto t0 = Clock::now();
+  const auto window = std::chrono::seconds(2);
+  Membership m = formed(5);
+  m.release(4, "was killed", false); // generation 1: slots [0, 1, 2, 3] as ranks 0..3
+  // {0, 1, 2} | {3}: slot 3 reaches nobody, nobody reaches it.
+  m.reported_unreachable(0, 1, {3}, t0);
+  m.reported_unreachable(3, 1, {0, 1, 2}, t0);
+  m.reported_unreachable(1, 1, {3}, t0);
+  EXPECT_TRUE(m.partitioned(t0, window).empty()); // slot 2 has not reported yet
+  m.reported_unreachable(1, 1, {0, 2}, t0);       // a second report is ignored
+  m.reported_unreachable(2, 1, {3}, t0);
+  EXPECT_EQ(m.partitioned(t0, window), (std::vector<int>{3}));
+  EXPECT_TRUE(m.partitioned(t0, window).empty()); // decided once per generation
+}
+
+TEST(Membership, APartitionIsDecidedAfterTheWindowWithTheReportsThereAre) {
+  const auto t0 = Clock::now();
+  const auto window = std::chrono::seconds(2);
+  Membership m = formed(4);
+  // {0, 1} | {2, 3}, reported by slots 1 and 2 only: equal sides, the chief's (slot 0) stays.
+  m.reported_unreachable(1, 0, {2, 3}, t0);
+  m.reported_unreachable(2, 0, {0, 1}, t0 + std::chrono::milliseconds(100));
+  EXPECT_TRUE(m.partitioned(t0 + std::chrono::milliseconds(1999), window).empty());
+  EXPECT_EQ(m.partitioned(t0 + window, window), (std::vector<int>{2, 3}));
+}
+
+TEST(Membership, ProbesThatReachedEveryoneOrCameLateExpelNobody) {
+  const auto t0 = Clock::now();
+  Membership m = formed(3);
+  for (int s = 0; s < 3; ++s) m.reported_unreachable(s, 0, {}, t0);
+  EXPECT_TRUE(m.partitioned(t0, std::chrono::seconds(2)).empty()); // everyone reached everyone
+  Membership late = formed(3);
+  late.release(2, "was killed", false);        // generation 1
+  late.reported_unreachable(0, 0, {1}, t0);    // about generation 0: stale
+  late.reported_unreachable(2, 1, {0}, t0);    // from a slot that is no member
+  late.reported_unreachable(0, 1, {0, 7}, t0); // itself, and a rank it does not have
+  late.reported_unreachable(1, 1, {}, t0);
+  EXPECT_TRUE(late.partitioned(t0, std::chrono::seconds(2)).empty());
+  // A new generation starts with no reports.
+  Membership again = formed(3);
+  again.reported_unreachable(0, 0, {2}, t0);
+  again.release(1, "was killed", false); // generation 1: slots [0, 2]
+  EXPECT_TRUE(again.partitioned(t0 + std::chrono::seconds(5), std::chrono::seconds(2)).empty());
+}
+
+// Not a clean cut: slot 0 lost slots 1 and 2, which still reach each other and slot 3. The
+// largest set that all reach each other is {1, 2, 3}.
+TEST(Membership, OfACrookedPartitionTheLargestSetThatReachesItselfStays) {
+  const auto t0 = Clock::now();
+  Membership m = formed(4);
+  m.reported_unreachable(0, 0, {1, 2}, t0);
+  for (int s = 1; s < 4; ++s) m.reported_unreachable(s, 0, {}, t0);
+  EXPECT_EQ(m.partitioned(t0, std::chrono::seconds(2)), (std::vector<int>{0}));
+}
+
 TEST(Membership, AFixedGroupKeepsEachRanksFirstFailureAndNeverFailsOneThatLeft) {
   Membership m(3, /*elastic=*/false, [](int s) { return "worker " + std::to_string(s); });
   for (int s = 0; s < 3; ++s) {
