@@ -15,6 +15,13 @@
 #   rendezvous  the rendezvous SIGKILLed, and a new one started on its address after
 #         --heartbeat-timeout + 3 s (a cluster's supervisor would): the members train on and
 #         join the new one, which takes the membership up from them; no regroup is expected
+#   etcd  (RENDEZVOUS=etcd) an etcd member SIGKILLed (each round, the leader first), and started
+#         again after --heartbeat-timeout + 3 s: nothing is expected to happen
+# RENDEZVOUS=etcd: both runs meet through the rendezvous replicated in a real etcd cluster
+# (FLOTILLA_RENDEZVOUS=etcd://...): etcd members on three more hosts (.5-.7), replicas of
+# `flotilla rendezvous --etcd` on the first two; a `rendezvous` fault kills the serving replica
+# and starts it again (as the standby) after --heartbeat-timeout + 3 s. FAULTS defaults to
+# "kill stop cut rendezvous etcd" there.
 # Each run's processes append a step ledger (flotilla train --step-ledger): per committed
 # update, the epoch and step it trained on. A global batch is the same rows whoever trains it
 # (the deterministic pipeline; the exactness test in `make test` checks it sample by sample), so
@@ -34,7 +41,7 @@
 # Usage: bench/chaos.sh [FLOTILLA] [PYTHON]
 #   env: CHAOS_LOGS=DIR (keep both runs' logs there) FAULTS="kill stop cut" GAP_MIN=20 GAP_MAX=40
 #        DURATION=300 (s of faults) EPOCHS=64 STEPS=468 (an epoch: 60000 rows) BATCH=32 MODEL=mlp
-#        HB=2 SEED=1 ELASTIC_BATCH=global|per-replica
+#        HB=2 SEED=1 ELASTIC_BATCH=global|per-replica RENDEZVOUS=builtin|etcd
 set -euo pipefail
 source "$(dirname "$0")/../tests/integration/netns/lib.sh"
 DURATION=${DURATION:-300}
@@ -46,7 +53,16 @@ BATCH=${BATCH:-32}
 MODEL=${MODEL:-mlp}
 HB=${HB:-2}
 SEED=${SEED:-1}
-FAULTS=${FAULTS:-kill stop cut rendezvous} # cycled through in this order
+RENDEZVOUS=${RENDEZVOUS:-builtin}
+case $RENDEZVOUS in
+  builtin) FAULTS=${FAULTS:-kill stop cut rendezvous} ;; # cycled through in this order
+  etcd)
+    command -v etcd >/dev/null || die "RENDEZVOUS=etcd needs etcd (apt install etcd-server)"
+    FAULTS=${FAULTS:-kill stop cut rendezvous etcd}
+    ;;
+  *) die "RENDEZVOUS is builtin or etcd; saw '$RENDEZVOUS'" ;;
+esac
+ETCD_HOSTS=(4 5 6)
 GAP_MIN=${GAP_MIN:-20}          # seconds between faults: drawn from [GAP_MIN, GAP_MAX]
 GAP_MAX=${GAP_MAX:-40}
 WORKER_HOSTS=3 # + the chief: 4 workers
@@ -62,7 +78,13 @@ esac
 train_args=(--elastic --heartbeat-timeout "$HB" --timeout 120 --model "$MODEL" --epochs "$EPOCHS"
   "${length[@]}" --batch-per-replica "$BATCH" --seed 7 --threads 1 --verbose 2 --no-doctor)
 
-netns_add_hosts 5
+if [[ $RENDEZVOUS == etcd ]]; then netns_add_hosts 7; else netns_add_hosts 5; fi
+etcd_endpoints=""
+etcd_members=""
+for h in "${ETCD_HOSTS[@]}"; do
+  etcd_endpoints+="${etcd_endpoints:+,}$(host_ip "$h"):2379"
+  etcd_members+="${etcd_members:+,}e$h=http://$(host_ip "$h"):2380"
+done
 
 alive() {
   local p
@@ -74,8 +96,17 @@ alive() {
 run() {
   local name=$1 port=$2 faults=$3 host
   local rdzv="$(host_ip "$RDZV_HOST"):$port"
+  [[ $RENDEZVOUS == builtin ]] || rdzv="etcd://$etcd_endpoints/$name"
   mkdir -p "$tmp/$name/ledger"
-  start_rendezvous "$name" "$rdzv"
+  if [[ $RENDEZVOUS == etcd ]]; then
+    local h
+    for h in "${ETCD_HOSTS[@]}"; do start_etcd "$name" "$h"; done
+    until ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$etcd_endpoints" \
+      endpoint health >/dev/null 2>&1; do sleep 0.2; done
+    for h in 4 5; do start_replica "$name" "$h" "$port"; done
+  else
+    start_rendezvous "$name" "$rdzv"
+  fi
   local start=$SECONDS supervisors=()
   for ((host = 0; host < HOSTS; host++)); do
     supervise "$name" "$host" "$port" "$rdzv" &
@@ -96,8 +127,12 @@ run() {
   [[ -e $tmp/$name/done ]] || die "$name: no worker finished; logs in $tmp/$name"
   run_seconds=$(($(cat "$tmp/$name/done") - start))
   if ((faults)); then wait "$injector" || true; fi
-  kill -TERM "$(cat "$tmp/$name/rdzv-pid")" 2>/dev/null || true
-  while kill -0 "$(cat "$tmp/$name/rdzv-pid")" 2>/dev/null; do sleep 0.1; done
+  local f
+  for f in "$tmp/$name"/rdzv-pid "$tmp/$name"/replica-pid-* "$tmp/$name"/etcd-pid-*; do
+    [[ -e $f ]] || continue
+    kill -TERM "$(cat "$f")" 2>/dev/null || true
+    while kill -0 "$(cat "$f")" 2>/dev/null; do sleep 0.1; done
+  done
   log "$name: $run_seconds s; $(grep -ho 'Test: .*' "$tmp/$name"/host-*.log | tail -n1)"
 }
 
@@ -108,6 +143,43 @@ start_rendezvous() {
     >>"$tmp/$1/rendezvous.log" 2>&1 &
   echo $! >"$tmp/$1/rdzv-pid"
   pids+=($!)
+}
+
+# start_etcd RUN H: host H's etcd member (again after a kill, with its data); pid in
+# RUN/etcd-pid-H.
+start_etcd() {
+  local ip
+  ip=$(host_ip "$2")
+  ip netns exec "$(host_ns "$2")" etcd --name "e$2" --data-dir "$tmp/$1/etcd$2" \
+    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
+    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+    --initial-cluster "$etcd_members" --initial-cluster-state new \
+    --initial-cluster-token "$prefix-$1" >>"$tmp/$1/etcd$2.log" 2>&1 &
+  echo $! >"$tmp/$1/etcd-pid-$2"
+  pids+=($!)
+}
+
+# start_replica RUN H PORT: a replica of `flotilla rendezvous --etcd` on host H; pid in
+# RUN/replica-pid-H.
+start_replica() {
+  ip netns exec "$(host_ns "$2")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
+    "$bin" rendezvous --listen "$(host_ip "$2"):$3" --workers "$HOSTS" --heartbeat-timeout "$HB" \
+    --etcd "etcd://$etcd_endpoints/$1" >>"$tmp/$1/replica$2.log" 2>&1 &
+  echo $! >"$tmp/$1/replica-pid-$2"
+  pids+=($!)
+}
+
+# etcd_leader: the host whose etcd member leads now (none if no member answers).
+etcd_leader() {
+  local h
+  for h in "${ETCD_HOSTS[@]}"; do
+    if ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$(host_ip "$h"):2379" \
+      endpoint status -w json 2>/dev/null | "$PYTHON" -c 'import json,sys
+s=json.load(sys.stdin)[0]["Status"]; sys.exit(s["leader"]!=s["header"]["member_id"])' 2>/dev/null; then
+      echo "$h"
+      return
+    fi
+  done
 }
 
 # supervise RUN HOST PORT RDZV: starts the host's worker again until the group has finished.
@@ -157,6 +229,7 @@ now_ms() { echo $(($(date +%s%N) / 1000000)); }
 # inject RUN START RDZV: a fault every 20-40 s until DURATION s after START (or the run's end).
 inject() {
   local name=$1 start=$2 rdzv=$3 n=0 kind host pid before t0 resumed hold_ms=$(((HB + 3) * 1000)) i j t
+  local etcd_faults=0 h
   local order=()
   local kinds=($FAULTS)
   RANDOM=$SEED
@@ -172,17 +245,45 @@ inject() {
       done
     fi
     host=${order[n % HOSTS]}
-    if [[ $kind == rendezvous ]]; then
+    if [[ $kind == rendezvous || $kind == etcd ]]; then
       # The group must not notice: no heal while it is down, nor right after its return.
       n=$((n + 1))
       before=$(heals "$name")
       t0=$(now_ms)
-      kill -KILL "$(cat "$tmp/$name/rdzv-pid")"
-      sleep $((HB + 3))
-      start_rendezvous "$name" "$rdzv"
+      local what victim
+      if [[ $kind == etcd ]]; then
+        # Alternately the leader and another member.
+        local leader
+        leader=$(etcd_leader)
+        victim=$leader
+        if ((etcd_faults % 2 == 1)) || [[ -z $leader ]]; then
+          for h in "${ETCD_HOSTS[@]}"; do [[ $h == "$leader" ]] || { victim=$h; break; }; done
+        fi
+        etcd_faults=$((etcd_faults + 1))
+        what="etcd member e$victim$([[ $victim == "$leader" ]] && echo ' (the leader)')"
+        kill -KILL "$(cat "$tmp/$name/etcd-pid-$victim")"
+        sleep $((HB + 3))
+        start_etcd "$name" "$victim"
+      elif [[ $RENDEZVOUS == etcd ]]; then
+        local serving
+        serving=$(ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints \
+          "$etcd_endpoints" get --print-value-only "/flotilla/$name/rendezvous" 2>/dev/null || true)
+        victim=4
+        [[ $serving == "$(host_ip 5):"* ]] && victim=5
+        what="the serving replica ($serving)"
+        kill -KILL "$(cat "$tmp/$name/replica-pid-$victim")"
+        sleep $((HB + 3))
+        start_replica "$name" "$victim" "${rdzv_port[$name]}"
+      else
+        victim=$RDZV_HOST
+        what="rendezvous"
+        kill -KILL "$(cat "$tmp/$name/rdzv-pid")"
+        sleep $((HB + 3))
+        start_rendezvous "$name" "$rdzv"
+      fi
       sleep 10
-      echo "$((SECONDS - start)) $kind $RDZV_HOST $(cat "$tmp/$name/rdzv-pid") $(($(heals "$name") - before)) $t0" >>"$tmp/$name/faults"
-      log "fault $n at $((SECONDS - start)) s: rendezvous killed, a new one after $((HB + 3)) s;" \
+      echo "$((SECONDS - start)) $kind $victim x $(($(heals "$name") - before)) $t0" >>"$tmp/$name/faults"
+      log "fault $n at $((SECONDS - start)) s: $what killed, started again after $((HB + 3)) s;" \
         "$(($(heals "$name") - before)) regroups"
       continue
     fi
@@ -224,20 +325,22 @@ inject() {
   done
 }
 
+declare -A rdzv_port=([free]=23500 [chaos]=23600)
 run free 23500 0
 free_s=$run_seconds
 run chaos 23600 1
 chaos_s=$run_seconds
 
 "$PYTHON" - "$tmp" "$EPOCHS" "$STEPS" "$((BATCH * HOSTS))" "$HOSTS" "$free_s" "$chaos_s" \
-  "$MODEL" "$HB" "$machine" "$DURATION" "$ELASTIC_BATCH" <<'EOF'
+  "$MODEL" "$HB" "$machine" "$DURATION" "$ELASTIC_BATCH" "$RENDEZVOUS" <<'EOF'
 import glob, json, os, re, statistics, sys
 tmp, epochs, steps, global_batch, hosts = sys.argv[1], *map(int, sys.argv[2:6])
 free_s, chaos_s, model, hb, machine = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8], float(sys.argv[9]), json.loads(sys.argv[10])
-duration, elastic_batch = int(sys.argv[11]), sys.argv[12]
+duration, elastic_batch, rendezvous = int(sys.argv[11]), sys.argv[12], sys.argv[13]
 rows_mode = elastic_batch == "per-replica"
 common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": global_batch,
-          "heartbeat_timeout_s": hb, "elastic_batch": elastic_batch, "machine": machine}
+          "heartbeat_timeout_s": hb, "elastic_batch": elastic_batch, "rendezvous": rendezvous,
+          "machine": machine}
 def out(**kv):
     print(json.dumps({**common, **kv}, separators=(",", ":")))
 
@@ -376,11 +479,13 @@ if seen:
 a_free, a_chaos = accuracy("free"), accuracy("chaos")
 out(metric="test_accuracy", fault_free=a_free, chaos=a_chaos,
     diff_points=None if a_free is None or a_chaos is None else round(abs(a_free - a_chaos) * 100, 2), goal="<= 0.5")
-outages = [f for f in faults if f[1] == "rendezvous"]
-if outages:
-    out(metric="rendezvous_outages", count=len(outages), regroups=sum(int(f[4]) for f in outages),
-        goal_regroups=0, note="each: killed, a new one after heartbeat timeout + 3 s; regroups "
-        "counted to 10 s after its return (a fault of another kind in that time would count too)")
+for kind in ("rendezvous", "etcd"):
+    outages = [f for f in faults if f[1] == kind]
+    if outages:
+        out(metric=f"{kind}_outages", count=len(outages), regroups=sum(int(f[4]) for f in outages),
+            goal_regroups=0, note="each: killed, started again after heartbeat timeout + 3 s; "
+            "regroups counted to 10 s after its return (a fault of another kind in that time "
+            "would count too)")
 for kind in ("kill", "stop", "cut"):
     times = [int(f[4]) / 1000 for f in faults if f[1] == kind and f[4] != "none"]
     if times:

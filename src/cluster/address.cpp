@@ -74,4 +74,37 @@ std::vector<Address> ClusterSpec::training_addresses() const {
   return out;
 }
 
+EtcdRendezvous parse_etcd_rendezvous(std::string_view text, const std::string& what) {
+  const std::string seen = "\"" + std::string(text) + "\"";
+  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB], e.g. "
+                           "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
+  constexpr std::string_view scheme = "etcd://";
+  if (text.substr(0, scheme.size()) != scheme) {
+    throw ConfigError(what + ": " + seen + " does not start with etcd://" + form);
+  }
+  std::string_view rest = text.substr(scheme.size());
+  EtcdRendezvous out;
+  out.job = "flotilla";
+  if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
+    out.job = std::string(rest.substr(slash + 1));
+    rest = rest.substr(0, slash);
+    const bool valid = !out.job.empty() && out.job.size() <= 64 &&
+                       out.job.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW"
+                                                 "XYZ0123456789._-") == std::string::npos;
+    if (!valid) {
+      throw ConfigError(what + ": the job \"" + out.job + "\" in " + seen +
+                        " must be 1 to 64 letters, digits, '.', '_' or '-'" + form);
+    }
+  }
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    out.endpoints.push_back(parse_address(rest.substr(0, comma), what + " (an etcd endpoint)"));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+    if (rest.empty()) throw ConfigError(what + ": " + seen + " ends with a comma" + form);
+  }
+  if (out.endpoints.empty()) throw ConfigError(what + ": " + seen + " names no endpoint" + form);
+  return out;
+}
+
 } // namespace flotilla::cluster

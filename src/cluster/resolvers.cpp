@@ -347,7 +347,12 @@ ClusterSpec resolve_cluster_only(const Environment& env) {
 ClusterSpec resolve_cluster(const Environment& env) {
   ClusterSpec spec = resolve_cluster_only(env);
   if (const auto external = env.get("FLOTILLA_RENDEZVOUS")) {
-    spec.rendezvous = parse_address(*external, "FLOTILLA_RENDEZVOUS");
+    if (external->rfind("etcd://", 0) == 0) {
+      spec.etcd = parse_etcd_rendezvous(*external, "FLOTILLA_RENDEZVOUS");
+      spec.rendezvous = spec.etcd.endpoints.front(); // unused: etcd names the replica
+    } else {
+      spec.rendezvous = parse_address(*external, "FLOTILLA_RENDEZVOUS");
+    }
     spec.external_rendezvous = true;
     spec.agent_store_key.clear(); // the rendezvous is that process, not torchrun's agent store
   }

@@ -16,6 +16,7 @@
 #include "collective/agent_store.h"
 #include "collective/backend_failure.h"
 #include "collective/backends.h"
+#include "collective/etcd.h"
 #include "collective/group.h"
 #include "collective/heartbeat.h"
 #include "collective/rendezvous.h"
@@ -635,6 +636,23 @@ detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& s
   config.names = rank_names(spec);
   config.session = new_session();
   config.external = spec.external_rendezvous;
+  if (!spec.etcd.endpoints.empty()) {
+    // The replica etcd names now (etcd_rendezvous.cpp); asked again after each lost connection.
+    auto etcd = std::make_shared<detail::EtcdClient>(spec.etcd.endpoints, std::chrono::seconds(2));
+    config.locate = [etcd, key = spec.etcd.key()]() -> std::optional<cluster::Address> {
+      try {
+        const auto value = etcd->get(key);
+        if (value) return cluster::parse_address(*value, "etcd key " + key);
+      } catch (const Error&) {
+        // No endpoint answered, or a value that is no address: none named now; asked again.
+      }
+      return std::nullopt;
+    };
+    std::string endpoints;
+    for (const auto& e : spec.etcd.endpoints)
+      endpoints += (endpoints.empty() ? "" : ",") + e.to_string();
+    config.locate_name = "etcd://" + endpoints + "/" + spec.etcd.job;
+  }
   return config;
 }
 

@@ -79,12 +79,18 @@ std::unique_ptr<Connection> Connection::join(const RendezvousConfig& config, Rol
 std::unique_ptr<Connection> Connection::connect(const RendezvousConfig& config,
                                                 Clock::time_point deadline) {
   auto conn = std::make_unique<Connection>();
-  conn->chief_ = config.chief.to_string();
+  conn->chief_ = config.locate ? config.locate_name : config.chief.to_string();
   conn->external_ = config.external;
   std::string last_error;
   for (;;) {
+    const auto where =
+        config.locate ? config.locate() : std::optional<cluster::Address>(config.chief);
+    if (!where) last_error = "no replica of it is named there now";
     AddrInfo info;
-    resolve(config.chief, info);
+    if (where) {
+      conn->chief_ = where->to_string();
+      resolve(*where, info);
+    }
     for (addrinfo* a = info.list; a && conn->fd_ < 0; a = a->ai_next) {
       const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (fd < 0) continue;

@@ -10,8 +10,8 @@ std::string RendezvousConfig::name(int r) const {
 }
 
 std::string RendezvousConfig::server_name() const {
-  return external ? "the rendezvous at " + chief.to_string()
-                  : name(0) + ", which hosts the rendezvous,";
+  if (!external) return name(0) + ", which hosts the rendezvous,";
+  return "the rendezvous at " + (locate ? locate_name : chief.to_string());
 }
 
 std::array<std::uint8_t, 16> new_session() {

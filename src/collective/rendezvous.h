@@ -28,6 +28,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -75,6 +76,10 @@ struct RendezvousConfig {
   // connection broke), until `timeout`, naming this process's generation; null, a lost
   // rendezvous is an error at once.
   std::shared_ptr<Standing> standing;
+  // Set: where the rendezvous is now, asked before each connection (FLOTILLA_RENDEZVOUS=etcd://:
+  // the replica etcd names; nullopt while none is named), and how messages name it until then.
+  std::function<std::optional<cluster::Address>()> locate;
+  std::string locate_name;
 
   std::string name(int r) const;
   // "chief at 198.18.0.1:2222 (rank 0), which hosts the rendezvous" or "the rendezvous at

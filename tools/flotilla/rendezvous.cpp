@@ -3,8 +3,13 @@
 // given FLOTILLA_RENDEZVOUS=HOST:PORT and the same cluster token; in elastic mode (the default)
 // it decides who is in the group, generation by generation (see collective/elastic.h). It
 // serves until SIGTERM or SIGINT.
+#include <atomic>
+#include <chrono>
 #include <csignal>
+#include <ctime>
+#include <iomanip>
 #include <iostream>
+#include <thread>
 
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/environment.h"
@@ -22,7 +27,41 @@ struct RendezvousArgs {
   double heartbeat_timeout_s = 10;
   bool fixed = false;
   bool insecure = false;
+  std::string etcd;
 };
+
+// --etcd: one of several replicas, serving while etcd names it (serve_rendezvous_replica).
+int run_replica(const RendezvousArgs& a, const collective::RendezvousService::Options& options,
+                const sigset_t& stop) {
+  const auto etcd = cluster::parse_etcd_rendezvous(a.etcd, "--etcd");
+  std::atomic<int> signal{0};
+  std::thread waiter([&] {
+    int s = 0;
+    sigwait(&stop, &s);
+    signal = s;
+  });
+  std::cout << "flotilla rendezvous: a replica of job \"" << etcd.job << "\" (" << a.etcd
+            << "), for " << (a.fixed ? "a fixed group" : "an elastic group") << " of " << a.workers
+            << " workers; set FLOTILLA_RENDEZVOUS=" << a.etcd << " on every task" << std::endl;
+  collective::serve_rendezvous_replica(
+      options, etcd, [&] { return signal != 0; },
+      [](const std::string& what) {
+        // With the time of day, to read beside etcd's own log.
+        const auto now = std::chrono::system_clock::now();
+        const std::time_t t = std::chrono::system_clock::to_time_t(now);
+        const auto ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() %
+            1000;
+        char stamp[32];
+        std::strftime(stamp, sizeof stamp, "%H:%M:%S", std::localtime(&t));
+        std::cout << "flotilla rendezvous: " << stamp << "." << std::setfill('0') << std::setw(3)
+                  << ms << " " << what << std::endl;
+      });
+  waiter.join();
+  std::cout << "flotilla rendezvous: stopped by " << (signal == SIGINT ? "SIGINT" : "SIGTERM")
+            << std::endl;
+  return 0;
+}
 
 int run(const RendezvousArgs& a) {
   collective::RendezvousService::Options options;
@@ -38,6 +77,7 @@ int run(const RendezvousArgs& a) {
   sigaddset(&stop, SIGTERM);
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  if (!a.etcd.empty()) return run_replica(a, options, stop);
   collective::RendezvousService service(options);
   std::cout << "flotilla rendezvous: serving " << (a.fixed ? "a fixed group" : "an elastic group")
             << " of " << a.workers << " workers at " << service.address()
@@ -68,6 +108,9 @@ Command add_rendezvous(CLI::App& parent) {
                 "A fixed group (any failure ends the job), as when the chief hosts it");
   app->add_flag("--insecure", args->insecure,
                 "Without a cluster token, listen on an address other hosts reach anyway");
+  app->add_option("--etcd", args->etcd,
+                  "etcd://HOST:PORT,...[/JOB]: serve as one of several replicas, elected through "
+                  "that etcd cluster; every task gets FLOTILLA_RENDEZVOUS=<the same URL>");
   app->footer("Example: flotilla rendezvous --listen 10.0.0.9:29400 --workers 4, and "
               "FLOTILLA_RENDEZVOUS=10.0.0.9:29400 in every task's environment");
   return {app, [args] { return run(*args); }};

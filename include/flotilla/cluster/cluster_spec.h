@@ -24,6 +24,18 @@ struct Address {
 // "TF_CONFIG cluster.worker[1]" or "MASTER_ADDR/MASTER_PORT".
 Address parse_address(std::string_view text, const std::string& what);
 
+// FLOTILLA_RENDEZVOUS=etcd://HOST:PORT,HOST:PORT,...[/JOB]: an etcd cluster (v3 API, its client
+// URLs over plain HTTP) in which `flotilla rendezvous --etcd` replicas elect the one that serves
+// JOB's rendezvous ("flotilla" when no JOB is given).
+struct EtcdRendezvous {
+  std::vector<Address> endpoints;
+  std::string job;
+  // The key the serving replica holds under its lease; its value is that replica's HOST:PORT.
+  std::string key() const { return "/flotilla/" + job + "/rendezvous"; }
+};
+// Parses "etcd://h1:2379,h2:2379/job"; ConfigError naming `what`, the value and the form.
+EtcdRendezvous parse_etcd_rendezvous(std::string_view text, const std::string& what);
+
 enum class TaskType { kChief, kWorker, kEvaluator };
 std::string_view to_string(TaskType type);
 
@@ -48,6 +60,9 @@ struct ClusterSpec {
   // The rendezvous is hosted outside the training tasks (FLOTILLA_RENDEZVOUS: `flotilla
   // rendezvous`, or `flotilla launch --elastic`): `rendezvous` is that process's address.
   bool external_rendezvous = false;
+  // FLOTILLA_RENDEZVOUS=etcd://...: the rendezvous is whichever replica etcd names now (found
+  // again after a lost connection); `rendezvous` is then unused. No endpoints otherwise.
+  EtcdRendezvous etcd;
   // Under torchrun, whose agent keeps its own c10d store on MASTER_ADDR:MASTER_PORT
   // (TORCHELASTIC_USE_AGENT_STORE=True), `rendezvous` is that store, not a free port: the chief
   // hosts flotilla's rendezvous on a port of its own on that host and publishes its address in

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,6 +56,20 @@ class RendezvousService {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// One replica of a rendezvous kept in an etcd cluster (FLOTILLA_RENDEZVOUS=etcd://...; `flotilla
+// rendezvous --etcd`): start one on each of several hosts. Each campaigns for the job's key
+// (cluster::EtcdRendezvous::key) under a lease of the heartbeat timeout (at least 5 s); the one
+// that creates it listens on options.listen and serves, renewing the lease, while the others
+// stand by without listening. The serving one stops serving once it has not renewed the lease for
+// three quarters of it (cut off from etcd's quorum: before etcd lets the lease expire and another
+// replica takes the key), then campaigns again. The workers find the serving replica in etcd and
+// join it again as they join a restarted rendezvous (its state comes back from them). Returns once
+// `stopping()` is true, giving the key up at once. `say` gets each change of role.
+void serve_rendezvous_replica(const RendezvousService::Options& options,
+                              const cluster::EtcdRendezvous& etcd,
+                              const std::function<bool()>& stopping,
+                              const std::function<void(const std::string&)>& say);
 
 // One worker's membership of an elastic group, generation by generation. join() makes the real
 // one (through the rendezvous); the training loop (Model::fit's healer) uses nothing but this

@@ -41,6 +41,45 @@ TEST(Resolvers, EmptyTfConfigIsUnset) {
   EXPECT_EQ(resolve_cluster(env({{"TF_CONFIG", ""}})).source, "single worker");
 }
 
+// FLOTILLA_RENDEZVOUS=etcd://...: the endpoints and the job, in place of one address.
+TEST(Resolvers, AnEtcdRendezvousNamesItsEndpointsAndJob) {
+  const std::string tf = R"({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                             "task": {"type": "worker", "index": 0}})";
+  const auto spec = resolve_cluster(env(
+      {{"TF_CONFIG", tf}, {"FLOTILLA_RENDEZVOUS", "etcd://10.0.0.1:2379,[::1]:2380/resnet-1"}}));
+  EXPECT_TRUE(spec.external_rendezvous);
+  ASSERT_EQ(spec.etcd.endpoints.size(), 2u);
+  EXPECT_EQ(spec.etcd.endpoints[0].to_string(), "10.0.0.1:2379");
+  EXPECT_EQ(spec.etcd.endpoints[1].to_string(), "[::1]:2380");
+  EXPECT_EQ(spec.etcd.job, "resnet-1");
+  EXPECT_EQ(spec.etcd.key(), "/flotilla/resnet-1/rendezvous");
+  EXPECT_EQ(parse_etcd_rendezvous("etcd://h:2379", "x").job, "flotilla");
+  EXPECT_TRUE(resolve_cluster(env({{"TF_CONFIG", tf}, {"FLOTILLA_RENDEZVOUS", "h:29400"}}))
+                  .etcd.endpoints.empty());
+
+  const auto error = [](const std::string& text) {
+    try {
+      parse_etcd_rendezvous(text, "FLOTILLA_RENDEZVOUS");
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB], e.g. "
+                           "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
+  EXPECT_EQ(error("etcd://"), "FLOTILLA_RENDEZVOUS: \"etcd://\" names no endpoint" + form);
+  EXPECT_EQ(error("etcd://h:1,"), "FLOTILLA_RENDEZVOUS: \"etcd://h:1,\" ends with a comma" + form);
+  EXPECT_EQ(error("etcd://h:1/a b"), "FLOTILLA_RENDEZVOUS: the job \"a b\" in \"etcd://h:1/a b\" "
+                                     "must be 1 to 64 letters, digits, '.', '_' or '-'" +
+                                         form);
+  EXPECT_EQ(error("etcd://h:1/"), "FLOTILLA_RENDEZVOUS: the job \"\" in \"etcd://h:1/\" must be 1 "
+                                  "to 64 letters, digits, '.', '_' or '-'" +
+                                      form);
+  EXPECT_NE(error("etcd://h/job").find("(an etcd endpoint): \"h\" has no port"), std::string::npos)
+      << error("etcd://h/job");
+  EXPECT_NE(error("http://h:1").find("does not start with etcd://"), std::string::npos);
+}
+
 TEST(Resolvers, TorchrunEnvironment) {
   const auto spec = resolve_cluster(env(
       {{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29500"}}));

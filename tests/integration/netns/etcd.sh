@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Scenario 7: the rendezvous replicated through a real 3-member etcd cluster
+# (FLOTILLA_RENDEZVOUS=etcd://...): killing the etcd leader, then the serving rendezvous replica,
+# during an elastic fit costs no regroup and no sample.
+#
+# Hosts 3, 4 and 5 each run an etcd member (Debian's etcd-server, v3 API); hosts 3 and 4 also run
+# a replica of `flotilla rendezvous --etcd` (heartbeat timeout 2 s). Hosts 0-2 run
+# tests/multiworker/elastic_trainer (an elastic group of 3, 8 epochs of 10 global batches of 24
+# rows, 150 ms a step) with FLOTILLA_RENDEZVOUS=etcd://<the three members>/flit. One replica is
+# elected (it creates the job's key under its lease) and serves; the other stands by without
+# listening. After 10 committed steps the etcd leader is SIGKILLed: etcd elects another, the
+# serving replica keeps renewing its lease through the others, and nothing else happens. After 30,
+# the serving replica is SIGKILLed: its lease expires, the standby is elected, the workers find it
+# in etcd and join it again naming their generation, and it takes the generation up as it was.
+#
+# Checks: the first replica serves until it is killed (never steps down for etcd's election); the
+# standby takes over; every worker exits 0 in the process it started in, in generation 0 (no
+# regroup); the weights equal a one-worker run's within 1e-6 and the ledgers hold each sample once
+# per epoch.
+#   etcd.sh [FLOTILLA] [PYTHON] [ELASTIC_TRAINER]     (ctest -R netns_etcd)
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+netns_init etcd 150 "$@"
+command -v etcd >/dev/null || skip "etcd is not installed (apt install etcd-server)"
+trainer=$tmp/elastic_trainer
+cp "${3:-$(dirname "$FLOTILLA")/tests/elastic_trainer}" "$trainer"
+
+WORKER_HOSTS=2
+ETCD_HOSTS=(3 4 5)
+REPLICA_HOSTS=(3 4)
+PORT=24300
+mkdir -p "$tmp/ref" "$tmp/out"
+"$trainer" --reference --epochs 14 --out "$tmp/ref" >"$tmp/ref.log" 2>&1 ||
+  die "the one-worker reference run failed: $(tail -n 5 "$tmp/ref.log")"
+
+netns_add_hosts 6
+members="" endpoints=""
+for h in "${ETCD_HOSTS[@]}"; do
+  members+="${members:+,}e$h=http://$(host_ip "$h"):2380"
+  endpoints+="${endpoints:+,}$(host_ip "$h"):2379"
+done
+declare -A etcd_pid replica_pid
+# start_etcd H: host H's member (again, with its data, after a kill).
+start_etcd() {
+  local h=$1 ip
+  ip="$(host_ip "$h")"
+  ip netns exec "$(host_ns "$h")" etcd --name "e$h" --data-dir "$tmp/etcd$h" \
+    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
+    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+    --initial-cluster "$members" --initial-cluster-state new --initial-cluster-token "$prefix" \
+    >>"$tmp/etcd$h.log" 2>&1 &
+  etcd_pid[$h]=$!
+  pids+=($!)
+}
+for h in "${ETCD_HOSTS[@]}"; do start_etcd "$h"; done
+etcdctl() { ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$endpoints" "$@"; }
+start=$SECONDS
+until etcdctl endpoint health >/dev/null 2>&1; do
+  ((SECONDS - start < 30)) || die "etcd did not become healthy: $(tail -n 3 "$tmp"/etcd*.log)"
+  sleep 0.2
+done
+url="etcd://$endpoints/flit"
+log "etcd: 3 members healthy ($endpoints)"
+
+# start_replica H: a replica of `flotilla rendezvous --etcd` on host H (again, after a kill).
+start_replica() {
+  local h=$1
+  ip netns exec "$(host_ns "$h")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
+    "$bin" rendezvous --listen "$(host_ip "$h"):$PORT" --workers 3 --heartbeat-timeout 2 \
+    --etcd "$url" >>"$tmp/replica$h.log" 2>&1 &
+  replica_pid[$h]=$!
+  pids+=($!)
+}
+for h in "${REPLICA_HOSTS[@]}"; do
+  start_replica "$h"
+  sleep 0.5 # the first one is elected
+done
+
+start_trainer() {
+  local name=$1 host=$2 type=chief index=0
+  ((host == 0)) || { type=worker; index=$((host - 1)); }
+  ip netns exec "$(host_ns "$host")" env TF_CONFIG="$(tf_config $((PORT + 1)) "$type" "$index")" \
+    FLOTILLA_RENDEZVOUS="$url" FLOTILLA_CLUSTER_TOKEN="$cluster_token" OMP_NUM_THREADS=1 \
+    timeout -k 5 100 "$trainer" --out "$tmp/out" --epochs 14 --sleep-ms 150 >"$tmp/$name.log" 2>&1 &
+  task_pid[$name]=$!
+  pids+=($!)
+}
+for host in 0 1 2; do start_trainer "host$host" "$host"; done
+serving_now() { etcdctl get --print-value-only /flotilla/flit/rendezvous; }
+
+committed() { cat "$tmp"/out/ledger-*.txt 2>/dev/null | wc -l; }
+wait_steps() {
+  local start=$SECONDS
+  while (($(committed) < $1 * 3)) && ((SECONDS - start < 60)); do sleep 0.05; done
+  (($(committed) >= $1 * 3)) || die "the group did not train $1 steps: $(tail -n 3 "$tmp"/host*.log)"
+}
+wait_steps 10
+first=$(serving_now)
+leader=""
+for h in "${ETCD_HOSTS[@]}"; do
+  if ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$(host_ip "$h"):2379" \
+    endpoint status -w json | "$PYTHON" -c \
+    'import json,sys; s=json.load(sys.stdin)[0]["Status"]; sys.exit(s["leader"]!=s["header"]["member_id"])'; then
+    leader=$h
+  fi
+done
+[[ -n $leader ]] || die "no etcd member says it leads"
+kill -KILL "${etcd_pid[$leader]}"
+log "killed the etcd leader (member e$leader at $(host_ip "$leader")) after $(($(committed) / 3)) steps"
+
+wait_steps 30
+serving=$(serving_now)
+serving_host=""
+for h in "${REPLICA_HOSTS[@]}"; do [[ $serving == "$(host_ip "$h"):$PORT" ]] && serving_host=$h; done
+[[ -n $serving_host ]] || die "etcd names no replica as serving (\"$serving\")"
+[[ $serving == "$first" ]] ||
+  check_fail "the serving replica changed from $first to $serving while etcd elected a new leader"
+if grep -q "stopped serving" "$tmp"/replica*.log; then
+  check_fail "a replica stepped down while etcd elected a new leader: $(grep -h 'stopped serving' "$tmp"/replica*.log)"
+fi
+kill -KILL "${replica_pid[$serving_host]}"
+killed_at=$(date +%s%N)
+log "killed the serving rendezvous replica ($serving) after $(($(committed) / 3)) steps"
+standby=3
+((serving_host == 3)) && standby=4
+grep -q "serving job" "$tmp/replica$standby.log" && check_fail "the standby served before"
+while ! grep -q "serving job" "$tmp/replica$standby.log" &&
+  (($(date +%s%N) - killed_at < 20000000000)); do sleep 0.05; done
+if grep -q "serving job" "$tmp/replica$standby.log"; then
+  log "the standby replica serves $((($(date +%s%N) - killed_at) / 1000000)) ms after the kill:" \
+    "$(grep -o 'serving job.*' "$tmp/replica$standby.log" | head -n1)"
+else
+  check_fail "the standby replica was not elected within 20 s: $(tail -n 3 "$tmp/replica$standby.log")"
+fi
+
+# Phase 3: the serving replica's host cut off from the two other etcd members (its own member is
+# then the minority); the workers still reach it. It must stop serving by itself, before etcd
+# lets its lease expire, and the other replica (started again) be elected.
+start_etcd "$leader"
+start_replica "$serving_host"
+wait_steps 60
+until etcdctl endpoint health >/dev/null 2>&1; do sleep 0.2; done
+cut_host=$standby
+others=()
+for h in "${ETCD_HOSTS[@]}"; do ((h == cut_host)) || others+=("$h"); done
+cut_etcd() {
+  for h in "${others[@]}"; do
+    ip netns exec "$(host_ns "$cut_host")" iptables "$1" INPUT -s "$(host_ip "$h")" -j DROP
+    ip netns exec "$(host_ns "$cut_host")" iptables "$1" OUTPUT -d "$(host_ip "$h")" -j DROP
+  done
+}
+served_before=$(grep -c "serving job" "$tmp/replica$serving_host.log" || true)
+cut_etcd -I
+cut_at=$(date +%s%N)
+log "cut the serving replica's host ($(host_ip "$cut_host")) off from etcd members" \
+  "$(for h in "${others[@]}"; do printf '%s ' "$(host_ip "$h")"; done)after $(($(committed) / 3)) steps"
+while ! grep -q "stopped serving" "$tmp/replica$cut_host.log" &&
+  (($(date +%s%N) - cut_at < 20000000000)); do sleep 0.05; done
+if grep -q "stopped serving" "$tmp/replica$cut_host.log"; then
+  log "the cut-off replica stopped serving $((($(date +%s%N) - cut_at) / 1000000)) ms after the" \
+    "cut: $(grep -o 'stopped serving.*' "$tmp/replica$cut_host.log" | head -n1)"
+else
+  check_fail "the cut-off replica did not stop serving within 20 s"
+fi
+while (($(grep -c "serving job" "$tmp/replica$serving_host.log" || true) <= served_before)) &&
+  (($(date +%s%N) - cut_at < 30000000000)); do sleep 0.05; done
+# Never two serving: the time of day each replica logged, in ms.
+at_ms() {
+  local t
+  t=$(grep -o "^flotilla rendezvous: [0-9:.]* $2" "$1" | tail -n 1 | awk '{print $3}')
+  [[ -n $t ]] || return 0
+  echo $(((10#${t:0:2} * 3600 + 10#${t:3:2} * 60 + 10#${t:6:2}) * 1000 + 10#${t:9:3}))
+}
+stopped=$(at_ms "$tmp/replica$cut_host.log" "stopped serving")
+elected=$(at_ms "$tmp/replica$serving_host.log" "serving job")
+if (($(grep -c "serving job" "$tmp/replica$serving_host.log" || true) <= served_before)); then
+  check_fail "the other replica was not elected within 30 s of the cut"
+elif [[ -z $stopped ]] || ((elected <= stopped)); then
+  check_fail "the other replica was elected (${elected} ms) before the cut-off one stopped (${stopped:-never})"
+else
+  log "the other replica serves $((elected - stopped)) ms after the cut-off one stopped serving"
+fi
+cut_etcd -D
+
+for name in host0 host1 host2; do
+  wait_task "$name"
+  ((task_rc == 0)) || {
+    check_fail "$name exited with $task_rc"
+    show_log "$name"
+  }
+  if grep -q "elastic: generation [1-9]" "$tmp/$name.log"; then
+    check_fail "$name regrouped: $(grep -o 'elastic: generation [1-9].*' "$tmp/$name.log" | head -n1)"
+  fi
+done
+log "connections to the rendezvous lost, in all: $(cat "$tmp"/host[012].log |
+  grep -c 'lost the connection to the rendezvous')"
+grep -h "rendezvous" "$tmp/host0.log" | cut -c1-220 | sed "s/^/[$netns_name]   host0: /"
+if out=$("$PYTHON" "$HELPER" elastic "$tmp/out" "$tmp/ref" 1e-6 14 240 3 3 2>&1); then
+  log "$out"
+else
+  check_fail "$out"
+fi
+netns_finish
