@@ -82,9 +82,12 @@ bench-torchscript: build
 bench-elastic: build
 	bench/elastic.sh
 
-# Elastic training under a fault every 20-40 s for 5 minutes on 4 namespaced hosts (root).
+# Elastic training under a fault every 20-40 s for 5 minutes on 4 namespaced hosts (root): with
+# the built-in rendezvous (killed and restarted among the faults), then with the rendezvous
+# replicated through a real 3-member etcd cluster (an etcd member and the serving replica killed).
 bench-chaos: build
 	bench/chaos.sh
+	RENDEZVOUS=etcd bench/chaos.sh
 
 # Builds and packages the GPU benchmark's binaries into .device/ (bench/gpu/package.sh); the
 # benchmark itself runs on the GPU machine (bench/gpu/run.sh; docs/benchmarks.md).
