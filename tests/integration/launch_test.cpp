@@ -199,6 +199,44 @@ TEST(Launch, MaxRestartsRestartsTheWholeClusterOnFreshPortsThenSucceeds) {
   EXPECT_EQ(clusters.size(), 2u) << r.out;
 }
 
+// --log-dir, as torchrun's with --tee: each task's output also goes to its own file, appended
+// across the cluster's restarts with each start and exit marked; what was there is kept.
+TEST(Launch, LogDirKeepsEachTasksOutputInItsOwnFileAcrossRestarts) {
+  testing::TempDir dir;
+  const std::string logs = dir.path() + "/logs";
+  std::filesystem::create_directories(logs);
+  { std::ofstream(logs + "/worker-0.log") << "a line from before\n"; }
+  const auto r = run_process(
+      {kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts", "1", "--log-dir", logs,
+       "--", "sh", "-c",
+       "echo out-$LOCAL_RANK; echo err-$LOCAL_RANK >&2; if [ \"$LOCAL_RANK\" = 1 ] && [ ! -e " +
+           dir.path() + "/failed ]; then touch " + dir.path() + "/failed; exit 7; fi"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("[worker 1] out-1"), std::string::npos) << r.out; // still on the console
+  const std::string zero = testing::read_file(logs + "/worker-0.log");
+  const std::string one = testing::read_file(logs + "/worker-1.log");
+  EXPECT_EQ(zero.rfind("a line from before\n", 0), 0u) << zero;
+  EXPECT_EQ(count_of(zero, "=== flotilla launch: worker 0 started (pid "), 2u) << zero;
+  EXPECT_EQ(count_of(one, "=== flotilla launch: worker 1 started (pid "), 2u) << one;
+  EXPECT_EQ(count_of(one, ") exited with code 7 at "), 1u) << one;
+  EXPECT_EQ(count_of(one, ") exited with code 0 at "), 1u) << one;
+  EXPECT_EQ(count_of(one, "out-1\n"), 2u) << one;
+  EXPECT_EQ(count_of(one, "err-1\n"), 2u) << one;
+  EXPECT_EQ(one.find("out-0"), std::string::npos) << one;
+  EXPECT_EQ(zero.find("out-1"), std::string::npos) << zero;
+
+  // A log file name that is a link (another user's trap in a shared directory) is refused.
+  std::filesystem::create_symlink(dir.path() + "/elsewhere", logs + "/worker-1.log.tmp");
+  std::filesystem::rename(logs + "/worker-1.log.tmp", logs + "/worker-1.log");
+  const auto refused =
+      run_process({kCli, "launch", "--workers", "2", "--log-dir", logs, "--", "true"});
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("--log-dir: cannot open " + logs + "/worker-1.log to append to it"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/elsewhere"));
+}
+
 TEST(Launch, RestartsRunOutAndTheLastFailureIsTheExitCode) {
   const auto r =
       run_process({kCli, "launch", "--workers", "2", "--grace", "5", "--max-restarts", "2", "--",

@@ -26,6 +26,11 @@
 // leave with 75 (with a backup, the chief saved it), launch exits 75 too. The job succeeded
 // when the group finished training (a worker exited 0): a worker lost on the way is reported
 // in launch's lines, not in its exit code.
+//
+// --log-dir DIR (torchrun's --log-dir with --tee): each task's output, stdout and stderr as they
+// come, is also appended to DIR/worker-<i>.log (DIR/evaluator.log), one file per task across
+// every restart, each start and exit marked in it. Files are appended to, never truncated, and a
+// name that is a link is refused.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -40,6 +45,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <ctime>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -75,6 +82,7 @@ struct LaunchArgs {
   bool elastic = false;
   int min_workers = 1;
   double heartbeat_timeout_s = 10;
+  std::string log_dir;
   std::vector<std::string> command;
 };
 
@@ -154,7 +162,43 @@ struct Child {
   int exit_code = 0;
   Fd out, err; // read ends of the child's stdout and stderr
   std::string out_buffer, err_buffer;
+  int log = -1; // --log-dir: its file (owned by run(), kept across restarts)
 };
+
+// "2026-12-04 07:12:03 UTC", for the marks in --log-dir's files.
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&t));
+  return text;
+}
+
+// --log-dir: one file per task, appended to (created if absent, never through a link).
+std::vector<Fd> open_logs(const std::string& dir, int workers, bool evaluator) {
+  std::vector<Fd> logs;
+  if (dir.empty()) return logs;
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (!std::filesystem::is_directory(dir)) {
+    throw ConfigError("--log-dir " + dir + " is not a directory and cannot be made one" +
+                      (error ? " (" + error.message() + ")" : std::string()) +
+                      "; give a directory this user may write to");
+  }
+  for (int i = 0; i < workers + (evaluator ? 1 : 0); ++i) {
+    const std::string path =
+        dir + "/" + (i < workers ? "worker-" + std::to_string(i) : std::string("evaluator")) +
+        ".log";
+    const int fd =
+        ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) {
+      throw ConfigError("--log-dir: cannot open " + path + " to append to it (" +
+                        std::strerror(errno) + (errno == ELOOP ? ": it is a link" : "") +
+                        "); give a directory this user may write to");
+    }
+    logs.emplace_back(fd);
+  }
+  return logs;
+}
 
 void write_all(int fd, const std::string& text) {
   const char* p = text.data();
@@ -373,9 +417,14 @@ struct RestartCount {
 // this object.
 class Launcher {
  public:
-  Launcher(const LaunchArgs& args, SignalPipe& signals, RestartCount count)
+  Launcher(const LaunchArgs& args, SignalPipe& signals, RestartCount count,
+           const std::vector<Fd>& logs)
       : args_(args), children_(args.workers + (args.evaluator ? 1 : 0)), signals_(signals),
-        count_(count) {}
+        count_(count) {
+    for (std::size_t i = 0; i < logs.size() && i < children_.size(); ++i) {
+      children_[i].log = logs[i].get();
+    }
+  }
   ~Launcher() {
     stop_all(SIGKILL);
     for (auto& c : children_) {
@@ -394,6 +443,10 @@ class Launcher {
     auto [err_read, err_write] = make_pipe();
     child.pid = spawn(argv, env, out_write.get(), err_write.get());
     child.running = true;
+    if (child.log >= 0) {
+      write_all(child.log, "=== flotilla launch: " + child.name + " started (pid " +
+                               std::to_string(child.pid) + ") at " + utc_now() + " ===\n");
+    }
     child.out = std::move(out_read);
     child.err = std::move(err_read);
   }
@@ -429,12 +482,19 @@ class Launcher {
   }
   void on_signals(int fd);
   void relay(Child& child, bool is_out, int fd);
+  // Its output is drained after its exit is seen: the line may precede its last output.
+  static void log_exit(const Child& c) {
+    if (c.log < 0) return;
+    write_all(c.log, "=== flotilla launch: " + c.name + " (pid " + std::to_string(c.pid) +
+                         ") exited with code " + std::to_string(c.exit_code) + " at " + utc_now() +
+                         " ===\n");
+  }
 
   const LaunchArgs& args_;
   std::vector<Child> children_;
   SignalPipe& signals_;
   RestartCount count_;
-  bool restart_ = false; // decided at the failure, announced in its line
+  bool restart_ = false;        // decided at the failure, announced in its line
   bool group_finished_ = false; // elastic: a worker exited 0, so the training is done
   bool preempted_ = false;
   std::optional<int> failed_;          // index of the worker whose failure stopped the others
@@ -460,6 +520,7 @@ void Launcher::reap_elastic() {
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    log_exit(c);
     if (c.exit_code == 0 && c.index < args_.workers) group_finished_ = true;
     ended.emplace_back(&c, status);
   }
@@ -522,6 +583,7 @@ void Launcher::reap() {
     if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
     c.running = false;
     c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    log_exit(c);
     if (c.exit_code == 0 || forwarded_) continue;
     if (failed_) {
       // The first to end was a victim (its collective failed: exit 3) and the worker whose own
@@ -612,6 +674,7 @@ void Launcher::relay(Child& child, bool is_out, int fd) {
   std::string& buffer = is_out ? child.out_buffer : child.err_buffer;
   const int target = is_out ? STDOUT_FILENO : STDERR_FILENO;
   if (n > 0) {
+    if (child.log >= 0) write_all(child.log, std::string(buf, static_cast<std::size_t>(n)));
     buffer.append(buf, static_cast<std::size_t>(n));
     emit_lines(child.name, buffer, target, false);
   } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
@@ -751,6 +814,7 @@ int run(const LaunchArgs& a) {
   // disposition (which would end launch without stopping anyone).
   SignalPipe signals;
   RestartCount count;
+  const std::vector<Fd> logs = open_logs(a.log_dir, a.workers, a.evaluator);
   for (;;) {
     // Fresh ports for every run: the last run's may still be in TIME_WAIT. --port is the
     // user's choice, kept.
@@ -780,7 +844,7 @@ int run(const LaunchArgs& a) {
     const std::string rendezvous = service ? service->address() : "";
     Outcome outcome;
     {
-      Launcher launcher(a, signals, count);
+      Launcher launcher(a, signals, count, logs);
       for (int i = 0; i < a.workers; ++i) {
         spec.task = {cluster::TaskType::kWorker, i};
         launcher.start(i, argv,
@@ -846,6 +910,9 @@ Command add_launch(CLI::App& parent) {
   app->add_flag("--evaluator", args->evaluator,
                 "Also start an evaluator task (TF_CONFIG type \"evaluator\"): it evaluates each "
                 "new checkpoint the chief writes (flotilla train --checkpoint-dir)");
+  app->add_option("--log-dir", args->log_dir,
+                  "Also append each task's output to DIR/worker-<i>.log (and evaluator.log), "
+                  "across restarts");
   app->add_option("command", args->command, "The command each worker runs, after --")->required();
   app->footer("Example: flotilla launch --workers 2 -- flotilla train --model cnn --epochs 1");
   return {app, [args] { return run(*args); }};
