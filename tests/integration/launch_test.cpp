@@ -623,5 +623,117 @@ TEST(Torchrun, TwoWorkersTrainUnderTheRealTorchrun) {
   EXPECT_EQ(all.find("Address already in use"), std::string::npos) << all;
 }
 
+// --standalone: torchrun's one-node rendezvous on a port of its own choosing.
+TEST(Torchrun, StandaloneTrains) {
+  std::vector<std::string> argv = {testing::test_python(),
+                                   "-m",
+                                   "torch.distributed.run",
+                                   "--standalone",
+                                   "--nproc-per-node",
+                                   "2",
+                                   "--no-python"};
+  for (const std::string& arg :
+       {kCli.c_str(), "train", "--model", "mlp", "--epochs", "1", "--steps-per-epoch", "5",
+        "--batch-per-replica", "16", "--threads", "1", "--verbose", "0"}) {
+    argv.push_back(arg);
+  }
+  const auto r =
+      run_process(argv, {{"TF_CONFIG", ""}, {"FLOTILLA_RENDEZVOUS", ""}, {"OMP_NUM_THREADS", "1"}},
+                  std::chrono::seconds(240));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find("MultiWorkerMirroredStrategy: 2 worker(s)"), std::string::npos)
+      << r.out << r.err;
+}
+
+// torchrun's default multi-node form: two agents meet through its c10d rendezvous backend (the
+// first hosts the store on the endpoint), one worker each. flotilla reads the RANK, WORLD_SIZE,
+// MASTER_ADDR and MASTER_PORT the agents give and meets in the agent's store as on one node.
+TEST(Torchrun, TwoNodesMeetThroughItsC10dRendezvous) {
+  const int port = testing::free_ports(1)[0];
+  std::vector<std::unique_ptr<testing::Process>> nodes;
+  for (int n = 0; n < 2; ++n) {
+    std::vector<std::string> argv = {testing::test_python(), "-m", "torch.distributed.run"};
+    for (const std::string& arg :
+         {"--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "t2"}) {
+      argv.push_back(arg);
+    }
+    argv.push_back("--rdzv-endpoint");
+    argv.push_back("127.0.0.1:" + std::to_string(port));
+    for (const std::string& arg : {"--no-python", kCli.c_str(), "train", "--model", "mlp",
+                                   "--epochs", "1", "--steps-per-epoch", "5", "--batch-per-replica",
+                                   "16", "--threads", "1", "--verbose", "0"}) {
+      argv.push_back(arg);
+    }
+    nodes.push_back(std::make_unique<testing::Process>(
+        argv, std::map<std::string, std::string>{
+                  {"TF_CONFIG", ""}, {"FLOTILLA_RENDEZVOUS", ""}, {"OMP_NUM_THREADS", "1"}}));
+  }
+  std::string all;
+  for (auto& node : nodes) {
+    const auto r = node->wait(std::chrono::seconds(240));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    all += r.out + r.err;
+  }
+  EXPECT_EQ(count_of(all, "MultiWorkerMirroredStrategy: 2 worker(s)"), 1u) << all; // the chief's
+  EXPECT_EQ(count_of(all, "Test: loss: "), 1u) << all;
+}
+
+// The pids of `parent`'s children, from /proc.
+std::vector<int> children_of(int parent) {
+  std::vector<int> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    int ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// torchrun --max-restarts: a worker SIGKILLed in the second epoch; the agent restarts both
+// workers (TORCHELASTIC_RESTART_COUNT 1: a fresh meeting in its store), and with --backup-dir
+// they resume from the backup of the first epoch and finish.
+TEST(Torchrun, MaxRestartsResumesEveryWorkerFromTheBackup) {
+  testing::TempDir dir;
+  const int port = testing::free_ports(1)[0];
+  std::vector<std::string> argv = {testing::test_python(), "-m", "torch.distributed.run"};
+  for (const std::string& arg :
+       {"--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--master-port"}) {
+    argv.push_back(arg);
+  }
+  argv.push_back(std::to_string(port));
+  for (const std::string& arg : {"--no-python", kCli.c_str(), "train", "--model", "mlp", "--epochs",
+                                 "3", "--steps-per-epoch", "40", "--batch-per-replica", "16",
+                                 "--threads", "1", "--verbose", "2"}) {
+    argv.push_back(arg);
+  }
+  argv.push_back("--backup-dir");
+  argv.push_back(dir.path() + "/backup");
+  testing::Process agent(
+      argv, {{"TF_CONFIG", ""}, {"FLOTILLA_RENDEZVOUS", ""}, {"OMP_NUM_THREADS", "1"}});
+  ASSERT_TRUE(agent.wait_for_output("Epoch 2/3", std::chrono::seconds(120)))
+      << agent.output_so_far() << agent.errors_so_far();
+  const auto workers = children_of(agent.pid());
+  ASSERT_EQ(workers.size(), 2u);
+  ::kill(workers[0], SIGKILL);
+  const auto r = agent.wait(std::chrono::seconds(240));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("BackupAndRestore: resuming from " + dir.path() +
+                     "/backup/backup-1 at epoch "
+                     "2, step 0 (40 updates done)"),
+            std::string::npos)
+      << all;
+  EXPECT_EQ(count_of(all, "Test: loss: "), 1u) << all;
+}
+
 } // namespace
 } // namespace flotilla
