@@ -139,6 +139,36 @@ TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {
       "Debian install the dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist)\n");
 }
 
+// --validation holds out the last 10% of the training images (Keras's validation_split) and the
+// test split is evaluated once at the end: no image is reported as both.
+TEST(TrainCommand, ValidationIsHeldOutOfTheTrainingSetNeverTheTestSplit) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "no Fashion-MNIST";
+  const auto r =
+      run_process({kCli, "train", "--model", "mlp", "--epochs", "1", "--batch-per-replica", "64",
+                   "--threads", "1", "--validation", "--verbose", "2"},
+                  {{"TF_CONFIG", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("validation: the last 6000 of 60000 training images held out"),
+            std::string::npos)
+      << all;
+  EXPECT_NE(all.find("843/843 - "), std::string::npos) << all; // 54000 / 64 steps: 6000 held out
+  EXPECT_NE(all.find(" - val_loss: "), std::string::npos) << all;
+  EXPECT_NE(all.find("Test: loss: "), std::string::npos) << all;
+  EXPECT_NE(all.find("(10000 samples)"), std::string::npos) << all;
+
+  const auto alone = run_process({kCli, "train", "--validation-split", "0.2"}, {{"TF_CONFIG", ""}});
+  EXPECT_EQ(alone.exit_code, kExitBadInput);
+  EXPECT_EQ(alone.err, "flotilla train: error: --validation-split on Fashion-MNIST is the fraction "
+                       "of its training images held out for --validation (it has its own test "
+                       "split); add --validation, or drop --validation-split\n");
+  const auto folder = run_process({kCli, "train", "--dataset", "image-folder", "--data-dir",
+                                   "/nonexistent", "--validation-split", "0.2", "--validation"},
+                                  {{"TF_CONFIG", ""}});
+  EXPECT_EQ(folder.exit_code, kExitBadInput);
+  EXPECT_NE(folder.err.find("would report the same images twice"), std::string::npos) << folder.err;
+}
+
 TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;
@@ -161,7 +191,8 @@ std::unique_ptr<testing::Process> elastic_worker(const std::vector<int>& ports, 
                                                  const std::string& listen,
                                                  const std::vector<std::string>& flags) {
   cluster::ClusterSpec spec;
-  for (int i = 0; i < world; ++i) spec.worker.push_back({"127.0.0.1", ports[static_cast<std::size_t>(i)]});
+  for (int i = 0; i < world; ++i)
+    spec.worker.push_back({"127.0.0.1", ports[static_cast<std::size_t>(i)]});
   spec.task = {cluster::TaskType::kWorker, slot};
   std::vector<std::string> argv = {testing::test_bin_dir() + "/elastic_worker"};
   argv.insert(argv.end(), flags.begin(), flags.end());
@@ -178,8 +209,8 @@ TEST(RendezvousCommand, AnElasticGroupOutlivesItsKilledChiefAndTheServiceStopsOn
   testing::Process service(
       {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "30"});
   std::vector<std::unique_ptr<testing::Process>> workers;
-  workers.push_back(
-      elastic_worker(ports, 2, 0, listen, {"--steps", "5", "--signal-at", "2", "--signal", "KILL"}));
+  workers.push_back(elastic_worker(ports, 2, 0, listen,
+                                   {"--steps", "5", "--signal-at", "2", "--signal", "KILL"}));
   workers.push_back(elastic_worker(ports, 2, 1, listen, {"--steps", "5"}));
   const auto chief = workers[0]->wait(std::chrono::seconds(60));
   const auto other = workers[1]->wait(std::chrono::seconds(60));
@@ -218,10 +249,10 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   auto service = std::make_unique<testing::Process>(serve);
   std::vector<std::unique_ptr<testing::Process>> workers;
   for (int slot = 0; slot < 3; ++slot) {
-    workers.push_back(elastic_worker(ports, 3, slot, listen,
-                                     {"--steps", "100000", "--step-ms", "10",
-                                      "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms",
-                                      "200"}));
+    workers.push_back(
+        elastic_worker(ports, 3, slot, listen,
+                       {"--steps", "100000", "--step-ms", "10", "--heartbeat-timeout-ms", "1000",
+                        "--heartbeat-interval-ms", "200"}));
   }
   auto& chief = *workers[0];
   ASSERT_TRUE(chief.wait_for_output("step 10 gen 0 rank 0/3 sum 6 ok")) << chief.errors_so_far();
@@ -316,9 +347,14 @@ TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGo
       {kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"});
   std::vector<std::unique_ptr<testing::Process>> workers;
   for (int slot = 0; slot < 3; ++slot) {
-    std::vector<std::string> flags = {"--steps", "8", "--timeout-ms", "4000",
-                                      "--heartbeat-timeout-ms", "1000",
-                                      "--heartbeat-interval-ms", "200"};
+    std::vector<std::string> flags = {"--steps",
+                                      "8",
+                                      "--timeout-ms",
+                                      "4000",
+                                      "--heartbeat-timeout-ms",
+                                      "1000",
+                                      "--heartbeat-interval-ms",
+                                      "200"};
     if (slot == 2) flags.insert(flags.end(), {"--signal-at", "3", "--signal", "HANG"});
     workers.push_back(elastic_worker(ports, 3, slot, listen, flags));
   }

@@ -156,9 +156,17 @@ void check_dataset(const TrainArgs& a) {
     throw ConfigError("--dataset \"" + a.dataset +
                       "\" is not available; use fashion-mnist or image-folder");
   }
-  if (a.dataset == "fashion-mnist" && a.validation_split != 0) {
-    throw ConfigError("--validation-split splits an image folder; Fashion-MNIST has its own "
-                      "test split (use --dataset image-folder)");
+  if (a.dataset == "image-folder" && a.validation_split > 0 && a.validation) {
+    throw ConfigError("--validation with --validation-split on one image folder: the split-off "
+                      "images are what the run reports as its test, so validating on them each "
+                      "epoch would report the same images twice; give --data-dir train/ and "
+                      "test/ folders (--validation then holds out 10% of train/), or drop "
+                      "--validation");
+  }
+  if (a.dataset == "fashion-mnist" && a.validation_split != 0 && !a.validation) {
+    throw ConfigError("--validation-split on Fashion-MNIST is the fraction of its training "
+                      "images held out for --validation (it has its own test split); add "
+                      "--validation, or drop --validation-split");
   }
   if (a.dataset == "fashion-mnist" &&
       (a.image_size != std::vector<std::int64_t>{28, 28} || a.color_mode != "grayscale")) {
@@ -217,7 +225,8 @@ void check_metrics_file(const std::string& path) {
 struct Sources {
   data::Dataset train;
   data::Dataset test;
-  data::MapFn decode; // empty: the elements are images already
+  std::optional<data::Dataset> validation; // --validation: held out of the training set
+  data::MapFn decode;                      // empty: the elements are images already
   std::int64_t classes = 10;
   std::vector<std::int64_t> shape = {1, 28, 28}; // an image's
 };
@@ -275,17 +284,41 @@ Sources image_folder_sources(const TrainArgs& a) {
   }
   return {train.files,
           test.files,
+          std::nullopt,
           train.load,
           static_cast<std::int64_t>(train.class_names.size()),
           {o.color_mode == data::ColorMode::kRgb ? 3 : 1, o.image_size[0], o.image_size[1]}};
 }
 
+// --validation, as Keras's fit(validation_split=F): the last F of the training elements (in the
+// source's order, before any shuffle) are held out and evaluated after each epoch; the test split
+// stays for the end, so no image is reported both as validation and as test.
+void hold_out_validation(const TrainArgs& a, Sources& s) {
+  if (!a.validation) return;
+  const double fraction =
+      a.dataset == "fashion-mnist" && a.validation_split > 0 ? a.validation_split : 0.1;
+  const std::int64_t n = s.train.cardinality();
+  const auto held = static_cast<std::int64_t>(std::llround(static_cast<double>(n) * fraction));
+  if (n <= 0 || held < 1 || held >= n) {
+    throw ConfigError("--validation holds out " + std::to_string(fraction) + " of " +
+                      std::to_string(n) +
+                      " training images, which leaves none to train on or none to validate on; "
+                      "give --validation-split a fraction that leaves both");
+  }
+  s.validation = s.train.skip(n - held);
+  s.train = s.train.take(n - held);
+}
+
 // Loaded (and validated) before joining, so a bad path fails fast on every worker.
 Sources load_sources(const TrainArgs& a) {
-  if (a.dataset == "image-folder") return image_folder_sources(a);
-  return {data::fashion_mnist(a.data_dir, data::Split::kTrain),
-          data::fashion_mnist(a.data_dir, data::Split::kTest),
-          {}};
+  Sources s = a.dataset == "image-folder"
+                  ? image_folder_sources(a)
+                  : Sources{data::fashion_mnist(a.data_dir, data::Split::kTrain),
+                            data::fashion_mnist(a.data_dir, data::Split::kTest),
+                            std::nullopt,
+                            {}};
+  hold_out_validation(a, s);
+  return s;
 }
 
 // Each worker's replica devices: --devices as given, or --replicas-per-worker of them; by
@@ -366,8 +399,9 @@ data::Dataset training_batches(const TrainArgs& a, const Sources& sources,
 }
 
 struct Input {
-  data::DistributedDataset train; // this worker's slice of every global batch
-  data::Dataset test;             // evaluation (and --validation) batches
+  data::DistributedDataset train;          // this worker's slice of every global batch
+  data::Dataset test;                      // evaluation batches
+  std::optional<data::Dataset> validation; // --validation's batches
   std::int64_t steps_per_epoch;
 };
 
@@ -384,11 +418,16 @@ Input input_pipeline(const TrainArgs& a, const Sources& sources, strategy::Strat
   const data::Dataset to_device = device.is_cuda() ? batches.prefetch_to_device(device) : batches;
   auto train = data::distribute_dataset(to_device.with_options(options), strategy.input_context());
   // Every element counted once, the last batch short.
-  data::Dataset test = decoded(sources, sources.test)
-                           .batch(global_batch)
-                           .map(normalized, data::kAutotune)
-                           .prefetch(data::kAutotune)
-                           .with_options(options);
+  const auto evaluation = [&](const data::Dataset& d) {
+    return decoded(sources, d)
+        .batch(global_batch)
+        .map(normalized, data::kAutotune)
+        .prefetch(data::kAutotune)
+        .with_options(options);
+  };
+  data::Dataset test = evaluation(sources.test);
+  std::optional<data::Dataset> validation;
+  if (sources.validation) validation = evaluation(*sources.validation);
   std::int64_t steps = a.steps_per_epoch > 0 ? a.steps_per_epoch : train.cardinality();
   // FILE shards may differ by a batch: the epoch is the longest worker's (the others join with
   // empty batches), and every worker's schedule must count the same steps.
@@ -399,7 +438,7 @@ Input input_pipeline(const TrainArgs& a, const Sources& sources, strategy::Strat
     throw ConfigError("the global batch " + std::to_string(global_batch) +
                       " is larger than the training set; lower --batch-per-replica");
   }
-  return {std::move(train), std::move(test), steps};
+  return {std::move(train), std::move(test), std::move(validation), steps};
 }
 
 // The chain as input_pipeline() builds it, in Dataset::plan()'s words, for the doctor's input
@@ -473,7 +512,7 @@ train::FitOptions fit_options(const TrainArgs& a, const cluster::Environment& en
   train::FitOptions fit;
   fit.epochs = a.recipe.epochs;
   if (a.steps_per_epoch > 0) fit.steps_per_epoch = a.steps_per_epoch;
-  if (a.validation) fit.validation_data = input.test;
+  if (input.validation) fit.validation_data = input.validation;
   fit.verbose = verbosity(a, env);
   return fit;
 }
@@ -756,6 +795,13 @@ int run(const TrainArgs& a) {
       a.batch_per_replica * (a.elastic ? spec.world_size * static_cast<int>(devices.size())
                                        : strategy.num_replicas_in_sync());
   if (strategy.is_chief()) log_strategy(strategy, a, spec, devices, threads, global_batch);
+  if (strategy.is_chief() && sources.validation) {
+    const std::int64_t held = sources.validation->cardinality();
+    strategy.log().info("validation: the last " + std::to_string(held) + " of " +
+                        std::to_string(held + sources.train.cardinality()) +
+                        " training images held out, evaluated after each epoch (Keras's "
+                        "validation_split); the test split is evaluated once, at the end");
+  }
   const Input input = input_pipeline(a, sources, strategy, devices.front(), threads, global_batch);
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
   const train::Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
@@ -811,8 +857,9 @@ Command add_train(CLI::App& parent) {
                   "and test/<class>/, or DIR/<class>/ with --validation-split")
       ->capture_default_str();
   app->add_option("--validation-split", args->validation_split,
-                  "image-folder: test on this fraction of DIR's images (Keras's validation "
-                  "subset, seeded with --seed), train on the rest")
+                  "image-folder DIR/<class>/: test on this fraction of DIR's images (Keras's "
+                  "validation subset, seeded with --seed), train on the rest; fashion-mnist with "
+                  "--validation: the fraction of training images held out (default 0.1)")
       ->check(number_in(0.0, 1.0))
       ->capture_default_str();
   app->add_option("--image-size", args->image_size,
@@ -920,7 +967,9 @@ Command add_train(CLI::App& parent) {
                   "TensorBoard event files: <dir>/train and <dir>/validation (chief)");
   app->add_option("--csv-log", args->csv_log, "CSVLogger: one row per epoch (chief)");
   app->add_flag("--validation", args->validation,
-                "Evaluate on the test split after each epoch (val_loss, val_accuracy)");
+                "Hold out the last 10% of the training images (Keras's validation_split) and "
+                "evaluate on them after each epoch (val_loss, val_accuracy); the test split is "
+                "kept for the end");
   app->add_option("--threads", args->threads,
                   "Intra-op threads per worker (0: cores / workers on this machine)")
       ->check(non_negative_number())
