@@ -11,6 +11,8 @@ Environment Environment::from_process() {
       "FLOTILLA_CLUSTER_TOKEN_FILE", "FLOTILLA_RENDEZVOUS",
       // torchrun's agent, read by from_torchrun_env.
       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+      // Kubeflow Trainer v2's torch runtime, read by from_kubeflow_env.
+      "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
       // Slurm's, read by from_slurm_env, local_rank and local_world_size.
       "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURMD_NODENAME", "SLURM_STEP_NODELIST",
       "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",

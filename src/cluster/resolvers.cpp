@@ -313,9 +313,8 @@ ClusterSpec from_torchrun_env(const Environment& env) {
       parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port, "MASTER_ADDR/MASTER_PORT");
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   if (env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    spec.agent_store_key = "flotilla/rendezvous/" +
-                           env.get("TORCHELASTIC_RUN_ID").value_or("run") + "/restart-" +
-                           env.get("TORCHELASTIC_RESTART_COUNT").value_or("0");
+    spec.agent_store_key = "flotilla/rendezvous/" + env.get("TORCHELASTIC_RUN_ID").value_or("run") +
+                           "/restart-" + env.get("TORCHELASTIC_RESTART_COUNT").value_or("0");
   }
   // A loopback master means every rank is on this machine; otherwise let Gloo pick the
   // address this host's name resolves to.
@@ -323,6 +322,40 @@ ClusterSpec from_torchrun_env(const Environment& env) {
       spec.rendezvous.host == "::1") {
     spec.local_host = spec.rendezvous.host;
   }
+  return spec;
+}
+
+// Kubeflow Trainer v2's torch runtime gives each node PET_NNODES, PET_NPROC_PER_NODE,
+// PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT for its default command, torchrun (which
+// turns them into RANK, WORLD_SIZE, ...: from_torchrun_env). A container that runs flotilla
+// itself is one process per node: node rank = rank.
+ClusterSpec from_kubeflow_env(const Environment& env) {
+  const std::string fix = "Kubeflow Trainer v2 sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR "
+                          "and PET_MASTER_PORT on every node";
+  if (const auto per_node = env.get("PET_NPROC_PER_NODE"); per_node && *per_node != "1") {
+    throw ConfigError("PET_NPROC_PER_NODE is \"" + *per_node +
+                      "\": the TrainJob expects that many processes on each node, but flotilla "
+                      "started directly is one; set numProcPerNode: 1 (one flotilla worker uses "
+                      "all of a node's cores), or start it through torchrun (torchrun --no-python "
+                      "flotilla train ...)");
+  }
+  ClusterSpec spec;
+  spec.source = "Kubeflow Trainer environment (PET_*)";
+  spec.world_size = static_cast<int>(parse_int(env, "PET_NNODES", 1, fix));
+  spec.rank = static_cast<int>(parse_int(env, "PET_NODE_RANK", 0, fix));
+  if (spec.rank >= spec.world_size) {
+    throw ConfigError("PET_NODE_RANK " + std::to_string(spec.rank) +
+                      " is out of range for PET_NNODES " + std::to_string(spec.world_size) +
+                      "; use 0 to " + std::to_string(spec.world_size - 1));
+  }
+  const auto host = env.get("PET_MASTER_ADDR");
+  if (!host) throw ConfigError("PET_MASTER_ADDR is not set; " + fix);
+  const auto port = env.get("PET_MASTER_PORT");
+  if (!port) throw ConfigError("PET_MASTER_PORT is not set; " + fix);
+  const bool v6 = host->find(':') != std::string::npos && host->front() != '[';
+  spec.rendezvous = parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port,
+                                  "PET_MASTER_ADDR/PET_MASTER_PORT");
+  spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   return spec;
 }
 
@@ -339,6 +372,7 @@ namespace {
 ClusterSpec resolve_cluster_only(const Environment& env) {
   if (const auto tf_config = env.get("TF_CONFIG")) return parse_tf_config(*tf_config);
   if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);
+  if (env.get("PET_NNODES")) return from_kubeflow_env(env);
   if (env.get("SLURM_PROCID") && env.get("SLURM_NTASKS")) return from_slurm_env(env);
   return single_worker();
 }

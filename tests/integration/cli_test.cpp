@@ -169,6 +169,35 @@ TEST(TrainCommand, ValidationIsHeldOutOfTheTrainingSetNeverTheTestSplit) {
   EXPECT_NE(folder.err.find("would report the same images twice"), std::string::npos) << folder.err;
 }
 
+// Kubeflow Trainer v2's PET_* variables, as its torch runtime sets them on each node, read by
+// flotilla train run directly (one worker per node): two "nodes" on loopback train together.
+TEST(TrainCommand, TwoNodesTrainFromKubeflowTrainersPetVariables) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "no Fashion-MNIST";
+  const int port = testing::free_ports(1)[0];
+  std::vector<std::unique_ptr<testing::Process>> nodes;
+  for (int rank = 0; rank < 2; ++rank) {
+    nodes.push_back(std::make_unique<testing::Process>(
+        std::vector<std::string>{kCli, "train", "--model", "mlp", "--epochs", "1",
+                                 "--steps-per-epoch", "3", "--batch-per-replica", "16", "--threads",
+                                 "1", "--verbose", "0"},
+        std::map<std::string, std::string>{{"TF_CONFIG", ""},
+                                           {"PET_NNODES", "2"},
+                                           {"PET_NPROC_PER_NODE", "1"},
+                                           {"PET_NODE_RANK", std::to_string(rank)},
+                                           {"PET_MASTER_ADDR", "127.0.0.1"},
+                                           {"PET_MASTER_PORT", std::to_string(port)}}));
+  }
+  std::string all;
+  for (auto& node : nodes) {
+    const auto r = node->wait(std::chrono::seconds(120));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    all += r.out + r.err;
+  }
+  EXPECT_NE(all.find("MultiWorkerMirroredStrategy: 2 worker(s)"), std::string::npos) << all;
+  EXPECT_NE(all.find("cluster from Kubeflow Trainer environment (PET_*)"), std::string::npos)
+      << all;
+}
+
 TEST(TrainCommand, AnEvaluatorWithoutCheckpointsTimesOutNamingTheFlag) {
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "dataset-fashion-mnist absent";
   testing::TempDir dir;

@@ -80,6 +80,51 @@ TEST(Resolvers, AnEtcdRendezvousNamesItsEndpointsAndJob) {
   EXPECT_NE(error("http://h:1").find("does not start with etcd://"), std::string::npos);
 }
 
+// Kubeflow Trainer v2: PET_* read directly when flotilla is the container's command (one process
+// per node); under torchrun, its RANK/WORLD_SIZE win.
+TEST(Resolvers, KubeflowTrainerPetVariables) {
+  const std::map<std::string, std::string> pet = {{"PET_NNODES", "3"},
+                                                  {"PET_NPROC_PER_NODE", "1"},
+                                                  {"PET_NODE_RANK", "2"},
+                                                  {"PET_MASTER_ADDR", "job-node-0-0.job"},
+                                                  {"PET_MASTER_PORT", "29500"}};
+  const auto spec = resolve_cluster(env(pet));
+  EXPECT_EQ(spec.source, "Kubeflow Trainer environment (PET_*)");
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.rank, 2);
+  EXPECT_EQ(spec.rendezvous.to_string(), "job-node-0-0.job:29500");
+  EXPECT_FALSE(spec.is_chief());
+  EXPECT_EQ(resolve_cluster(env({{"PET_NNODES", "1"},
+                                 {"PET_NODE_RANK", "0"},
+                                 {"PET_MASTER_ADDR", "h"},
+                                 {"PET_MASTER_PORT", "1"}}))
+                .is_chief(),
+            true);
+
+  auto under_torchrun = pet;
+  under_torchrun.insert(
+      {{"RANK", "5"}, {"WORLD_SIZE", "6"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "2"}});
+  EXPECT_EQ(resolve_cluster(env(under_torchrun)).source, "torchrun environment");
+  EXPECT_EQ(resolve_cluster(env(under_torchrun)).rank, 5);
+
+  auto with = [&](const std::string& name, const std::string& value) {
+    auto e = pet;
+    e[name] = value;
+    return error_of(env(e));
+  };
+  EXPECT_EQ(with("PET_NPROC_PER_NODE", "auto"),
+            "PET_NPROC_PER_NODE is \"auto\": the TrainJob expects that many processes on each "
+            "node, but flotilla started directly is one; set numProcPerNode: 1 (one flotilla "
+            "worker uses all of a node's cores), or start it through torchrun (torchrun "
+            "--no-python flotilla train ...)");
+  EXPECT_EQ(with("PET_NODE_RANK", "3"),
+            "PET_NODE_RANK 3 is out of range for PET_NNODES 3; use 0 to 2");
+  EXPECT_NE(with("PET_MASTER_PORT", "")
+                .find("PET_MASTER_PORT is not set; Kubeflow Trainer v2 "
+                      "sets"),
+            std::string::npos);
+}
+
 TEST(Resolvers, TorchrunEnvironment) {
   const auto spec = resolve_cluster(env(
       {{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29500"}}));
