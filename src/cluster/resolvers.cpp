@@ -8,6 +8,12 @@
 namespace flotilla::cluster {
 namespace {
 
+// A host and a port given apart (an IPv6 host without brackets, as torchrun takes it).
+Address master_address(const std::string& host, const std::string& port, const std::string& what) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return parse_address((v6 ? "[" + host + "]" : host) + ":" + port, what);
+}
+
 long parse_int(const Environment& env, const std::string& name, long min, const std::string& fix) {
   const auto value = env.get(name);
   if (!value) throw ConfigError(name + " is not set; " + fix);
@@ -283,10 +289,8 @@ ClusterSpec from_slurm_env(const Environment& env) {
   }
   const std::string host = master ? *master : hosts.front();
   const auto port = env.get("MASTER_PORT");
-  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
-  spec.rendezvous = parse_address((v6 ? "[" + host + "]" : host) + ":" +
-                                      (port ? *port : std::to_string(job_port(env))),
-                                  port ? "MASTER_ADDR/MASTER_PORT" : "the Slurm rendezvous");
+  spec.rendezvous = master_address(host, port ? *port : std::to_string(job_port(env)),
+                                   port ? "MASTER_ADDR/MASTER_PORT" : "the Slurm rendezvous");
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   spec.local_host = *node;
   return spec;
@@ -308,9 +312,7 @@ ClusterSpec from_torchrun_env(const Environment& env) {
   if (!host) throw ConfigError("MASTER_ADDR is not set; " + fix);
   const auto port = env.get("MASTER_PORT");
   if (!port) throw ConfigError("MASTER_PORT is not set; " + fix);
-  const bool v6 = host->find(':') != std::string::npos && host->front() != '[';
-  spec.rendezvous =
-      parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port, "MASTER_ADDR/MASTER_PORT");
+  spec.rendezvous = master_address(*host, *port, "MASTER_ADDR/MASTER_PORT");
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   if (env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
     spec.agent_store_key = "flotilla/rendezvous/" + env.get("TORCHELASTIC_RUN_ID").value_or("run") +
@@ -352,9 +354,7 @@ ClusterSpec from_kubeflow_env(const Environment& env) {
   if (!host) throw ConfigError("PET_MASTER_ADDR is not set; " + fix);
   const auto port = env.get("PET_MASTER_PORT");
   if (!port) throw ConfigError("PET_MASTER_PORT is not set; " + fix);
-  const bool v6 = host->find(':') != std::string::npos && host->front() != '[';
-  spec.rendezvous = parse_address((v6 ? "[" + *host + "]" : *host) + ":" + *port,
-                                  "PET_MASTER_ADDR/PET_MASTER_PORT");
+  spec.rendezvous = master_address(*host, *port, "PET_MASTER_ADDR/PET_MASTER_PORT");
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   return spec;
 }
