@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# flotilla under a real Slurm (Debian's slurm-wlm 22.05: slurmctld, slurmd and munged, started
+# here as root with a private configuration, key, ports and directories, and stopped at the end):
+# `sbatch --wait examples/slurm/train.sbatch` with 2 and then 3 tasks on this one node trains
+# (srun's variables, flotilla's Slurm resolver, the cluster token file the script makes). Nothing
+# of a system Slurm is touched: every daemon gets -f with this test's slurm.conf.
+#   slurm.sh FLOTILLA_BIN_DIR      (ctest -R slurm_sbatch; exit 77, skipped, without Slurm or root)
+set -euo pipefail
+bin_dir=$1
+root=$(cd "$(dirname "$0")/../.." && pwd)
+skip() { echo "SKIPPED: $*"; exit 77; }
+[[ $(id -u) -eq 0 ]] || skip "needs root (slurmd runs jobs as their user)"
+for tool in slurmctld slurmd munged sbatch sinfo python3; do
+  command -v "$tool" >/dev/null || skip "$tool is not installed (apt install slurm-wlm munge)"
+done
+[[ -d /usr/share/datasets/fashion-mnist ]] || skip "no Fashion-MNIST"
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/flotilla-slurm.XXXXXX")
+chmod 755 "$tmp"
+pids=()
+cleanup() {
+  local rc=$?
+  for f in "$tmp"/slurmd.pid "$tmp"/slurmctld.pid "$tmp"/munge/munged.pid; do
+    [[ -s $f ]] && kill -TERM "$(cat "$f")" 2>/dev/null
+  done
+  sleep 1
+  for f in "$tmp"/slurmd.pid "$tmp"/slurmctld.pid "$tmp"/munge/munged.pid; do
+    [[ -s $f ]] && kill -KILL "$(cat "$f")" 2>/dev/null
+  done
+  if ((rc == 0)); then rm -rf "$tmp"; else echo "logs kept in $tmp"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; tail -n 20 "$tmp"/log/*.log 2>/dev/null; exit 1; }
+
+mkdir -p "$tmp"/{state,spool,log,munge,shared}
+chmod 711 "$tmp/munge" # munged wants its socket directory searchable by all
+head -c 1024 /dev/urandom >"$tmp/munge/munge.key"
+chmod 400 "$tmp/munge/munge.key"
+munged --key-file="$tmp/munge/munge.key" --socket="$tmp/munge/munge.socket" \
+  --pid-file="$tmp/munge/munged.pid" --log-file="$tmp/munge/munged.log" \
+  --seed-file="$tmp/munge/seed" || fail "munged did not start"
+
+# Two free TCP ports for slurmctld and slurmd.
+read -r ctld_port slurmd_port < <(python3 -c 'import socket
+s=[socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1", 0)) for x in s]
+print(*[x.getsockname()[1] for x in s])')
+node=$(hostname)
+export SLURM_CONF=$tmp/slurm.conf
+cat >"$SLURM_CONF" <<CONF
+ClusterName=flit
+SlurmctldHost=$node(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
+AuthType=auth/munge
+AuthInfo=socket=$tmp/munge/munge.socket
+StateSaveLocation=$tmp/state
+SlurmdSpoolDir=$tmp/spool
+SlurmctldPidFile=$tmp/slurmctld.pid
+SlurmdPidFile=$tmp/slurmd.pid
+SlurmctldLogFile=$tmp/log/slurmctld.log
+SlurmdLogFile=$tmp/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SwitchType=switch/none
+MpiDefault=none
+ReturnToService=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+NodeName=$node NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+PartitionName=flit Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+slurmctld -f "$SLURM_CONF" || fail "slurmctld did not start"
+slurmd -f "$SLURM_CONF" || fail "slurmd did not start"
+start=$SECONDS
+until sinfo -h -o %T 2>/dev/null | grep -q idle; do
+  ((SECONDS - start < 30)) || fail "the node did not become idle: $(sinfo 2>&1)"
+  sleep 0.5
+done
+echo "Slurm $(slurmd -V | awk '{print $2}'): node $node idle (slurmctld :$ctld_port, slurmd :$slurmd_port)"
+
+export PATH=$bin_dir:$PATH # the example calls `flotilla`
+export FLOTILLA_SHARED=$tmp/shared
+export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 1 --steps-per-epoch 5 --batch-per-replica 16 --verbose 0"
+export OMP_NUM_THREADS=1
+unset TF_CONFIG RANK WORLD_SIZE MASTER_ADDR MASTER_PORT FLOTILLA_RENDEZVOUS
+for tasks in 2 3; do
+  out=$tmp/job-$tasks.out
+  rc=0
+  timeout 300 sbatch --wait --nodes=1 --ntasks="$tasks" --ntasks-per-node="$tasks" \
+    --cpus-per-task=1 --job-name="flit$tasks" --output="$out" --chdir="$tmp" \
+    "$root/examples/slurm/train.sbatch" >/dev/null || rc=$?
+  ((rc == 0)) || { cat "$out"; fail "sbatch with $tasks tasks exited $rc"; }
+  grep -q "MultiWorkerMirroredStrategy: $tasks worker(s).*cluster from Slurm environment" "$out" ||
+    { cat "$out"; fail "the job of $tasks tasks did not train as $tasks workers"; }
+  grep -q "Test: loss: " "$out" || { cat "$out"; fail "no test result with $tasks tasks"; }
+  [[ -f $FLOTILLA_SHARED/cluster-token ]] || fail "the script made no cluster token file"
+  echo "sbatch, $tasks tasks: $(grep -o 'MultiWorkerMirroredStrategy: [^,]*' "$out"), $(grep -o 'Test: .*' "$out")"
+done
+echo PASSED
