@@ -2,7 +2,8 @@
 # flotilla under a real Slurm (Debian's slurm-wlm 22.05: slurmctld, slurmd and munged, started
 # here as root with a private configuration, key, ports and directories, and stopped at the end):
 # `sbatch --wait examples/slurm/train.sbatch` with 2 and then 3 tasks on this one node trains
-# (srun's variables, flotilla's Slurm resolver, the cluster token file the script makes). Nothing
+# (srun's variables, flotilla's Slurm resolver, the cluster token file the script makes); then a
+# job SIGTERMed mid-training saves, exits 75, is requeued by the script and resumes. Nothing
 # of a system Slurm is touched: every daemon gets -f with this test's slurm.conf.
 #   slurm.sh FLOTILLA_BIN_DIR      (ctest -R slurm_sbatch; exit 77, skipped, without Slurm or root)
 set -euo pipefail
@@ -102,4 +103,35 @@ for tasks in 2 3; do
   [[ -f $FLOTILLA_SHARED/cluster-token ]] || fail "the script made no cluster token file"
   echo "sbatch, $tasks tasks: $(grep -o 'MultiWorkerMirroredStrategy: [^,]*' "$out"), $(grep -o 'Test: .*' "$out")"
 done
+# Preemption: SIGTERM to the job's steps mid-training (as --signal=TERM@N would send it): the
+# workers save a backup at one step and exit 75, the script requeues the job, and the requeued
+# job resumes from the backup and finishes.
+export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 3 --steps-per-epoch 150 --batch-per-replica 16 --verbose 2"
+out=$tmp/job-requeue.out
+job=$(sbatch --parsable --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 \
+  --job-name=flitrq --output="$out" --open-mode=append --chdir="$tmp" \
+  "$root/examples/slurm/train.sbatch")
+start=$SECONDS
+until grep -q "Epoch 2/3" "$out" 2>/dev/null; do
+  ((SECONDS - start < 120)) || { cat "$out"; fail "the job did not reach epoch 2"; }
+  sleep 0.2
+done
+scancel --signal=TERM "$job"
+echo "job $job: SIGTERM to its steps in epoch 2"
+start=$SECONDS
+nudged=0
+until [[ $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z]*') == JobState=COMPLETED ]]; do
+  state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
+  # Slurm holds a requeued batch job back for a while (its BeginTime); a test need not wait.
+  if [[ $state == JobState=PENDING ]] && ((!nudged)); then
+    scontrol update JobId="$job" StartTime=now >/dev/null 2>&1 && nudged=1
+  fi
+  [[ $state != JobState=FAILED && $state != JobState=CANCELLED ]] || { cat "$out"; fail "job $job: $state"; }
+  ((SECONDS - start < 240)) || { cat "$out"; fail "job $job did not complete after the requeue ($state)"; }
+  sleep 0.5
+done
+grep -q "BackupAndRestore: resuming from $FLOTILLA_SHARED/flitrq/backup" "$out" ||
+  { cat "$out"; fail "the requeued job did not resume from the backup"; }
+grep -q "Test: loss: " "$out" || { cat "$out"; fail "the requeued job gave no test result"; }
+echo "requeued job: $(grep -o 'BackupAndRestore: resuming from .*' "$out" | head -n1 | sed "s|$tmp/||")"
 echo PASSED
