@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "flotilla/error.h"
+#include "support/paths.h"
 #include "support/subprocess.h"
 
 namespace flotilla::collective::detail {
@@ -81,6 +82,43 @@ TEST(Etcd, TheRendezvousCallsWorkAgainstARealEtcdAndSkipADeadEndpoint) {
     EXPECT_EQ(what.rfind("no etcd endpoint answered /v3/kv/range (", 0), 0u) << what;
     EXPECT_NE(what.find("127.0.0.1:" + std::to_string(ports[2]) + ": "), std::string::npos) << what;
     EXPECT_NE(what.find("127.0.0.1:" + std::to_string(ports[0]) + ": "), std::string::npos) << what;
+  }
+}
+
+// A fixed group (no --elastic) meeting through FLOTILLA_RENDEZVOUS=etcd://: the workers find the
+// replica etcd names and train; the same path the elastic netns test takes, on loopback.
+TEST(Etcd, AFixedGroupMeetsThroughTheReplicaEtcdNames) {
+  if (!have_etcd()) GTEST_SKIP() << "etcd is not installed (apt install etcd-server)";
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "no Fashion-MNIST";
+  const auto ports = testing::free_ports(5);
+  const testing::TempDir dir;
+  const std::string client = "http://127.0.0.1:" + std::to_string(ports[0]);
+  const std::string peer = "http://127.0.0.1:" + std::to_string(ports[1]);
+  Process etcd({"etcd", "--name", "t", "--data-dir", dir.path() + "/data", "--listen-client-urls",
+                client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer, "--initial-cluster", "t=" + peer});
+  const std::string url = "etcd://127.0.0.1:" + std::to_string(ports[0]) + "/fixed";
+  const std::string cli = testing::flotilla_cli();
+  Process replica({cli, "rendezvous", "--fixed", "--workers", "2", "--listen",
+                   "127.0.0.1:" + std::to_string(ports[2]), "--etcd", url});
+  ASSERT_TRUE(replica.wait_for_output("serving job \"fixed\"", std::chrono::seconds(30)))
+      << replica.output_so_far() << replica.errors_so_far() << etcd.errors_so_far();
+  const std::string cluster = R"({"cluster":{"worker":["127.0.0.1:)" + std::to_string(ports[3]) +
+                              R"(","127.0.0.1:)" + std::to_string(ports[4]) + R"("]},)";
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(std::make_unique<Process>(
+        std::vector<std::string>{cli, "train", "--model", "mlp", "--epochs", "1",
+                                 "--steps-per-epoch", "3", "--batch-per-replica", "16", "--threads",
+                                 "1", "--verbose", "0"},
+        std::map<std::string, std::string>{
+            {"TF_CONFIG",
+             cluster + R"("task":{"type":"worker","index":)" + std::to_string(i) + "}}"},
+            {"FLOTILLA_RENDEZVOUS", url}}));
+  }
+  for (auto& w : workers) {
+    const auto r = w->wait(std::chrono::seconds(120));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   }
 }
 
