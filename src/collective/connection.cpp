@@ -17,35 +17,6 @@
 
 namespace flotilla::collective::detail {
 
-namespace {
-
-// Starts a connect and waits for it, at most 2 s at a time (the caller retries until its
-// deadline); false with errno set when it failed.
-bool connect_by(int fd, const addrinfo* a, Connection::Clock::time_point deadline) {
-  set_nonblocking(fd);
-  if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
-    if (errno != EINPROGRESS) return false;
-    pollfd p{fd, POLLOUT, 0};
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Connection::Clock::now())
-            .count();
-    if (::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left, 0, 2000))) <= 0) {
-      errno = ETIMEDOUT;
-      return false;
-    }
-    int error = 0;
-    socklen_t len = sizeof error;
-    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
-    if (error != 0) {
-      errno = error;
-      return false;
-    }
-  }
-  return true;
-}
-
-} // namespace
-
 Connection::~Connection() {
   if (fd_ >= 0) ::close(fd_);
 }
@@ -94,7 +65,7 @@ std::unique_ptr<Connection> Connection::connect(const RendezvousConfig& config,
     for (addrinfo* a = info.list; a && conn->fd_ < 0; a = a->ai_next) {
       const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (fd < 0) continue;
-      if (connect_by(fd, a, deadline)) {
+      if (connect_within(fd, a, deadline)) {
         conn->fd_ = fd;
       } else {
         last_error = std::strerror(errno);

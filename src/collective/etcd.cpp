@@ -50,20 +50,15 @@ std::string post(const cluster::Address& to, const std::string& path, const std:
                  Clock::time_point deadline) {
   AddrInfo found;
   resolve(to, found);
-  const int fd = ::socket(found.list->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const int fd = ::socket(found.list->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw CommError(std::strerror(errno));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  if (::connect(fd, found.list->ai_addr, found.list->ai_addrlen) != 0 && errno != EINPROGRESS) {
-    throw CommError(std::strerror(errno));
+  if (!connect_within(fd, found.list, deadline)) {
+    throw CommError(errno == ETIMEDOUT ? "no connection in time" : std::strerror(errno));
   }
-  if (!wait_for(fd, POLLOUT, deadline)) throw CommError("no connection in time");
-  int error = 0;
-  socklen_t length = sizeof error;
-  ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
-  if (error != 0) throw CommError(std::strerror(error));
   const std::string request =
       "POST " + path + " HTTP/1.1\r\nHost: " + to.to_string() +
       "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
@@ -143,23 +138,23 @@ std::optional<std::string> unbase64(const std::string& text) {
 EtcdClient::EtcdClient(std::vector<cluster::Address> endpoints, std::chrono::milliseconds timeout)
     : endpoints_(std::move(endpoints)), timeout_(timeout) {}
 
-std::string EtcdClient::post_to(std::size_t at, const std::string& path, const std::string& body) {
-  std::string answer = post(endpoints_[at], path, body, Clock::now() + timeout_);
+nlohmann::json EtcdClient::post_to(std::size_t at, const std::string& path,
+                                   const std::string& body) {
+  json j = parse(post(endpoints_[at], path, body, Clock::now() + timeout_));
   // A gRPC error in JSON (e.g. a member without its cluster's quorum).
-  const json j = parse(answer);
   if (j.contains("error") || (j.contains("code") && !j.contains("header"))) {
     throw CommError(j.value("message", j.dump()));
   }
-  return answer;
+  return j;
 }
 
-std::string EtcdClient::call(const std::string& path, const std::string& body) {
+nlohmann::json EtcdClient::call(const std::string& path, const std::string& body) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string failures;
   for (std::size_t i = 0; i < endpoints_.size(); ++i) {
     const std::size_t at = (next_ + i) % endpoints_.size();
     try {
-      std::string answer = post_to(at, path, body);
+      json answer = post_to(at, path, body);
       next_ = at;
       return answer;
     } catch (const Error& e) {
@@ -171,7 +166,7 @@ std::string EtcdClient::call(const std::string& path, const std::string& body) {
 }
 
 std::optional<std::string> EtcdClient::get(const std::string& key) {
-  const json j = parse(call("/v3/kv/range", json{{"key", base64(key)}}.dump()));
+  const json j = call("/v3/kv/range", json{{"key", base64(key)}}.dump());
   if (!j.contains("kvs") || j["kvs"].empty()) return std::nullopt;
   const auto value = unbase64(j["kvs"][0].value("value", ""));
   if (!value) throw CommError("etcd answered a value that is not base64 for " + key);
@@ -179,14 +174,14 @@ std::optional<std::string> EtcdClient::get(const std::string& key) {
 }
 
 std::int64_t EtcdClient::grant(std::int64_t ttl_s) {
-  const json j = parse(call("/v3/lease/grant", json{{"TTL", ttl_s}}.dump()));
+  const json j = call("/v3/lease/grant", json{{"TTL", ttl_s}}.dump());
   const std::int64_t id = number(j, "ID");
   if (id == 0) throw CommError("etcd granted no lease: " + j.dump());
   return id;
 }
 
 std::int64_t EtcdClient::keep_alive(std::int64_t lease) {
-  const json j = parse(call("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump()));
+  const json j = call("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump());
   return number(j.value("result", json::object()), "TTL");
 }
 
@@ -200,13 +195,13 @@ bool EtcdClient::create(const std::string& key, const std::string& value, std::i
       {"success",
        {{{"request_put",
           {{"key", base64(key)}, {"value", base64(value)}, {"lease", std::to_string(lease)}}}}}}};
-  return parse(call("/v3/kv/txn", txn.dump())).value("succeeded", false);
+  return call("/v3/kv/txn", txn.dump()).value("succeeded", false);
 }
 
 bool EtcdClient::holds(const std::string& key, std::int64_t lease) {
   std::lock_guard<std::mutex> lock(mutex_);
   try {
-    const json j = parse(post_to(next_, "/v3/kv/range", json{{"key", base64(key)}}.dump()));
+    const json j = post_to(next_, "/v3/kv/range", json{{"key", base64(key)}}.dump());
     return j.contains("kvs") && !j["kvs"].empty() && number(j["kvs"][0], "lease") == lease;
   } catch (const Error&) {
     return false;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,8 +39,9 @@ class EtcdClient {
   bool holds(const std::string& key, std::int64_t lease);
 
  private:
-  std::string call(const std::string& path, const std::string& body);
-  std::string post_to(std::size_t endpoint, const std::string& path, const std::string& body);
+  // The answer, parsed once; CommError for a gRPC error in it.
+  nlohmann::json call(const std::string& path, const std::string& body);
+  nlohmann::json post_to(std::size_t endpoint, const std::string& path, const std::string& body);
 
   std::mutex mutex_;
   std::vector<cluster::Address> endpoints_;

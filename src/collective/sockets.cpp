@@ -4,6 +4,10 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
 
 #include "flotilla/error.h"
 
@@ -24,6 +28,29 @@ void resolve(const cluster::Address& address, AddrInfo& out) {
 
 void set_nonblocking(int fd) {
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+bool connect_within(int fd, const addrinfo* a, std::chrono::steady_clock::time_point deadline) {
+  set_nonblocking(fd);
+  if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) return false;
+    pollfd p{fd, POLLOUT, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now())
+                          .count();
+    if (::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left, 0, 2000))) <= 0) {
+      errno = ETIMEDOUT;
+      return false;
+    }
+    int error = 0;
+    socklen_t len = sizeof error;
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
+    if (error != 0) {
+      errno = error;
+      return false;
+    }
+  }
+  return true;
 }
 
 void set_nodelay(int fd) {

@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <string>
 
 #include "flotilla/cluster/cluster_spec.h"
@@ -25,6 +26,9 @@ struct AddrInfo {
 void resolve(const cluster::Address& address, AddrInfo& out);
 
 void set_nonblocking(int fd);
+// Makes `fd` non-blocking, starts a connect to `a` and waits for it, at most 2 s at a time (the
+// caller retries until its deadline); false with errno set when it failed.
+bool connect_within(int fd, const addrinfo* a, std::chrono::steady_clock::time_point deadline);
 void set_nodelay(int fd);
 
 // "127.0.0.1:4321" or "[::1]:4321": how messages name a connection's other end.
