@@ -296,28 +296,25 @@ ClusterSpec from_slurm_env(const Environment& env) {
   return spec;
 }
 
-ClusterSpec from_torchrun_env(const Environment& env) {
-  const std::string fix =
-      "torchrun-style launch sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT";
+namespace {
+// A rank and a world size from two variables (range checked; rank 0 is the chief) and the
+// rendezvous at a master host and port from two more: torchrun's and Kubeflow's shape.
+ClusterSpec ranked(const Environment& env, const std::string& rank, const std::string& size,
+                   const std::string& addr, const std::string& port, const std::string& fix) {
   ClusterSpec spec;
-  spec.source = "torchrun environment";
-  spec.world_size = static_cast<int>(parse_int(env, "WORLD_SIZE", 1, fix));
-  spec.rank = static_cast<int>(parse_int(env, "RANK", 0, fix));
+  spec.world_size = static_cast<int>(parse_int(env, size, 1, fix));
+  spec.rank = static_cast<int>(parse_int(env, rank, 0, fix));
   if (spec.rank >= spec.world_size) {
-    throw ConfigError("RANK " + std::to_string(spec.rank) + " is out of range for WORLD_SIZE " +
-                      std::to_string(spec.world_size) + "; use 0 to " +
+    throw ConfigError(rank + " " + std::to_string(spec.rank) + " is out of range for " + size +
+                      " " + std::to_string(spec.world_size) + "; use 0 to " +
                       std::to_string(spec.world_size - 1));
   }
-  const auto host = env.get("MASTER_ADDR");
-  if (!host) throw ConfigError("MASTER_ADDR is not set; " + fix);
-  const auto port = env.get("MASTER_PORT");
-  if (!port) throw ConfigError("MASTER_PORT is not set; " + fix);
-  spec.rendezvous = master_address(*host, *port, "MASTER_ADDR/MASTER_PORT");
+  const auto host = env.get(addr);
+  if (!host) throw ConfigError(addr + " is not set; " + fix);
+  const auto at = env.get(port);
+  if (!at) throw ConfigError(port + " is not set; " + fix);
+  spec.rendezvous = master_address(*host, *at, addr + "/" + port);
   spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
-  if (env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    spec.agent_store_key = "flotilla/rendezvous/" + env.get("TORCHELASTIC_RUN_ID").value_or("run") +
-                           "/restart-" + env.get("TORCHELASTIC_RESTART_COUNT").value_or("0");
-  }
   // A loopback master means every rank is on this machine; otherwise let Gloo pick the
   // address this host's name resolves to.
   if (spec.rendezvous.host == "127.0.0.1" || spec.rendezvous.host == "localhost" ||
@@ -326,36 +323,17 @@ ClusterSpec from_torchrun_env(const Environment& env) {
   }
   return spec;
 }
+} // namespace
 
-// Kubeflow Trainer v2's torch runtime gives each node PET_NNODES, PET_NPROC_PER_NODE,
-// PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT for its default command, torchrun (which
-// turns them into RANK, WORLD_SIZE, ...: from_torchrun_env). A container that runs flotilla
-// itself is one process per node: node rank = rank.
-ClusterSpec from_kubeflow_env(const Environment& env) {
-  const std::string fix = "Kubeflow Trainer v2 sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR "
-                          "and PET_MASTER_PORT on every node";
-  if (const auto per_node = env.get("PET_NPROC_PER_NODE"); per_node && *per_node != "1") {
-    throw ConfigError("PET_NPROC_PER_NODE is \"" + *per_node +
-                      "\": the TrainJob expects that many processes on each node, but flotilla "
-                      "started directly is one; set numProcPerNode: 1 (one flotilla worker uses "
-                      "all of a node's cores), or start it through torchrun (torchrun --no-python "
-                      "flotilla train ...)");
+ClusterSpec from_torchrun_env(const Environment& env) {
+  ClusterSpec spec =
+      ranked(env, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "torchrun-style launch sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT");
+  spec.source = "torchrun environment";
+  if (env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    spec.agent_store_key = "flotilla/rendezvous/" + env.get("TORCHELASTIC_RUN_ID").value_or("run") +
+                           "/restart-" + env.get("TORCHELASTIC_RESTART_COUNT").value_or("0");
   }
-  ClusterSpec spec;
-  spec.source = "Kubeflow Trainer environment (PET_*)";
-  spec.world_size = static_cast<int>(parse_int(env, "PET_NNODES", 1, fix));
-  spec.rank = static_cast<int>(parse_int(env, "PET_NODE_RANK", 0, fix));
-  if (spec.rank >= spec.world_size) {
-    throw ConfigError("PET_NODE_RANK " + std::to_string(spec.rank) +
-                      " is out of range for PET_NNODES " + std::to_string(spec.world_size) +
-                      "; use 0 to " + std::to_string(spec.world_size - 1));
-  }
-  const auto host = env.get("PET_MASTER_ADDR");
-  if (!host) throw ConfigError("PET_MASTER_ADDR is not set; " + fix);
-  const auto port = env.get("PET_MASTER_PORT");
-  if (!port) throw ConfigError("PET_MASTER_PORT is not set; " + fix);
-  spec.rendezvous = master_address(*host, *port, "PET_MASTER_ADDR/PET_MASTER_PORT");
-  spec.task = {spec.rank == 0 ? TaskType::kChief : TaskType::kWorker, spec.rank};
   return spec;
 }
 
@@ -369,6 +347,26 @@ ClusterSpec single_worker() {
 }
 
 namespace {
+// Kubeflow Trainer v2's torch runtime gives each node PET_NNODES, PET_NPROC_PER_NODE,
+// PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT for its default command, torchrun (which
+// turns them into RANK, WORLD_SIZE, ...: from_torchrun_env). A container that runs flotilla
+// itself is one process per node: node rank = rank.
+ClusterSpec from_kubeflow_env(const Environment& env) {
+  if (const auto per_node = env.get("PET_NPROC_PER_NODE"); per_node && *per_node != "1") {
+    throw ConfigError("PET_NPROC_PER_NODE is \"" + *per_node +
+                      "\": the TrainJob expects that many processes on each node, but flotilla "
+                      "started directly is one; set numProcPerNode: 1 (one flotilla worker uses "
+                      "all of a node's cores), or start it through torchrun (torchrun --no-python "
+                      "flotilla train ...)");
+  }
+  ClusterSpec spec =
+      ranked(env, "PET_NODE_RANK", "PET_NNODES", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+             "Kubeflow Trainer v2 sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR "
+             "and PET_MASTER_PORT on every node");
+  spec.source = "Kubeflow Trainer environment (PET_*)";
+  return spec;
+}
+
 ClusterSpec resolve_cluster_only(const Environment& env) {
   if (const auto tf_config = env.get("TF_CONFIG")) return parse_tf_config(*tf_config);
   if (env.get("RANK") || env.get("WORLD_SIZE")) return from_torchrun_env(env);

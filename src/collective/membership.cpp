@@ -138,10 +138,10 @@ std::uint64_t Membership::advance(std::uint64_t from, Changes& changes) {
   return generation_;
 }
 
-std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
-                                             const std::vector<int>& ranks) const {
+std::optional<std::vector<int>> Membership::slots_reported(int reporter, std::uint64_t g,
+                                                           const std::vector<int>& ranks) const {
+  if (!formed_ || g != generation_ || !slot(reporter).member) return std::nullopt;
   const auto members = slots_where([](const Slot& x) { return x.member; });
-  if (!formed_ || g != generation_ || !slot(reporter).member) return {};
   std::vector<int> out;
   for (int r : ranks) {
     if (r < 0 || r >= static_cast<int>(members.size())) continue;
@@ -151,21 +151,20 @@ std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
   return out;
 }
 
+std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
+                                             const std::vector<int>& ranks) const {
+  return slots_reported(reporter, g, ranks).value_or(std::vector<int>{});
+}
+
 void Membership::reported_unreachable(int reporter, std::uint64_t g, const std::vector<int>& ranks,
                                       Clock::time_point now) {
-  const auto members = slots_where([](const Slot& x) { return x.member; });
-  if (!formed_ || g != generation_ || !slot(reporter).member || partition_decided_) return;
+  auto slots = slots_reported(reporter, g, ranks);
+  if (!slots || partition_decided_) return;
   for (const auto& report : unreachable_) {
     if (report.first == reporter) return; // its first report stands
   }
-  std::vector<int> slots;
-  for (int r : ranks) {
-    if (r < 0 || r >= static_cast<int>(members.size())) continue;
-    const int s = members[static_cast<std::size_t>(r)];
-    if (s != reporter) slots.push_back(s);
-  }
   if (unreachable_.empty()) first_report_ = now;
-  unreachable_.emplace_back(reporter, std::move(slots));
+  unreachable_.emplace_back(reporter, std::move(*slots));
 }
 
 namespace {

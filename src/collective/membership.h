@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -138,8 +139,12 @@ class Membership {
   // A fresh process waiting to be admitted.
   static bool waits(const Slot& x) { return x.claimed && !x.member && !x.resumed; }
   std::vector<int> slots_where(const std::function<bool(const Slot&)>& pick) const;
-  void form(Changes& changes, const std::vector<int>& slots, const std::string& why,
-            bool departure, bool afresh = false);
+  // The slots of `ranks` of generation g, the reporter and repeats left out; nullopt unless g is
+  // the newest generation and the reporter one of its members (a late or stale report).
+  std::optional<std::vector<int>> slots_reported(int reporter, std::uint64_t g,
+                                                 const std::vector<int>& ranks) const;
+  void form(Changes& changes, const std::vector<int>& slots, const std::string& why, bool departure,
+            bool afresh = false);
   void form_afresh_when_all_claimed(Changes& changes);
 
   std::vector<Slot> slots_;
