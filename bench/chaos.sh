@@ -100,7 +100,7 @@ run() {
   mkdir -p "$tmp/$name/ledger"
   if [[ $RENDEZVOUS == etcd ]]; then
     local h
-    for h in "${ETCD_HOSTS[@]}"; do start_etcd "$name" "$h"; done
+    for h in "${ETCD_HOSTS[@]}"; do etcd_start "$h" "$tmp/$name" "$etcd_members" "$prefix-$name"; done
     until ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$etcd_endpoints" \
       endpoint health >/dev/null 2>&1; do sleep 0.2; done
     for h in 4 5; do start_replica "$name" "$h" "$port"; done
@@ -145,20 +145,6 @@ start_rendezvous() {
   pids+=($!)
 }
 
-# start_etcd RUN H: host H's etcd member (again after a kill, with its data); pid in
-# RUN/etcd-pid-H.
-start_etcd() {
-  local ip
-  ip=$(host_ip "$2")
-  ip netns exec "$(host_ns "$2")" etcd --name "e$2" --data-dir "$tmp/$1/etcd$2" \
-    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
-    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
-    --initial-cluster "$etcd_members" --initial-cluster-state new \
-    --initial-cluster-token "$prefix-$1" >>"$tmp/$1/etcd$2.log" 2>&1 &
-  echo $! >"$tmp/$1/etcd-pid-$2"
-  pids+=($!)
-}
-
 # start_replica RUN H PORT: a replica of `flotilla rendezvous --etcd` on host H; pid in
 # RUN/replica-pid-H.
 start_replica() {
@@ -167,19 +153,6 @@ start_replica() {
     --etcd "etcd://$etcd_endpoints/$1" >>"$tmp/$1/replica$2.log" 2>&1 &
   echo $! >"$tmp/$1/replica-pid-$2"
   pids+=($!)
-}
-
-# etcd_leader: the host whose etcd member leads now (none if no member answers).
-etcd_leader() {
-  local h
-  for h in "${ETCD_HOSTS[@]}"; do
-    if ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$(host_ip "$h"):2379" \
-      endpoint status -w json 2>/dev/null | "$PYTHON" -c 'import json,sys
-s=json.load(sys.stdin)[0]["Status"]; sys.exit(s["leader"]!=s["header"]["member_id"])' 2>/dev/null; then
-      echo "$h"
-      return
-    fi
-  done
 }
 
 # supervise RUN HOST PORT RDZV: starts the host's worker again until the group has finished.
@@ -254,7 +227,7 @@ inject() {
       if [[ $kind == etcd ]]; then
         # Alternately the leader and another member.
         local leader
-        leader=$(etcd_leader)
+        leader=$(etcd_leader "${ETCD_HOSTS[@]}")
         victim=$leader
         if ((etcd_faults % 2 == 1)) || [[ -z $leader ]]; then
           for h in "${ETCD_HOSTS[@]}"; do [[ $h == "$leader" ]] || { victim=$h; break; }; done
@@ -263,7 +236,7 @@ inject() {
         what="etcd member e$victim$([[ $victim == "$leader" ]] && echo ' (the leader)')"
         kill -KILL "$(cat "$tmp/$name/etcd-pid-$victim")"
         sleep $((HB + 3))
-        start_etcd "$name" "$victim"
+        etcd_start "$victim" "$tmp/$name" "$etcd_members" "$prefix-$name"
       elif [[ $RENDEZVOUS == etcd ]]; then
         local serving
         serving=$(ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints \

@@ -20,6 +20,25 @@ bool have_etcd() {
   return std::system("command -v etcd >/dev/null 2>&1") == 0;
 }
 
+// One etcd member on loopback, on free ports, its data in a directory of its own; stopped and
+// removed with this object.
+struct LocalEtcd {
+  std::vector<int> ports = testing::free_ports(2); // client, peer
+  testing::TempDir dir;
+  Process process = start();
+  int client_port() const { return ports[0]; }
+
+ private:
+  Process start() {
+    const std::string client = "http://127.0.0.1:" + std::to_string(ports[0]);
+    const std::string peer = "http://127.0.0.1:" + std::to_string(ports[1]);
+    return Process({"etcd", "--name", "t", "--data-dir", dir.path() + "/data",
+                    "--listen-client-urls", client, "--advertise-client-urls", client,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", "t=" + peer});
+  }
+};
+
 TEST(Etcd, Base64IsRfc4648) {
   EXPECT_EQ(base64(""), "");
   EXPECT_EQ(base64("f"), "Zg==");
@@ -36,22 +55,17 @@ TEST(Etcd, Base64IsRfc4648) {
 
 TEST(Etcd, TheRendezvousCallsWorkAgainstARealEtcdAndSkipADeadEndpoint) {
   if (!have_etcd()) GTEST_SKIP() << "etcd is not installed (apt install etcd-server)";
-  const auto ports = testing::free_ports(3);
-  const testing::TempDir dir;
-  const std::string client = "http://127.0.0.1:" + std::to_string(ports[0]);
-  const std::string peer = "http://127.0.0.1:" + std::to_string(ports[1]);
-  Process etcd({"etcd", "--name", "t", "--data-dir", dir.path() + "/data", "--listen-client-urls",
-                client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", "t=" + peer});
+  LocalEtcd etcd;
+  const int dead = testing::free_ports(1)[0];
   // The first endpoint has nothing behind it: every call goes on to the second.
-  EtcdClient c({{"127.0.0.1", ports[2]}, {"127.0.0.1", ports[0]}}, std::chrono::seconds(2));
+  EtcdClient c({{"127.0.0.1", dead}, {"127.0.0.1", etcd.client_port()}}, std::chrono::seconds(2));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   std::optional<std::int64_t> lease;
   while (!lease) {
     try {
       lease = c.grant(5);
     } catch (const CommError& e) {
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << e.what() << etcd.errors_so_far();
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << e.what() << etcd.process.errors_so_far();
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   }
@@ -72,16 +86,16 @@ TEST(Etcd, TheRendezvousCallsWorkAgainstARealEtcdAndSkipADeadEndpoint) {
   EXPECT_EQ(c.keep_alive(*lease), 0);
   EXPECT_TRUE(c.create(key, "10.0.0.8:29400", other));
 
-  etcd.signal(SIGKILL);
-  etcd.wait();
+  etcd.process.signal(SIGKILL);
+  etcd.process.wait();
   try {
     c.get(key);
     ADD_FAILURE() << "no error with every endpoint down";
   } catch (const CommError& e) {
     const std::string what = e.what();
     EXPECT_EQ(what.rfind("no etcd endpoint answered /v3/kv/range (", 0), 0u) << what;
-    EXPECT_NE(what.find("127.0.0.1:" + std::to_string(ports[2]) + ": "), std::string::npos) << what;
-    EXPECT_NE(what.find("127.0.0.1:" + std::to_string(ports[0]) + ": "), std::string::npos) << what;
+    EXPECT_NE(what.find("127.0.0.1:" + std::to_string(dead) + ": "), std::string::npos) << what;
+    EXPECT_NE(what.find("127.0.0.1:" + std::to_string(etcd.client_port()) + ": "), std::string::npos) << what;
   }
 }
 
@@ -90,21 +104,16 @@ TEST(Etcd, TheRendezvousCallsWorkAgainstARealEtcdAndSkipADeadEndpoint) {
 TEST(Etcd, AFixedGroupMeetsThroughTheReplicaEtcdNames) {
   if (!have_etcd()) GTEST_SKIP() << "etcd is not installed (apt install etcd-server)";
   if (!testing::fashion_mnist_present()) GTEST_SKIP() << "no Fashion-MNIST";
-  const auto ports = testing::free_ports(5);
-  const testing::TempDir dir;
-  const std::string client = "http://127.0.0.1:" + std::to_string(ports[0]);
-  const std::string peer = "http://127.0.0.1:" + std::to_string(ports[1]);
-  Process etcd({"etcd", "--name", "t", "--data-dir", dir.path() + "/data", "--listen-client-urls",
-                client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", "t=" + peer});
-  const std::string url = "etcd://127.0.0.1:" + std::to_string(ports[0]) + "/fixed";
+  LocalEtcd etcd;
+  const auto ports = testing::free_ports(3); // the replica's, the two workers'
+  const std::string url = "etcd://127.0.0.1:" + std::to_string(etcd.client_port()) + "/fixed";
   const std::string cli = testing::flotilla_cli();
   Process replica({cli, "rendezvous", "--fixed", "--workers", "2", "--listen",
-                   "127.0.0.1:" + std::to_string(ports[2]), "--etcd", url});
+                   "127.0.0.1:" + std::to_string(ports[0]), "--etcd", url});
   ASSERT_TRUE(replica.wait_for_output("serving job \"fixed\"", std::chrono::seconds(30)))
-      << replica.output_so_far() << replica.errors_so_far() << etcd.errors_so_far();
-  const std::string cluster = R"({"cluster":{"worker":["127.0.0.1:)" + std::to_string(ports[3]) +
-                              R"(","127.0.0.1:)" + std::to_string(ports[4]) + R"("]},)";
+      << replica.output_so_far() << replica.errors_so_far() << etcd.process.errors_so_far();
+  const std::string cluster = R"({"cluster":{"worker":["127.0.0.1:)" + std::to_string(ports[1]) +
+                              R"(","127.0.0.1:)" + std::to_string(ports[2]) + R"("]},)";
   std::vector<std::unique_ptr<Process>> workers;
   for (int i = 0; i < 2; ++i) {
     workers.push_back(std::make_unique<Process>(

@@ -208,6 +208,69 @@ wait_task() {
   wait "${task_pid[$1]}" || task_rc=$?
 }
 
+# Scenarios with tests/multiworker/elastic_trainer (its path: the script's third argument):
+#   elastic_trainer_init           copies it to $trainer
+#   start_trainer NAME HOST RDZV PORT ARGS...   it on HOST as TF_CONFIG's task there (chief on
+#                                  host 0, cluster ports PORT), FLOTILLA_RENDEZVOUS=RDZV, ledger in
+#                                  $tmp/out, output in $tmp/NAME.log, a 100 s hang guard
+#   committed                      ledger lines so far (one per update per worker)
+#   wait_steps N [WORKERS]         until the group committed N steps (WORKERS, default 3)
+elastic_trainer_init() {
+  trainer=$tmp/elastic_trainer
+  cp "${1:-$(dirname "$FLOTILLA")/tests/elastic_trainer}" "$trainer"
+  mkdir -p "$tmp/ref" "$tmp/out"
+}
+start_trainer() {
+  local name=$1 host=$2 rdzv=$3 port=$4 type=chief index=0
+  shift 4
+  ((host == 0)) || { type=worker; index=$((host - 1)); }
+  ip netns exec "$(host_ns "$host")" env TF_CONFIG="$(tf_config "$port" "$type" "$index")" \
+    FLOTILLA_RENDEZVOUS="$rdzv" FLOTILLA_CLUSTER_TOKEN="$cluster_token" OMP_NUM_THREADS=1 \
+    timeout -k 5 100 "$trainer" --out "$tmp/out" "$@" >"$tmp/$name.log" 2>&1 &
+  task_pid[$name]=$!
+  pids+=($!)
+}
+committed() { cat "$tmp"/out/ledger-*.txt 2>/dev/null | wc -l; }
+wait_steps() {
+  local n=$1 workers=${2:-3} start=$SECONDS
+  while (($(committed) < n * workers)) && ((SECONDS - start < 60)); do sleep 0.05; done
+  (($(committed) >= n * workers)) ||
+    die "the group did not train $n steps within 60 s: $(tail -n 3 "$tmp"/host*.log)"
+}
+
+# etcd (Debian's etcd-server) in the namespaces:
+#   etcd_start H DIR CLUSTER TOKEN   a member named eH on host H (client port 2379, peer 2380),
+#                                    its data in DIR/etcdH (kept: starting it again rejoins),
+#                                    log DIR/etcdH.log, pid in etcd_pid[H] and in
+#                                    DIR/etcd-pid-H (for a subshell's kill); CLUSTER is
+#                                    --initial-cluster's list, TOKEN the cluster's token
+#   etcd_leader H...                 which of these hosts' members leads now (none: empty)
+declare -gA etcd_pid=()
+etcd_start() {
+  local h=$1 dir=$2 ip
+  ip=$(host_ip "$h")
+  ip netns exec "$(host_ns "$h")" etcd --name "e$h" --data-dir "$dir/etcd$h" \
+    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
+    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+    --initial-cluster "$3" --initial-cluster-state new --initial-cluster-token "$4" \
+    >>"$dir/etcd$h.log" 2>&1 &
+  etcd_pid[$h]=$!
+  echo $! >"$dir/etcd-pid-$h"
+  pids+=($!)
+}
+etcd_leader() {
+  local h
+  for h in "$@"; do
+    if ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$(host_ip "$h"):2379" \
+      endpoint status -w json 2>/dev/null | "$PYTHON" -c 'import json, sys
+s = json.load(sys.stdin)[0]["Status"]
+sys.exit(s["leader"] != s["header"]["member_id"])' 2>/dev/null; then
+      echo "$h"
+      return
+    fi
+  done
+}
+
 # start_cluster RUN PORT TIMEOUT_S ARGS...: chief + WORKER_HOSTS workers, tasks RUN-chief,
 # RUN-worker0, ...
 start_cluster() {

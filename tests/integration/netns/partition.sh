@@ -19,15 +19,13 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 netns_init partition 150 "$@"
-trainer=$tmp/elastic_trainer
-cp "${3:-$(dirname "$FLOTILLA")/tests/elastic_trainer}" "$trainer"
+elastic_trainer_init "${3:-}"
 
 WORKER_HOSTS=2
 VICTIM=2
 RDZV_HOST=3
 PORT=24200
 rdzv="$(host_ip "$RDZV_HOST"):$PORT"
-mkdir -p "$tmp/ref" "$tmp/out"
 "$trainer" --reference --epochs 8 --out "$tmp/ref" >"$tmp/ref.log" 2>&1 ||
   die "the one-worker reference run failed: $(tail -n 5 "$tmp/ref.log")"
 
@@ -36,22 +34,11 @@ ip netns exec "$(host_ns "$RDZV_HOST")" env FLOTILLA_CLUSTER_TOKEN="$cluster_tok
   "$bin" rendezvous --listen "$rdzv" --workers 3 --heartbeat-timeout 2 >"$tmp/rendezvous.log" 2>&1 &
 pids+=($!)
 
-start_trainer() {
-  local name=$1 host=$2 type=chief index=0
-  ((host == 0)) || { type=worker; index=$((host - 1)); }
-  ip netns exec "$(host_ns "$host")" env TF_CONFIG="$(tf_config $((PORT + 1)) "$type" "$index")" \
-    FLOTILLA_RENDEZVOUS="$rdzv" FLOTILLA_CLUSTER_TOKEN="$cluster_token" OMP_NUM_THREADS=1 \
-    timeout -k 5 100 "$trainer" --out "$tmp/out" --epochs 8 --sleep-ms 200 --timeout-s 6 \
-    >"$tmp/$name.log" 2>&1 &
-  task_pid[$name]=$!
-  pids+=($!)
-}
-for host in 0 1 2; do start_trainer "host$host" "$host"; done
+# trainer_on NAME HOST: lib.sh's start_trainer with this scenario's settings.
+trainer_on() { start_trainer "$1" "$2" "$rdzv" $((PORT + 1)) --epochs 8 --sleep-ms 200 --timeout-s 6; }
+for host in 0 1 2; do trainer_on "host$host" "$host"; done
 
-committed() { cat "$tmp"/out/ledger-*.txt 2>/dev/null | wc -l; }
-start=$SECONDS
-while (($(committed) < 21)) && ((SECONDS - start < 60)); do sleep 0.05; done
-(($(committed) >= 21)) || die "the group did not train 7 steps within 60 s: $(tail -n 3 "$tmp"/host*.log)"
+wait_steps 7
 vns=$(host_ns "$VICTIM")
 cut() {
   for peer in 0 1; do
@@ -82,7 +69,7 @@ grep -q 'slot 2 could not be reached by the other members' "$tmp/rendezvous.log"
 if grep -qE 'slot [01] could not be reached' "$tmp/rendezvous.log"; then
   check_fail "the rendezvous expelled a slot of the larger side"
 fi
-start_trainer host2-again "$VICTIM"
+trainer_on host2-again "$VICTIM"
 for name in host0 host1 host2-again; do
   wait_task "$name"
   ((task_rc == 0)) || {
