@@ -71,7 +71,9 @@ TEST(Losses, BinaryCrossEntropyAndMeanSquaredErrorPerExample) {
 
 TEST(Losses, BadInputSaysWhatWasExpected) {
   LossOptions sparse;
-  EXPECT_EQ(error_of([&] { per_example_loss(sparse, torch::zeros({4, 3}), torch::zeros({5})); }),
+  EXPECT_EQ(error_of([&] {
+              per_example_loss(sparse, torch::zeros({4, 3}), torch::zeros({5}));
+            }),
             "sparse_categorical_crossentropy expects integer labels of shape [4]; saw [5]");
   EXPECT_EQ(error_of([] { parse_loss("hinge"); }),
             "loss \"hinge\" is not available; use sparse_categorical_crossentropy, "
@@ -130,15 +132,76 @@ TEST(Metrics, AccuracyFollowsTheLossAndTopKCountsHits) {
   LossOptions binary;
   binary.kind = LossKind::kBinaryCrossentropy;
   // Logits are thresholded at 0.
-  EXPECT_TRUE(torch::equal(make_metric("accuracy", binary)
-                               .per_example(torch::tensor({{0.3}, {-0.2}, {-4.0}}),
-                                            torch::tensor({1.0, 1.0, 0.0})),
-                           torch::tensor({1.f, 0.f, 1.f})));
+  EXPECT_TRUE(torch::equal(
+      make_metric("accuracy", binary)
+          .per_example(torch::tensor({{0.3}, {-0.2}, {-4.0}}), torch::tensor({1.0, 1.0, 0.0})),
+      torch::tensor({1.f, 0.f, 1.f})));
   EXPECT_NE(error_of([&] { make_metric("f1", sparse); }).find("metric \"f1\" is not available"),
             std::string::npos);
   EXPECT_EQ(error_of([&] { make_metric("sparse_top_k_categorical_accuracy@0", sparse); }),
             "metric \"sparse_top_k_categorical_accuracy@0\": write k as "
             "sparse_top_k_categorical_accuracy@3 (k >= 1)");
+}
+
+// make_optimizer's SGD updates each group's tensors together (multi-tensor kernels on CUDA):
+// the same numbers and state as LibTorch's SGD, step after step, with or without momentum,
+// Nesterov and weight decay, with a parameter that has no gradient in some steps, and with a
+// second parameter group at another learning rate.
+TEST(Optimizers, SgdMatchesLibTorchsBitForBit) {
+  for (double momentum : {0.0, 0.9}) {
+    for (bool nesterov : {false, true}) {
+      if (nesterov && momentum == 0) continue;
+      for (double decay : {0.0, 1e-3}) {
+        torch::manual_seed(3);
+        std::vector<torch::Tensor> ours, theirs;
+        for (auto shape : {std::vector<std::int64_t>{4, 3}, {3}, {2, 2, 2}}) {
+          ours.push_back(torch::randn(shape).requires_grad_());
+          theirs.push_back(ours.back().detach().clone().requires_grad_());
+        }
+        OptimizerOptions o = OptimizerOptions::sgd(0.05, momentum, nesterov);
+        o.weight_decay = decay;
+        auto a = make_optimizer(o, {ours[0], ours[1]});
+        a->add_param_group(
+            torch::optim::OptimizerParamGroup({ours[2]}, a->param_groups()[0].options().clone()));
+        a->param_groups()[1].options().set_lr(0.2);
+        torch::optim::SGD b(
+            {theirs[0], theirs[1]},
+            torch::optim::SGDOptions(0.05).momentum(momentum).nesterov(nesterov).weight_decay(
+                decay));
+        b.add_param_group(
+            torch::optim::OptimizerParamGroup({theirs[2]}, b.param_groups()[0].options().clone()));
+        b.param_groups()[1].options().set_lr(0.2);
+        for (int step = 0; step < 5; ++step) {
+          a->zero_grad();
+          b.zero_grad();
+          const auto data = torch::randn({3});
+          for (auto* params : {&ours, &theirs}) {
+            auto loss = ((*params)[0].sum(0) * data).pow(2).sum() + (*params)[2].sin().sum();
+            // The bias joins only from the third step: its buffer starts later.
+            if (step >= 2) loss = loss + ((*params)[1] * data).sum();
+            loss.backward();
+          }
+          a->step();
+          b.step();
+          for (std::size_t i = 0; i < ours.size(); ++i) {
+            ASSERT_TRUE(torch::equal(ours[i], theirs[i]))
+                << "momentum " << momentum << " nesterov " << nesterov << " decay " << decay
+                << " step " << step << " tensor " << i;
+          }
+        }
+        const auto& state = a->state();
+        EXPECT_EQ(state.size(), momentum == 0 ? 0u : 3u);
+        for (const auto& p : ours) {
+          if (momentum == 0) continue;
+          const auto& mine =
+              static_cast<torch::optim::SGDParamState&>(*state.at(p.unsafeGetTensorImpl()));
+          const auto& ref = static_cast<torch::optim::SGDParamState&>(
+              *b.state().at(theirs[&p - &ours[0]].unsafeGetTensorImpl()));
+          EXPECT_TRUE(torch::equal(mine.momentum_buffer(), ref.momentum_buffer()));
+        }
+      }
+    }
+  }
 }
 
 TEST(Optimizers, BuildLibTorchsWithKerasDefaultsAndFollowTheSchedule) {
