@@ -16,10 +16,11 @@
 #       2 processes on the one GPU (flotilla launch --workers 2): NCCL first; if NCCL refuses
 #         two ranks on one device, {"bench":"gpu_train_2proc","nccl":"refused",...} and the
 #         Gloo ring instead;
-#       last, torch.compile (bf16 first, then float32, float16; channels_last) while the time
+#       last, torch.compile (bf16 first, then float32, float16; channels_last; its
+#         mode="reduce-overhead" with CUDA graphs first, then the default mode) while the time
 #         budget lasts: compiling costs tens of seconds per configuration.
 #   $OUT/summary.json    bench/gpu/summarize.py's ratios (flotilla best bf16 / torch-eager bf16,
-#                        goal >= 1.1; / torch-compile bf16, goal >= 1.0), rewritten after each
+#                        goal >= 1.1; / torch-compile bf16, default and reduce-overhead, each goal >= 1.0), rewritten after each
 #                        phase
 #   $OUT/run.log         this script's output
 #
@@ -27,7 +28,8 @@
 #   --dry-run: on a machine without a GPU (the build machine): the CPU device, tiny batches and
 #   step counts, the GPU tests' result not held against the run, no torch.compile.
 #   env: BUDGET_S=450 (the whole run; torch.compile gets what is left)  STEPS=200  WARMUP=50
-#        MODELS="cnn mlp-wide"  BATCHES="256 1024"  PYTHON=python3
+#        MODELS="cnn mlp-wide"  BATCHES="256 1024"  PRECISIONS="float32 mixed_bfloat16 mixed_float16"
+#        TWO_PROC=1 (0: no 2-process runs)  COMPILE_MODES="compile-graphs compile"  PYTHON=python3
 set -uo pipefail # not -e: one failed configuration records an error line and the run goes on
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -53,7 +55,7 @@ else
   BATCHES=${BATCHES:-256 1024} TWO_PROC_BATCH=256 TWO_PROC_STEPS=100 TWO_PROC_WARMUP=20
 fi
 MODELS=${MODELS:-cnn mlp-wide}
-PRECISIONS="float32 mixed_bfloat16 mixed_float16"
+PRECISIONS=${PRECISIONS:-float32 mixed_bfloat16 mixed_float16}
 BIN=$ROOT/.device/bin
 JSONL=$OUT/bench.jsonl
 tmp=$(mktemp -d)
@@ -249,7 +251,7 @@ two_proc() {  # model precision implementation
     --devices "$DEVICE" --model "$1" --batch "$TWO_PROC_BATCH" --precision "$2" \
     --steps "$TWO_PROC_STEPS" --warmup "$TWO_PROC_WARMUP" --implementation "$3"
 }
-if [ "$flotilla_ok" = 1 ]; then
+if [ "$flotilla_ok" = 1 ] && [ "${TWO_PROC:-1}" = 1 ]; then
   for model in $MODELS; do
     if [ "$(left)" -lt 60 ]; then say "budget spent: skipping the 2-process $model run"; continue; fi
     two_proc "$model" mixed_bfloat16 auto
@@ -273,11 +275,13 @@ if [ "$DRY" = 1 ]; then
   python3 bench/gpu/summarize_test.py | sed 's/^/  /'
 else
   for precision in mixed_bfloat16 float32 mixed_float16; do
-    for model in $MODELS; do
-      for batch in $BATCHES; do
-        budget=$(($(left) - 10))
-        if [ "$budget" -lt 45 ]; then say "budget spent: skipping torch-compile $model b$batch $precision"; continue; fi
-        torch_run compile "$model" "$batch" "$precision" $((budget < 150 ? budget : 150)) channels_last
+    for mode in ${COMPILE_MODES:-compile-graphs compile}; do
+      for model in $MODELS; do
+        for batch in $BATCHES; do
+          budget=$(($(left) - 10))
+          if [ "$budget" -lt 45 ]; then say "budget spent: skipping torch-$mode $model b$batch $precision"; continue; fi
+          torch_run "$mode" "$model" "$batch" "$precision" $((budget < 150 ? budget : 150)) channels_last
+        done
       done
     done
     summarize

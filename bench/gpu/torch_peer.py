@@ -5,8 +5,10 @@ The same layers as flotilla's models/zoo.cpp, the same kind of input (a few rand
 [N, 1, 28, 28] images and int64 labels, resident on the device), SGD(lr=0.01, momentum=0.9)
 (Adam/AdamW as in train_bench.cpp), cross-entropy from logits. Precisions: float32; bfloat16
 autocast; float16 autocast with torch.amp.GradScaler. Memory formats: PyTorch's default (NCHW)
-and channels_last (model and batches, as flotilla keeps conv models by default). Modes: eager,
-and torch.compile of the model (default mode; the optimizer step stays eager, as in most code). The timed loop reads
+and channels_last (model and batches, as flotilla keeps conv models by default). Modes: eager;
+torch.compile of the model (default mode; the optimizer step stays eager, as in most code); and
+compile-graphs, torch.compile's mode="reduce-overhead", which replays the compiled forward and
+backward as CUDA graphs (PyTorch's answer to flotilla's jit_compile). The timed loop reads
 nothing back to the host (no .item()) and zero_grad sets gradients to None. After `warmup`
 untimed steps (compilation happens there) the device is synchronised, `steps` steps are timed,
 and it is synchronised again. One JSON line per configuration, in train_bench.cpp's shape; a
@@ -40,6 +42,10 @@ PRECISIONS = {  # flag -> (the name train_bench.cpp prints, autocast dtype or No
 
 
 
+IMPLS = {"eager": "torch-eager", "compile": "torch-compile",
+         "compile-graphs": "torch-compile-graphs"}
+
+
 def make_optimizer(name, parameters):
     # Keras's epsilon (1e-7) and AdamW decay (0.004), as flotilla's optimizers use.
     if name == "sgd":
@@ -65,10 +71,13 @@ def run_one(args, device, mode, precision_flag, memory_format):
     labels = torch.randint(0, 10, (args.distinct_batches, args.batch), device=device)
     model = make_torch_model(args.model).to(device).to(memory_format=fmt)
     optimizer = make_optimizer(args.optimizer, model.parameters())
-    forward = torch.compile(model) if mode == "compile" else model
+    forward = (torch.compile(model) if mode == "compile" else
+               torch.compile(model, mode="reduce-overhead") if mode == "compile-graphs" else model)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def step(i):
+        if mode == "compile-graphs":
+            torch.compiler.cudagraph_mark_step_begin()  # last step's graph outputs may go
         x, y = images[i % args.distinct_batches].to(memory_format=fmt), \
             labels[i % args.distinct_batches]
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -101,12 +110,12 @@ def run_one(args, device, mode, precision_flag, memory_format):
         final_loss = F.cross_entropy(model(images[0]).float(), labels[0]).item()
     line = {
         "bench": "gpu_train",
-        "impl": "torch-compile" if mode == "compile" else "torch-eager",
+        "impl": IMPLS[mode],
         "model": args.model,
         "batch": args.batch,
         "precision": precision,
         "memory_format": memory_format,
-        "cuda_graph": False,
+        "cuda_graph": mode == "compile-graphs",
         "workers": 1,
         "samples_per_s": args.steps * args.batch / seconds,
         "step_ms": seconds * 1000 / args.steps,
@@ -130,7 +139,7 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--modes", default="eager,compile",
-                        help="comma-separated: eager, compile")
+                        help="comma-separated: eager, compile, compile-graphs")
     parser.add_argument("--precisions", default="float32,mixed_bfloat16,mixed_float16",
                         help="comma-separated: float32 (fp32), mixed_bfloat16 (bf16), "
                              "mixed_float16 (fp16)")
@@ -145,7 +154,7 @@ def main():
     modes = [m for m in args.modes.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
     formats = [f for f in args.memory_formats.split(",") if f]
-    bad = [m for m in modes if m not in ("eager", "compile")] + \
+    bad = [m for m in modes if m not in IMPLS] + \
           [p for p in precisions if p not in PRECISIONS] + \
           [f for f in formats if f not in ("nchw", "channels_last")]
     if bad or args.batch < 1 or args.steps < 1 or args.warmup < 0:
@@ -160,7 +169,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - one failed configuration must not end the run
             failed = True
             line = {"bench": "gpu_train",
-                    "impl": "torch-compile" if mode == "compile" else "torch-eager",
+                    "impl": IMPLS[mode],
                     "model": args.model, "batch": args.batch,
                     "precision": PRECISIONS[precision][0], "memory_format": memory_format,
                     "device": str(device),

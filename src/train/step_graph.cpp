@@ -65,9 +65,11 @@ struct StepGraph::Impl {
 void StepGraph::capture(const std::function<void()>& body) {
   // Thread-local mode: the input pipeline's threads keep copying (and synchronising their own
   // stream) while this thread captures; global mode would refuse their calls.
-  impl_->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  // The pool is named here, not read back with graph.pool(): LibTorch answers that only after a
+  // successful capture, and a failed one must still hand its pool back.
+  const auto pool = at::cuda::graph_pool_handle();
   const auto device = c10::cuda::current_device();
-  const auto pool = impl_->graph.pool();
+  impl_->graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
   auto end = [&] {
     try {
       impl_->graph.capture_end();

@@ -1,6 +1,7 @@
 // Training on CUDA (label gpu: each test skips, saying why, where no CUDA device is visible).
 // Each compares against an independent computation: the same model and batches on the CPU, the
 // same steps eagerly, or one replica against several.
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
@@ -82,14 +83,21 @@ TEST(CudaTraining, DefaultStrategyTakesEveryVisibleGpuAndTheModelLivesOnTheFirst
 
 TEST(CudaTraining, Float32OnTheGpuFollowsTheCpu) {
   NEED_GPUS(1);
+  // LibTorch lets cuDNN run float32 convolutions in TF32 (10 mantissa bits): seen on an H200,
+  // the weights after 8 steps then differ from the CPU's by 3.7%. In IEEE float32 only the
+  // order of the sums differs.
+  struct NoTf32 {
+    bool was = at::globalContext().allowTF32CuDNN();
+    NoTf32() { at::globalContext().setAllowTF32CuDNN(false); }
+    ~NoTf32() { at::globalContext().setAllowTF32CuDNN(was); }
+  } no_tf32;
   const Batches data(512);
   const Trained cpu = train_on({torch::kCPU}, "cnn", data.dataset(64));
   const Trained gpu = train_on({torch::Device("cuda:0")}, "cnn", data.dataset(64));
-  // cuDNN convolutions may run in TF32 (LibTorch's default) and sum in another order: close,
-  // not equal. A wrong reduction or a lost step is far outside this.
-  EXPECT_LT(testing::max_relative_difference(gpu.weights, cpu.weights), 1e-2);
+  // A wrong reduction or a lost step is far outside this.
+  EXPECT_LT(testing::max_relative_difference(gpu.weights, cpu.weights), 1e-3);
   EXPECT_NEAR(gpu.history.epochs.at(0).values.at("loss"),
-              cpu.history.epochs.at(0).values.at("loss"), 1e-2);
+              cpu.history.epochs.at(0).values.at("loss"), 1e-4);
 }
 
 TEST(CudaTraining, MixedPrecisionTrainsInBothHalfTypesAndScalesFloat16) {
