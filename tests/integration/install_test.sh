@@ -51,6 +51,17 @@ for h in $headers; do
   done
 done
 
+# LibTorch came along (lib/flotilla/libtorch), and the CLI finds it relative to itself.
+bundled=$prefix/lib/flotilla/libtorch
+[ -f "$bundled/torch/share/cmake/Torch/TorchConfig.cmake" ] ||
+  fail "no LibTorch CMake package under $bundled (FLOTILLA_INSTALL_LIBTORCH?)"
+ls "$bundled"/torch/lib/libtorch_cpu.so >/dev/null || fail "no libtorch_cpu.so under $bundled"
+runpath=$(readelf -d "$prefix/bin/flotilla" | sed -n 's/.*R\(UN\)\{0,1\}PATH.*\[\(.*\)\]/\2/p')
+[ "$runpath" = '$ORIGIN/../lib/flotilla/libtorch/torch/lib' ] ||
+  fail "the installed CLI's RUNPATH is '$runpath', not relative to itself"
+ldd "$prefix/bin/flotilla" | grep -q "$(dirname "$build_dir")" &&
+  fail "the installed CLI still loads a library from the checkout: $(ldd "$prefix/bin/flotilla" | grep "$(dirname "$build_dir")" | head -n 3)"
+
 # The installed CLI finds LibTorch by itself (its RPATH), not through the build tree.
 want_version=$("$built_cli" --version)
 got_version=$(env -u LD_LIBRARY_PATH "$prefix/bin/flotilla" --version) ||
@@ -72,8 +83,28 @@ cmake -S "$consumer_src" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$tmp/build" -j 2 >"$tmp/build.log" 2>&1 ||
   { cat "$tmp/build.log"; fail "building the consumer failed"; }
 
+grep -q "^Torch_DIR:PATH=$bundled/" "$tmp/build/CMakeCache.txt" ||
+  fail "the consumer found another LibTorch: $(grep '^Torch_DIR' "$tmp/build/CMakeCache.txt")"
+
+# From here on the checkout (with its build tree and .venv) is hidden where we can hide it: a
+# mount namespace with an empty tmpfs over it. The consumer and a 2-worker job of the installed
+# CLI must run from the prefix alone.
+checkout=$(cd "$consumer_src/../.." && pwd)
+hide=()
+if [ "$(id -u)" -eq 0 ] && unshare -m true 2>/dev/null; then
+  hide=(unshare -m sh -c 'mount -t tmpfs none "$0" && exec "$@"' "$checkout")
+  echo "install_test: running the installed programs with $checkout hidden"
+else
+  echo "install_test: cannot hide $checkout here (needs root and unshare -m); running with it"
+fi
+job=$(cd "$tmp" && env -u LD_LIBRARY_PATH "${hide[@]}" "$prefix/bin/flotilla" launch --workers 2 -- \
+  "$prefix/bin/flotilla" train --model mlp --epochs 1 --steps-per-epoch 10 \
+  --batch-per-replica 32 2>&1) || { echo "$job" | tail -n 20; fail "the installed CLI's 2-worker job failed"; }
+echo "$job" | grep -q "Test: loss: " || { echo "$job" | tail -n 20; fail "the 2-worker job gave no test result"; }
+echo "install_test: installed CLI, 2 workers: $(echo "$job" | grep -o 'Test: .*' | head -n 1)"
+
 status=0
-out=$("$tmp/build/consumer" 2>&1) || status=$?
+out=$(env -u LD_LIBRARY_PATH "${hide[@]}" "$tmp/build/consumer" 2>&1) || status=$?
 echo "$out"
 [ "$status" -eq 0 ] || fail "the consumer exited with $status"
 # Its last line: flotilla <version> accuracy <value>.
