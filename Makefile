@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-chaos bench-gpu clean
+.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-chaos bench-gpu package-deb clean
 
 all: build
 
@@ -94,6 +94,10 @@ bench-chaos: build
 bench-gpu: build
 	bench/gpu/package.sh
 	@echo "bench-gpu: now, on the GPU machine, from the repository root, with .device carried: OUT=<dir> bench/gpu/run.sh (about 8 minutes; results in <dir>: bench.jsonl, summary.json, machine.txt, gpu_tests.log, run.log)"
+
+# The Debian package of the install tree, LibTorch included: build/package/flotilla_<v>_amd64.deb.
+package-deb: build
+	cd $(BUILD_DIR) && cpack -G DEB
 
 clean:
 	rm -rf $(BUILD_DIR)
