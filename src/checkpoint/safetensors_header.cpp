@@ -1,5 +1,7 @@
 #include "checkpoint/safetensors_header.h"
 
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 #include "flotilla/error.h"
@@ -8,6 +10,24 @@ namespace flotilla::checkpoint::detail {
 namespace {
 
 using nlohmann::json;
+
+// The integers of a header array, each within int64_t. nlohmann's get<int64_t> would convert a
+// float (1e20, found by fuzz_safetensors) or an unsigned above 2^63-1 into an undefined value.
+std::vector<std::int64_t> integers(const json& array, const std::string& what) {
+  if (!array.is_array()) throw CheckpointError(what + " is " + array.dump() + ", not an array");
+  std::vector<std::int64_t> out;
+  for (const auto& x : array) {
+    const bool fits = x.is_number_unsigned()
+                          ? x.get<std::uint64_t>() <= std::numeric_limits<std::int64_t>::max()
+                          : x.is_number_integer();
+    if (!fits) {
+      throw CheckpointError(what + " holds " + x.dump() +
+                            ", not an integer in [-2^63, 2^63); the file is corrupt");
+    }
+    out.push_back(x.get<std::int64_t>());
+  }
+  return out;
+}
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string out = "[";
@@ -63,8 +83,9 @@ SafetensorsHeader parse_safetensors_header(std::string_view bytes, const std::st
     e.name = name;
     try {
       e.dtype = entry.at("dtype").get<std::string>();
-      e.shape = entry.at("shape").get<std::vector<std::int64_t>>();
-      const auto offsets = entry.at("data_offsets").get<std::vector<std::int64_t>>();
+      const std::string tensor = where + "tensor \"" + name + "\"";
+      e.shape = integers(entry.at("shape"), tensor + "'s shape");
+      const auto offsets = integers(entry.at("data_offsets"), tensor + "'s data_offsets");
       const std::size_t element = safetensors_element_size(e.dtype);
       if (element == 0) {
         throw CheckpointError(where + "tensor \"" + name + "\" has unknown dtype \"" + e.dtype +

@@ -79,6 +79,14 @@ TEST(Safetensors, CorruptFilesAreNamedNotLoaded) {
   std::ofstream(path, std::ios::binary) << bytes << header << std::string(16, '\0');
   EXPECT_EQ(error_of(path), path + ": tensor \"w\" has shape [4611686018427387904, 4], larger "
                                    "than the file's 16-byte data section; the file is corrupt");
+  // A dimension beyond 64 bits (a float to JSON) is named, never converted (fuzz_safetensors
+  // found that conversion undefined).
+  const std::string beyond =
+      R"({"w":{"dtype":"F32","shape":[109916277099511627776],"data_offsets":[0,4]}})";
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(beyond.size() >> (8 * i));
+  std::ofstream(path, std::ios::binary) << bytes << beyond << std::string(4, '\0');
+  EXPECT_EQ(error_of(path), path + ": tensor \"w\"'s shape holds 1.0991627709951163e+20, not an "
+                                   "integer in [-2^63, 2^63); the file is corrupt");
 }
 
 // The Python safetensors package (a real client) reads what we write, and we read what it writes.
