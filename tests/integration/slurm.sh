@@ -59,6 +59,10 @@ SlurmdPort=$slurmd_port
 AuthType=auth/munge
 AuthInfo=socket=$tmp/munge/munge.socket,cred_expire=5
 StateSaveLocation=$tmp/state
+# A requeued job becomes startable once its credential has expired, and is then started by the
+# next scheduling pass: every 60 s by default (sched_interval; 30 s for backfill), which made
+# this test last 30-120 s at random.
+SchedulerParameters=sched_interval=1,bf_interval=1
 SlurmdSpoolDir=$tmp/spool
 SlurmctldPidFile=$tmp/slurmctld.pid
 SlurmdPidFile=$tmp/slurmd.pid
@@ -103,33 +107,39 @@ for tasks in 2 3; do
   [[ -f $FLOTILLA_SHARED/cluster-token ]] || fail "the script made no cluster token file"
   echo "sbatch, $tasks tasks: $(grep -o 'MultiWorkerMirroredStrategy: [^,]*' "$out"), $(grep -o 'Test: .*' "$out")"
 done
-# Preemption: SIGTERM to the job's steps mid-training (as --signal=TERM@N would send it): the
-# workers save a backup at one step and exit 75, the script requeues the job, and the requeued
-# job resumes from the backup and finishes.
+# Preemption, as Slurm's two --signal forms deliver it: TERM to the job's steps (--signal=TERM@N,
+# the example's) or USR1 to the batch script alone (--signal=B:USR1@N, which the script passes
+# on). Mid-training the workers save a backup at one step and exit 75, the script requeues the
+# job, and the requeued job resumes from the backup and finishes.
 export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 3 --steps-per-epoch 150 --batch-per-replica 16 --verbose 2"
-out=$tmp/job-requeue.out
-job=$(sbatch --parsable --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 \
-  --job-name=flitrq --output="$out" --open-mode=append --chdir="$tmp" \
-  "$root/examples/slurm/train.sbatch")
-start=$SECONDS
-until grep -q "Epoch 2/3" "$out" 2>/dev/null; do
-  ((SECONDS - start < 120)) || { cat "$out"; fail "the job did not reach epoch 2"; }
-  sleep 0.2
-done
-scancel --signal=TERM "$job"
-echo "job $job: SIGTERM to its steps in epoch 2"
-# Slurm holds a requeued job back until the old credential has expired (slurmd refuses it until
-# then: "Job credential revoked"); cred_expire=5 above keeps that wait short. Starting it sooner
-# (scontrol update StartTime=now) raced with that and failed on a fresh machine.
-start=$SECONDS
-until [[ $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z]*') == JobState=COMPLETED ]]; do
-  state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
-  [[ $state != JobState=FAILED && $state != JobState=CANCELLED ]] || { cat "$out"; fail "job $job: $state"; }
-  ((SECONDS - start < 240)) || { cat "$out"; fail "job $job did not complete after the requeue ($state)"; }
-  sleep 0.5
-done
-grep -q "BackupAndRestore: resuming from $FLOTILLA_SHARED/flitrq/backup" "$out" ||
-  { cat "$out"; fail "the requeued job did not resume from the backup"; }
-grep -q "Test: loss: " "$out" || { cat "$out"; fail "the requeued job gave no test result"; }
-echo "requeued job: $(grep -o 'BackupAndRestore: resuming from .*' "$out" | head -n1 | sed "s|$tmp/||")"
+preempt() {  # name, then scancel's options that send the signal
+  local name=$1 job state start out=$tmp/job-$1.out
+  shift
+  job=$(sbatch --parsable --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 \
+    --job-name="$name" --output="$out" --open-mode=append --chdir="$tmp" \
+    "$root/examples/slurm/train.sbatch")
+  start=$SECONDS
+  until grep -q "Epoch 2/3" "$out" 2>/dev/null; do
+    ((SECONDS - start < 120)) || { cat "$out"; fail "job $name did not reach epoch 2"; }
+    sleep 0.2
+  done
+  scancel "$@" "$job"
+  echo "job $job ($name): scancel $* in epoch 2 (at ${SECONDS}s)"
+  # Slurm holds a requeued job back until the old credential has expired (slurmd refuses it
+  # until then: "Job credential revoked"); cred_expire=5 above keeps that wait short. Starting
+  # it sooner (scontrol update StartTime=now) raced with that and failed on a fresh machine.
+  start=$SECONDS
+  until [[ $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z]*') == JobState=COMPLETED ]]; do
+    state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
+    [[ $state != JobState=FAILED && $state != JobState=CANCELLED ]] || { cat "$out"; fail "job $job: $state"; }
+    ((SECONDS - start < 240)) || { cat "$out"; fail "job $job did not complete after the requeue ($state)"; }
+    sleep 0.5
+  done
+  grep -q "BackupAndRestore: resuming from $FLOTILLA_SHARED/$name/backup" "$out" ||
+    { cat "$out"; fail "the requeued job $name did not resume from the backup"; }
+  grep -q "Test: loss: " "$out" || { cat "$out"; fail "the requeued job $name gave no test result"; }
+  echo "requeued job $name, done at ${SECONDS}s: $(grep -o 'BackupAndRestore: resuming from .*' "$out" | head -n1 | sed "s|$tmp/||")"
+}
+preempt flitrq --signal=TERM            # what --signal=TERM@N sends: every step's tasks
+preempt flitusr1 --batch --signal=USR1  # what --signal=B:USR1@N sends: the batch script only
 echo PASSED
