@@ -19,7 +19,8 @@ namespace {
 // LibTorch's SGD, each group's update done for all its tensors at once (PyTorch's foreach
 // path, its default on CUDA): a few multi-tensor kernels instead of three or four per parameter,
 // which on a GPU is most of a small model's optimizer step. The same operations in the same
-// order on each element, so the same numbers (OptimizerForeach.* compares with torch::equal),
+// order on each element, so the same numbers (Optimizers.SgdMatchesLibTorchsBitForBit compares with
+// torch::equal),
 // and the same state (SGDParamState momentum buffers), so checkpoints, backups and the elastic
 // state transfer see LibTorch's SGD.
 class ForeachSGD : public torch::optim::SGD {

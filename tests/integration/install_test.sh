@@ -55,7 +55,7 @@ done
 bundled=$prefix/lib/flotilla/libtorch
 [ -f "$bundled/torch/share/cmake/Torch/TorchConfig.cmake" ] ||
   fail "no LibTorch CMake package under $bundled (FLOTILLA_INSTALL_LIBTORCH?)"
-ls "$bundled"/torch/lib/libtorch_cpu.so >/dev/null || fail "no libtorch_cpu.so under $bundled"
+[ -f "$bundled/torch/lib/libtorch_cpu.so" ] || fail "no libtorch_cpu.so under $bundled"
 runpath=$(readelf -d "$prefix/bin/flotilla" | sed -n 's/.*R\(UN\)\{0,1\}PATH.*\[\(.*\)\]/\2/p')
 case "$runpath" in
   '$ORIGIN/../lib/flotilla/libtorch/torch/lib':*) ;;

@@ -30,10 +30,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRDS = ROOT / "tests" / "fixtures" / "kubeflow-trainer"
 
 
-def _has_all(self, *names):
-    return all(n in self for n in names)
-
-
 # The create-time CEL rules of the two CRDs that a flotilla manifest can reach, in Python. The
 # keys are the rules' text as the CRDs carry them.
 REVIEWED = {
@@ -126,7 +122,7 @@ def check_schema(doc, schemas, where, errors):
     if key not in schemas:
         errors.append(f"{where}: no CRD for apiVersion {key[0]!r} kind {key[1]!r} "
                       f"(vendored: {sorted(schemas)})")
-        return
+        return 0
     schema = schemas[key]
     validator = jsonschema.Draft7Validator(structural(schema))
     for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):

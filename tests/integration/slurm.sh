@@ -10,6 +10,7 @@ set -euo pipefail
 bin_dir=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
 skip() { echo "SKIPPED: $*"; exit 77; }
+source "$(dirname "$0")/slurm_lib.sh"
 [[ $(id -u) -eq 0 ]] || skip "needs root (slurmd runs jobs as their user)"
 for tool in slurmctld slurmd munged sbatch sinfo python3; do
   command -v "$tool" >/dev/null || skip "$tool is not installed (apt install slurm-wlm munge)"
@@ -34,13 +35,8 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; tail -n 20 "$tmp"/log/*.log 2>/dev/null; exit 1; }
 
-mkdir -p "$tmp"/{state,spool,log,munge,shared}
-chmod 711 "$tmp/munge" # munged wants its socket directory searchable by all
-head -c 1024 /dev/urandom >"$tmp/munge/munge.key"
-chmod 400 "$tmp/munge/munge.key"
-munged --key-file="$tmp/munge/munge.key" --socket="$tmp/munge/munge.socket" \
-  --pid-file="$tmp/munge/munged.pid" --log-file="$tmp/munge/munged.log" \
-  --seed-file="$tmp/munge/seed" || fail "munged did not start"
+mkdir -p "$tmp"/{state,spool,log,shared}
+munge_start "$tmp/munge" || fail "munged did not start"
 
 # Two free TCP ports for slurmctld and slurmd.
 read -r ctld_port slurmd_port < <(python3 -c 'import socket
@@ -52,31 +48,15 @@ export SLURM_CONF=$tmp/slurm.conf
 cat >"$SLURM_CONF" <<CONF
 ClusterName=flit
 SlurmctldHost=$node(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
+$(slurm_conf_common "$tmp/munge/munge.socket")
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
-AuthType=auth/munge
-AuthInfo=socket=$tmp/munge/munge.socket,cred_expire=5
 StateSaveLocation=$tmp/state
-# A requeued job becomes startable once its credential has expired, and is then started by the
-# next scheduling pass: every 60 s by default (sched_interval; 30 s for backfill), which made
-# this test last 30-120 s at random.
-SchedulerParameters=sched_interval=1,bf_interval=1
 SlurmdSpoolDir=$tmp/spool
 SlurmctldPidFile=$tmp/slurmctld.pid
 SlurmdPidFile=$tmp/slurmd.pid
 SlurmctldLogFile=$tmp/log/slurmctld.log
 SlurmdLogFile=$tmp/log/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SwitchType=switch/none
-MpiDefault=none
-ReturnToService=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
 NodeName=$node NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=flit Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
@@ -125,9 +105,9 @@ preempt() {  # name, then scancel's options that send the signal
   done
   scancel "$@" "$job"
   echo "job $job ($name): scancel $* in epoch 2 (at ${SECONDS}s)"
-  # Slurm holds a requeued job back until the old credential has expired (slurmd refuses it
-  # until then: "Job credential revoked"); cred_expire=5 above keeps that wait short. Starting
-  # it sooner (scontrol update StartTime=now) raced with that and failed on a fresh machine.
+  # Slurm holds the requeued job back until the killed one's credential expired (cred_expire,
+  # slurm_lib.sh). Starting it sooner (scontrol update StartTime=now) raced with slurmd and
+  # failed on a fresh machine.
   start=$SECONDS
   until [[ $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z]*') == JobState=COMPLETED ]]; do
     state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)

@@ -8,6 +8,7 @@
 #   slurm_nodes.sh [FLOTILLA] [PYTHON]     (ctest -R netns_slurm_nodes; exit 77 without Slurm)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../slurm_lib.sh"
 netns_init slurm_nodes 150 "$@"
 for tool in slurmctld slurmd munged sbatch sinfo; do
   command -v "$tool" >/dev/null || skip "$tool is not installed (apt install slurm-wlm munge)"
@@ -38,41 +39,23 @@ cleanup_all() {
   netns_cleanup
 }
 trap cleanup_all EXIT
-mkdir -p "$tmp"/{slurm,munge,shared,log}
+mkdir -p "$tmp"/{slurm,shared,log}
 chmod 755 "$tmp"
-chmod 711 "$tmp/munge"
-head -c 1024 /dev/urandom >"$tmp/munge/munge.key"
-chmod 400 "$tmp/munge/munge.key"
-munged --key-file="$tmp/munge/munge.key" --socket="$tmp/munge/munge.socket" \
-  --pid-file="$tmp/munge/munged.pid" --log-file="$tmp/munge/munged.log" \
-  --seed-file="$tmp/munge/seed" || die "munged did not start"
+munge_start "$tmp/munge" || die "munged did not start"
 
 export SLURM_CONF=$tmp/slurm/slurm.conf
 cat >"$SLURM_CONF" <<CONF
 ClusterName=flitn
 SlurmctldHost=$(hostname -s)($(host_ip 0))
-SlurmUser=root
-SlurmdUser=root
+$(slurm_conf_common "$tmp/munge/munge.socket")
 SlurmctldPort=26817
 SlurmdPort=26818
-AuthType=auth/munge
-AuthInfo=socket=$tmp/munge/munge.socket
 StateSaveLocation=$tmp/slurm/state
-SchedulerParameters=sched_interval=1,bf_interval=1
 SlurmdSpoolDir=$tmp/slurm/spool-%n
 SlurmctldPidFile=$tmp/slurm/slurmctld.pid
 SlurmdPidFile=$tmp/slurm/slurmd-%n.pid
 SlurmctldLogFile=$tmp/log/slurmctld.log
 SlurmdLogFile=$tmp/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SwitchType=switch/none
-MpiDefault=none
-ReturnToService=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
 NodeName=n1 NodeAddr=$(host_ip 1) CPUs=2 State=UNKNOWN
 NodeName=n2 NodeAddr=$(host_ip 2) CPUs=2 State=UNKNOWN
 PartitionName=flitn Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
