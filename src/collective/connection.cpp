@@ -159,6 +159,12 @@ void Connection::throw_lost(const std::string& why) const {
 }
 
 void Connection::handshake(const RendezvousConfig& config, Role role, Clock::time_point deadline) {
+  // The server reached, the handshake gets a heartbeat timeout however short the caller's
+  // deadline (a rejoin attempt's is about a heartbeat interval): once the server has the join
+  // request, the process counts as back, and hanging up before its answer reads there as the
+  // process dying (an elastic member rejoining a new rendezvous replica was expelled so, on a
+  // loaded machine).
+  deadline = std::max(deadline, Clock::now() + config.heartbeat_timeout);
   Hello hello;
   try {
     hello = Hello::parse(receive(deadline, kMaxHandshakeFrame));

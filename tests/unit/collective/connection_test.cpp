@@ -1,0 +1,104 @@
+// A rank's connection to the rendezvous against a server written here by hand (a socket that
+// speaks the handshake of wire.h), to control when it answers.
+#include "collective/connection.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+namespace flotilla::collective::detail {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Listens on loopback; its one connection gets a Hello, then, `answer_after` after the join
+// request arrives, an acceptance (never, when `answer_after` is negative).
+class SlowServer {
+ public:
+  explicit SlowServer(std::chrono::milliseconds answer_after) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        ::listen(listener_, 1) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      throw std::runtime_error("cannot listen on loopback");
+    }
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, answer_after] {
+      const int fd = ::accept(listener_, nullptr, nullptr);
+      if (fd < 0) return;
+      const std::string hello = Hello{false, {}}.frame();
+      (void)!::write(fd, hello.data(), hello.size());
+      char header[4];
+      if (::recv(fd, header, 4, MSG_WAITALL) == 4) {
+        std::string body(read_le32(header), '\0');
+        if (::recv(fd, body.data(), body.size(), MSG_WAITALL) ==
+            static_cast<ssize_t>(body.size())) {
+          request_arrived_ = JoinRequest::parse(body).has_value();
+        }
+      }
+      if (answer_after >= 0ms) {
+        std::this_thread::sleep_for(answer_after);
+        const std::string welcome = Welcome::acceptance(std::nullopt).frame();
+        (void)!::write(fd, welcome.data(), welcome.size());
+      }
+      char byte;
+      (void)!::recv(fd, &byte, 1, 0); // until the client hangs up
+      ::close(fd);
+    });
+  }
+  ~SlowServer() {
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_.join();
+    ::close(listener_);
+  }
+  int port() const { return port_; }
+  bool request_arrived() const { return request_arrived_; }
+
+ private:
+  int listener_ = -1;
+  int port_ = 0;
+  std::atomic<bool> request_arrived_{false};
+  std::thread thread_;
+};
+
+RendezvousConfig config_for(int port, std::chrono::milliseconds heartbeat_timeout) {
+  RendezvousConfig config;
+  config.chief = {"127.0.0.1", port};
+  config.heartbeat_timeout = heartbeat_timeout;
+  return config;
+}
+
+// A rejoin attempt has about a heartbeat interval. Once the server holds the join request the
+// process counts there as back, and hanging up before the answer reads as the process dying: an
+// elastic member was expelled so from a new rendezvous replica when a loaded machine answered
+// after the attempt's end (netns_etcd). The answer gets a heartbeat timeout.
+TEST(Connection, AServerHoldingTheJoinRequestGetsAHeartbeatTimeoutToAnswer) {
+  SlowServer server(600ms);
+  const auto attempt_ends = std::chrono::steady_clock::now() + 100ms;
+  std::unique_ptr<Connection> conn;
+  EXPECT_NO_THROW(conn = Connection::join(config_for(server.port(), 10s), kRoleHeartbeat,
+                                          attempt_ends));
+  EXPECT_TRUE(server.request_arrived());
+  EXPECT_NE(conn, nullptr);
+}
+
+// ... and no longer: a server that never answers is a timeout still.
+TEST(Connection, AServerThatNeverAnswersIsATimeoutAfterTheHeartbeatTimeout) {
+  SlowServer server(-1ms);
+  EXPECT_THROW(Connection::join(config_for(server.port(), 300ms), kRoleHeartbeat,
+                                std::chrono::steady_clock::now() + 100ms),
+               TimeoutError);
+  EXPECT_TRUE(server.request_arrived());
+}
+
+} // namespace
+} // namespace flotilla::collective::detail
