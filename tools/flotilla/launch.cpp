@@ -482,6 +482,10 @@ class Launcher {
   }
   void on_signals(int fd);
   void relay(Child& child, bool is_out, int fd);
+  // Sends what a deadline (term_at_, kill_at_) has come for; how long poll may wait.
+  std::int64_t act_on_deadlines(bool any_running);
+  // After the last worker: the exit code, and whether to start the cluster again.
+  Outcome outcome() const;
   // Its output is drained after its exit is seen: the line may precede its last output.
   static void log_exit(const Child& c) {
     if (c.log < 0) return;
@@ -683,6 +687,28 @@ void Launcher::relay(Child& child, bool is_out, int fd) {
   }
 }
 
+std::int64_t Launcher::act_on_deadlines(bool any_running) {
+  std::int64_t wait_ms = any_running ? 1000 : 200;
+  if (!any_running) return wait_ms;
+  const auto due = [&](std::optional<Clock::time_point>& at, auto act) {
+    if (!at) return;
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(*at - Clock::now()).count();
+    if (left <= 0) {
+      at.reset();
+      act();
+    } else {
+      wait_ms = std::min<std::int64_t>(wait_ms, left);
+    }
+  };
+  due(term_at_, [&] {
+    stop_all(SIGTERM);
+    stop_later();
+  });
+  due(kill_at_, [&] { stop_all(SIGKILL); });
+  return wait_ms;
+}
+
 Outcome Launcher::supervise() {
   for (;;) {
     reap();
@@ -697,28 +723,7 @@ Outcome Launcher::supervise() {
     // Done when every worker is gone and its output drained. A grandchild that keeps a pipe
     // open cannot hold us: once the workers are gone, reads get a short deadline.
     if (!any_running && fds.size() == 1) break;
-    std::int64_t wait_ms = any_running ? 1000 : 200;
-    if (term_at_ && any_running) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(*term_at_ - Clock::now()).count();
-      if (left <= 0) {
-        stop_all(SIGTERM);
-        stop_later();
-        term_at_.reset();
-      } else {
-        wait_ms = std::min<std::int64_t>(wait_ms, left);
-      }
-    }
-    if (kill_at_ && any_running) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at_ - Clock::now()).count();
-      if (left <= 0) {
-        stop_all(SIGKILL);
-        kill_at_.reset();
-      } else {
-        wait_ms = std::min<std::int64_t>(wait_ms, left);
-      }
-    }
+    const std::int64_t wait_ms = act_on_deadlines(any_running);
     const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
     if (ready < 0 && errno != EINTR) throw Error(std::string("poll: ") + std::strerror(errno));
     if (ready == 0 && !any_running) { // workers gone, pipes quiet: stop waiting for them
@@ -739,6 +744,10 @@ Outcome Launcher::supervise() {
       }
     }
   }
+  return outcome();
+}
+
+Outcome Launcher::outcome() const {
   if (args_.elastic && !forwarded_) {
     // The group finished training when any worker finished it (the members end together); a
     // worker lost on the way, or restarted too late to rejoin, is in launch's lines above.
@@ -786,6 +795,19 @@ Outcome Launcher::supervise() {
   return {forwarded_ ? 128 + *forwarded_ : kExitOk};
 }
 
+// Elastic: the rendezvous lives in launch, outside the workers, so it outlives any of them (and
+// the workers die with launch anyway). It asks for the token the workers are given.
+std::unique_ptr<collective::RendezvousService> elastic_rendezvous(const LaunchArgs& a,
+                                                                  const std::string& token) {
+  collective::RendezvousService::Options options;
+  options.listen = {"127.0.0.1", 0};
+  options.workers = a.workers;
+  options.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
+  options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
+  if (!options.cluster_token) options.cluster_token = token;
+  return std::make_unique<collective::RendezvousService>(options);
+}
+
 int run(const LaunchArgs& a) {
   if (a.command.empty()) {
     throw ConfigError("no command to launch; write it after --, e.g. flotilla launch --workers 2 "
@@ -818,29 +840,14 @@ int run(const LaunchArgs& a) {
   for (;;) {
     // Fresh ports for every run: the last run's may still be in TIME_WAIT. --port is the
     // user's choice, kept.
-    std::vector<int> ports;
-    if (a.port > 0) {
-      for (int i = 0; i < tasks; ++i) ports.push_back(a.port + i);
-    } else {
-      ports = free_ports(tasks);
-    }
+    std::vector<int> ports = a.port > 0 ? std::vector<int>() : free_ports(tasks);
+    for (int i = 0; a.port > 0 && i < tasks; ++i) ports.push_back(a.port + i);
     cluster::ClusterSpec spec;
     for (int i = 0; i < a.workers; ++i) spec.worker.push_back({"127.0.0.1", ports[i]});
     if (a.evaluator) spec.evaluator.push_back({"127.0.0.1", ports.back()});
 
     const std::string token = random_token();
-    // Elastic: the rendezvous lives here, outside the workers, so it outlives any of them (and
-    // the workers die with launch anyway). It asks for the token the workers are given.
-    std::unique_ptr<collective::RendezvousService> service;
-    if (a.elastic) {
-      collective::RendezvousService::Options options;
-      options.listen = {"127.0.0.1", 0};
-      options.workers = a.workers;
-      options.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
-      options.cluster_token = cluster::cluster_token(cluster::Environment::from_process());
-      if (!options.cluster_token) options.cluster_token = token;
-      service = std::make_unique<collective::RendezvousService>(options);
-    }
+    const auto service = a.elastic ? elastic_rendezvous(a, token) : nullptr;
     const std::string rendezvous = service ? service->address() : "";
     Outcome outcome;
     {

@@ -837,223 +837,248 @@ int run(const TrainArgs& a) {
   return kExitOk;
 }
 
+// What to train on: the model, the dataset and its input pipeline.
+void add_data_flags(CLI::App* app, TrainArgs& args) {
+  app->add_option("--model", args.model,
+                  "mlp, mlp-wide, cnn, resnet20, resnet18, vit-tiny, or the path of a TorchScript "
+                  "module (torch.jit.script(model).save(\"model.pt\"))")
+      ->check(CLI::IsMember(models::model_names()) | CLI::ExistingFile)
+      ->capture_default_str();
+  app->add_option("--dataset", args.dataset,
+                  "fashion-mnist (IDX files) or image-folder (JPEG/PNG files in class folders)")
+      ->check(CLI::IsMember({"fashion-mnist", "image-folder"}))
+      ->capture_default_str();
+  app->add_option("--data-dir", args.data_dir,
+                  "fashion-mnist: the IDX files' directory; image-folder: DIR with train/<class>/ "
+                  "and test/<class>/, or DIR/<class>/ with --validation-split")
+      ->capture_default_str();
+  app->add_option("--validation-split", args.validation_split,
+                  "image-folder DIR/<class>/: test on this fraction of DIR's images (Keras's "
+                  "validation subset, seeded with --seed), train on the rest; fashion-mnist with "
+                  "--validation: the fraction of training images held out (default 0.1)")
+      ->check(number_in(0.0, 1.0))
+      ->capture_default_str();
+  app->add_option("--image-size", args.image_size,
+                  "image-folder: HEIGHT [WIDTH] every image is resized to (bilinear)")
+      ->expected(1, 2)
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--color-mode", args.color_mode, "image-folder: grayscale or rgb")
+      ->check(CLI::IsMember({"grayscale", "rgb"}))
+      ->capture_default_str();
+  app->add_flag("--validation", args.validation,
+                "Hold out the last 10% of the training images (Keras's validation_split) and "
+                "evaluate on them after each epoch (val_loss, val_accuracy); the test split is "
+                "kept for the end");
+  app->add_option("--shuffle-buffer", args.shuffle_buffer, "Elements in the shuffle buffer")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--cache", args.cache,
+                  "Cache the decoded training set: none, memory, or a file path prefix")
+      ->capture_default_str();
+  app->add_flag("--augment", args.augment,
+                "Random flip left-right and random crop (padding 2), seeded per batch");
+}
+
+// How long and how: batch, optimizer, learning-rate schedule, loss, seed.
+void add_recipe_flags(CLI::App* app, TrainArgs& args) {
+  app->add_option("--epochs", args.recipe.epochs, "Epochs to train")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--steps-per-epoch", args.steps_per_epoch,
+                  "Steps per epoch (0: the whole dataset)")
+      ->check(non_negative_number())
+      ->capture_default_str();
+  app->add_option("--batch-per-replica", args.batch_per_replica,
+                  "Batch per replica; global batch = this x replicas in sync")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--optimizer", args.recipe.optimizer, "sgd (momentum), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  app->add_option("--base-lr", args.recipe.base_lr, "Learning rate per --base-batch examples")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--base-batch", args.recipe.base_batch, "The batch --base-lr is meant for")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_option("--lr-scaling", args.recipe.lr_scaling,
+                  "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
+      ->check(CLI::IsMember({"linear", "none"}))
+      ->capture_default_str();
+  app->add_option("--lr", args.recipe.lr,
+                  "Peak learning rate as given (overrides --base-lr scaling)")
+      ->check(positive_number());
+  app->add_option("--schedule", args.recipe.schedule,
+                  "cosine (warmup, then cosine decay) or constant")
+      ->check(CLI::IsMember({"cosine", "constant"}))
+      ->capture_default_str();
+  app->add_option("--warmup-epochs", args.recipe.warmup_epochs,
+                  "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
+      ->check(non_negative_number());
+  app->add_option("--momentum", args.recipe.momentum, "SGD momentum")
+      ->check(number_in(0.0, 0.999))
+      ->capture_default_str();
+  app->add_option("--weight-decay", args.recipe.weight_decay,
+                  "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
+      ->check(number_in(0.0, 1.0));
+  app->add_option("--global-clipnorm", args.recipe.global_clipnorm,
+                  "Clip the gradients to this global L2 norm before each update, after the "
+                  "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
+      ->check(non_negative_number())
+      ->capture_default_str();
+  app->add_option("--label-smoothing", args.label_smoothing, "Cross-entropy label smoothing")
+      ->check(number_in(0.0, 1.0))
+      ->capture_default_str();
+  app->add_option("--accumulation-steps", args.recipe.accumulation_steps,
+                  "Batches whose gradients are summed before one all-reduce and optimizer step")
+      ->check(number_in(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--seed", args.seed, "Seed for initialisation and shuffling")
+      ->capture_default_str();
+}
+
+// How fast: precision, memory layout, compiled steps, threads and replicas.
+void add_performance_flags(CLI::App* app, TrainArgs& args) {
+  app->add_option("--precision", args.recipe.precision,
+                  "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
+                  "mixed_float16 or mixed_bfloat16")
+      ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
+      ->capture_default_str();
+  app->add_option("--channels-last", args.channels_last,
+                  "Keep the model's 2-D convolution weights and activations channels-last "
+                  "(NHWC): auto (on for models with 2-D convolutions), on or off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app->add_option("--freed-memory", args.freed_memory,
+                  "What malloc does with the memory a step frees: keep (blocks up to 32 MiB are "
+                  "reused by the next step instead of being unmapped and faulted in again) or "
+                  "release (the C library's default)")
+      ->check(CLI::IsMember({"keep", "release"}))
+      ->capture_default_str();
+  app->add_flag("--sync-batchnorm", args.sync_batchnorm,
+                "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
+                "and workers (train::convert_sync_batchnorm)");
+  app->add_flag(
+      "--jit-compile", args.jit_compile,
+      "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
+  app->add_option("--steps-per-execution", args.steps_per_execution,
+                  "Steps between batch-level callbacks and progress updates")
+      ->check(number_in(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--threads", args.threads,
+                  "Intra-op threads per worker (0: cores / workers on this machine)")
+      ->check(non_negative_number())
+      ->capture_default_str();
+  app->add_option("--replicas-per-worker", args.replicas_per_worker,
+                  "Model replicas per worker, reduced locally before the all-reduce: the first N "
+                  "GPUs, or N CPU replicas (threads) without a GPU; 0: one per --devices entry")
+      ->check(number_in(0, 64))
+      ->capture_default_str();
+  app->add_option("--devices", args.devices,
+                  "Each worker's replica devices: auto (every visible GPU, else the CPU), cpu, "
+                  "cuda, or a list such as cuda:0,cuda:1")
+      ->capture_default_str();
+}
+
+// What is written: checkpoints, backups, logs, profiles and reports.
+void add_output_flags(CLI::App* app, TrainArgs& args) {
+  app->add_option("--checkpoint-dir", args.checkpoint_dir,
+                  "Full checkpoints after each epoch: <dir>/ckpt-<epoch> (safetensors, optimizer "
+                  "state, manifest) and TF's 'checkpoint' pointer (chief; others use temp dirs)");
+  app->add_option("--max-to-keep", args.max_to_keep, "Checkpoints kept in --checkpoint-dir")
+      ->check(number_in(1, 1 << 20))
+      ->capture_default_str();
+  app->add_option("--backup-dir", args.backup_dir,
+                  "BackupAndRestore: resume an interrupted run from here; removed when done");
+  app->add_option("--backup-freq", args.backup_freq,
+                  "Also back up every N optimizer updates (0: at epoch ends only)")
+      ->check(non_negative_number())
+      ->capture_default_str();
+  app->add_option("--preemption-check-ms", args.preemption_check_ms,
+                  "With --backup-dir, SIGTERM to any worker makes all save a backup at one step "
+                  "and exit 75; they compare notes about this often (0: every step)")
+      ->check(number_in(0.0, 3600e3))
+      ->capture_default_str();
+  app->add_option("--tensorboard-dir", args.tensorboard_dir,
+                  "TensorBoard event files: <dir>/train and <dir>/validation (chief)");
+  app->add_option("--csv-log", args.csv_log, "CSVLogger: one row per epoch (chief)");
+  app->add_option("--metrics-json", args.metrics_json,
+                  "Chief appends one JSON object per epoch and one with the test result");
+  app->add_option("--step-ledger", args.step_ledger,
+                  "Directory where every process appends ledger-<pid>.txt: one line per "
+                  "optimizer update, \"update epoch step workers unix_ms\" (bench/chaos.sh counts "
+                  "them)");
+  app->add_option("--profile-json", args.profile_json,
+                  "Write the run's profile (per-epoch values, step phases per worker, the "
+                  "recipe) as JSON, for flotilla plan --profile (chief)");
+  app->add_option("--trace", args.trace,
+                  "Write the timeline: every worker's step phases as one Chrome trace-event JSON "
+                  "file (Perfetto, chrome://tracing), gathered on the chief");
+  app->add_option("--report", args.report,
+                  "Write a self-contained HTML report: curves, step-time breakdown per worker, "
+                  "the recipe checklist (chief)");
+  app->add_flag("--no-doctor", args.no_doctor,
+                "Do not print the recipe doctor's findings at the end of training");
+  app->add_option("--verbose", args.verbose,
+                  "auto (bar on a terminal, else a line per epoch), 0, 1 (bar) or 2 (line)")
+      ->check(CLI::IsMember({"auto", "0", "1", "2"}))
+      ->capture_default_str();
+}
+
+// The group: authentication, elastic mode, timeouts and the collectives.
+void add_cluster_flags(CLI::App* app, TrainArgs& args) {
+  app->add_option("--cluster-token-file", args.cluster_token_file,
+                  "File holding the cluster token (mode 600); the chief admits only tasks that "
+                  "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
+                  "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication, refused across hosts)");
+  app->add_flag("--insecure", args.insecure,
+                "Without a cluster token, run a job across hosts anyway (anyone who reaches the "
+                "rendezvous could join it)");
+  app->add_flag("--elastic", args.elastic,
+                "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
+                "rendezvous): a failed worker is dropped and the others go on with the same "
+                "global batch; a restarted one rejoins from a live peer's memory");
+  app->add_option("--elastic-batch", args.elastic_batch,
+                  "With --elastic, what stays when workers leave: global (the global batch and "
+                  "the learning rate; each survivor's batch grows) or per-replica (each worker's "
+                  "batch; the learning rate scales with the rows each step has)")
+      ->check(CLI::IsMember({"global", "per-replica"}))
+      ->capture_default_str();
+  app->add_option("--heartbeat-timeout", args.heartbeat_timeout_s,
+                  "Seconds of silence after which a worker counts as failed (stopped, hung, cut "
+                  "off)")
+      ->check(number_in(0.1, 3600.0))
+      ->capture_default_str();
+  app->add_option("--timeout", args.timeout_s, "Seconds any rendezvous or collective may take")
+      ->check(number_in(0.1, 7 * 86400.0))
+      ->capture_default_str();
+  app->add_option("--implementation", args.implementation,
+                  "Collective implementation: auto, ring or nccl")
+      ->check(CLI::IsMember({"auto", "ring", "nccl"}, CLI::ignore_case))
+      ->capture_default_str();
+  app->add_option("--bytes-per-pack", args.bytes_per_pack, "Gradient bucket size in bytes")
+      ->check(positive_number())
+      ->capture_default_str();
+  app->add_flag("--no-overlap", args.no_overlap,
+                "Start the gradient all-reduces after backward instead of during it");
+  app->add_option("--compression", args.compression,
+                  "Gradients on the wire: none, fp16 or bf16 (half the bytes)")
+      ->check(CLI::IsMember({"none", "fp16", "bf16"}, CLI::ignore_case))
+      ->capture_default_str();
+}
+
 } // namespace
 
 Command add_train(CLI::App& parent) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* app = parent.add_subcommand(
       "train", "Train a built-in model as one worker of the cluster in TF_CONFIG (or alone)");
-  app->add_option("--model", args->model,
-                  "mlp, mlp-wide, cnn, resnet20, resnet18, vit-tiny, or the path of a TorchScript "
-                  "module (torch.jit.script(model).save(\"model.pt\"))")
-      ->check(CLI::IsMember(models::model_names()) | CLI::ExistingFile)
-      ->capture_default_str();
-  app->add_option("--dataset", args->dataset,
-                  "fashion-mnist (IDX files) or image-folder (JPEG/PNG files in class folders)")
-      ->check(CLI::IsMember({"fashion-mnist", "image-folder"}))
-      ->capture_default_str();
-  app->add_option("--data-dir", args->data_dir,
-                  "fashion-mnist: the IDX files' directory; image-folder: DIR with train/<class>/ "
-                  "and test/<class>/, or DIR/<class>/ with --validation-split")
-      ->capture_default_str();
-  app->add_option("--validation-split", args->validation_split,
-                  "image-folder DIR/<class>/: test on this fraction of DIR's images (Keras's "
-                  "validation subset, seeded with --seed), train on the rest; fashion-mnist with "
-                  "--validation: the fraction of training images held out (default 0.1)")
-      ->check(number_in(0.0, 1.0))
-      ->capture_default_str();
-  app->add_option("--image-size", args->image_size,
-                  "image-folder: HEIGHT [WIDTH] every image is resized to (bilinear)")
-      ->expected(1, 2)
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--color-mode", args->color_mode, "image-folder: grayscale or rgb")
-      ->check(CLI::IsMember({"grayscale", "rgb"}))
-      ->capture_default_str();
-  app->add_option("--epochs", args->recipe.epochs, "Epochs to train")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--steps-per-epoch", args->steps_per_epoch,
-                  "Steps per epoch (0: the whole dataset)")
-      ->check(non_negative_number())
-      ->capture_default_str();
-  app->add_option("--batch-per-replica", args->batch_per_replica,
-                  "Batch per replica; global batch = this x replicas in sync")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--optimizer", args->recipe.optimizer, "sgd (momentum), adam or adamw")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
-      ->capture_default_str();
-  app->add_option("--base-lr", args->recipe.base_lr, "Learning rate per --base-batch examples")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--base-batch", args->recipe.base_batch, "The batch --base-lr is meant for")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--lr-scaling", args->recipe.lr_scaling,
-                  "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
-      ->check(CLI::IsMember({"linear", "none"}))
-      ->capture_default_str();
-  app->add_option("--lr", args->recipe.lr,
-                  "Peak learning rate as given (overrides --base-lr scaling)")
-      ->check(positive_number());
-  app->add_option("--schedule", args->recipe.schedule,
-                  "cosine (warmup, then cosine decay) or constant")
-      ->check(CLI::IsMember({"cosine", "constant"}))
-      ->capture_default_str();
-  app->add_option("--warmup-epochs", args->recipe.warmup_epochs,
-                  "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
-      ->check(non_negative_number());
-  app->add_option("--momentum", args->recipe.momentum, "SGD momentum")
-      ->check(number_in(0.0, 0.999))
-      ->capture_default_str();
-  app->add_option("--weight-decay", args->recipe.weight_decay,
-                  "L2 weight decay (SGD, Adam; AdamW: decoupled); default 0, AdamW 0.004")
-      ->check(number_in(0.0, 1.0));
-  app->add_option("--global-clipnorm", args->recipe.global_clipnorm,
-                  "Clip the gradients to this global L2 norm before each update, after the "
-                  "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
-      ->check(non_negative_number())
-      ->capture_default_str();
-  app->add_option("--label-smoothing", args->label_smoothing, "Cross-entropy label smoothing")
-      ->check(number_in(0.0, 1.0))
-      ->capture_default_str();
-  app->add_option("--precision", args->recipe.precision,
-                  "auto (mixed_bfloat16 where the CPU computes bf16 natively), float32, "
-                  "mixed_float16 or mixed_bfloat16")
-      ->check(CLI::IsMember({"auto", "float32", "mixed_float16", "mixed_bfloat16"}))
-      ->capture_default_str();
-  app->add_option("--channels-last", args->channels_last,
-                  "Keep the model's 2-D convolution weights and activations channels-last "
-                  "(NHWC): auto (on for models with 2-D convolutions), on or off")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
-  app->add_option("--freed-memory", args->freed_memory,
-                  "What malloc does with the memory a step frees: keep (blocks up to 32 MiB are "
-                  "reused by the next step instead of being unmapped and faulted in again) or "
-                  "release (the C library's default)")
-      ->check(CLI::IsMember({"keep", "release"}))
-      ->capture_default_str();
-  app->add_flag("--sync-batchnorm", args->sync_batchnorm,
-                "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
-                "and workers (train::convert_sync_batchnorm)");
-  app->add_flag(
-      "--jit-compile", args->jit_compile,
-      "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
-  app->add_option("--steps-per-execution", args->steps_per_execution,
-                  "Steps between batch-level callbacks and progress updates")
-      ->check(number_in(1, 1 << 20))
-      ->capture_default_str();
-  app->add_option("--seed", args->seed, "Seed for initialisation and shuffling")
-      ->capture_default_str();
-  app->add_option("--checkpoint-dir", args->checkpoint_dir,
-                  "Full checkpoints after each epoch: <dir>/ckpt-<epoch> (safetensors, optimizer "
-                  "state, manifest) and TF's 'checkpoint' pointer (chief; others use temp dirs)");
-  app->add_option("--max-to-keep", args->max_to_keep, "Checkpoints kept in --checkpoint-dir")
-      ->check(number_in(1, 1 << 20))
-      ->capture_default_str();
-  app->add_option("--backup-dir", args->backup_dir,
-                  "BackupAndRestore: resume an interrupted run from here; removed when done");
-  app->add_option("--backup-freq", args->backup_freq,
-                  "Also back up every N optimizer updates (0: at epoch ends only)")
-      ->check(non_negative_number())
-      ->capture_default_str();
-  app->add_option("--preemption-check-ms", args->preemption_check_ms,
-                  "With --backup-dir, SIGTERM to any worker makes all save a backup at one step "
-                  "and exit 75; they compare notes about this often (0: every step)")
-      ->check(number_in(0.0, 3600e3))
-      ->capture_default_str();
-  app->add_option("--tensorboard-dir", args->tensorboard_dir,
-                  "TensorBoard event files: <dir>/train and <dir>/validation (chief)");
-  app->add_option("--csv-log", args->csv_log, "CSVLogger: one row per epoch (chief)");
-  app->add_flag("--validation", args->validation,
-                "Hold out the last 10% of the training images (Keras's validation_split) and "
-                "evaluate on them after each epoch (val_loss, val_accuracy); the test split is "
-                "kept for the end");
-  app->add_option("--threads", args->threads,
-                  "Intra-op threads per worker (0: cores / workers on this machine)")
-      ->check(non_negative_number())
-      ->capture_default_str();
-  app->add_option("--metrics-json", args->metrics_json,
-                  "Chief appends one JSON object per epoch and one with the test result");
-  app->add_option("--step-ledger", args->step_ledger,
-                  "Directory where every process appends ledger-<pid>.txt: one line per "
-                  "optimizer update, \"update epoch step workers unix_ms\" (bench/chaos.sh counts "
-                  "them)");
-  app->add_option("--profile-json", args->profile_json,
-                  "Write the run's profile (per-epoch values, step phases per worker, the "
-                  "recipe) as JSON, for flotilla plan --profile (chief)");
-  app->add_option("--trace", args->trace,
-                  "Write the timeline: every worker's step phases as one Chrome trace-event JSON "
-                  "file (Perfetto, chrome://tracing), gathered on the chief");
-  app->add_option("--report", args->report,
-                  "Write a self-contained HTML report: curves, step-time breakdown per worker, "
-                  "the recipe checklist (chief)");
-  app->add_flag("--no-doctor", args->no_doctor,
-                "Do not print the recipe doctor's findings at the end of training");
-  app->add_option("--cluster-token-file", args->cluster_token_file,
-                  "File holding the cluster token (mode 600); the chief admits only tasks that "
-                  "hold the same token (default: FLOTILLA_CLUSTER_TOKEN or "
-                  "FLOTILLA_CLUSTER_TOKEN_FILE; none: no authentication, refused across hosts)");
-  app->add_flag("--insecure", args->insecure,
-                "Without a cluster token, run a job across hosts anyway (anyone who reaches the "
-                "rendezvous could join it)");
-  app->add_flag("--elastic", args->elastic,
-                "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
-                "rendezvous): a failed worker is dropped and the others go on with the same "
-                "global batch; a restarted one rejoins from a live peer's memory");
-  app->add_option("--elastic-batch", args->elastic_batch,
-                  "With --elastic, what stays when workers leave: global (the global batch and "
-                  "the learning rate; each survivor's batch grows) or per-replica (each worker's "
-                  "batch; the learning rate scales with the rows each step has)")
-      ->check(CLI::IsMember({"global", "per-replica"}))
-      ->capture_default_str();
-  app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
-                  "Seconds of silence after which a worker counts as failed (stopped, hung, cut "
-                  "off)")
-      ->check(number_in(0.1, 3600.0))
-      ->capture_default_str();
-  app->add_option("--timeout", args->timeout_s, "Seconds any rendezvous or collective may take")
-      ->check(number_in(0.1, 7 * 86400.0))
-      ->capture_default_str();
-  app->add_option("--implementation", args->implementation,
-                  "Collective implementation: auto, ring or nccl")
-      ->check(CLI::IsMember({"auto", "ring", "nccl"}, CLI::ignore_case))
-      ->capture_default_str();
-  app->add_option("--bytes-per-pack", args->bytes_per_pack, "Gradient bucket size in bytes")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_flag("--no-overlap", args->no_overlap,
-                "Start the gradient all-reduces after backward instead of during it");
-  app->add_option("--compression", args->compression,
-                  "Gradients on the wire: none, fp16 or bf16 (half the bytes)")
-      ->check(CLI::IsMember({"none", "fp16", "bf16"}, CLI::ignore_case))
-      ->capture_default_str();
-  app->add_option("--replicas-per-worker", args->replicas_per_worker,
-                  "Model replicas per worker, reduced locally before the all-reduce: the first N "
-                  "GPUs, or N CPU replicas (threads) without a GPU; 0: one per --devices entry")
-      ->check(number_in(0, 64))
-      ->capture_default_str();
-  app->add_option("--devices", args->devices,
-                  "Each worker's replica devices: auto (every visible GPU, else the CPU), cpu, "
-                  "cuda, or a list such as cuda:0,cuda:1")
-      ->capture_default_str();
-  app->add_option("--accumulation-steps", args->recipe.accumulation_steps,
-                  "Batches whose gradients are summed before one all-reduce and optimizer step")
-      ->check(number_in(1, 1 << 20))
-      ->capture_default_str();
-  app->add_option("--shuffle-buffer", args->shuffle_buffer, "Elements in the shuffle buffer")
-      ->check(positive_number())
-      ->capture_default_str();
-  app->add_option("--cache", args->cache,
-                  "Cache the decoded training set: none, memory, or a file path prefix")
-      ->capture_default_str();
-  app->add_flag("--augment", args->augment,
-                "Random flip left-right and random crop (padding 2), seeded per batch");
-  app->add_option("--verbose", args->verbose,
-                  "auto (bar on a terminal, else a line per epoch), 0, 1 (bar) or 2 (line)")
-      ->check(CLI::IsMember({"auto", "0", "1", "2"}))
-      ->capture_default_str();
+  add_data_flags(app, *args);
+  add_recipe_flags(app, *args);
+  add_performance_flags(app, *args);
+  add_output_flags(app, *args);
+  add_cluster_flags(app, *args);
   return {app, [args] {
             args->command = this_command();
             return run(*args);
