@@ -1,7 +1,9 @@
 // Model::fit's healer against a fake elastic group: the test forms the generations itself, over
 // in-memory stores and thread ranks, where the real group (collective::ElasticGroup::join) forms
 // them through the rendezvous. A departure fails every operation of the generation with
-// GroupChanged, as the rendezvous's notice does; the healer regroups, reconciles and goes on.
+// GroupChanged, as the rendezvous's notice does; the healer regroups, reconciles and goes on. A
+// worker waiting to join is admitted when the members vote for it at a step boundary, and takes
+// a member's training state.
 // No process, heartbeat or timeout is involved (ElasticFit.* covers those with real processes).
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -42,6 +44,42 @@ class FakeRendezvous {
     std::vector<int> all(static_cast<std::size_t>(slots));
     for (int s = 0; s < slots; ++s) all[static_cast<std::size_t>(s)] = s;
     form(all, "all " + std::to_string(slots) + " workers joined");
+  }
+  // Generation 0 of these slots only; the others may join later (wait_to_join).
+  explicit FakeRendezvous(const std::vector<int>& first) { form(first, "the first workers"); }
+
+  // `slot` (a restarted worker) waits to be admitted; the members learn it from waiting().
+  void wait_to_join(int slot) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_.push_back(slot);
+  }
+  int waiting() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<int>(waiting_.size());
+  }
+  // The members of `current`, together at a step boundary, admit whoever waits: the first to
+  // ask forms the next generation, the others find it formed. False when none waited.
+  bool admit(std::uint64_t current) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (generations_.size() > current + 1) return true;
+    if (waiting_.empty()) return false;
+    std::vector<int> slots = generations_.back().slots;
+    slots.insert(slots.end(), waiting_.begin(), waiting_.end());
+    std::sort(slots.begin(), slots.end());
+    waiting_.clear();
+    form_locked(slots, "admitted the waiting workers");
+    changed_.notify_all();
+    return true;
+  }
+  // The first generation that lists `slot`, once there is one.
+  Generation with(int slot) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto lists = [&] {
+      const auto& s = generations_.back().slots;
+      return std::find(s.begin(), s.end(), slot) != s.end();
+    };
+    changed_.wait(lock, lists);
+    return generations_.back();
   }
 
   // `slot` leaves: the next generation forms from the others, and every operation of the
@@ -86,6 +124,7 @@ class FakeRendezvous {
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Generation> generations_;
+  std::vector<int> waiting_;
 };
 
 // One slot's membership of the fake group: collective::ElasticGroup's interface, which is all
@@ -95,21 +134,33 @@ class FakeGroup : public collective::ElasticGroup {
   FakeGroup(FakeRendezvous& rendezvous, int slot) : rendezvous_(rendezvous), slot_(slot) {
     adopt(rendezvous_.at(0));
   }
+  // A restarted worker: blocks until a generation admits it; it joins a running training.
+  struct Joining {};
+  FakeGroup(FakeRendezvous& rendezvous, int slot, Joining)
+      : rendezvous_(rendezvous), slot_(slot), afresh_(false) {
+    adopt(rendezvous_.with(slot)); // the test put it in the waiting list (wait_to_join)
+  }
   collective::Communicator& communicator() override { return *communicator_; }
   std::uint64_t generation() const override { return generation_.number; }
   const std::vector<int>& members() const override { return generation_.slots; }
   int slot() const override { return slot_; }
   const std::string& reason() const override { return generation_.reason; }
-  int waiting() const override { return 0; }
-  bool starts_afresh() const override { return true; }
+  int waiting() const override { return rendezvous_.waiting(); }
+  bool starts_afresh() const override { return afresh_; }
   void training_finished() override {}
   void regroup() override {
     ++regroups;
     adopt(rendezvous_.after(generation_.number));
   }
-  bool admit() override { return false; }
+  bool admit() override {
+    if (!rendezvous_.admit(generation_.number)) return false;
+    ++admissions;
+    adopt(rendezvous_.after(generation_.number));
+    return true;
+  }
 
   int regroups = 0;
+  int admissions = 0;
 
  private:
   void adopt(FakeRendezvous::Generation g) {
@@ -126,6 +177,7 @@ class FakeGroup : public collective::ElasticGroup {
 
   FakeRendezvous& rendezvous_;
   int slot_;
+  bool afresh_ = true;
   FakeRendezvous::Generation generation_;
   std::unique_ptr<collective::Communicator> communicator_;
 };
@@ -179,22 +231,31 @@ class LeaveAt : public train::Callback {
   int epoch_now_ = -1;
 };
 
-TEST(Healer, AMemberLeavingMidFitIsHealedAroundAndTheOthersEndAsAFaultFreeRunDoes) {
-  constexpr int kSlots = 3;
+train::FitOptions two_epochs() {
   train::FitOptions fit;
   fit.epochs = 2;
   fit.verbose = train::Verbosity::kSilent;
+  return fit;
+}
 
-  // The fault-free run: a fixed group of 3.
-  torch::Tensor reference;
-  testing::run_ranks(kSlots, [&](int rank, collective::Communicator& comm) {
-    strategy::Strategy s(thread_cluster(rank, kSlots), comm);
+// The fault-free run: a fixed group of `slots`; its weights at the end.
+torch::Tensor fault_free(int slots) {
+  torch::Tensor weights;
+  testing::run_ranks(slots, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, slots), comm);
     auto net = s.scope(make_net);
     train::Model model(s, net);
     model.compile(sgd());
-    model.fit(rows(), fit);
-    if (rank == 0) reference = flat(net);
+    model.fit(rows(), two_epochs());
+    if (rank == 0) weights = flat(net);
   });
+  return weights;
+}
+
+TEST(Healer, AMemberLeavingMidFitIsHealedAroundAndTheOthersEndAsAFaultFreeRunDoes) {
+  constexpr int kSlots = 3;
+  const train::FitOptions fit = two_epochs();
+  const torch::Tensor reference = fault_free(kSlots);
 
   // The elastic run: slot 2 leaves before step 3 of epoch 1 (the second epoch).
   FakeRendezvous rendezvous(kSlots);
@@ -239,6 +300,59 @@ TEST(Healer, AMemberLeavingMidFitIsHealedAroundAndTheOthersEndAsAFaultFreeRunDoe
   EXPECT_LT((weights[0] - reference).abs().max().item<double>(), 1e-5);
   // Control: the run did move the weights, so the closeness above says something.
   EXPECT_GT((reference - flat(make_net())).abs().max().item<double>(), 1e-2);
+}
+
+TEST(Healer, AWorkerWaitingToJoinIsAdmittedAtAStepBoundaryAndTakesAMembersState) {
+  constexpr int kSlots = 3;
+  const torch::Tensor reference = fault_free(kSlots);
+
+  // Slots 0 and 1 start; slot 2 (a restarted worker) waits from the start. The members vote on
+  // admitting at a step boundary every 8 updates, and read the vote at the next boundary.
+  FakeRendezvous rendezvous(std::vector<int>{0, 1});
+  rendezvous.wait_to_join(2);
+  std::vector<torch::Tensor> weights(kSlots);
+  std::vector<std::int64_t> updates(kSlots, -1);
+  std::vector<int> admissions(kSlots, -1), regroups(kSlots, -1), workers(kSlots, -1);
+  std::vector<std::string> errors(kSlots);
+  std::vector<std::thread> threads;
+  for (int slot = 0; slot < kSlots; ++slot) {
+    threads.emplace_back([&, slot] {
+      try {
+        auto group = slot == 2 ? std::make_shared<FakeGroup>(rendezvous, slot, FakeGroup::Joining{})
+                               : std::make_shared<FakeGroup>(rendezvous, slot);
+        strategy::Strategy s(thread_cluster(slot, kSlots), group, {torch::Device(torch::kCPU)},
+                             strategy::ElasticOptions::Batch::kGlobal);
+        auto net = s.scope(make_net);
+        train::Model model(s, net);
+        model.compile(sgd());
+        model.fit(rows(), two_epochs());
+        weights[slot] = flat(net);
+        updates[slot] = model.iterations();
+        admissions[slot] = group->admissions;
+        regroups[slot] = group->regroups;
+        workers[slot] = s.num_workers();
+      } catch (const std::exception& e) {
+        errors[slot] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+
+  for (int slot = 0; slot < kSlots; ++slot) {
+    ASSERT_EQ(errors[slot], "") << "slot " << slot;
+    EXPECT_EQ(regroups[slot], 0) << "slot " << slot; // nobody left
+    EXPECT_EQ(workers[slot], 3) << "slot " << slot;
+    // The joiner counts on from the member's count it took: 12 updates everywhere.
+    EXPECT_EQ(updates[slot], 12) << "slot " << slot;
+  }
+  EXPECT_EQ(admissions[0], 1);
+  EXPECT_EQ(admissions[1], 1);
+  EXPECT_EQ(admissions[2], 0); // admitted, not admitting
+  EXPECT_TRUE(torch::equal(weights[0], weights[1]));
+  EXPECT_TRUE(torch::equal(weights[0], weights[2])); // the state it took, then the same steps
+  // The global batch stayed 12 rows (6 per member, then 4 per member): the fault-free run's
+  // updates, summed in another order.
+  EXPECT_LT((weights[0] - reference).abs().max().item<double>(), 1e-5);
 }
 
 } // namespace
