@@ -90,8 +90,11 @@ done
 # Preemption, as Slurm's two --signal forms deliver it: TERM to the job's steps (--signal=TERM@N,
 # the example's) or USR1 to the batch script alone (--signal=B:USR1@N, which the script passes
 # on). Mid-training the workers save a backup at one step and exit 75, the script requeues the
-# job, and the requeued job resumes from the backup and finishes.
-export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 3 --steps-per-epoch 150 --batch-per-replica 16 --verbose 2"
+# job, and the requeued job resumes from the backup and finishes. Signalled once epoch 2 of 5
+# shows in the job's output, with three epochs (3 s or more) left: the output and the signal
+# each take a moment through Slurm, and with 3 epochs the signal once came at the last step
+# (training had ended, nothing to resume).
+export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 5 --steps-per-epoch 150 --batch-per-replica 16 --verbose 2"
 preempt() {  # name, then scancel's options that send the signal
   local name=$1 job state start out=$tmp/job-$1.out
   shift
@@ -99,7 +102,7 @@ preempt() {  # name, then scancel's options that send the signal
     --job-name="$name" --output="$out" --open-mode=append --chdir="$tmp" \
     "$root/examples/slurm/train.sbatch")
   start=$SECONDS
-  until grep -q "Epoch 2/3" "$out" 2>/dev/null; do
+  until grep -q "Epoch 2/5" "$out" 2>/dev/null; do
     ((SECONDS - start < 120)) || { cat "$out"; fail "job $name did not reach epoch 2"; }
     sleep 0.2
   done
