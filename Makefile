@@ -28,11 +28,14 @@ build: bootstrap-test
 run: build-run
 	$(BUILD_DIR)/flotilla $(RUN_ARGS)
 
-# Everything but the GPU tests (they need a CUDA device; see bench/gpu).
+# Everything but the GPU tests (they need a CUDA device; see bench/gpu). Tests run side by side in
+# TEST_SLOTS slots, two a core: each test's PROCESSORS (tests/CMakeLists.txt) is its share, from
+# what it was measured to use (most wait on timeouts and processes more than they compute).
+TEST_SLOTS ?= $(shell echo $$((2 * $$(nproc))))
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600
+	cd $(BUILD_DIR) && ctest --output-on-failure --label-exclude gpu --timeout 600 -j $(TEST_SLOTS)
 
-# Every libFuzzer target for FUZZ_SECONDS each (clang; `make test` runs them 12 s each).
+# Every libFuzzer target for FUZZ_SECONDS each (clang; `make test` runs them 6 s each).
 FUZZ_SECONDS ?= 60
 fuzz:
 	@for target in $$(tests/fuzz/run.sh --list); do \

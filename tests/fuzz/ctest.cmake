@@ -8,11 +8,12 @@ set(FLOTILLA_FUZZ_ENV "FLOTILLA_FUZZ_BUILD=${CMAKE_BINARY_DIR}/fuzz")
 set(FLOTILLA_FUZZ_RESULTS ${CMAKE_BINARY_DIR}/fuzz/results)
 add_test(NAME fuzz_build COMMAND ${FLOTILLA_FUZZ_RUNNER} --build)
 set_tests_properties(fuzz_build PROPERTIES LABELS fuzz SKIP_RETURN_CODE 77 TIMEOUT 900
-  FIXTURES_SETUP fuzz_targets ENVIRONMENT ${FLOTILLA_FUZZ_ENV})
+  FIXTURES_SETUP fuzz_targets ENVIRONMENT ${FLOTILLA_FUZZ_ENV} PROCESSORS 4)
 add_test(NAME fuzz_run COMMAND ${FLOTILLA_FUZZ_RUNNER} --all 6 ${FLOTILLA_FUZZ_RESULTS})
 # The timeout only guards against a hang: eleven runs of 6 s, two at a time, plus start-up.
 set_tests_properties(fuzz_run PROPERTIES LABELS fuzz SKIP_RETURN_CODE 77 TIMEOUT 600
-  FIXTURES_REQUIRED fuzz_targets FIXTURES_SETUP fuzz_results ENVIRONMENT ${FLOTILLA_FUZZ_ENV})
+  FIXTURES_REQUIRED fuzz_targets FIXTURES_SETUP fuzz_results ENVIRONMENT ${FLOTILLA_FUZZ_ENV}
+  PROCESSORS 3 COST 45)
 foreach(target tf_config slurm idx tfrecord csv manifest pointer wire safetensors cache image)
   add_test(NAME fuzz_${target}
     COMMAND ${FLOTILLA_FUZZ_RUNNER} --report ${target} ${FLOTILLA_FUZZ_RESULTS})

@@ -12,6 +12,11 @@
 //                                        child runs the tests not yet done.
 //   tests/support/batch_report.sh        each test's CTest entry: prints its block and exits
 //                                        with its status (see there).
+//   --flotilla-shard=I/N                 with --flotilla-batch: run only every Nth test of the
+//                                        suite's list, from the Ith (0-based), so that N runs
+//                                        of the suite, each with results of its own, can share
+//                                        the machine: most of these tests wait (on timeouts,
+//                                        on processes they start) more than they compute.
 //
 // Without --flotilla-batch it is gtest_main, so the suites run directly as before
 // (`unit_tests --gtest_filter=...`) and gtest_discover_tests lists them.
@@ -95,13 +100,46 @@ void scan(const std::string& path, std::string& running, std::set<std::string>& 
   }
 }
 
+// The tests of shard `index` of `count`: every count-th test of the suite's list, from `index`.
+std::vector<std::string> shard_tests(const char* self, int index, int count) {
+  const std::string command = std::string("'") + self + "' --gtest_list_tests";
+  std::FILE* list = ::popen(command.c_str(), "r");
+  if (!list) {
+    std::fprintf(stderr, "batch: cannot list the tests of %s (%s)\n", self, std::strerror(errno));
+    std::exit(2);
+  }
+  std::vector<std::string> all;
+  std::string suite;
+  char line[4096];
+  while (std::fgets(line, sizeof line, list)) {
+    std::string text(line);
+    text = text.substr(0, text.find_first_of(" \n#", text[0] == ' ' ? 2 : 0));
+    if (line[0] != ' ') {
+      suite = text; // "Suite." (a parameterised one: "Prefix/Suite.")
+    } else if (!text.empty()) {
+      all.push_back(suite + text.substr(2));
+    }
+  }
+  if (::pclose(list) != 0 || all.empty()) {
+    std::fprintf(stderr, "batch: %s --gtest_list_tests failed or listed nothing\n", self);
+    std::exit(2);
+  }
+  std::vector<std::string> mine;
+  for (std::size_t i = static_cast<std::size_t>(index); i < all.size();
+       i += static_cast<std::size_t>(count)) {
+    mine.push_back(all[i]);
+  }
+  return mine;
+}
+
 void append(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::app) << text;
 }
 
 // The supervisor: children run the tests until every one that started has ended.
+// `shard`: the tests to run (null: all).
 int supervise(const char* self, const std::string& results, double timeout_s,
-              const std::vector<std::string>& pass_through) {
+              const std::vector<std::string>& pass_through, const std::vector<std::string>* shard) {
   const std::string log = results + ".log";
   std::remove(results.c_str());
   std::remove(log.c_str());
@@ -117,7 +155,15 @@ int supervise(const char* self, const std::string& results, double timeout_s,
   for (int child_number = 1;; ++child_number) {
     std::vector<std::string> args = {self};
     args.insert(args.end(), pass_through.begin(), pass_through.end());
-    if (!ended.empty()) { // the next child skips what is done
+    if (shard) { // this shard's tests not yet done
+      std::string filter = "--gtest_filter=";
+      for (const auto& name : *shard) {
+        if (!ended.count(name)) filter += name + ":";
+      }
+      if (filter.back() != ':') return 0; // none left (the last child ended between tests)
+      filter.pop_back();
+      args.push_back(filter);
+    } else if (!ended.empty()) { // the next child skips what is done
       std::string filter = "--gtest_filter=-";
       for (const auto& name : ended) filter += name + ":";
       filter.pop_back();
@@ -198,8 +244,10 @@ int supervise(const char* self, const std::string& results, double timeout_s,
 int main(int argc, char** argv) {
   const std::string batch_flag = "--flotilla-batch=";
   const std::string timeout_flag = "--flotilla-test-timeout=";
+  const std::string shard_flag = "--flotilla-shard=";
   std::string results;
   double timeout_s = 600;
+  int shard_index = 0, shard_count = 0;
   std::vector<std::string> pass_through;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -207,11 +255,27 @@ int main(int argc, char** argv) {
       results = a.substr(batch_flag.size());
     } else if (a.rfind(timeout_flag, 0) == 0) {
       timeout_s = std::stod(a.substr(timeout_flag.size()));
+    } else if (a.rfind(shard_flag, 0) == 0 &&
+               std::sscanf(a.c_str() + shard_flag.size(), "%d/%d", &shard_index, &shard_count) ==
+                   2 &&
+               shard_index >= 0 && shard_index < shard_count) {
+    } else if (a.rfind(shard_flag, 0) == 0) {
+      std::fprintf(stderr, "batch: %s: expected --flotilla-shard=I/N with 0 <= I < N\n", a.c_str());
+      return 2;
     } else {
       pass_through.push_back(a);
     }
   }
-  if (!results.empty()) return supervise("/proc/self/exe", results, timeout_s, pass_through);
+  if (!results.empty()) {
+    if (shard_count == 0)
+      return supervise("/proc/self/exe", results, timeout_s, pass_through, nullptr);
+    char self[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) return 2;
+    self[n] = '\0';
+    const auto shard = shard_tests(self, shard_index, shard_count);
+    return supervise(self, results, timeout_s, pass_through, &shard);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   if (const char* path = std::getenv(kResultsVariable)) {
     ::testing::UnitTest::GetInstance()->listeners().Append(new ResultsListener(path));

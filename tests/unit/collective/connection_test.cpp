@@ -85,8 +85,8 @@ TEST(Connection, AServerHoldingTheJoinRequestGetsAHeartbeatTimeoutToAnswer) {
   SlowServer server(600ms);
   const auto attempt_ends = std::chrono::steady_clock::now() + 100ms;
   std::unique_ptr<Connection> conn;
-  EXPECT_NO_THROW(conn = Connection::join(config_for(server.port(), 10s), kRoleHeartbeat,
-                                          attempt_ends));
+  EXPECT_NO_THROW(
+      conn = Connection::join(config_for(server.port(), 10s), kRoleHeartbeat, attempt_ends));
   EXPECT_TRUE(server.request_arrived());
   EXPECT_NE(conn, nullptr);
 }
