@@ -1,7 +1,12 @@
 #include "flotilla/train/optimizers.h"
 
 #include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_addcdiv.h>
+#include <ATen/ops/_foreach_addcmul.h>
+#include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_maximum.h>
 #include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_sqrt.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/lbfgs.h>
@@ -73,6 +78,84 @@ class ForeachSGD : public torch::optim::SGD {
     return loss;
   }
 };
+
+// LibTorch's Adam (kDecoupled false) or AdamW (true), each group's update done for all its
+// tensors at once, as ForeachSGD does for SGD: the same operations in the same order on each
+// element, the same state (AdamParamState / AdamWParamState: step, exp_avg, exp_avg_sq,
+// max_exp_avg_sq), so the same numbers (Optimizers.AdamAndAdamWMatchLibTorchsBitForBit) and
+// checkpoints. Steps may differ between parameters (one that joined late), so the bias
+// corrections are one scalar per tensor.
+template <typename Base, typename Options, typename State, bool kDecoupled>
+class ForeachAdam : public Base {
+ public:
+  using Base::Base;
+
+  torch::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    torch::Tensor loss;
+    if (closure) {
+      torch::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : this->param_groups_) {
+      const auto& o = static_cast<const Options&>(group.options());
+      const auto [beta1, beta2] = o.betas();
+      std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+      std::vector<at::Scalar> bias2_roots, neg_step_sizes;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        State& state = state_of(p, o.amsgrad());
+        state.step(state.step() + 1);
+        params.push_back(p);
+        grads.push_back(p.grad());
+        exp_avgs.push_back(state.exp_avg());
+        exp_avg_sqs.push_back(state.exp_avg_sq());
+        if (o.amsgrad()) max_exp_avg_sqs.push_back(state.max_exp_avg_sq());
+        const double step = static_cast<double>(state.step());
+        bias2_roots.emplace_back(std::sqrt(1 - std::pow(beta2, step)));
+        neg_step_sizes.emplace_back(-(o.lr() / (1 - std::pow(beta1, step))));
+      }
+      if (params.empty()) continue;
+      if (o.weight_decay() != 0) {
+        if (kDecoupled) {
+          at::_foreach_mul_(params, 1 - o.lr() * o.weight_decay());
+        } else {
+          grads = at::_foreach_add(grads, params, o.weight_decay());
+        }
+      }
+      at::_foreach_mul_(exp_avgs, beta1);
+      at::_foreach_add_(exp_avgs, grads, 1 - beta1);
+      at::_foreach_mul_(exp_avg_sqs, beta2);
+      at::_foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2);
+      if (o.amsgrad()) at::_foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs);
+      std::vector<torch::Tensor> denoms =
+          at::_foreach_sqrt(o.amsgrad() ? max_exp_avg_sqs : exp_avg_sqs);
+      at::_foreach_div_(denoms, bias2_roots);
+      at::_foreach_add_(denoms, o.eps());
+      at::_foreach_addcdiv_(params, exp_avgs, denoms, neg_step_sizes);
+    }
+    return loss;
+  }
+
+ private:
+  // A parameter's state, made at its first step as LibTorch makes it.
+  State& state_of(const torch::Tensor& p, bool amsgrad) {
+    auto& slot = this->state_[p.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto state = std::make_unique<State>();
+      state->step(0);
+      state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      if (amsgrad) state->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      slot = std::move(state);
+    }
+    return static_cast<State&>(*slot);
+  }
+};
+using ForeachAdamOptimizer = ForeachAdam<torch::optim::Adam, torch::optim::AdamOptions,
+                                         torch::optim::AdamParamState, /*kDecoupled=*/false>;
+using ForeachAdamWOptimizer = ForeachAdam<torch::optim::AdamW, torch::optim::AdamWOptions,
+                                          torch::optim::AdamWParamState, /*kDecoupled=*/true>;
 } // namespace
 
 OptimizerOptions OptimizerOptions::sgd(double learning_rate, double momentum, bool nesterov) {
@@ -167,19 +250,19 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
                                                                    .nesterov(o.nesterov)
                                                                    .weight_decay(o.weight_decay));
   case OptimizerKind::kAdam:
-    return std::make_unique<torch::optim::Adam>(std::move(parameters),
-                                                torch::optim::AdamOptions(lr)
-                                                    .betas({o.beta_1, o.beta_2})
-                                                    .eps(o.epsilon)
-                                                    .weight_decay(o.weight_decay)
-                                                    .amsgrad(o.amsgrad));
+    return std::make_unique<ForeachAdamOptimizer>(std::move(parameters),
+                                                  torch::optim::AdamOptions(lr)
+                                                      .betas({o.beta_1, o.beta_2})
+                                                      .eps(o.epsilon)
+                                                      .weight_decay(o.weight_decay)
+                                                      .amsgrad(o.amsgrad));
   case OptimizerKind::kAdamW:
-    return std::make_unique<torch::optim::AdamW>(std::move(parameters),
-                                                 torch::optim::AdamWOptions(lr)
-                                                     .betas({o.beta_1, o.beta_2})
-                                                     .eps(o.epsilon)
-                                                     .weight_decay(o.weight_decay)
-                                                     .amsgrad(o.amsgrad));
+    return std::make_unique<ForeachAdamWOptimizer>(std::move(parameters),
+                                                   torch::optim::AdamWOptions(lr)
+                                                       .betas({o.beta_1, o.beta_2})
+                                                       .eps(o.epsilon)
+                                                       .weight_decay(o.weight_decay)
+                                                       .amsgrad(o.amsgrad));
   }
   throw ConfigError("unknown optimizer");
 }

@@ -204,6 +204,73 @@ TEST(Optimizers, SgdMatchesLibTorchsBitForBit) {
   }
 }
 
+// The foreach Adam and AdamW against LibTorch's own: torch::equal after every step, with and
+// without weight decay and AMSGrad, a parameter joining at the third step (its step count, so
+// its bias corrections, lag the others'), and two groups of different learning rates.
+template <typename Reference, typename Options, typename State>
+void expect_adam_matches(bool decoupled) {
+  for (double decay : {0.0, 0.05}) {
+    for (bool amsgrad : {false, true}) {
+      torch::manual_seed(5);
+      std::vector<torch::Tensor> ours, theirs;
+      for (auto shape : {std::vector<std::int64_t>{4, 3}, {3}, {2, 2, 2}}) {
+        ours.push_back(torch::randn(shape).requires_grad_());
+        theirs.push_back(ours.back().detach().clone().requires_grad_());
+      }
+      OptimizerOptions o =
+          decoupled ? OptimizerOptions::adamw(0.01, decay) : OptimizerOptions::adam(0.01);
+      o.weight_decay = decay;
+      o.amsgrad = amsgrad;
+      auto a = make_optimizer(o, {ours[0], ours[1]});
+      a->add_param_group(
+          torch::optim::OptimizerParamGroup({ours[2]}, a->param_groups()[0].options().clone()));
+      a->param_groups()[1].options().set_lr(0.03);
+      Reference b({theirs[0], theirs[1]}, Options(0.01)
+                                              .betas({o.beta_1, o.beta_2})
+                                              .eps(o.epsilon)
+                                              .weight_decay(decay)
+                                              .amsgrad(amsgrad));
+      b.add_param_group(
+          torch::optim::OptimizerParamGroup({theirs[2]}, b.param_groups()[0].options().clone()));
+      b.param_groups()[1].options().set_lr(0.03);
+      for (int step = 0; step < 6; ++step) {
+        a->zero_grad();
+        b.zero_grad();
+        const auto data = torch::randn({3});
+        for (auto* params : {&ours, &theirs}) {
+          auto loss = ((*params)[0].sum(0) * data).pow(2).sum() + (*params)[2].sin().sum();
+          if (step >= 2) loss = loss + ((*params)[1] * data).sum(); // joins late
+          loss.backward();
+        }
+        a->step();
+        b.step();
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          ASSERT_TRUE(torch::equal(ours[i], theirs[i]))
+              << (decoupled ? "AdamW" : "Adam") << " decay " << decay << " amsgrad " << amsgrad
+              << " step " << step << " tensor " << i;
+        }
+      }
+      for (std::size_t i = 0; i < ours.size(); ++i) {
+        const auto& mine = static_cast<State&>(*a->state().at(ours[i].unsafeGetTensorImpl()));
+        const auto& ref = static_cast<State&>(*b.state().at(theirs[i].unsafeGetTensorImpl()));
+        EXPECT_EQ(mine.step(), ref.step()) << "tensor " << i;
+        EXPECT_TRUE(torch::equal(mine.exp_avg(), ref.exp_avg())) << "tensor " << i;
+        EXPECT_TRUE(torch::equal(mine.exp_avg_sq(), ref.exp_avg_sq())) << "tensor " << i;
+        EXPECT_EQ(mine.max_exp_avg_sq().defined(), amsgrad);
+        if (amsgrad) EXPECT_TRUE(torch::equal(mine.max_exp_avg_sq(), ref.max_exp_avg_sq()));
+      }
+      EXPECT_EQ(static_cast<State&>(*a->state().at(ours[1].unsafeGetTensorImpl())).step(), 4);
+    }
+  }
+}
+
+TEST(Optimizers, AdamAndAdamWMatchLibTorchsBitForBit) {
+  expect_adam_matches<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      false);
+  expect_adam_matches<torch::optim::AdamW, torch::optim::AdamWOptions,
+                      torch::optim::AdamWParamState>(true);
+}
+
 TEST(Optimizers, BuildLibTorchsWithKerasDefaultsAndFollowTheSchedule) {
   auto w = torch::zeros({3}, torch::requires_grad());
   auto adam = make_optimizer(OptimizerOptions::adam(), {w});
