@@ -100,34 +100,23 @@ void scan(const std::string& path, std::string& running, std::set<std::string>& 
   }
 }
 
-// The tests of shard `index` of `count`: every count-th test of the suite's list, from `index`.
-std::vector<std::string> shard_tests(const char* self, int index, int count) {
-  const std::string command = std::string("'") + self + "' --gtest_list_tests";
-  std::FILE* list = ::popen(command.c_str(), "r");
-  if (!list) {
-    std::fprintf(stderr, "batch: cannot list the tests of %s (%s)\n", self, std::strerror(errno));
-    std::exit(2);
-  }
-  std::vector<std::string> all;
-  std::string suite;
-  char line[4096];
-  while (std::fgets(line, sizeof line, list)) {
-    std::string text(line);
-    text = text.substr(0, text.find_first_of(" \n#", text[0] == ' ' ? 2 : 0));
-    if (line[0] != ' ') {
-      suite = text; // "Suite." (a parameterised one: "Prefix/Suite.")
-    } else if (!text.empty()) {
-      all.push_back(suite + text.substr(2));
-    }
-  }
-  if (::pclose(list) != 0 || all.empty()) {
-    std::fprintf(stderr, "batch: %s --gtest_list_tests failed or listed nothing\n", self);
-    std::exit(2);
-  }
+// The tests of shard `index` of `count`: every count-th test of the suite's list (the order
+// --gtest_list_tests prints), from `index`. Read in this process, which registered them all.
+std::vector<std::string> shard_tests(int index, int count) {
+  int argc = 1;
+  char name[] = "batch";
+  char* argv[] = {name, nullptr};
+  ::testing::InitGoogleTest(&argc, argv); // registers the parameterised tests too
+  const auto* unit = ::testing::UnitTest::GetInstance();
   std::vector<std::string> mine;
-  for (std::size_t i = static_cast<std::size_t>(index); i < all.size();
-       i += static_cast<std::size_t>(count)) {
-    mine.push_back(all[i]);
+  int position = 0;
+  for (int s = 0; s < unit->total_test_suite_count(); ++s) {
+    const auto* suite = unit->GetTestSuite(s);
+    for (int t = 0; t < suite->total_test_count(); ++t, ++position) {
+      if (position % count == index) {
+        mine.push_back(std::string(suite->name()) + "." + suite->GetTestInfo(t)->name());
+      }
+    }
   }
   return mine;
 }
@@ -255,26 +244,23 @@ int main(int argc, char** argv) {
       results = a.substr(batch_flag.size());
     } else if (a.rfind(timeout_flag, 0) == 0) {
       timeout_s = std::stod(a.substr(timeout_flag.size()));
-    } else if (a.rfind(shard_flag, 0) == 0 &&
-               std::sscanf(a.c_str() + shard_flag.size(), "%d/%d", &shard_index, &shard_count) ==
-                   2 &&
-               shard_index >= 0 && shard_index < shard_count) {
     } else if (a.rfind(shard_flag, 0) == 0) {
-      std::fprintf(stderr, "batch: %s: expected --flotilla-shard=I/N with 0 <= I < N\n", a.c_str());
-      return 2;
+      if (std::sscanf(a.c_str() + shard_flag.size(), "%d/%d", &shard_index, &shard_count) != 2 ||
+          shard_index < 0 || shard_index >= shard_count) {
+        std::fprintf(stderr, "batch: %s: expected --flotilla-shard=I/N with 0 <= I < N\n",
+                     a.c_str());
+        return 2;
+      }
     } else {
       pass_through.push_back(a);
     }
   }
   if (!results.empty()) {
-    if (shard_count == 0)
+    if (shard_count == 0) {
       return supervise("/proc/self/exe", results, timeout_s, pass_through, nullptr);
-    char self[4096];
-    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0) return 2;
-    self[n] = '\0';
-    const auto shard = shard_tests(self, shard_index, shard_count);
-    return supervise(self, results, timeout_s, pass_through, &shard);
+    }
+    const auto shard = shard_tests(shard_index, shard_count);
+    return supervise("/proc/self/exe", results, timeout_s, pass_through, &shard);
   }
   ::testing::InitGoogleTest(&argc, argv);
   if (const char* path = std::getenv(kResultsVariable)) {
