@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cmath>
 #include <mutex>
-#include <optional>
 #include <thread>
 
 #include "collective/etcd.h"
