@@ -21,6 +21,13 @@
 namespace flotilla::train {
 
 namespace {
+// The closure's loss, evaluated with gradients on, as LibTorch's optimizers do first.
+torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  torch::AutoGradMode enable_grad(true);
+  return closure();
+}
+
 // LibTorch's SGD, each group's update done for all its tensors at once (PyTorch's foreach
 // path, its default on CUDA): a few multi-tensor kernels instead of three or four per parameter,
 // which on a GPU is most of a small model's optimizer step. The same operations in the same
@@ -34,11 +41,7 @@ class ForeachSGD : public torch::optim::SGD {
 
   torch::Tensor step(LossClosure closure = nullptr) override {
     torch::NoGradGuard no_grad;
-    torch::Tensor loss;
-    if (closure) {
-      torch::AutoGradMode enable_grad(true);
-      loss = closure();
-    }
+    const torch::Tensor loss = closure_loss(closure);
     for (auto& group : param_groups_) {
       const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
       std::vector<torch::Tensor> params, grads, bufs, buf_grads;
@@ -92,11 +95,7 @@ class ForeachAdam : public Base {
 
   torch::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
     torch::NoGradGuard no_grad;
-    torch::Tensor loss;
-    if (closure) {
-      torch::AutoGradMode enable_grad(true);
-      loss = closure();
-    }
+    const torch::Tensor loss = closure_loss(closure);
     for (auto& group : this->param_groups_) {
       const auto& o = static_cast<const Options&>(group.options());
       const auto [beta1, beta2] = o.betas();
@@ -156,6 +155,17 @@ using ForeachAdamOptimizer = ForeachAdam<torch::optim::Adam, torch::optim::AdamO
                                          torch::optim::AdamParamState, /*kDecoupled=*/false>;
 using ForeachAdamWOptimizer = ForeachAdam<torch::optim::AdamW, torch::optim::AdamWOptions,
                                           torch::optim::AdamWParamState, /*kDecoupled=*/true>;
+
+// Adam or AdamW (their options have the same fields) at learning rate `lr`.
+template <typename Optimizer, typename Options>
+std::unique_ptr<torch::optim::Optimizer> adam_like(std::vector<torch::Tensor> parameters,
+                                                   const OptimizerOptions& o, double lr) {
+  return std::make_unique<Optimizer>(std::move(parameters), Options(lr)
+                                                                .betas({o.beta_1, o.beta_2})
+                                                                .eps(o.epsilon)
+                                                                .weight_decay(o.weight_decay)
+                                                                .amsgrad(o.amsgrad));
+}
 } // namespace
 
 OptimizerOptions OptimizerOptions::sgd(double learning_rate, double momentum, bool nesterov) {
@@ -250,19 +260,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
                                                                    .nesterov(o.nesterov)
                                                                    .weight_decay(o.weight_decay));
   case OptimizerKind::kAdam:
-    return std::make_unique<ForeachAdamOptimizer>(std::move(parameters),
-                                                  torch::optim::AdamOptions(lr)
-                                                      .betas({o.beta_1, o.beta_2})
-                                                      .eps(o.epsilon)
-                                                      .weight_decay(o.weight_decay)
-                                                      .amsgrad(o.amsgrad));
+    return adam_like<ForeachAdamOptimizer, torch::optim::AdamOptions>(std::move(parameters), o, lr);
   case OptimizerKind::kAdamW:
-    return std::make_unique<ForeachAdamWOptimizer>(std::move(parameters),
-                                                   torch::optim::AdamWOptions(lr)
-                                                       .betas({o.beta_1, o.beta_2})
-                                                       .eps(o.epsilon)
-                                                       .weight_decay(o.weight_decay)
-                                                       .amsgrad(o.amsgrad));
+    return adam_like<ForeachAdamWOptimizer, torch::optim::AdamWOptions>(std::move(parameters), o,
+                                                                        lr);
   }
   throw ConfigError("unknown optimizer");
 }
