@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -252,52 +253,76 @@ torch::Tensor fault_free(int slots) {
   return weights;
 }
 
-TEST(Healer, AMemberLeavingMidFitIsHealedAroundAndTheOthersEndAsAFaultFreeRunDoes) {
-  constexpr int kSlots = 3;
-  const train::FitOptions fit = two_epochs();
-  const torch::Tensor reference = fault_free(kSlots);
+// What one slot's elastic fit ended with.
+struct SlotRun {
+  torch::Tensor weights;
+  std::int64_t updates = -1;
+  int regroups = -1, admissions = -1, workers = -1;
+  std::string error; // what it threw, if it did
+};
 
-  // The elastic run: slot 2 leaves before step 3 of epoch 1 (the second epoch).
-  FakeRendezvous rendezvous(kSlots);
-  std::vector<torch::Tensor> weights(kSlots);
-  std::vector<std::int64_t> updates(kSlots, -1);
-  std::vector<int> regroups(kSlots, -1), workers(kSlots, -1);
-  std::vector<std::string> errors(kSlots);
+// Every slot fits two epochs in a thread of its own, on the fake group `group_of(slot)`, with
+// the callbacks `callbacks_of(slot)` (if given) added.
+std::vector<SlotRun> elastic_fit(
+    int slots, const std::function<std::shared_ptr<FakeGroup>(int)>& group_of,
+    const std::function<std::vector<std::shared_ptr<train::Callback>>(int)>& callbacks_of = {}) {
+  std::vector<SlotRun> runs(static_cast<std::size_t>(slots));
   std::vector<std::thread> threads;
-  for (int slot = 0; slot < kSlots; ++slot) {
+  for (int slot = 0; slot < slots; ++slot) {
     threads.emplace_back([&, slot] {
+      SlotRun& run = runs[static_cast<std::size_t>(slot)];
       try {
-        auto group = std::make_shared<FakeGroup>(rendezvous, slot);
-        strategy::Strategy s(thread_cluster(slot, kSlots), group, {torch::Device(torch::kCPU)},
+        auto group = group_of(slot);
+        strategy::Strategy s(thread_cluster(slot, slots), group, {torch::Device(torch::kCPU)},
                              strategy::ElasticOptions::Batch::kGlobal);
         auto net = s.scope(make_net);
         train::Model model(s, net);
         model.compile(sgd());
-        train::FitOptions options = fit;
-        if (slot == 2) options.callbacks.push_back(std::make_shared<LeaveAt>(rendezvous, 2, 1, 3));
+        train::FitOptions options = two_epochs();
+        if (callbacks_of) {
+          for (auto& c : callbacks_of(slot)) options.callbacks.push_back(c);
+        }
         model.fit(rows(), options);
-        weights[slot] = flat(net);
-        updates[slot] = model.iterations();
-        regroups[slot] = group->regroups;
-        workers[slot] = s.num_workers();
+        run.weights = flat(net);
+        run.updates = model.iterations();
+        run.regroups = group->regroups;
+        run.admissions = group->admissions;
+        run.workers = s.num_workers();
       } catch (const std::exception& e) {
-        errors[slot] = e.what();
+        run.error = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
+  return runs;
+}
 
-  EXPECT_EQ(errors[2], "slot 2 is gone");
+TEST(Healer, AMemberLeavingMidFitIsHealedAroundAndTheOthersEndAsAFaultFreeRunDoes) {
+  constexpr int kSlots = 3;
+  const torch::Tensor reference = fault_free(kSlots);
+
+  // The elastic run: slot 2 leaves before step 3 of epoch 1 (the second epoch).
+  FakeRendezvous rendezvous(kSlots);
+  const auto runs = elastic_fit(
+      kSlots, [&](int slot) { return std::make_shared<FakeGroup>(rendezvous, slot); },
+      [&](int slot) {
+        std::vector<std::shared_ptr<train::Callback>> callbacks;
+        if (slot == 2) callbacks.push_back(std::make_shared<LeaveAt>(rendezvous, 2, 1, 3));
+        return callbacks;
+      });
+
+  EXPECT_EQ(runs[2].error, "slot 2 is gone");
   for (int slot : {0, 1}) {
-    ASSERT_EQ(errors[slot], "") << "slot " << slot;
-    EXPECT_EQ(regroups[slot], 1) << "slot " << slot; // one heal, from generation 0 to 1
-    EXPECT_EQ(workers[slot], 2) << "slot " << slot;
-    EXPECT_EQ(updates[slot], 12) << "slot " << slot; // the failed step redone, none lost or added
+    const SlotRun& run = runs[static_cast<std::size_t>(slot)];
+    ASSERT_EQ(run.error, "") << "slot " << slot;
+    EXPECT_EQ(run.regroups, 1) << "slot " << slot; // one heal, from generation 0 to 1
+    EXPECT_EQ(run.workers, 2) << "slot " << slot;
+    EXPECT_EQ(run.updates, 12) << "slot " << slot; // the failed step redone, none lost or added
   }
-  EXPECT_TRUE(torch::equal(weights[0], weights[1]));
+  EXPECT_TRUE(torch::equal(runs[0].weights, runs[1].weights));
   // The global batch stayed 12 rows (6 per survivor instead of 4 per member): the same updates as
   // the fault-free run, summed in another order.
-  EXPECT_LT((weights[0] - reference).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((runs[0].weights - reference).abs().max().item<double>(), 1e-5);
   // Control: the run did move the weights, so the closeness above says something.
   EXPECT_GT((reference - flat(make_net())).abs().max().item<double>(), 1e-2);
 }
@@ -310,49 +335,28 @@ TEST(Healer, AWorkerWaitingToJoinIsAdmittedAtAStepBoundaryAndTakesAMembersState)
   // admitting at a step boundary every 8 updates, and read the vote at the next boundary.
   FakeRendezvous rendezvous(std::vector<int>{0, 1});
   rendezvous.wait_to_join(2);
-  std::vector<torch::Tensor> weights(kSlots);
-  std::vector<std::int64_t> updates(kSlots, -1);
-  std::vector<int> admissions(kSlots, -1), regroups(kSlots, -1), workers(kSlots, -1);
-  std::vector<std::string> errors(kSlots);
-  std::vector<std::thread> threads;
-  for (int slot = 0; slot < kSlots; ++slot) {
-    threads.emplace_back([&, slot] {
-      try {
-        auto group = slot == 2 ? std::make_shared<FakeGroup>(rendezvous, slot, FakeGroup::Joining{})
-                               : std::make_shared<FakeGroup>(rendezvous, slot);
-        strategy::Strategy s(thread_cluster(slot, kSlots), group, {torch::Device(torch::kCPU)},
-                             strategy::ElasticOptions::Batch::kGlobal);
-        auto net = s.scope(make_net);
-        train::Model model(s, net);
-        model.compile(sgd());
-        model.fit(rows(), two_epochs());
-        weights[slot] = flat(net);
-        updates[slot] = model.iterations();
-        admissions[slot] = group->admissions;
-        regroups[slot] = group->regroups;
-        workers[slot] = s.num_workers();
-      } catch (const std::exception& e) {
-        errors[slot] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto runs = elastic_fit(kSlots, [&](int slot) {
+    return slot == 2 ? std::make_shared<FakeGroup>(rendezvous, slot, FakeGroup::Joining{})
+                     : std::make_shared<FakeGroup>(rendezvous, slot);
+  });
 
   for (int slot = 0; slot < kSlots; ++slot) {
-    ASSERT_EQ(errors[slot], "") << "slot " << slot;
-    EXPECT_EQ(regroups[slot], 0) << "slot " << slot; // nobody left
-    EXPECT_EQ(workers[slot], 3) << "slot " << slot;
+    const SlotRun& run = runs[static_cast<std::size_t>(slot)];
+    ASSERT_EQ(run.error, "") << "slot " << slot;
+    EXPECT_EQ(run.regroups, 0) << "slot " << slot; // nobody left
+    EXPECT_EQ(run.workers, 3) << "slot " << slot;
     // The joiner counts on from the member's count it took: 12 updates everywhere.
-    EXPECT_EQ(updates[slot], 12) << "slot " << slot;
+    EXPECT_EQ(run.updates, 12) << "slot " << slot;
   }
-  EXPECT_EQ(admissions[0], 1);
-  EXPECT_EQ(admissions[1], 1);
-  EXPECT_EQ(admissions[2], 0); // admitted, not admitting
-  EXPECT_TRUE(torch::equal(weights[0], weights[1]));
-  EXPECT_TRUE(torch::equal(weights[0], weights[2])); // the state it took, then the same steps
+  EXPECT_EQ(runs[0].admissions, 1);
+  EXPECT_EQ(runs[1].admissions, 1);
+  EXPECT_EQ(runs[2].admissions, 0); // admitted, not admitting
+  EXPECT_TRUE(torch::equal(runs[0].weights, runs[1].weights));
+  EXPECT_TRUE(
+      torch::equal(runs[0].weights, runs[2].weights)); // the state it took, then the same steps
   // The global batch stayed 12 rows (6 per member, then 4 per member): the fault-free run's
   // updates, summed in another order.
-  EXPECT_LT((weights[0] - reference).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((runs[0].weights - reference).abs().max().item<double>(), 1e-5);
 }
 
 } // namespace

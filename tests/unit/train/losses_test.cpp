@@ -5,6 +5,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <sstream>
+
 #include "flotilla/error.h"
 #include "flotilla/train/losses.h"
 #include "flotilla/train/mixed_precision.h"
@@ -147,56 +149,75 @@ TEST(Metrics, AccuracyFollowsTheLossAndTopKCountsHits) {
 // the same numbers and state as LibTorch's SGD, step after step, with or without momentum,
 // Nesterov and weight decay, with a parameter that has no gradient in some steps, and with a
 // second parameter group at another learning rate.
+// The same three tensors twice, one set for each optimizer under comparison.
+struct Twins {
+  std::vector<torch::Tensor> ours, theirs;
+};
+Twins twin_parameters() {
+  Twins t;
+  for (auto shape : {std::vector<std::int64_t>{4, 3}, {3}, {2, 2, 2}}) {
+    t.ours.push_back(torch::randn(shape).requires_grad_());
+    t.theirs.push_back(t.ours.back().detach().clone().requires_grad_());
+  }
+  return t;
+}
+
+// `p` as a second parameter group of `optimizer`, with the first group's options but `lr`.
+void add_group(torch::optim::Optimizer& optimizer, const torch::Tensor& p, double lr) {
+  optimizer.add_param_group(
+      torch::optim::OptimizerParamGroup({p}, optimizer.param_groups()[0].options().clone()));
+  optimizer.param_groups()[1].options().set_lr(lr);
+}
+
+// `steps` steps of `a` on twins.ours and `b` on twins.theirs, the same loss for both; the
+// second tensor joins only from the third step, so its state starts later. torch::equal after
+// every step.
+void expect_equal_steps(torch::optim::Optimizer& a, torch::optim::Optimizer& b, Twins& twins,
+                        int steps, const std::string& what) {
+  for (int step = 0; step < steps; ++step) {
+    a.zero_grad();
+    b.zero_grad();
+    const auto data = torch::randn({3});
+    for (auto* params : {&twins.ours, &twins.theirs}) {
+      auto loss = ((*params)[0].sum(0) * data).pow(2).sum() + (*params)[2].sin().sum();
+      if (step >= 2) loss = loss + ((*params)[1] * data).sum();
+      loss.backward();
+    }
+    a.step();
+    b.step();
+    for (std::size_t i = 0; i < twins.ours.size(); ++i) {
+      ASSERT_TRUE(torch::equal(twins.ours[i], twins.theirs[i]))
+          << what << " step " << step << " tensor " << i;
+    }
+  }
+}
+
 TEST(Optimizers, SgdMatchesLibTorchsBitForBit) {
   for (double momentum : {0.0, 0.9}) {
     for (bool nesterov : {false, true}) {
       if (nesterov && momentum == 0) continue;
       for (double decay : {0.0, 1e-3}) {
         torch::manual_seed(3);
-        std::vector<torch::Tensor> ours, theirs;
-        for (auto shape : {std::vector<std::int64_t>{4, 3}, {3}, {2, 2, 2}}) {
-          ours.push_back(torch::randn(shape).requires_grad_());
-          theirs.push_back(ours.back().detach().clone().requires_grad_());
-        }
+        Twins t = twin_parameters();
         OptimizerOptions o = OptimizerOptions::sgd(0.05, momentum, nesterov);
         o.weight_decay = decay;
-        auto a = make_optimizer(o, {ours[0], ours[1]});
-        a->add_param_group(
-            torch::optim::OptimizerParamGroup({ours[2]}, a->param_groups()[0].options().clone()));
-        a->param_groups()[1].options().set_lr(0.2);
+        auto a = make_optimizer(o, {t.ours[0], t.ours[1]});
+        add_group(*a, t.ours[2], 0.2);
         torch::optim::SGD b(
-            {theirs[0], theirs[1]},
+            {t.theirs[0], t.theirs[1]},
             torch::optim::SGDOptions(0.05).momentum(momentum).nesterov(nesterov).weight_decay(
                 decay));
-        b.add_param_group(
-            torch::optim::OptimizerParamGroup({theirs[2]}, b.param_groups()[0].options().clone()));
-        b.param_groups()[1].options().set_lr(0.2);
-        for (int step = 0; step < 5; ++step) {
-          a->zero_grad();
-          b.zero_grad();
-          const auto data = torch::randn({3});
-          for (auto* params : {&ours, &theirs}) {
-            auto loss = ((*params)[0].sum(0) * data).pow(2).sum() + (*params)[2].sin().sum();
-            // The bias joins only from the third step: its buffer starts later.
-            if (step >= 2) loss = loss + ((*params)[1] * data).sum();
-            loss.backward();
-          }
-          a->step();
-          b.step();
-          for (std::size_t i = 0; i < ours.size(); ++i) {
-            ASSERT_TRUE(torch::equal(ours[i], theirs[i]))
-                << "momentum " << momentum << " nesterov " << nesterov << " decay " << decay
-                << " step " << step << " tensor " << i;
-          }
-        }
-        const auto& state = a->state();
-        EXPECT_EQ(state.size(), momentum == 0 ? 0u : 3u);
-        for (const auto& p : ours) {
-          if (momentum == 0) continue;
-          const auto& mine =
-              static_cast<torch::optim::SGDParamState&>(*state.at(p.unsafeGetTensorImpl()));
+        add_group(b, t.theirs[2], 0.2);
+        std::ostringstream what;
+        what << "momentum " << momentum << " nesterov " << nesterov << " decay " << decay;
+        expect_equal_steps(*a, b, t, 5, what.str());
+        if (::testing::Test::HasFatalFailure()) return;
+        EXPECT_EQ(a->state().size(), momentum == 0 ? 0u : 3u);
+        for (std::size_t i = 0; momentum != 0 && i < t.ours.size(); ++i) {
+          const auto& mine = static_cast<torch::optim::SGDParamState&>(
+              *a->state().at(t.ours[i].unsafeGetTensorImpl()));
           const auto& ref = static_cast<torch::optim::SGDParamState&>(
-              *b.state().at(theirs[&p - &ours[0]].unsafeGetTensorImpl()));
+              *b.state().at(t.theirs[i].unsafeGetTensorImpl()));
           EXPECT_TRUE(torch::equal(mine.momentum_buffer(), ref.momentum_buffer()));
         }
       }
@@ -212,54 +233,33 @@ void expect_adam_matches(bool decoupled) {
   for (double decay : {0.0, 0.05}) {
     for (bool amsgrad : {false, true}) {
       torch::manual_seed(5);
-      std::vector<torch::Tensor> ours, theirs;
-      for (auto shape : {std::vector<std::int64_t>{4, 3}, {3}, {2, 2, 2}}) {
-        ours.push_back(torch::randn(shape).requires_grad_());
-        theirs.push_back(ours.back().detach().clone().requires_grad_());
-      }
+      Twins t = twin_parameters();
       OptimizerOptions o =
           decoupled ? OptimizerOptions::adamw(0.01, decay) : OptimizerOptions::adam(0.01);
       o.weight_decay = decay;
       o.amsgrad = amsgrad;
-      auto a = make_optimizer(o, {ours[0], ours[1]});
-      a->add_param_group(
-          torch::optim::OptimizerParamGroup({ours[2]}, a->param_groups()[0].options().clone()));
-      a->param_groups()[1].options().set_lr(0.03);
-      Reference b({theirs[0], theirs[1]}, Options(0.01)
-                                              .betas({o.beta_1, o.beta_2})
-                                              .eps(o.epsilon)
-                                              .weight_decay(decay)
-                                              .amsgrad(amsgrad));
-      b.add_param_group(
-          torch::optim::OptimizerParamGroup({theirs[2]}, b.param_groups()[0].options().clone()));
-      b.param_groups()[1].options().set_lr(0.03);
-      for (int step = 0; step < 6; ++step) {
-        a->zero_grad();
-        b.zero_grad();
-        const auto data = torch::randn({3});
-        for (auto* params : {&ours, &theirs}) {
-          auto loss = ((*params)[0].sum(0) * data).pow(2).sum() + (*params)[2].sin().sum();
-          if (step >= 2) loss = loss + ((*params)[1] * data).sum(); // joins late
-          loss.backward();
-        }
-        a->step();
-        b.step();
-        for (std::size_t i = 0; i < ours.size(); ++i) {
-          ASSERT_TRUE(torch::equal(ours[i], theirs[i]))
-              << (decoupled ? "AdamW" : "Adam") << " decay " << decay << " amsgrad " << amsgrad
-              << " step " << step << " tensor " << i;
-        }
-      }
-      for (std::size_t i = 0; i < ours.size(); ++i) {
-        const auto& mine = static_cast<State&>(*a->state().at(ours[i].unsafeGetTensorImpl()));
-        const auto& ref = static_cast<State&>(*b.state().at(theirs[i].unsafeGetTensorImpl()));
+      auto a = make_optimizer(o, {t.ours[0], t.ours[1]});
+      add_group(*a, t.ours[2], 0.03);
+      Reference b({t.theirs[0], t.theirs[1]}, Options(0.01)
+                                                  .betas({o.beta_1, o.beta_2})
+                                                  .eps(o.epsilon)
+                                                  .weight_decay(decay)
+                                                  .amsgrad(amsgrad));
+      add_group(b, t.theirs[2], 0.03);
+      std::ostringstream what;
+      what << (decoupled ? "AdamW" : "Adam") << " decay " << decay << " amsgrad " << amsgrad;
+      expect_equal_steps(*a, b, t, 6, what.str());
+      if (::testing::Test::HasFatalFailure()) return;
+      for (std::size_t i = 0; i < t.ours.size(); ++i) {
+        const auto& mine = static_cast<State&>(*a->state().at(t.ours[i].unsafeGetTensorImpl()));
+        const auto& ref = static_cast<State&>(*b.state().at(t.theirs[i].unsafeGetTensorImpl()));
         EXPECT_EQ(mine.step(), ref.step()) << "tensor " << i;
         EXPECT_TRUE(torch::equal(mine.exp_avg(), ref.exp_avg())) << "tensor " << i;
         EXPECT_TRUE(torch::equal(mine.exp_avg_sq(), ref.exp_avg_sq())) << "tensor " << i;
         EXPECT_EQ(mine.max_exp_avg_sq().defined(), amsgrad);
         if (amsgrad) EXPECT_TRUE(torch::equal(mine.max_exp_avg_sq(), ref.max_exp_avg_sq()));
       }
-      EXPECT_EQ(static_cast<State&>(*a->state().at(ours[1].unsafeGetTensorImpl())).step(), 4);
+      EXPECT_EQ(static_cast<State&>(*a->state().at(t.ours[1].unsafeGetTensorImpl())).step(), 4);
     }
   }
 }
