@@ -3,7 +3,7 @@
 //   mlp       784-256-256-10, ReLU
 //   mlp-wide  784-2048-2048-10, ReLU
 //   cnn       conv 1→32 3×3 pad 1, ReLU, maxpool 2; conv 32→64 3×3 pad 1, ReLU, maxpool 2;
-//             linear 3136→128, ReLU; linear 128→10
+//             linear 3136→128, ReLU; linear 128→10 (each ReLU and maxpool as one MaxPool2ReLU)
 //   resnet20  He et al.'s CIFAR ResNet-20: conv 3×3 1→16, BatchNorm, ReLU; three stages of three
 //             basic blocks (16, 32, 64 channels; the 2nd and 3rd stages start with stride 2;
 //             a 1×1 conv + BatchNorm shortcut where the shape changes); global average pool;
