@@ -9,10 +9,13 @@
 #
 # Each peer runs twice, as its users would write it and at its fastest settings found here:
 #   pytorch-ddp        NCHW, torch.optim.SGD's default loop
-#   pytorch-ddp-best   channels_last model and batches, SGD(fused=True), and glibc's malloc
+#   pytorch-ddp-best   channels_last model and batches, SGD(fused=True), glibc's malloc
 #                      keeping freed blocks (GLIBC_TUNABLES: the settings flotilla's
-#                      --freed-memory keep makes with mallopt)
+#                      --freed-memory keep makes with mallopt), and the CNN's max-pools before
+#                      their ReLUs (the same values, as flotilla's MaxPool2ReLU computes them)
 #   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
+#   tf-mwms-pool-relu  the CNN's ReLUs after its max-pools (Conv2D without activation: TF no
+#                      longer fuses the ReLU into the convolution); not in the default PEERS
 #   tf-mwms-xla        model.compile(jit_compile=True) fails under MWMS on the CPU ("Collectives
 #                      are not yet implemented for CPU devices when compiling with XLA", TF
 #                      2.21); not in the default PEERS, its note printed when asked for
@@ -194,14 +197,14 @@ peer_result() {  # system, short name, rank 0's log, command -> samples/s; versi
   json_number samples_per_s <<<"$line"
 }
 
-run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc] -> samples/s
+run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc[, order]]
   local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=() tunables=()
   port=$(free_ports 1)
   # keep: malloc keeps what a step frees, as flotilla's --freed-memory keep (base/system.h).
   [ "${8:-}" = keep ] &&
     tunables=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824)
   local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR"
-    "$5" "$6" "$7")
+    "$5" "$6" "$7" "${9:-relu-pool}")
   for rank in $(seq 0 $((WORKERS - 1))); do
     start "$log.$rank.log" env "${tunables[@]}" OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 \
       MASTER_PORT="$port" RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
@@ -211,12 +214,12 @@ run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, m
   peer_result pytorch-ddp ddp "$log.0.log" "${cmd[*]}"
 }
 
-run_tf() {  # model, global batch, steps, run, precision, xla -> samples/s ("" when XLA fails)
-  local model=$1 batch=$2 steps=$3 log="$tmp/tf-$1-$2-$5-$6-$4" ports task pids=() cluster
+run_tf() {  # model, global batch, steps, run, precision, xla[, order] -> samples/s ("" when XLA fails)
+  local model=$1 batch=$2 steps=$3 log="$tmp/tf-$1-$2-$5-$6-${7:-relu-pool}-$4" ports task pids=() cluster
   read -r -a ports <<<"$(free_ports "$WORKERS")"
   cluster=$(printf '"127.0.0.1:%s",' "${ports[@]}")
   local cmd=("$TF_PYTHON" bench/peers/tf_mwms_train.py "$model" "$batch" "$steps" "$THREADS"
-    "$DATA_DIR" "$5" "$6")
+    "$DATA_DIR" "$5" "$6" "${7:-relu-pool}")
   for task in $(seq 0 $((WORKERS - 1))); do
     start "$log.$task.log" env OMP_NUM_THREADS="$THREADS" TF_CPP_MIN_LOG_LEVEL=2 \
       TF_CONFIG="{\"cluster\":{\"worker\":[${cluster%,}]},\"task\":{\"type\":\"worker\",\"index\":$task}}" \
@@ -280,11 +283,15 @@ settings_of() {  # system, model, precision -> JSON fields
   case "$1" in
     flotilla*) format=$(cat "$tmp/format-$1-$2" 2>/dev/null || echo nchw)
       printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)","freed_memory":"%s"' \
-        "$3" "$format" "$(cat "$tmp/freed-$1-$2" 2>/dev/null || echo released)" ;;
+        "$3" "$format" "$(cat "$tmp/freed-$1-$2" 2>/dev/null || echo released)"
+      # This build's CNN pools before ReLU in one kernel (models/max_pool_relu.h).
+      [ "$1" != flotilla ] || [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu fused"' ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
-    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3" ;;
+    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
+      [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"' ;;
     tf-mwms) printf '"precision":"%s","memory_format":"channels_last","xla":false' "$3" ;;
     tf-mwms-xla) printf '"precision":"%s","memory_format":"channels_last","xla":true' "$3" ;;
+    tf-mwms-pool-relu) printf '"precision":"%s","memory_format":"channels_last","xla":false,"relu_pool_order":"pool-relu"' "$3" ;;
   esac
 }
 
@@ -303,9 +310,11 @@ for run in $(seq "$RUNS"); do
           case $peer in
             pytorch-ddp) run_ddp "$model" "$batch" "$steps" "$run" "$precision" nchw default ;;
             pytorch-ddp-best)
-              run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep ;;
+              run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep \
+                pool-relu ;;
             tf-mwms) run_tf "$model" "$batch" "$steps" "$run" "$precision" off ;;
             tf-mwms-xla) run_tf "$model" "$batch" "$steps" "$run" "$precision" on ;;
+            tf-mwms-pool-relu) run_tf "$model" "$batch" "$steps" "$run" "$precision" off pool-relu ;;
             *) fail "unknown peer $peer" ;;
           esac >>"$tmp/$peer-$key"
         done

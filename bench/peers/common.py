@@ -25,17 +25,21 @@ def parse_args(argv):
     return argv[1], int(argv[2]), int(argv[3]), threads, data_dir
 
 
-def make_torch_model(name):
+def make_torch_model(name, pool_first=False):
     """The same layers as flotilla's models/zoo.cpp, in PyTorch (imported here, not at the top:
-    the TensorFlow peer shares this module)."""
+    the TensorFlow peer shares this module). pool_first: the CNN's "ReLU, max-pool 2" as
+    "max-pool 2, ReLU", the same values (ReLU is monotone) with ReLU on a quarter of the
+    elements; what flotilla's zoo computes (its MaxPool2ReLU), as a PyTorch user can write it."""
     from torch import nn
     if name in ("mlp", "mlp-wide"):
         hidden = 256 if name == "mlp" else 2048
         return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(),
                              nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     if name == "cnn":
-        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        def relu_pool():
+            return [nn.MaxPool2d(2), nn.ReLU()] if pool_first else [nn.ReLU(), nn.MaxPool2d(2)]
+        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), *relu_pool(),
+                             nn.Conv2d(32, 64, 3, padding=1), *relu_pool(),
                              nn.Flatten(), nn.Linear(3136, 128), nn.ReLU(), nn.Linear(128, 10))
     if name == "resnet20":
         return _torch_resnet((16, 32, 64), blocks=3)

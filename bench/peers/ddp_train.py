@@ -14,11 +14,13 @@ default, and at the fastest settings found for this CPU):
              torch.channels_last (a no-op for models without 2-D convolutions)
   OPTIMIZER  default (torch.optim.SGD as constructed by default: its per-parameter loop on the
              CPU), or fused (SGD(fused=True): one kernel over every parameter)
+  ORDER      relu-pool (the CNN as usually written: ReLU, then max-pool), or pool-relu (max-pool
+             first: the same values, ReLU on a quarter of the elements; common.make_torch_model)
 
 Started once per rank by bench/peers.sh, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment.
 Usage: python ddp_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR] [PRECISION] [LAYOUT]
-       [OPTIMIZER]
+       [OPTIMIZER] [ORDER]
 """
 import contextlib
 import json
@@ -42,9 +44,10 @@ def main():
     precision = sys.argv[6] if len(sys.argv) > 6 else "float32"
     layout = sys.argv[7] if len(sys.argv) > 7 else "nchw"
     optimizer_kind = sys.argv[8] if len(sys.argv) > 8 else "default"
+    order = sys.argv[9] if len(sys.argv) > 9 else "relu-pool"
     if precision not in ("float32", "mixed_bfloat16") or layout not in ("nchw", "channels_last") \
-            or optimizer_kind not in ("default", "fused"):
-        raise SystemExit(f"bad settings {precision} {layout} {optimizer_kind}")
+            or optimizer_kind not in ("default", "fused") or order not in ("relu-pool", "pool-relu"):
+        raise SystemExit(f"bad settings {precision} {layout} {optimizer_kind} {order}")
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.set_num_threads(threads)
 
@@ -61,7 +64,8 @@ def main():
     n = x.shape[0]
 
     torch.manual_seed(SEED)  # DDP broadcasts rank 0's parameters anyway
-    model = DistributedDataParallel(make_torch_model(model_name).to(memory_format=fmt))
+    model = DistributedDataParallel(
+        make_torch_model(model_name, pool_first=order == "pool-relu").to(memory_format=fmt))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
                                 **({"fused": True} if optimizer_kind == "fused" else {}))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) \
@@ -112,6 +116,7 @@ def main():
             "loss": loss_sum.item() / steps, "accuracy": correct.item() / (steps * local_batch),
             "version": torch.__version__, "precision": precision, "memory_format": layout,
             "optimizer": "SGD" + (" fused" if optimizer_kind == "fused" else ""),
+            "relu_pool_order": order,
         }), flush=True)
     dist.destroy_process_group()
 

@@ -16,10 +16,13 @@ and with XLA, TF's own compiler, where it runs):
   PRECISION  float32, or mixed_bfloat16: Keras' mixed-precision policy of that name (bfloat16
              compute, float32 variables), the logits in float32 as Keras' guide does it
   XLA        off, or on: model.compile(jit_compile=True)
+  ORDER      relu-pool (the CNN as usually written: Conv2D(activation="relu"), then max-pool),
+             or pool-relu (the ReLU after the max-pool; see make_model)
 Keras layers are NHWC (channels-last) only on the CPU.
 
 Started once per worker by bench/peers.sh, with TF_CONFIG in the environment.
 Usage: python tf_mwms_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR] [PRECISION] [XLA]
+       [ORDER]
 """
 import json
 import os
@@ -37,8 +40,9 @@ from common import LR, MEAN, MOMENTUM, SEED, STD, parse_args, read_idx  # noqa: 
 SHUFFLE_BUFFER = 10000  # flotilla's default --shuffle-buffer
 
 
-def make_model(name):
-    """The same layers as flotilla's models/zoo.cpp, channels-last."""
+def make_model(name, pool_first=False):
+    """The same layers as flotilla's models/zoo.cpp, channels-last. pool_first: the CNN's
+    convolutions without their ReLU, which follows the max-pool (common.make_torch_model)."""
     layers = keras.layers
     if name == "resnet20":
         return make_resnet((16, 32, 64), blocks=3)
@@ -51,9 +55,14 @@ def make_model(name):
         body = [layers.Flatten(), layers.Dense(hidden, activation="relu"),
                 layers.Dense(hidden, activation="relu"), layers.Dense(10)]
     elif name == "cnn":
-        body = [layers.Conv2D(32, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),
-                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),
-                layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dense(10)]
+        def conv_relu_pool(filters):
+            if pool_first:
+                return [layers.Conv2D(filters, 3, padding="same"), layers.MaxPooling2D(2),
+                        layers.ReLU()]
+            return [layers.Conv2D(filters, 3, padding="same", activation="relu"),
+                    layers.MaxPooling2D(2)]
+        body = conv_relu_pool(32) + conv_relu_pool(64) + [
+            layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dense(10)]
     else:
         raise SystemExit(
             f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
@@ -145,8 +154,9 @@ def main():
     model_name, global_batch, steps, threads, data_dir = parse_args(sys.argv)
     precision = sys.argv[6] if len(sys.argv) > 6 else "float32"
     xla = (sys.argv[7] if len(sys.argv) > 7 else "off") == "on"
-    if precision not in ("float32", "mixed_bfloat16"):
-        raise SystemExit(f"bad precision {precision}")
+    order = sys.argv[8] if len(sys.argv) > 8 else "relu-pool"
+    if precision not in ("float32", "mixed_bfloat16") or order not in ("relu-pool", "pool-relu"):
+        raise SystemExit(f"bad settings {precision} {order}")
     keras.mixed_precision.set_global_policy(precision)
     # Before the strategy: that initialises the runtime, after which these can't change.
     tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -172,7 +182,7 @@ def main():
                .with_options(options))
 
     with strategy.scope():
-        model = make_model(model_name)
+        model = make_model(model_name, pool_first=order == "pool-relu")
         if precision != "float32":  # the loss on float32 logits, as Keras' guide does it
             model = keras.Model(model.inputs,
                                 keras.layers.Activation("linear", dtype="float32")(model.output))
@@ -197,7 +207,7 @@ def main():
             "loss": float(timer.logs.get("loss", float("nan"))),
             "accuracy": float(timer.logs.get("accuracy", float("nan"))),
             "version": tf.__version__, "keras": keras.__version__, "precision": precision,
-            "memory_format": "channels_last", "xla": xla,
+            "memory_format": "channels_last", "xla": xla, "relu_pool_order": order,
         }), flush=True)
 
 
