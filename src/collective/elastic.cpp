@@ -6,6 +6,8 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <thread>
+#include <utility>
 
 #include "collective/group.h"
 #include "collective/heartbeat.h"
@@ -121,6 +123,7 @@ struct MembershipState {
   std::string reason;
   bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
+  Clock::time_point last_confirmed = Clock::now(); // confirm_membership's last call
 
   // A departure the rendezvous saw reaches a member within a heartbeat or two; none by then, the
   // members probe each other (report_unreachable).
@@ -224,6 +227,25 @@ struct MembershipState {
     return static_cast<int>(at - record.slots.begin());
   }
 
+  // ElasticGroup::confirm_membership.
+  void confirm_membership() {
+    const auto now = Clock::now();
+    if (now - std::exchange(last_confirmed, now) <= options.heartbeat_timeout) return;
+    if (const auto newest = store->get_if_connected(detail::kLatestKey)) {
+      const std::uint64_t g = std::stoull(text(*newest));
+      if (g > generation) rank_in(g, record(g)); // throws when expelled
+      return;
+    }
+    // The rendezvous closed this worker's connections (as it does when it expels a member,
+    // after a last heartbeat answer saying why) or is down. The heartbeat reads that answer as
+    // soon as it runs; when none comes, the rendezvous is down, and training goes on.
+    const auto until = now + options.heartbeat_timeout;
+    while (Clock::now() < until) {
+      if (const std::string why = lost_text(); !why.empty()) throw CommError(why);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
   // adopt() after a departure or at joining. A group that cannot connect lost another member
   // while it formed: false, and the next generation is the one to join. Not being a member, or
   // a refusal, throws.
@@ -271,6 +293,7 @@ struct MembershipState {
       config.standing->slots = record.slots;
     }
     members = record.slots;
+    last_confirmed = Clock::now();
     publish_probe(g, rank);
     communicator = detail::make_group(
         rank, size, options,
@@ -300,6 +323,7 @@ class RendezvousGroup final : public ElasticGroup {
   void training_finished() override;
   void regroup() override;
   bool admit() override;
+  void confirm_membership() override { impl_->confirm_membership(); }
 
  private:
   std::unique_ptr<MembershipState> impl_;

@@ -124,6 +124,19 @@ bool RendezvousStore::set_if_connected(const std::string& key, const Bytes& valu
   }
 }
 
+std::optional<Bytes> RendezvousStore::get_if_connected(const std::string& key) {
+  check_key(key);
+  WireWriter w;
+  w.u8(kGet).str(key).u32(0);
+  try {
+    const Bytes answer = request(w.frame(), std::chrono::milliseconds(0), /*reconnect=*/false);
+    WireReader in(answer.data(), answer.size());
+    return in.bytes(kMaxValueBytes);
+  } catch (const CommError&) { // lost, absent (a TimeoutError) or refused
+    return std::nullopt;
+  }
+}
+
 void RendezvousStore::set(const std::string& key, const Bytes& value) {
   request(set_frame(key, value), std::chrono::milliseconds(0));
 }

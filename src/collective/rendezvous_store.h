@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,9 @@ class RendezvousStore : public c10d::Store {
   void reconnect(std::chrono::steady_clock::time_point deadline);
   // A SET that does not wait for a lost rendezvous: false when it is not reachable now.
   bool set_if_connected(const std::string& key, const std::vector<std::uint8_t>& value);
+  // A GET that neither joins a lost rendezvous again nor waits for the key: nullopt when the
+  // connection is lost (or was closed by the server) or the key is absent.
+  std::optional<std::vector<std::uint8_t>> get_if_connected(const std::string& key);
   // Elastic: asks the server to admit the waiting workers into the generation after `from`;
   // returns the newest generation's number (`from` when nobody waits).
   std::uint64_t advance(std::uint64_t from);

@@ -80,6 +80,10 @@ void Healer::commit() {
   // when needed (committed_with_position).
   committed_ = progress_.state(&step_, /*with_position=*/false);
   pulled_since_commit_ = false;
+  // Before the step's callbacks: a worker stopped long enough to be expelled may have completed
+  // it against the old group's abandoned all-reduce. Committed first, so that a worker still a
+  // member regroups from the step it made.
+  strategy_.elastic()->confirm_membership();
 }
 
 void Healer::admit_at_step_boundary(EpochIterator& input) {

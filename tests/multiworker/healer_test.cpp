@@ -153,6 +153,8 @@ class FakeGroup : public collective::ElasticGroup {
     ++regroups;
     adopt(rendezvous_.after(generation_.number));
   }
+  // Its threads never stop, so nobody is expelled behind its back.
+  void confirm_membership() override {}
   bool admit() override {
     if (!rendezvous_.admit(generation_.number)) return false;
     ++admissions;

@@ -114,6 +114,12 @@ class ElasticGroup {
   // and joins it. False when nobody was waiting (the group is unchanged). GroupChanged when a
   // member left meanwhile (then regroup()).
   virtual bool admit() = 0;
+  // After each step, before anything acts on it: CommError when this worker has been expelled.
+  // Only a worker that did not get here for longer than the heartbeat timeout since the last call
+  // (stopped, starved, a step that slow) can have been, and only then does it ask the
+  // rendezvous; otherwise it reads the clock. Such a worker's step may have completed against
+  // collectives its old group abandoned when it regrouped without it.
+  virtual void confirm_membership() = 0;
 
  protected:
   ElasticGroup() = default;
