@@ -12,7 +12,8 @@
 #         flotilla float32 / mixed_bfloat16 / mixed_float16, CUDA graph (jit_compile) off and on
 #         (its default memory format: channels-last for conv models), and graph off in NCHW;
 #         PyTorch eager float32 / bf16 autocast / fp16 autocast + GradScaler (torch_peer.py),
-#         each in NCHW and in channels_last;
+#         each in NCHW and in channels_last; the CNN's max-pools before its ReLUs, as flotilla's
+#         zoo computes it (--pool-first);
 #       2 processes on the one GPU (flotilla launch --workers 2): NCCL first; if NCCL refuses
 #         two ranks on one device, {"bench":"gpu_train_2proc","nccl":"refused",...} and the
 #         Gloo ring instead;
@@ -225,7 +226,7 @@ torch_run() {  # mode model batch precisions(comma-separated) timeout [memory fo
     "{\"impl\":\"torch-$1\",\"model\":\"$2\",\"batch\":$3,\"precision\":\"$4\",\"workers\":1}" "$5" \
     "$PYTHON" bench/gpu/torch_peer.py --modes "$1" --model "$2" --batch "$3" --precisions "$4" \
     --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" \
-    --memory-formats "${6:-nchw,channels_last}"
+    --memory-formats "${6:-nchw,channels_last}" --pool-first
 }
 
 for model in $MODELS; do

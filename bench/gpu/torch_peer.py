@@ -5,7 +5,8 @@ The same layers as flotilla's models/zoo.cpp, the same kind of input (a few rand
 [N, 1, 28, 28] images and int64 labels, resident on the device), SGD(lr=0.01, momentum=0.9)
 (Adam/AdamW as in train_bench.cpp), cross-entropy from logits. Precisions: float32; bfloat16
 autocast; float16 autocast with torch.amp.GradScaler. Memory formats: PyTorch's default (NCHW)
-and channels_last (model and batches, as flotilla keeps conv models by default). Modes: eager;
+and channels_last (model and batches, as flotilla keeps conv models by default); --pool-first
+writes the CNN's max-pools before their ReLUs, as flotilla's zoo computes it. Modes: eager;
 torch.compile of the model (default mode; the optimizer step stays eager, as in most code); and
 compile-graphs, torch.compile's mode="reduce-overhead", which replays the compiled forward and
 backward as CUDA graphs (PyTorch's answer to flotilla's jit_compile). The timed loop reads
@@ -69,7 +70,8 @@ def run_one(args, device, mode, precision_flag, memory_format):
     images = torch.randn(args.distinct_batches, args.batch, 1, 28, 28, device=device)
     images = torch.stack([b.to(memory_format=fmt) for b in images])  # each batch in `fmt`
     labels = torch.randint(0, 10, (args.distinct_batches, args.batch), device=device)
-    model = make_torch_model(args.model).to(device).to(memory_format=fmt)
+    model = make_torch_model(args.model, pool_first=args.pool_first).to(device).to(
+        memory_format=fmt)
     optimizer = make_optimizer(args.optimizer, model.parameters())
     forward = (torch.compile(model) if mode == "compile" else
                torch.compile(model, mode="reduce-overhead") if mode == "compile-graphs" else model)
@@ -115,6 +117,7 @@ def run_one(args, device, mode, precision_flag, memory_format):
         "batch": args.batch,
         "precision": precision,
         "memory_format": memory_format,
+        "relu_pool_order": "pool-relu" if args.pool_first else "relu-pool",
         "cuda_graph": mode == "compile-graphs",
         "workers": 1,
         "samples_per_s": args.steps * args.batch / seconds,
@@ -150,6 +153,9 @@ def main():
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
     parser.add_argument("--distinct-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--pool-first", action="store_true",
+                        help="the CNN's max-pools before their ReLUs (the same values; what "
+                             "flotilla's zoo computes)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     precisions = [p for p in args.precisions.split(",") if p]
