@@ -123,6 +123,7 @@ struct MembershipState {
   std::string reason;
   bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
+  std::atomic<bool> outage{false}; // the heartbeat lost the rendezvous and has no answer since
   Clock::time_point last_confirmed = Clock::now(); // confirm_membership's last call
 
   // A departure the rendezvous saw reaches a member within a heartbeat or two; none by then, the
@@ -183,6 +184,7 @@ struct MembershipState {
 
   void on_pong(const detail::Pong& pong) {
     waiting = static_cast<int>(pong.waiting);
+    outage = false;
     std::lock_guard<std::mutex> lock(mutex);
     if (health && generation < pong.intact_from) {
       const std::string why = pong.failed.empty() ? "a member left" : pong.failed.front().second;
@@ -238,9 +240,10 @@ struct MembershipState {
     }
     // The rendezvous closed this worker's connections (as it does when it expels a member,
     // after a last heartbeat answer saying why) or is down. The heartbeat reads that answer as
-    // soon as it runs; when none comes, the rendezvous is down, and training goes on.
+    // soon as it runs; when none comes, the rendezvous is down, and training goes on (at once
+    // when the heartbeat knows it is: slow steps in an outage do not wait here each time).
     const auto until = now + options.heartbeat_timeout;
-    while (Clock::now() < until) {
+    while (Clock::now() < until && !outage) {
       if (const std::string why = lost_text(); !why.empty()) throw CommError(why);
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -363,7 +366,10 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   MembershipState* raw = impl.get();
   detail::ElasticHooks hooks;
   hooks.on_pong = [raw](const detail::Pong& pong) { raw->on_pong(pong); };
-  hooks.on_outage = [raw] { raw->waiting = 0; };
+  hooks.on_outage = [raw] {
+    raw->waiting = 0;
+    raw->outage = true;
+  };
   hooks.rejoin_store = [store = impl->store](Clock::time_point deadline) {
     store->reconnect(deadline);
   };
