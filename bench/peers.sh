@@ -15,7 +15,8 @@
 #                      their ReLUs (the same values, as flotilla's MaxPool2ReLU computes them)
 #   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
 #   tf-mwms-pool-relu  the CNN's ReLUs after its max-pools (Conv2D without activation: TF no
-#                      longer fuses the ReLU into the convolution); not in the default PEERS
+#                      longer fuses the ReLU into the convolution): level with tf-mwms here, up
+#                      to 1.04x at a global batch of 512; not in the default PEERS
 #   tf-mwms-xla        model.compile(jit_compile=True) fails under MWMS on the CPU ("Collectives
 #                      are not yet implemented for CPU devices when compiling with XLA", TF
 #                      2.21); not in the default PEERS, its note printed when asked for

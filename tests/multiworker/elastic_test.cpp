@@ -137,25 +137,29 @@ TEST(Elastic, AStoppedWorkerIsExpelledAfterTheHeartbeatTimeoutAndToldSoWhenItWak
 }
 
 // A step whose all-reduce completed in a generation the others then replaced without this worker
-// is not this worker's to act on (ElasticGroup::confirm_membership): slot 2's training thread
-// sleeps after its step 3's all-reduce, while its heartbeat runs; the others time out in the
-// next collective, report it, and go on in generation 1 without it. Woken, it must not print
-// (commit) step 3: it exits as expelled. Without the check it printed "step 3 gen 0 ... ok".
+// is not this worker's to act on (ElasticGroup::confirm_membership): slot 2 stops itself
+// (SIGSTOP) right after its step 3's all-reduce completed; the others wait for it in the next
+// collective, its heartbeat falls silent, and they go on in generation 1 without it. Woken, it
+// must not print (commit) step 3: it exits as expelled. Without the check it printed
+// "step 3 gen 0 rank 2/3 sum 6 ok".
 TEST(Elastic, AWorkerExpelledWhileItDidNotRunDoesNotCommitTheStepItCompleted) {
-  Cluster cluster(3, std::chrono::milliseconds(1000));
-  const std::vector<std::string> flags = {"--steps", "6", "--timeout-ms", "3000",
-                                          "--heartbeat-timeout-ms", "1000"};
-  auto napping = flags;
-  napping.insert(napping.end(), {"--signal-at", "3", "--signal", "NAP", "--nap-ms", "8000"});
+  Cluster cluster(3, std::chrono::milliseconds(1500));
+  const std::vector<std::string> flags = {"--steps", "6", "--heartbeat-timeout-ms", "1500"};
+  auto stopping = flags;
+  stopping.insert(stopping.end(), {"--signal-at", "3", "--signal", "STOP",
+                                   "--signal-after-all-reduce", "1"});
   auto zero = cluster.start(0, flags);
   auto one = cluster.start(1, flags);
-  auto two = cluster.start(2, napping);
+  auto stopped = cluster.start(2, stopping);
+  ASSERT_TRUE(zero->wait_for_output("regrouped")) << zero->output_so_far();
+  stopped->signal(SIGCONT);
   const auto r0 = zero->wait(std::chrono::seconds(60));
   const auto r1 = one->wait(std::chrono::seconds(60));
-  const auto woke = two->wait(std::chrono::seconds(60));
+  const auto woke = stopped->wait(std::chrono::seconds(60));
   EXPECT_EQ(r0.exit_code, 0) << r0.out << r0.err;
   EXPECT_EQ(r1.exit_code, 0) << r1.out << r1.err;
-  EXPECT_NE(r0.out.find("generation 1 [0,1] (slot 2 made no progress"), std::string::npos)
+  EXPECT_NE(r0.out.find("generation 1 [0,1] (slot 2 stopped sending heartbeats"),
+            std::string::npos)
       << r0.out;
   expect_each_step_once(completed_steps(r0.out), 0, "slot 0");
   EXPECT_NE(woke.out.find("step 2 gen 0 rank 2/3 sum 6 ok"), std::string::npos) << woke.out;

@@ -14,8 +14,8 @@
 // members again and 3 steps more, at most 600 steps); --step-ms MS (sleep per step, default 20);
 // --signal-at K --signal STOP|KILL|HANG (this process sends itself the signal at step K, before
 // its all-reduce, while the others are inside theirs; HANG: its training thread sleeps for ever
-// there, while its heartbeat goes on; NAP: its training thread sleeps --nap-ms MS after its
-// all-reduce of step K completed, before confirming it); --signal-slot S (only slot S does);
+// there, while its heartbeat goes on); --signal-after-all-reduce 1 (sends it once step K's
+// all-reduce completed, before the step is confirmed); --signal-slot S (only slot S does);
 // --signal-once FILE (only when FILE does not exist yet; it is created first, so a restarted
 // process does not signal itself again); --heartbeat-timeout-ms,
 // --heartbeat-interval-ms, --timeout-ms.
@@ -41,8 +41,8 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = std::chrono::milliseconds(200);
   options.heartbeat_timeout = std::chrono::seconds(2);
   int steps = 6, until_members = 0, step_ms = 20, signal_at = -1, signal = SIGKILL;
-  int signal_slot = -1, nap_ms = 0;
-  constexpr int kNap = -1;
+  int signal_slot = -1;
+  bool signal_after = false;
   std::string signal_once;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -52,12 +52,11 @@ int main(int argc, char** argv) {
     if (flag == "--step-ms") step_ms = value;
     if (flag == "--signal-at") signal_at = value;
     if (flag == "--signal-slot") signal_slot = value;
-    if (flag == "--nap-ms") nap_ms = value;
+    if (flag == "--signal-after-all-reduce") signal_after = value != 0;
     if (flag == "--signal-once") signal_once = argv[i + 1];
     if (flag == "--signal") {
       signal = !std::strcmp(argv[i + 1], "STOP")   ? SIGSTOP
                : !std::strcmp(argv[i + 1], "HANG") ? 0
-               : !std::strcmp(argv[i + 1], "NAP")  ? kNap
                                                    : SIGKILL;
     }
     if (flag == "--timeout-ms") options.timeout = std::chrono::milliseconds(value);
@@ -108,12 +107,10 @@ int main(int argc, char** argv) {
         if (step == signal_at && signal == 0) {
           for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
         }
-        if (step == signal_at && signal > 0) ::raise(signal);
+        if (step == signal_at && !signal_after) ::raise(signal);
         auto value = torch::full({1000}, static_cast<float>(group->slot() + 1));
         comm.all_reduce(value).wait();
-        if (step == signal_at && signal == kNap) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(nap_ms));
-        }
+        if (step == signal_at && signal_after) ::raise(signal);
         group->confirm_membership(); // as fit does before a step's callbacks
         float expected = 0;
         for (int s : group->members()) expected += static_cast<float>(s + 1);
