@@ -119,21 +119,26 @@ Walk walk_of(torch::IntArrayRef input_sizes, bool channels_last) {
 
 constexpr std::int64_t kGrainRows = 16;
 
+// Calls run(input offset, output offset) for every run of outputs, rows split among threads.
+template <class Run>
+void for_each_run(const Walk& k, Run&& run) {
+  at::parallel_for(0, k.rows, kGrainRows, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      for (std::int64_t j = 0; j < k.runs; ++j) {
+        run(k.input_row(r) + j * k.run_step(), (r * k.runs + j) * k.run);
+      }
+    }
+  });
+}
+
 template <class E>
 void pool_forward(const typename E::Stored* x, typename E::Stored* y, std::uint8_t* code,
                   const Walk& k) {
-  at::parallel_for(0, k.rows, kGrainRows, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      const typename E::Stored* in = x + k.input_row(r);
-      const std::int64_t out = r * k.runs * k.run;
-      for (std::int64_t j = 0; j < k.runs; ++j) {
-        const std::int64_t o = out + j * k.run;
-        if (k.channels_last) {
-          forward_run<E, 1>(in + j * k.run_step(), k.right(), k.down(), y + o, code + o, k.run);
-        } else {
-          forward_run<E, 2>(in, k.right(), k.down(), y + o, code + o, k.run);
-        }
-      }
+  for_each_run(k, [&](std::int64_t in, std::int64_t out) {
+    if (k.channels_last) {
+      forward_run<E, 1>(x + in, k.right(), k.down(), y + out, code + out, k.run);
+    } else {
+      forward_run<E, 2>(x + in, k.right(), k.down(), y + out, code + out, k.run);
     }
   });
 }
@@ -141,18 +146,11 @@ void pool_forward(const typename E::Stored* x, typename E::Stored* y, std::uint8
 template <class E>
 void pool_backward(const typename E::Bits* gy, const std::uint8_t* code, typename E::Bits* gx,
                    const Walk& k) {
-  at::parallel_for(0, k.rows, kGrainRows, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      typename E::Bits* in = gx + k.input_row(r);
-      const std::int64_t out = r * k.runs * k.run;
-      for (std::int64_t j = 0; j < k.runs; ++j) {
-        const std::int64_t o = out + j * k.run;
-        if (k.channels_last) {
-          backward_run<E, 1>(gy + o, code + o, k.right(), k.down(), in + j * k.run_step(), k.run);
-        } else {
-          backward_run<E, 2>(gy + o, code + o, k.right(), k.down(), in, k.run);
-        }
-      }
+  for_each_run(k, [&](std::int64_t in, std::int64_t out) {
+    if (k.channels_last) {
+      backward_run<E, 1>(gy + out, code + out, k.right(), k.down(), gx + in, k.run);
+    } else {
+      backward_run<E, 2>(gy + out, code + out, k.right(), k.down(), gx + in, k.run);
     }
   });
 }
@@ -185,21 +183,14 @@ void check_input(const torch::Tensor& x) {
   }
 }
 
-template <class E>
-typename E::Stored* stored(torch::Tensor& t) {
-  return reinterpret_cast<typename E::Stored*>(t.data_ptr());
+// A tensor's elements as T (the kernels' Stored or Bits view of its dtype).
+template <class T>
+T* elements(torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
-template <class E>
-const typename E::Stored* stored(const torch::Tensor& t) {
-  return reinterpret_cast<const typename E::Stored*>(t.const_data_ptr());
-}
-template <class E>
-typename E::Bits* bits(torch::Tensor& t) {
-  return reinterpret_cast<typename E::Bits*>(t.data_ptr());
-}
-template <class E>
-const typename E::Bits* bits(const torch::Tensor& t) {
-  return reinterpret_cast<const typename E::Bits*>(t.const_data_ptr());
+template <class T>
+const T* elements(const torch::Tensor& t) {
+  return reinterpret_cast<const T*>(t.const_data_ptr());
 }
 
 // The output and, per output, its code.
@@ -213,7 +204,8 @@ std::pair<torch::Tensor, torch::Tensor> forward_cpu(const torch::Tensor& input) 
   const Walk walk = walk_of(x.sizes(), format == torch::MemoryFormat::ChannelsLast);
   dispatch(x.scalar_type(), [&](auto e) {
     using E = decltype(e);
-    pool_forward<E>(stored<E>(x), stored<E>(y), code.mutable_data_ptr<std::uint8_t>(), walk);
+    using S = typename E::Stored;
+    pool_forward<E>(elements<S>(x), elements<S>(y), code.mutable_data_ptr<std::uint8_t>(), walk);
   });
   return {y, code};
 }
@@ -240,7 +232,8 @@ class MaxPool2ReLUFunction : public torch::autograd::Function<MaxPool2ReLUFuncti
     const Walk walk = walk_of(sizes, format == torch::MemoryFormat::ChannelsLast);
     dispatch(gy.scalar_type(), [&](auto e) {
       using E = decltype(e);
-      pool_backward<E>(bits<E>(gy), code.const_data_ptr<std::uint8_t>(), bits<E>(gx), walk);
+      using B = typename E::Bits;
+      pool_backward<E>(elements<B>(gy), code.const_data_ptr<std::uint8_t>(), elements<B>(gx), walk);
     });
     return {gx};
   }
