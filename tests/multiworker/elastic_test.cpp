@@ -107,19 +107,31 @@ TEST(Elastic, AKilledChiefIsDroppedAtOnceTheLowestSurvivorLeadsAndItsRestartRejo
   EXPECT_EQ(completed_steps(r1.out).back(), rejoined.back());
 }
 
-TEST(Elastic, AStoppedWorkerIsExpelledAfterTheHeartbeatTimeoutAndToldSoWhenItWakes) {
+// Three workers (heartbeat timeout 1.5 s, 6 steps); slot 2 stops itself with SIGSTOP where
+// `when` says, is woken once slot 0 has regrouped without it, and all three run to their end.
+struct StoppedRun {
+  ProcessResult r0, r1, woke;
+};
+void run_with_slot_2_stopped(const std::vector<std::string>& when, StoppedRun& run) {
   Cluster cluster(3, std::chrono::milliseconds(1500));
   const std::vector<std::string> flags = {"--steps", "6", "--heartbeat-timeout-ms", "1500"};
-  auto flags_stopped = flags;
-  flags_stopped.insert(flags_stopped.end(), {"--signal-at", "2", "--signal", "STOP"});
+  auto stopping = flags;
+  stopping.insert(stopping.end(), {"--signal", "STOP"});
+  stopping.insert(stopping.end(), when.begin(), when.end());
   auto zero = cluster.start(0, flags);
   auto one = cluster.start(1, flags);
-  auto stopped = cluster.start(2, flags_stopped);
+  auto stopped = cluster.start(2, stopping);
   ASSERT_TRUE(zero->wait_for_output("regrouped")) << zero->output_so_far();
   stopped->signal(SIGCONT);
-  const auto r0 = zero->wait(std::chrono::seconds(60));
-  const auto r1 = one->wait(std::chrono::seconds(60));
-  const auto woke = stopped->wait(std::chrono::seconds(60));
+  run.r0 = zero->wait(std::chrono::seconds(60));
+  run.r1 = one->wait(std::chrono::seconds(60));
+  run.woke = stopped->wait(std::chrono::seconds(60));
+}
+
+TEST(Elastic, AStoppedWorkerIsExpelledAfterTheHeartbeatTimeoutAndToldSoWhenItWakes) {
+  StoppedRun run;
+  ASSERT_NO_FATAL_FAILURE(run_with_slot_2_stopped({"--signal-at", "2"}, run));
+  const auto& [r0, r1, woke] = run;
   EXPECT_EQ(r0.exit_code, 0) << r0.out << r0.err;
   EXPECT_EQ(r1.exit_code, 0) << r1.out << r1.err;
   EXPECT_NE(r0.out.find("generation 1 [0,1] (slot 2 stopped sending heartbeats for 1500 ms "
@@ -143,19 +155,10 @@ TEST(Elastic, AStoppedWorkerIsExpelledAfterTheHeartbeatTimeoutAndToldSoWhenItWak
 // must not print (commit) step 3: it exits as expelled. Without the check it printed
 // "step 3 gen 0 rank 2/3 sum 6 ok".
 TEST(Elastic, AWorkerExpelledWhileItDidNotRunDoesNotCommitTheStepItCompleted) {
-  Cluster cluster(3, std::chrono::milliseconds(1500));
-  const std::vector<std::string> flags = {"--steps", "6", "--heartbeat-timeout-ms", "1500"};
-  auto stopping = flags;
-  stopping.insert(stopping.end(), {"--signal-at", "3", "--signal", "STOP",
-                                   "--signal-after-all-reduce", "1"});
-  auto zero = cluster.start(0, flags);
-  auto one = cluster.start(1, flags);
-  auto stopped = cluster.start(2, stopping);
-  ASSERT_TRUE(zero->wait_for_output("regrouped")) << zero->output_so_far();
-  stopped->signal(SIGCONT);
-  const auto r0 = zero->wait(std::chrono::seconds(60));
-  const auto r1 = one->wait(std::chrono::seconds(60));
-  const auto woke = stopped->wait(std::chrono::seconds(60));
+  StoppedRun run;
+  ASSERT_NO_FATAL_FAILURE(
+      run_with_slot_2_stopped({"--signal-at", "3", "--signal-after-all-reduce", "1"}, run));
+  const auto& [r0, r1, woke] = run;
   EXPECT_EQ(r0.exit_code, 0) << r0.out << r0.err;
   EXPECT_EQ(r1.exit_code, 0) << r1.out << r1.err;
   EXPECT_NE(r0.out.find("generation 1 [0,1] (slot 2 stopped sending heartbeats"),
