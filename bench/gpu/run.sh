@@ -10,7 +10,7 @@
 #   $OUT/bench.jsonl     one JSON line per configuration (or an error line naming it):
 #       for model in cnn mlp-wide, per-replica batch in 256 1024:
 #         flotilla float32 / mixed_bfloat16 / mixed_float16, CUDA graph (jit_compile) off and on
-#         (its default memory format: channels-last for conv models), and graph off in NCHW;
+#         in channels-last and in NCHW (one of them is its default for the model);
 #         PyTorch eager float32 / bf16 autocast / fp16 autocast + GradScaler (torch_peer.py),
 #         each in NCHW and in channels_last; the CNN's max-pools before its ReLUs, as flotilla's
 #         zoo computes it (--pool-first);
@@ -30,7 +30,9 @@
 #   step counts, the GPU tests' result not held against the run, no torch.compile.
 #   env: BUDGET_S=450 (the whole run; torch.compile gets what is left)  STEPS=200  WARMUP=50
 #        MODELS="cnn mlp-wide"  BATCHES="256 1024"  PRECISIONS="float32 mixed_bfloat16 mixed_float16"
-#        TWO_PROC=1 (0: no 2-process runs)  COMPILE_MODES="compile-graphs compile"  PYTHON=python3
+#        TWO_PROC=1 (0: no 2-process runs)  COMPILE_MODES="compile-graphs compile" (none: no torch.compile)  PYTHON=python3
+#        ADAM_MODELS="" (models also timed with Adam, bf16, first batch of BATCHES: flotilla graph
+#        off and on, PyTorch eager in both formats; run before torch.compile)
 set -uo pipefail # not -e: one failed configuration records an error line and the run goes on
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -213,30 +215,37 @@ flotilla_run() {  # model batch precision graph(on|off) [extra args...]
   local model=$1 batch=$2 precision=$3 graph=$4
   shift 4
   local args=(--model "$model" --batch "$batch" --precision "$precision" --devices "$DEVICE"
-    --steps "$STEPS" --warmup "$WARMUP")
+    --steps "$STEPS" --warmup "$WARMUP" --optimizer "$OPT")
   [ "$graph" = on ] && args+=(--jit-compile)
   local cuda_graph=false
   [ "$graph" = on ] && [ "$DEVICE" != cpu ] && cuda_graph=true
-  record "flotilla $model b$batch $precision graph-$graph" \
-    "{\"impl\":\"flotilla\",\"model\":\"$model\",\"batch\":$batch,\"precision\":\"$precision\",\"cuda_graph\":$cuda_graph,\"workers\":1}" \
+  record "flotilla $model b$batch $precision graph-$graph $OPT" \
+    "{\"impl\":\"flotilla\",\"model\":\"$model\",\"batch\":$batch,\"precision\":\"$precision\",\"cuda_graph\":$cuda_graph,\"workers\":1,\"optimizer\":\"$OPT\"}" \
     90 "${bin_env[@]}" "$BIN/gpu_train_bench" "${args[@]}" "$@"
 }
 torch_run() {  # mode model batch precisions(comma-separated) timeout [memory formats]
-  record "torch-$1 $2 b$3 $4" \
-    "{\"impl\":\"torch-$1\",\"model\":\"$2\",\"batch\":$3,\"precision\":\"$4\",\"workers\":1}" "$5" \
+  record "torch-$1 $2 b$3 $4 $OPT" \
+    "{\"impl\":\"torch-$1\",\"model\":\"$2\",\"batch\":$3,\"precision\":\"$4\",\"workers\":1,\"optimizer\":\"$OPT\"}" "$5" \
     "$PYTHON" bench/gpu/torch_peer.py --modes "$1" --model "$2" --batch "$3" --precisions "$4" \
     --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" \
-    --memory-formats "${6:-nchw,channels_last}" --pool-first
+    --memory-formats "${6:-nchw,channels_last}" --pool-first --optimizer "$OPT"
 }
+OPT=sgd
 
 for model in $MODELS; do
   for batch in $BATCHES; do
     if [ "$(left)" -lt 60 ]; then say "budget spent: skipping $model b$batch"; continue; fi
     if [ "$flotilla_ok" = 1 ]; then
       for precision in $PRECISIONS; do
-        for graph in off on; do flotilla_run "$model" "$batch" "$precision" "$graph"; done
-        # flotilla's default is channels-last for conv models: NCHW too, for the comparison.
-        flotilla_run "$model" "$batch" "$precision" off --channels-last off
+        # Conv models in each memory format (whichever the model's default is), the graph off
+        # and on; the MLPs have no convolutions and one layout.
+        case $model in mlp*) formats=default ;; *) formats="on off" ;; esac
+        for cl in $formats; do
+          for graph in off on; do
+            if [ "$cl" = default ]; then flotilla_run "$model" "$batch" "$precision" "$graph"
+            else flotilla_run "$model" "$batch" "$precision" "$graph" --channels-last "$cl"; fi
+          done
+        done
       done
     fi
     torch_run eager "$model" "$batch" "${PRECISIONS// /,}" 150
@@ -270,13 +279,27 @@ print(json.dumps({"bench": "gpu_train_2proc", "model": sys.argv[1], "nccl": "ref
   summarize
 fi
 
-# --- 6. torch.compile, last: it compiles for tens of seconds per configuration -----------------
+# --- 6. Adam (foreach on both sides: flotilla's make_optimizer, torch.optim.Adam's CUDA default) -
+for model in ${ADAM_MODELS:-}; do
+  batch=${BATCHES%% *}
+  if [ "$(left)" -lt 90 ]; then say "budget spent: skipping Adam on $model"; continue; fi
+  OPT=adam
+  if [ "$flotilla_ok" = 1 ]; then
+    for graph in off on; do flotilla_run "$model" "$batch" mixed_bfloat16 "$graph"; done
+  fi
+  torch_run eager "$model" "$batch" mixed_bfloat16 90
+  OPT=sgd
+  summarize
+done
+
+# --- 7. torch.compile, last: it compiles for tens of seconds per configuration -----------------
 if [ "$DRY" = 1 ]; then
   say "dry run: no torch.compile; the summarizer's own test instead"
   python3 bench/gpu/summarize_test.py | sed 's/^/  /'
 else
   for precision in mixed_bfloat16 float32 mixed_float16; do
     for mode in ${COMPILE_MODES:-compile-graphs compile}; do
+      [ "$mode" = none ] && continue
       for model in $MODELS; do
         for batch in $BATCHES; do
           budget=$(($(left) - 10))
