@@ -5,6 +5,11 @@
 // ReLU: what pytorch-ddp-best runs). Shapes: the zoo CNN's two pooling layers at 256 images (a
 // worker's share of a global batch of 512). Prints one JSON line per dtype and shape: the median
 // milliseconds of each over REPEATS runs (after 3 untimed), and the ratios.
+// Then the CNN's first layer (3x3 convolution of one-channel images, ReLU, max-pool 2): flotilla's
+// ConvMaxPool2ReLU (models/conv_pool_relu.h) with its kernel, against ATen's conv2d then
+// MaxPool2ReLU (that layer without its kernel: FLOTILLA_CONV_POOL_KERNEL=none) and ATen's
+// conv2d, max-pool, ReLU; forward and the weights' backward, float32 and under bf16 autocast.
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -14,6 +19,7 @@
 #include <functional>
 #include <vector>
 
+#include "models/conv_pool_relu.h"
 #include "models/max_pool_relu.h"
 
 namespace {
@@ -65,6 +71,49 @@ int main(int argc, char** argv) {
                   static_cast<long long>(shape[2]), static_cast<long long>(shape[3]), repeats, f,
                   pr, rp, pr / f, rp / f);
     }
+  }
+
+  // The first layer as compile() keeps it: one-channel images and the weight with NHWC strides.
+  const auto nhwc = [](const torch::Tensor& t) {
+    const auto s = t.sizes();
+    return torch::empty_strided(s, {s[1] * s[2] * s[3], 1, s[3] * s[1], s[1]}, t.options())
+        .copy_(t);
+  };
+  const std::string best = flotilla::models::conv_max_pool2_relu_kernel();
+  flotilla::models::ConvMaxPool2ReLU layer(32);
+  layer->weight.set_data(nhwc(layer->weight.detach()));
+  const torch::Tensor images = nhwc(torch::randn({256, 1, 28, 28}));
+  const torch::Tensor grad =
+      nhwc(torch::randn({256, 32, 14, 14})).contiguous(torch::MemoryFormat::ChannelsLast);
+  for (const bool bf16 : {false, true}) {
+    const auto time = [&](const std::function<torch::Tensor()>& forward) {
+      return median_ms(repeats, [&] {
+        at::autocast::set_autocast_enabled(at::kCPU, bf16);
+        at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        const torch::Tensor y = forward();
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        at::autocast::clear_cache();
+        y.backward(grad.to(y.scalar_type()));
+        layer->weight.mutable_grad().reset();
+        layer->bias.mutable_grad().reset();
+      });
+    };
+    flotilla::models::use_conv_max_pool2_relu_kernel(best);
+    const double fused = time([&] { return layer->forward(images); });
+    flotilla::models::use_conv_max_pool2_relu_kernel("none");
+    const double unfused = time([&] { return layer->forward(images); });
+    flotilla::models::use_conv_max_pool2_relu_kernel(best);
+    const double aten = time([&] {
+      return torch::relu(
+          torch::max_pool2d(torch::conv2d(images, layer->weight, layer->bias, 1, 1), 2));
+    });
+    std::printf("{\"bench\":\"conv_max_pool_relu\",\"dtype\":\"%s\",\"shape\":[256,1,28,28],"
+                "\"out_channels\":32,\"memory_format\":\"channels_last\",\"threads\":1,"
+                "\"repeats\":%d,\"metric\":\"forward_backward_ms\",\"kernel\":\"%s\","
+                "\"fused\":%.3f,\"conv_then_max_pool_relu\":%.3f,\"aten_conv_pool_relu\":%.3f,"
+                "\"ratio_vs_conv_then_max_pool_relu\":%.3f,\"ratio_vs_aten\":%.3f}\n",
+                bf16 ? "bfloat16 (autocast)" : "float32", repeats, best.c_str(), fused, unfused,
+                aten, unfused / fused, aten / fused);
   }
   return 0;
 }

@@ -3,9 +3,7 @@
 #include <torch/torch.h>
 
 #include "flotilla/error.h"
-#include "flotilla/train/mixed_precision.h"
 #include "models/max_pool_relu.h"
-#include "models/zoo.h"
 
 namespace flotilla::models {
 namespace {
@@ -59,58 +57,6 @@ TEST(MaxPool2ReLU, RefusesImagesSmallerThanAWindow) {
     FAIL() << "no error";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("[2, 3, 1, 8]"), std::string::npos) << e.what();
-  }
-}
-
-// The zoo's CNN (fused) against the same layers as PyTorch's twin writes them (ReLU, then
-// max-pool), from the same weights: the same names, and after SGD steps the same weights,
-// float32 and under bfloat16 autocast, channels-last as compile() keeps a CNN.
-TEST(MaxPool2ReLU, TheZooCnnTrainsBitForBitAsReLUThenMaxPool) {
-  namespace nn = torch::nn;
-  for (const auto policy : {train::Policy::kFloat32, train::Policy::kMixedBFloat16}) {
-    torch::manual_seed(7);
-    nn::Sequential fused = make_model("cnn");
-    nn::Sequential plain(nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::ReLU(),
-                         nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)),
-                         nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128),
-                         nn::ReLU(), nn::Linear(128, 10));
-    {
-      torch::NoGradGuard no_grad;
-      auto from = fused->named_parameters();
-      for (auto& p : plain->named_parameters()) {
-        ASSERT_TRUE(from.contains(p.key())) << p.key();
-        p.value().copy_(from[p.key()]);
-      }
-      ASSERT_EQ(from.size(), plain->named_parameters().size());
-    }
-    for (auto* net : {&fused, &plain}) {
-      torch::NoGradGuard no_grad;
-      for (auto& p : (*net)->parameters()) {
-        if (p.dim() == 4) p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
-      }
-    }
-    torch::optim::SGD fused_sgd(fused->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    for (int step = 0; step < 4; ++step) {
-      const torch::Tensor x =
-          torch::randn({16, 1, 28, 28}).contiguous(torch::MemoryFormat::ChannelsLast);
-      const torch::Tensor y = torch::randint(0, 10, {16});
-      for (auto [net, sgd] : {std::pair{fused, &fused_sgd}, std::pair{plain, &plain_sgd}}) {
-        sgd->zero_grad();
-        torch::Tensor loss;
-        {
-          train::AutocastGuard autocast(policy, torch::kCPU);
-          loss = torch::nn::functional::cross_entropy(net->forward(x), y);
-        }
-        loss.backward();
-        sgd->step();
-      }
-    }
-    const auto plain_params = plain->named_parameters();
-    for (const auto& p : fused->named_parameters()) {
-      EXPECT_TRUE(torch::equal(p.value(), plain_params[p.key()]))
-          << p.key() << " under " << train::to_string(policy);
-    }
   }
 }
 

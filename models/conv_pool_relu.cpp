@@ -1,0 +1,207 @@
+#include "models/conv_pool_relu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "flotilla/error.h"
+#include "models/conv_pool_relu_kernel.h"
+#include "models/max_pool_relu.h"
+
+namespace flotilla::models {
+namespace {
+
+namespace kernel = conv_pool_relu;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr std::int64_t kLanes = 16;
+
+struct Kernels {
+  const char* name;
+  kernel::Forward forward;
+  kernel::Backward backward;
+};
+
+// The best this CPU runs, or the one FLOTILLA_CONV_POOL_KERNEL names (avx512, avx2, or none
+// for ATen's ops) where the CPU runs it.
+Kernels supported(const std::string& name) {
+#if defined(FLOTILLA_CONV_POOL_KERNELS)
+  __builtin_cpu_init();
+  const bool any = name.empty();
+  if ((any || name == "avx512") && __builtin_cpu_supports("x86-64-v4")) {
+    return Kernels{"avx512", kernel::avx512::forward, kernel::avx512::backward};
+  }
+  if ((any || name == "avx2") && __builtin_cpu_supports("x86-64-v3")) {
+    return Kernels{"avx2", kernel::avx2::forward, kernel::avx2::backward};
+  }
+#endif
+  return Kernels{name == "none" ? "none" : "", nullptr, nullptr};
+}
+
+std::atomic<const Kernels*> chosen{nullptr};
+
+Kernels kernels() {
+  if (const Kernels* k = chosen.load()) return *k;
+  static const Kernels initial = [] {
+    const char* env = std::getenv("FLOTILLA_CONV_POOL_KERNEL");
+    const std::string name = env ? env : "";
+    if (!name.empty() && name != "avx512" && name != "avx2" && name != "none") {
+      throw ConfigError("FLOTILLA_CONV_POOL_KERNEL is '" + name +
+                        "'; use avx512, avx2 or none (ATen's ops), or unset it for the best "
+                        "this CPU runs");
+    }
+    const Kernels k = supported(name);
+    if (k.name[0] == '\0' && !name.empty()) {
+      throw ConfigError("FLOTILLA_CONV_POOL_KERNEL is '" + name +
+                        "', which this CPU does not run "
+                        "(it lacks the instructions); use a lesser one or none, or unset it");
+    }
+    return k.name[0] != '\0' ? k : Kernels{"none", nullptr, nullptr};
+  }();
+  return initial;
+}
+
+// The images as floats with a zero border of one pixel: [N, H+2, W+2].
+torch::Tensor padded_images(const torch::Tensor& x) {
+  return torch::constant_pad_nd(x.reshape({x.size(0), x.size(2), x.size(3)}).to(torch::kFloat),
+                                {1, 1, 1, 1})
+      .contiguous();
+}
+
+kernel::Image image_of(const torch::Tensor& padded, std::int64_t n, std::int64_t channels) {
+  const std::int64_t h = padded.size(1) - 2, w = padded.size(2) - 2;
+  return {padded.const_data_ptr<float>() + n * (h + 2) * (w + 2), h, w, channels};
+}
+
+// NHWC strides for the pooled output's NCHW shape.
+torch::Tensor empty_channels_last(std::int64_t n, std::int64_t c, std::int64_t h, std::int64_t w,
+                                  const torch::TensorOptions& options) {
+  return torch::empty_strided({n, c, h, w}, {h * w * c, 1, w * c, c}, options);
+}
+
+class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2ReLUFunction> {
+ public:
+  // x [N, 1, H, W] (no gradient), weight [C, 1, 3, 3], bias [C], all of one type (float32 or
+  // bfloat16, the output's).
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    const std::int64_t n = x.size(0), c = weight.size(0), oh = x.size(2) / 2, ow = x.size(3) / 2;
+    const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+    const torch::Tensor padded = padded_images(x);
+    // [9][C]: the taps of each output channel side by side.
+    const torch::Tensor taps = weight.to(torch::kFloat).reshape({c, 9}).t().contiguous();
+    const torch::Tensor b = bias.to(torch::kFloat).contiguous();
+    torch::Tensor y = empty_channels_last(n, c, oh, ow, weight.options());
+    torch::Tensor code = torch::empty({n, oh, ow, c}, x.options().dtype(torch::kUInt8));
+    const auto forward = kernels().forward;
+    const std::int64_t per_image = oh * ow * c;
+    auto* out = static_cast<char*>(y.data_ptr());
+    const std::int64_t element = y.element_size();
+    std::uint8_t* codes = code.mutable_data_ptr<std::uint8_t>();
+    at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        forward(image_of(padded, i, c), taps.const_data_ptr<float>(), b.const_data_ptr<float>(),
+                out + i * per_image * element, codes + i * per_image, bf16);
+      }
+    });
+    ctx->save_for_backward({padded, code});
+    ctx->saved_data["bf16"] = bf16;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& padded = saved[0];
+    const torch::Tensor& code = saved[1];
+    const std::int64_t n = code.size(0), c = code.size(3), per_image = code[0].numel();
+    // The pooled gradient in the output's channels-last order (a view where it is already).
+    const bool bf16 = ctx->saved_data["bf16"].toBool();
+    const torch::Tensor gy =
+        grads[0].to(bf16 ? torch::kBFloat16 : torch::kFloat).permute({0, 2, 3, 1}).contiguous();
+    // One sum per thread, added in thread order.
+    const int threads = at::get_num_threads();
+    torch::Tensor sums = torch::zeros({threads, 10, c}, gy.options().dtype(torch::kFloat));
+    const auto backward = kernels().backward;
+    at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
+      float* mine = sums.mutable_data_ptr<float>() + at::get_thread_num() * 10 * c;
+      for (std::int64_t i = begin; i < end; ++i) {
+        backward(image_of(padded, i, c),
+                 static_cast<const char*>(gy.const_data_ptr()) + i * per_image * gy.element_size(),
+                 bf16, code.const_data_ptr<std::uint8_t>() + i * per_image, mine, mine + 9 * c);
+      }
+    });
+    const torch::Tensor total = sums.sum(0);
+    const auto type = bf16 ? torch::kBFloat16 : torch::kFloat;
+    torch::Tensor grad_weight = total.slice(0, 0, 9).t().reshape({c, 1, 3, 3}).to(type);
+    torch::Tensor grad_bias = total[9].to(type);
+    return {torch::Tensor(), grad_weight, grad_bias};
+  }
+};
+
+bool runs_kernel(const torch::Tensor& x, const torch::Tensor& weight) {
+  return kernels().forward != nullptr && x.device().is_cpu() && weight.device().is_cpu() &&
+         x.dim() == 4 && x.size(1) == 1 && x.size(2) >= 2 && x.size(3) >= 2 && !x.requires_grad() &&
+         weight.size(0) % kLanes == 0 &&
+         (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16);
+}
+
+} // namespace
+
+ConvMaxPool2ReLUImpl::ConvMaxPool2ReLUImpl(std::int64_t out_channels)
+    : out_channels_(out_channels) {
+  reset();
+}
+
+void ConvMaxPool2ReLUImpl::reset() {
+  // torch::nn::Conv2d's initialisation, so the same draws give the same weights.
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, out_channels_, 3).padding(1));
+  weight = register_parameter("weight", conv->weight.detach().clone());
+  bias = register_parameter("bias", conv->bias.detach().clone());
+}
+
+torch::Tensor ConvMaxPool2ReLUImpl::forward(const torch::Tensor& x) {
+  torch::Tensor input = x, w = weight, b = bias;
+  if (x.device().is_cpu() && at::autocast::is_autocast_enabled(at::kCPU)) {
+    // As autocast runs conv2d: input, weight and bias in its lower precision.
+    const auto type = at::autocast::get_autocast_dtype(at::kCPU);
+    input = at::autocast::cached_cast(type, x, at::kCPU);
+    w = at::autocast::cached_cast(type, weight, at::kCPU);
+    b = at::autocast::cached_cast(type, bias, at::kCPU);
+  }
+  if (runs_kernel(input, w) && input.scalar_type() == w.scalar_type()) {
+    // The FLOP counter (profile::counted_flops) counts it as the convolution it contains.
+    RECORD_FUNCTION(
+        "flotilla::convolution",
+        std::vector<c10::IValue>({input, w, b, std::vector<std::int64_t>{1, 1},
+                                  std::vector<std::int64_t>{1, 1}, std::vector<std::int64_t>{1, 1},
+                                  false, std::vector<std::int64_t>{0, 0}, 1}));
+    return ConvMaxPool2ReLUFunction::apply(input, w, b);
+  }
+  return max_pool2_relu(torch::conv2d(x, weight, bias, 1, 1));
+}
+
+const char* conv_max_pool2_relu_kernel() {
+  return kernels().name;
+}
+
+bool use_conv_max_pool2_relu_kernel(const std::string& name) {
+  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
+  for (const Kernels& k : table) {
+    if (name == k.name) {
+      chosen.store(&k);
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace flotilla::models
