@@ -182,6 +182,10 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   else
     echo released >"$tmp/freed-$name-$model"
   fi
+  # The CNN's first layer, as the recipe names it (builds before ConvMaxPool2ReLU name none).
+  local first
+  first=$(sed -n 's/.*recipe: first layer: \([^(]*\)(\([a-z0-9]*\) kernel.*/\1(\2)/p; s/.*recipe: first layer: \(conv2d, then ReLU and max-pool fused\).*/\1/p' "$log" | head -n 1)
+  echo "$first" >"$tmp/first-$name-$model"
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -285,8 +289,11 @@ settings_of() {  # system, model, precision -> JSON fields
     flotilla*) format=$(cat "$tmp/format-$1-$2" 2>/dev/null || echo nchw)
       printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)","freed_memory":"%s"' \
         "$3" "$format" "$(cat "$tmp/freed-$1-$2" 2>/dev/null || echo released)"
-      # This build's CNN pools before ReLU in one kernel (models/max_pool_relu.h).
-      [ "$1" != flotilla ] || [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu fused"' ;;
+      # The CNN pools before ReLU in one kernel (models/max_pool_relu.h), and its first layer
+      # is the one its recipe names (models/conv_pool_relu.h), in the builds that say so.
+      local first
+      first=$(cat "$tmp/first-$1-$2" 2>/dev/null || true)
+      [ -z "$first" ] || printf ',"relu_pool_order":"pool-relu fused","first_layer":"%s"' "$first" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"' ;;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -30,6 +31,7 @@
 #include "flotilla/train/sidecar_evaluator.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "flotilla/train/torchscript.h"
+#include "models/conv_pool_relu.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -463,7 +465,7 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
 }
 
 void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe, const Input& input,
-                const train::Model& model, const collective::CommunicationOptions& comm,
+                train::Model& model, const collective::CommunicationOptions& comm,
                 bool kept_freed_memory) {
   for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
   strategy.log().info(
@@ -476,6 +478,21 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                                  ? "--channels-last off)"
                                  : "no 2-D convolutions to speed up; --channels-last on forces "
                                    "it)")));
+  for (const auto& m : model.module().modules()) {
+    if (dynamic_cast<const models::ConvMaxPool2ReLUImpl*>(m.get()) != nullptr) {
+      const std::string kernel = models::conv_max_pool2_relu_kernel();
+      strategy.log().info(
+          "recipe: first layer: " +
+          (kernel != "none"
+               ? "3x3 convolution, ReLU and max-pool fused (" + kernel +
+                     " kernel; FLOTILLA_CONV_POOL_KERNEL=none runs ATen's conv2d)"
+               : std::string("conv2d, then ReLU and max-pool fused (") +
+                     (std::getenv("FLOTILLA_CONV_POOL_KERNEL") != nullptr
+                          ? "FLOTILLA_CONV_POOL_KERNEL=none)"
+                          : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
+      break;
+    }
+  }
   strategy.log().info(std::string("recipe: freed memory: ") +
                       (kept_freed_memory
                            ? "kept for the next step (malloc reuses blocks up to 32 MiB instead of "
