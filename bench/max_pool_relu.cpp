@@ -1,9 +1,9 @@
-// `build/bench_max_pool_relu [REPEATS=15] | bench/machine.sh --tag`: one "ReLU, max-pool 2" of a
-// CNN, forward and backward, one thread, channels-last: flotilla's MaxPool2ReLU (models/
-// max_pool_relu.h) against the same values from ATen's kernels in PyTorch's usual order (ReLU,
-// then max-pool: what the twins of bench/peers run by default) and pooled first (max-pool, then
-// ReLU: what pytorch-ddp-best runs). Shapes: the zoo CNN's two pooling layers at 256 images (a
-// worker's share of a global batch of 512). Prints one JSON line per dtype and shape: the median
+// `build/bench_max_pool_relu [REPEATS=15] [IMAGES=256] | bench/machine.sh --tag`: one "ReLU,
+// max-pool 2" of a CNN, forward and backward, one thread, channels-last: flotilla's MaxPool2ReLU
+// (models/ max_pool_relu.h) against the same values from ATen's kernels in PyTorch's usual order
+// (ReLU, then max-pool: what the twins of bench/peers run by default) and pooled first (max-pool,
+// then ReLU: what pytorch-ddp-best runs). Shapes: the zoo CNN's two pooling layers at IMAGES images
+// (a worker's share of a global batch of 512). Prints one JSON line per dtype and shape: the median
 // milliseconds of each over REPEATS runs (after 3 untimed), and the ratios.
 // Then the CNN's first layer (3x3 convolution of one-channel images, ReLU, max-pool 2): flotilla's
 // ConvMaxPool2ReLU (models/conv_pool_relu.h) with its kernel, against ATen's conv2d then
@@ -42,14 +42,19 @@ double median_ms(int repeats, const std::function<void()>& f) {
 
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
+  const std::int64_t images = argc > 2 ? std::max(1, std::atoi(argv[2])) : 256;
   at::set_num_threads(1);
   using Layer = std::function<torch::Tensor(const torch::Tensor&)>;
   const Layer fused = [](const torch::Tensor& x) { return flotilla::models::max_pool2_relu(x); };
-  const Layer pool_relu = [](const torch::Tensor& x) { return torch::relu(torch::max_pool2d(x, 2)); };
-  const Layer relu_pool = [](const torch::Tensor& x) { return torch::max_pool2d(torch::relu(x), 2); };
+  const Layer pool_relu = [](const torch::Tensor& x) {
+    return torch::relu(torch::max_pool2d(x, 2));
+  };
+  const Layer relu_pool = [](const torch::Tensor& x) {
+    return torch::max_pool2d(torch::relu(x), 2);
+  };
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    for (const auto& shape : {std::vector<std::int64_t>{256, 32, 28, 28},
-                              std::vector<std::int64_t>{256, 64, 14, 14}}) {
+    for (const auto& shape : {std::vector<std::int64_t>{images, 32, 28, 28},
+                              std::vector<std::int64_t>{images, 64, 14, 14}}) {
       const auto cl = torch::MemoryFormat::ChannelsLast;
       const torch::Tensor x = torch::randn(shape).to(dtype).contiguous(cl);
       const torch::Tensor grad =
@@ -82,9 +87,9 @@ int main(int argc, char** argv) {
   const std::string best = flotilla::models::conv_max_pool2_relu_kernel();
   flotilla::models::ConvMaxPool2ReLU layer(32);
   layer->weight.set_data(nhwc(layer->weight.detach()));
-  const torch::Tensor images = nhwc(torch::randn({256, 1, 28, 28}));
+  const torch::Tensor batch = nhwc(torch::randn({images, 1, 28, 28}));
   const torch::Tensor grad =
-      nhwc(torch::randn({256, 32, 14, 14})).contiguous(torch::MemoryFormat::ChannelsLast);
+      nhwc(torch::randn({images, 32, 14, 14})).contiguous(torch::MemoryFormat::ChannelsLast);
   for (const bool bf16 : {false, true}) {
     const auto time = [&](const std::function<torch::Tensor()>& forward) {
       return median_ms(repeats, [&] {
@@ -99,21 +104,21 @@ int main(int argc, char** argv) {
       });
     };
     flotilla::models::use_conv_max_pool2_relu_kernel(best);
-    const double fused = time([&] { return layer->forward(images); });
+    const double fused = time([&] { return layer->forward(batch); });
     flotilla::models::use_conv_max_pool2_relu_kernel("none");
-    const double unfused = time([&] { return layer->forward(images); });
+    const double unfused = time([&] { return layer->forward(batch); });
     flotilla::models::use_conv_max_pool2_relu_kernel(best);
     const double aten = time([&] {
       return torch::relu(
-          torch::max_pool2d(torch::conv2d(images, layer->weight, layer->bias, 1, 1), 2));
+          torch::max_pool2d(torch::conv2d(batch, layer->weight, layer->bias, 1, 1), 2));
     });
-    std::printf("{\"bench\":\"conv_max_pool_relu\",\"dtype\":\"%s\",\"shape\":[256,1,28,28],"
+    std::printf("{\"bench\":\"conv_max_pool_relu\",\"dtype\":\"%s\",\"shape\":[%lld,1,28,28],"
                 "\"out_channels\":32,\"memory_format\":\"channels_last\",\"threads\":1,"
                 "\"repeats\":%d,\"metric\":\"forward_backward_ms\",\"kernel\":\"%s\","
                 "\"fused\":%.3f,\"conv_then_max_pool_relu\":%.3f,\"aten_conv_pool_relu\":%.3f,"
                 "\"ratio_vs_conv_then_max_pool_relu\":%.3f,\"ratio_vs_aten\":%.3f}\n",
-                bf16 ? "bfloat16 (autocast)" : "float32", repeats, best.c_str(), fused, unfused,
-                aten, unfused / fused, aten / fused);
+                bf16 ? "bfloat16 (autocast)" : "float32", static_cast<long long>(images), repeats,
+                best.c_str(), fused, unfused, aten, unfused / fused, aten / fused);
   }
   return 0;
 }

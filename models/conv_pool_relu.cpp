@@ -38,10 +38,10 @@ Kernels supported(const std::string& name) {
   __builtin_cpu_init();
   const bool any = name.empty();
   if ((any || name == "avx512") && __builtin_cpu_supports("x86-64-v4")) {
-    return Kernels{"avx512", kernel::avx512::forward, kernel::avx512::backward};
+    return Kernels{"avx512", kernel::kAvx512.forward, kernel::kAvx512.backward};
   }
   if ((any || name == "avx2") && __builtin_cpu_supports("x86-64-v3")) {
-    return Kernels{"avx2", kernel::avx2::forward, kernel::avx2::backward};
+    return Kernels{"avx2", kernel::kAvx2.forward, kernel::kAvx2.backward};
   }
 #endif
   return Kernels{name == "none" ? "none" : "", nullptr, nullptr};

@@ -24,17 +24,12 @@ using Forward = void (*)(const Image& image, const float* weights, const float* 
 using Backward = void (*)(const Image& image, const void* gy, bool bf16, const unsigned char* code,
                           float* grad_weights, float* grad_bias);
 
-namespace avx512 {
-void forward(const Image& image, const float* weights, const float* bias, void* y,
-             unsigned char* code, bool bf16);
-void backward(const Image& image, const void* gy, bool bf16, const unsigned char* code,
-              float* grad_weights, float* grad_bias);
-} // namespace avx512
-namespace avx2 {
-void forward(const Image& image, const float* weights, const float* bias, void* y,
-             unsigned char* code, bool bf16);
-void backward(const Image& image, const void* gy, bool bf16, const unsigned char* code,
-              float* grad_weights, float* grad_bias);
-} // namespace avx2
+// One instruction set's pair, defined by conv_pool_relu_kernel.inc.
+struct Kernel {
+  Forward forward;
+  Backward backward;
+};
+extern const Kernel kAvx512; // x86-64-v4
+extern const Kernel kAvx2;   // x86-64-v3
 
 } // namespace flotilla::models::conv_pool_relu
