@@ -98,6 +98,27 @@ TEST(ConvMaxPool2ReLU, MatchesConvReLUMaxPoolForwardAndBackward) {
   }
 }
 
+// Each lane (output channel) does the same operations in the same order whatever the vector
+// width, so the kernels agree to the bit: a CPU with AVX2 alone trains as one with AVX-512.
+TEST(ConvMaxPool2ReLU, TheAvx2AndAvx512KernelsAgreeBitForBit) {
+  if (kernels().size() < 2) GTEST_SKIP() << "this CPU lacks AVX-512: one kernel to compare";
+  torch::manual_seed(9);
+  for (const auto policy : {train::Policy::kFloat32, train::Policy::kMixedBFloat16}) {
+    ConvMaxPool2ReLU layer(48);
+    const torch::Tensor x = torch::randn({4, 1, 12, 10});
+    const torch::Tensor seed = torch::randn({4, 48, 6, 5});
+    std::vector<Result> results;
+    for (const std::string& kernel : kernels()) {
+      Choose choose(kernel);
+      results.push_back(run(x, layer, false, policy, seed));
+    }
+    const std::string what = train::to_string(policy);
+    EXPECT_TRUE(torch::equal(results[0].y, results[1].y)) << what;
+    EXPECT_TRUE(torch::equal(results[0].grad_weight, results[1].grad_weight)) << what;
+    EXPECT_TRUE(torch::equal(results[0].grad_bias, results[1].grad_bias)) << what;
+  }
+}
+
 TEST(ConvMaxPool2ReLU, ANaNPixelMakesTheSameOutputsNaNAsConvReLUMaxPool) {
   if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: ATen's ops run";
   for (const std::string& kernel : kernels()) {
