@@ -46,8 +46,8 @@ Record parse_record(const std::string& value, std::uint64_t generation) {
   }
   auto slots = detail::parse_int_list(list);
   if (!slots) {
-    throw CommError("the rendezvous recorded generation " + std::to_string(generation) +
-                    " as \"" + list + "\", which is not a list of slots");
+    throw CommError("the rendezvous recorded generation " + std::to_string(generation) + " as \"" +
+                    list + "\", which is not a list of slots");
   }
   record.slots = std::move(*slots);
   return record;
@@ -124,6 +124,9 @@ struct MembershipState {
   bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
   std::atomic<bool> outage{false}; // the heartbeat lost the rendezvous and has no answer since
+  // In that outage, an attempt to join the rendezvous again found it unreachable (not merely the
+  // connections it closed when it expelled this worker).
+  std::atomic<bool> unreachable{false};
   Clock::time_point last_confirmed = Clock::now(); // confirm_membership's last call
 
   // A departure the rendezvous saw reaches a member within a heartbeat or two; none by then, the
@@ -185,6 +188,7 @@ struct MembershipState {
   void on_pong(const detail::Pong& pong) {
     waiting = static_cast<int>(pong.waiting);
     outage = false;
+    unreachable = false;
     std::lock_guard<std::mutex> lock(mutex);
     if (health && generation < pong.intact_from) {
       const std::string why = pong.failed.empty() ? "a member left" : pong.failed.front().second;
@@ -230,21 +234,30 @@ struct MembershipState {
   }
 
   // ElasticGroup::confirm_membership.
+  //
+  // Checked after any gap longer than a heartbeat interval, not only one longer than the
+  // heartbeat timeout: the rendezvous counts this worker's silence from its last ping, which can
+  // precede the last commit by an interval or more, so a member can be expelled within a gap
+  // shorter than the timeout (seen once under make test's load: the woken worker committed).
   void confirm_membership() {
     const auto now = Clock::now();
-    if (now - std::exchange(last_confirmed, now) <= options.heartbeat_timeout) return;
-    if (const auto newest = store->get_if_connected(detail::kLatestKey)) {
-      const std::uint64_t g = std::stoull(text(*newest));
-      if (g > generation) rank_in(g, record(g)); // throws when expelled
-      return;
-    }
-    // The rendezvous closed this worker's connections (as it does when it expels a member,
-    // after a last heartbeat answer saying why) or is down. The heartbeat reads that answer as
-    // soon as it runs; when none comes, the rendezvous is down, and training goes on (at once
-    // when the heartbeat knows it is: slow steps in an outage do not wait here each time).
-    const auto until = now + options.heartbeat_timeout;
-    while (Clock::now() < until && !outage) {
+    if (now - std::exchange(last_confirmed, now) <= options.heartbeat_interval) return;
+    // The rendezvous closed this worker's connections (as it does when it expels a member, after
+    // a last heartbeat answer saying why) or is down. The heartbeat reads that answer, or joins
+    // again (and the store with it: the newest generation then says), as soon as it runs. Only
+    // when it found the rendezvous unreachable is it down, and training goes on (at once when
+    // the heartbeat knows it already: slow steps in an outage do not wait here each time). An
+    // outage alone is not enough: an expelled worker's broken connections look like one until
+    // the heartbeat tries to join again.
+    const auto until = now + std::max(options.heartbeat_timeout, 5 * options.heartbeat_interval);
+    for (;;) {
+      if (const auto newest = store->get_if_connected(detail::kLatestKey)) {
+        const std::uint64_t g = std::stoull(text(*newest));
+        if (g > generation) rank_in(g, record(g)); // throws when expelled
+        return;
+      }
       if (const std::string why = lost_text(); !why.empty()) throw CommError(why);
+      if ((outage && unreachable) || Clock::now() >= until) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -368,8 +381,10 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   hooks.on_pong = [raw](const detail::Pong& pong) { raw->on_pong(pong); };
   hooks.on_outage = [raw] {
     raw->waiting = 0;
+    raw->unreachable = false;
     raw->outage = true;
   };
+  hooks.on_unreachable = [raw] { raw->unreachable = true; };
   hooks.rejoin_store = [store = impl->store](Clock::time_point deadline) {
     store->reconnect(deadline);
   };

@@ -66,8 +66,10 @@ struct Heartbeat::Impl {
       if (elastic.rejoin_store) elastic.rejoin_store(attempt);
       connection = Connection::join(config, kRoleHeartbeat, attempt);
     } catch (const TimeoutError&) {
+      if (elastic.on_unreachable) elastic.on_unreachable();
       return false;
     } catch (const ConnectionLost&) {
+      if (elastic.on_unreachable) elastic.on_unreachable();
       return false;
     }
     std::string generation;

@@ -20,6 +20,9 @@ struct ElasticHooks {
   // The rendezvous stopped answering or its connection broke: training goes on; nothing waits
   // to be admitted until it is back.
   std::function<void()> on_outage;
+  // In an outage, an attempt to join again found the rendezvous unreachable (no answer in time,
+  // or no connection), as opposed to one that answered.
+  std::function<void()> on_unreachable;
   // Before the heartbeat joins again: the store connection joins first (the server takes a
   // heartbeat only from a process that holds its slot). Throws what Connection::join throws.
   std::function<void(std::chrono::steady_clock::time_point deadline)> rejoin_store;

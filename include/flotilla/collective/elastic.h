@@ -39,7 +39,7 @@ class RendezvousService {
     int workers = 1;                          // slots: every training task of the cluster
     std::optional<std::string> cluster_token; // as the workers' CommunicationOptions
     bool insecure = false; // without a token, listen on more than loopback anyway (as above)
-    bool elastic = true;                      // false: a fixed group, as the chief would host
+    bool elastic = true;   // false: a fixed group, as the chief would host
     std::chrono::milliseconds heartbeat_timeout{10000}; // a member silent this long is expelled
   };
   explicit RendezvousService(const Options& options);
@@ -115,10 +115,11 @@ class ElasticGroup {
   // member left meanwhile (then regroup()).
   virtual bool admit() = 0;
   // After each step, before anything acts on it: CommError when this worker has been expelled.
-  // Only a worker that did not get here for longer than the heartbeat timeout since the last call
-  // (stopped, starved, a step that slow) can have been, and only then does it ask the
-  // rendezvous; otherwise it reads the clock. Such a worker's step may have completed against
-  // collectives its old group abandoned when it regrouped without it.
+  // Only a worker that did not get here for longer than a heartbeat interval since the last call
+  // (stopped, starved, a step that slow) can have been (the rendezvous counts its silence from
+  // its last ping), and only then does it ask the rendezvous; otherwise it reads the clock. Such
+  // a worker's step may have completed against collectives its old group abandoned when it
+  // regrouped without it.
   virtual void confirm_membership() = 0;
 
  protected:
