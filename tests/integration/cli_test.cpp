@@ -333,14 +333,16 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
 
 // A restarted worker whose slot is still held (its old process stopped, not expelled yet) waits
 // for the slot instead of failing as a misconfigured task would: it joins once the rendezvous
-// expels the old one, and the others admit it.
+// expels the old one, and the others admit it. The heartbeat timeout (3 s) gives the new process
+// time to start and ask before the old one is expelled: with 1 s, a make test's load once had it
+// ask after, and it joined at once.
 TEST(RendezvousCommand, ARestartWhoseSlotIsStillHeldWaitsForItAndIsAdmitted) {
   const auto ports = testing::free_ports(3);
   const std::string listen = "127.0.0.1:" + std::to_string(ports[2]);
   testing::Process service(
-      {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "1"});
+      {kCli, "rendezvous", "--listen", listen, "--workers", "2", "--heartbeat-timeout", "3"});
   const auto start = [&](int slot, std::vector<std::string> flags) {
-    flags.insert(flags.end(), {"--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms", "200"});
+    flags.insert(flags.end(), {"--heartbeat-timeout-ms", "3000", "--heartbeat-interval-ms", "200"});
     return elastic_worker(ports, 2, slot, listen, flags);
   };
   auto chief = start(0, {"--steps", "5", "--until-members", "2"});
