@@ -130,7 +130,9 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
     // One sum per thread, added in thread order.
     const int threads = at::get_num_threads();
     torch::Tensor sums = torch::zeros({threads, 10, c}, gy.options().dtype(torch::kFloat));
-    const auto backward = kernels().backward;
+    // The kernel chosen now, or (chosen "none" since the forward) the best this CPU runs: the
+    // kernels agree to the bit.
+    const auto backward = kernels().backward ? kernels().backward : supported("").backward;
     at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
       float* mine = sums.mutable_data_ptr<float>() + at::get_thread_num() * 10 * c;
       for (std::int64_t i = begin; i < end; ++i) {

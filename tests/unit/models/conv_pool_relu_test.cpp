@@ -150,6 +150,15 @@ TEST(ConvMaxPool2ReLU, AnInputThatNeedsItsGradientOrTheKernelNoneRunsATensOps) {
   ASSERT_TRUE(x.grad().defined());
   EXPECT_GT(x.grad().abs().sum().item<double>(), 0);
 
+  // A backward after "none" was chosen (since its forward ran the kernel) still has a kernel.
+  if (!kernels().empty()) {
+    ConvMaxPool2ReLU fused(16);
+    const torch::Tensor y_fused = fused->forward(x.detach());
+    Choose none_now("none");
+    y_fused.sum().backward();
+    EXPECT_TRUE(fused->weight.grad().defined());
+  }
+
   Choose none("none");
   EXPECT_STREQ(conv_max_pool2_relu_kernel(), "none");
   EXPECT_TRUE(torch::equal(layer->forward(x.detach()), expected));
