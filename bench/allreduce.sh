@@ -49,7 +49,7 @@ n, path = int(sys.argv[1]), sys.argv[2]
 ratios = [l["ratio"] for l in map(json.loads, open(path)) if "ratio" in l and l["bytes"] >= 1 << 20]
 if ratios:
     print(json.dumps({"bench": "allreduce", "processes": n, "metric": "time_ratio_from_1MiB",
-                      "precision": "float32",
+                      "flotilla": {"precision": "float32"}, "peer": {"precision": "float32"},
                       "median": round(statistics.median(ratios), 4), "max": round(max(ratios), 4),
                       "sizes": len(ratios), "of": "flotilla/c10d-gloo"}, separators=(",", ":")))
 PY

@@ -122,7 +122,7 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
     const auto saved = ctx->get_saved_variables();
     const torch::Tensor& padded = saved[0];
     const torch::Tensor& code = saved[1];
-    const std::int64_t n = code.size(0), c = code.size(3), per_image = code[0].numel();
+    const std::int64_t n = code.size(0), c = code.size(3), per_image = code.numel() / n;
     // The pooled gradient in the output's channels-last order (a view where it is already).
     const bool bf16 = ctx->saved_data["bf16"].toBool();
     const torch::Tensor gy =

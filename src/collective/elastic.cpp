@@ -123,9 +123,9 @@ struct MembershipState {
   std::string reason;
   bool afresh = false; // the generation this worker joined starts the training over
   std::atomic<int> waiting{0};
-  std::atomic<bool> outage{false}; // the heartbeat lost the rendezvous and has no answer since
-  // In that outage, an attempt to join the rendezvous again found it unreachable (not merely the
-  // connections it closed when it expelled this worker).
+  // The heartbeat lost the rendezvous, and an attempt to join it again since found it
+  // unreachable (not merely the connections it closed when it expelled this worker); cleared by
+  // any answer, and when an outage begins.
   std::atomic<bool> unreachable{false};
   Clock::time_point last_confirmed = Clock::now(); // confirm_membership's last call
 
@@ -187,7 +187,6 @@ struct MembershipState {
 
   void on_pong(const detail::Pong& pong) {
     waiting = static_cast<int>(pong.waiting);
-    outage = false;
     unreachable = false;
     std::lock_guard<std::mutex> lock(mutex);
     if (health && generation < pong.intact_from) {
@@ -257,7 +256,7 @@ struct MembershipState {
         return;
       }
       if (const std::string why = lost_text(); !why.empty()) throw CommError(why);
-      if ((outage && unreachable) || Clock::now() >= until) return;
+      if (unreachable || Clock::now() >= until) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -382,7 +381,6 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
   hooks.on_outage = [raw] {
     raw->waiting = 0;
     raw->unreachable = false;
-    raw->outage = true;
   };
   hooks.on_unreachable = [raw] { raw->unreachable = true; };
   hooks.rejoin_store = [store = impl->store](Clock::time_point deadline) {
