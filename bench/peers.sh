@@ -186,6 +186,10 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   local first
   first=$(sed -n 's/.*recipe: first layer: \([^(]*\)(\([a-z0-9]*\) kernel.*/\1(\2)/p; s/.*recipe: first layer: \(conv2d, then ReLU and max-pool fused\).*/\1/p' "$log" | head -n 1)
   echo "$first" >"$tmp/first-$name-$model"
+  # A ResNet's BatchNorms, as the recipe names them (builds before batch_norm_relu name none).
+  local norm
+  norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
+  echo "$norm" >"$tmp/norm-$name-$model"
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -293,7 +297,10 @@ settings_of() {  # system, model, precision -> JSON fields
       # is the one its recipe names (models/conv_pool_relu.h), in the builds that say so.
       local first
       first=$(cat "$tmp/first-$1-$2" 2>/dev/null || true)
-      [ -z "$first" ] || printf ',"relu_pool_order":"pool-relu fused","first_layer":"%s"' "$first" ;;
+      [ -z "$first" ] || printf ',"relu_pool_order":"pool-relu fused","first_layer":"%s"' "$first"
+      local norm
+      norm=$(cat "$tmp/norm-$1-$2" 2>/dev/null || true)
+      [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"' ;;

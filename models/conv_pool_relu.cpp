@@ -8,12 +8,11 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
-#include "flotilla/error.h"
 #include "models/conv_pool_relu_kernel.h"
+#include "models/cpu_kernels.h"
 #include "models/max_pool_relu.h"
 
 namespace flotilla::models {
@@ -31,42 +30,21 @@ struct Kernels {
   kernel::Backward backward;
 };
 
-// The best this CPU runs, or the one FLOTILLA_CONV_POOL_KERNEL names (avx512, avx2, or none
-// for ATen's ops) where the CPU runs it.
-Kernels supported(const std::string& name) {
-#if defined(FLOTILLA_CONV_POOL_KERNELS)
-  __builtin_cpu_init();
-  const bool any = name.empty();
-  if ((any || name == "avx512") && __builtin_cpu_supports("x86-64-v4")) {
-    return Kernels{"avx512", kernel::kAvx512.forward, kernel::kAvx512.backward};
+// `isa`'s kernels ("avx512", "avx2", "none": ATen's ops), where this build and CPU have them.
+Kernels supported(const std::string& isa) {
+  if (isa != "none" && cpu_runs(isa)) {
+    const kernel::Kernel& k = isa == "avx512" ? kernel::kAvx512 : kernel::kAvx2;
+    return Kernels{isa == "avx512" ? "avx512" : "avx2", k.forward, k.backward};
   }
-  if ((any || name == "avx2") && __builtin_cpu_supports("x86-64-v3")) {
-    return Kernels{"avx2", kernel::kAvx2.forward, kernel::kAvx2.backward};
-  }
-#endif
-  return Kernels{name == "none" ? "none" : "", nullptr, nullptr};
+  return Kernels{isa == "none" ? "none" : "", nullptr, nullptr};
 }
 
 std::atomic<const Kernels*> chosen{nullptr};
 
 Kernels kernels() {
   if (const Kernels* k = chosen.load()) return *k;
-  static const Kernels initial = [] {
-    const char* env = std::getenv("FLOTILLA_CONV_POOL_KERNEL");
-    const std::string name = env ? env : "";
-    if (!name.empty() && name != "avx512" && name != "avx2" && name != "none") {
-      throw ConfigError("FLOTILLA_CONV_POOL_KERNEL is '" + name +
-                        "'; use avx512, avx2 or none (ATen's ops), or unset it for the best "
-                        "this CPU runs");
-    }
-    const Kernels k = supported(name);
-    if (k.name[0] == '\0' && !name.empty()) {
-      throw ConfigError("FLOTILLA_CONV_POOL_KERNEL is '" + name +
-                        "', which this CPU does not run "
-                        "(it lacks the instructions); use a lesser one or none, or unset it");
-    }
-    return k.name[0] != '\0' ? k : Kernels{"none", nullptr, nullptr};
-  }();
+  static const Kernels initial =
+      supported(cpu_kernel_from_environment("FLOTILLA_CONV_POOL_KERNEL"));
   return initial;
 }
 
@@ -132,7 +110,8 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
     torch::Tensor sums = torch::zeros({threads, 10, c}, gy.options().dtype(torch::kFloat));
     // The kernel chosen now, or (chosen "none" since the forward) the best this CPU runs: the
     // kernels agree to the bit.
-    const auto backward = kernels().backward ? kernels().backward : supported("").backward;
+    const auto backward =
+        kernels().backward ? kernels().backward : supported(best_cpu_kernel()).backward;
     at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
       float* mine = sums.mutable_data_ptr<float>() + at::get_thread_num() * 10 * c;
       for (std::int64_t i = begin; i < end; ++i) {

@@ -6,6 +6,7 @@
 
 #include "flotilla/error.h"
 #include "flotilla/train/sync_batchnorm.h"
+#include "models/batch_norm_relu.h"
 #include "models/conv_pool_relu.h"
 #include "models/max_pool_relu.h"
 
@@ -62,8 +63,27 @@ class ResidualImpl : public nn::Cloneable<ResidualImpl>, public train::Replaceab
     body_ = register_module("body", copy_of(body_));
     if (shortcut_) shortcut_ = register_module("shortcut", copy_of(shortcut_));
   }
+  // The body's layers in order, but each "BatchNorm, ReLU" as one batch_norm_relu, and its last
+  // BatchNorm with the sum and the ReLU after it as one: the same values within float rounding,
+  // a quarter less memory traffic (batch_norm_relu.h). A SyncBatchNorm (after
+  // convert_sync_batchnorm) runs as its own layer. The stem's "BatchNorm, ReLU" sits in the
+  // top-level Sequential, whose forward calls each layer: not fused.
   torch::Tensor forward(const torch::Tensor& x) {
-    return torch::relu(body_->forward(x) + (shortcut_ ? shortcut_->forward(x) : x));
+    const torch::Tensor shortcut = shortcut_ ? shortcut_->forward(x) : x;
+    torch::Tensor h = x;
+    const std::size_t n = body_->size();
+    auto layer = body_->begin();
+    for (std::size_t i = 0; i < n; ++i, ++layer) {
+      auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(body_->ptr(i).get());
+      if (bn && i + 1 == n) return batch_norm_relu(*bn, h, shortcut);
+      if (bn && dynamic_cast<nn::ReLUImpl*>(body_->ptr(i + 1).get())) {
+        h = batch_norm_relu(*bn, h);
+        ++i, ++layer;
+        continue;
+      }
+      h = layer->forward(h);
+    }
+    return torch::relu(h + shortcut);
   }
   void replace_child(const std::string& name,
                      const std::shared_ptr<nn::Module>& module) override {

@@ -31,6 +31,7 @@
 #include "flotilla/train/sidecar_evaluator.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "flotilla/train/torchscript.h"
+#include "models/batch_norm_relu.h"
 #include "models/conv_pool_relu.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
@@ -489,6 +490,22 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                : std::string("conv2d, then ReLU and max-pool fused (") +
                      (std::getenv("FLOTILLA_CONV_POOL_KERNEL") != nullptr
                           ? "FLOTILLA_CONV_POOL_KERNEL=none)"
+                          : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
+      break;
+    }
+  }
+  for (const auto& m : model.module().modules()) {
+    if (dynamic_cast<const torch::nn::BatchNorm2dImpl*>(m.get()) != nullptr) {
+      const std::string kernel = models::batch_norm_relu_kernel();
+      strategy.log().info(
+          "recipe: batch norm: " +
+          (kernel != "none"
+               ? "BatchNorm and ReLU, and a block's last BatchNorm, sum and ReLU, fused in the "
+                 "residual blocks (" + kernel +
+                     " kernel, channels-last; FLOTILLA_BATCH_NORM_RELU_KERNEL=none runs ATen's)"
+               : std::string("ATen's BatchNorm, add and ReLU (") +
+                     (std::getenv("FLOTILLA_BATCH_NORM_RELU_KERNEL") != nullptr
+                          ? "FLOTILLA_BATCH_NORM_RELU_KERNEL=none)"
                           : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
       break;
     }

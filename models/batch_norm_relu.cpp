@@ -1,0 +1,339 @@
+#include "models/batch_norm_relu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "models/batch_norm_relu_kernel.h"
+#include "models/cpu_kernels.h"
+
+namespace flotilla::models {
+namespace {
+
+namespace kernel = batch_norm_relu_kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
+// Rows per kernel call; each block's sums are added in block order, so the result is the same for
+// any number of threads.
+constexpr std::int64_t kBlockRows = 256;
+
+struct Kernels {
+  const char* name;
+  const kernel::Kernel* kernel;
+};
+
+// `isa`'s kernels ("avx512", "avx2", "none": ATen's ops), where this build and CPU have them.
+Kernels supported(const std::string& isa) {
+  if (isa != "none" && cpu_runs(isa)) {
+    return isa == "avx512" ? Kernels{"avx512", &kernel::kAvx512} : Kernels{"avx2", &kernel::kAvx2};
+  }
+  return Kernels{isa == "none" ? "none" : "", nullptr};
+}
+
+std::atomic<const Kernels*> chosen{nullptr};
+
+Kernels kernels() {
+  if (const Kernels* k = chosen.load()) return *k;
+  static const Kernels initial =
+      supported(cpu_kernel_from_environment("FLOTILLA_BATCH_NORM_RELU_KERNEL"));
+  return initial;
+}
+
+// The kernel chosen now, or (chosen "none" since a forward ran one) the best this CPU runs.
+const kernel::Kernel& kernel_for_backward() {
+  const Kernels k = kernels();
+  return k.kernel ? *k.kernel : *supported(best_cpu_kernel()).kernel;
+}
+
+// Row `row` of a channels-last tensor viewed as [rows][C].
+const void* row_of(const torch::Tensor& t, std::int64_t row) {
+  return static_cast<const char*>(t.const_data_ptr()) + row * t.size(1) * t.element_size();
+}
+void* row_of(torch::Tensor& t, std::int64_t row) {
+  return static_cast<char*>(t.mutable_data_ptr()) + row * t.size(1) * t.element_size();
+}
+
+kernel::Rows rows_of(const torch::Tensor& x, std::int64_t begin, std::int64_t end) {
+  return {row_of(x, begin), static_cast<long>(end - begin), static_cast<long>(x.size(1)),
+          x.scalar_type() == torch::kBFloat16};
+}
+
+// Calls f(block, first row, end row) for every block of kBlockRows rows, blocks split among
+// threads.
+template <class F> void for_each_block(std::int64_t rows, F&& f) {
+  const std::int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, 4, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t b = begin; b < end; ++b) {
+      f(b, b * kBlockRows, std::min(rows, (b + 1) * kBlockRows));
+    }
+  });
+}
+
+// Two per-channel sums: f(first row, end row, sum, other sum) adds a block's into the doubles
+// given; each block has its own, added in block order (the same result for any thread count).
+template <class F>
+std::pair<std::vector<double>, std::vector<double>> block_sums(std::int64_t rows, std::int64_t c,
+                                                               F&& f) {
+  const std::int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  std::vector<double> partial(blocks * 2 * c, 0.0);
+  for_each_block(rows, [&](std::int64_t b, std::int64_t begin, std::int64_t end) {
+    f(begin, end, &partial[b * 2 * c], &partial[b * 2 * c + c]);
+  });
+  std::vector<double> first(c, 0.0), second(c, 0.0);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    for (std::int64_t j = 0; j < c; ++j) {
+      first[j] += partial[b * 2 * c + j];
+      second[j] += partial[b * 2 * c + c + j];
+    }
+  }
+  return {first, second};
+}
+
+std::int64_t rows_in(const torch::Tensor& x) {
+  return x.numel() / x.size(1);
+}
+
+// A [C] float tensor's values (a copy where it is another type or not contiguous).
+std::vector<double> values_of(const torch::Tensor& t) {
+  const torch::Tensor f = t.detach().to(torch::kFloat).contiguous();
+  return std::vector<double>(f.const_data_ptr<float>(), f.const_data_ptr<float>() + f.numel());
+}
+
+// Per-channel values are worked out in loops, not tensor operations: each of those costs
+// microseconds, as much as a pass over a small layer's activations.
+struct Moments {
+  std::vector<double> mean, var; // var biased (divided by the rows)
+};
+
+// The batch's. Sums of x minus its first row (shifted data: no cancellation where the mean is
+// large against the spread).
+Moments batch_moments(const kernel::Kernel& k, const torch::Tensor& x) {
+  const std::int64_t c = x.size(1), rows = rows_in(x);
+  std::vector<float> origin(c);
+  const std::vector<double> first = values_of(x.permute({0, 2, 3, 1}).reshape({rows, c})[0]);
+  std::copy(first.begin(), first.end(), origin.begin());
+  auto [sum, squares] =
+      block_sums(rows, c, [&](std::int64_t begin, std::int64_t end, double* s, double* q) {
+        k.statistics(rows_of(x, begin, end), origin.data(), s, q);
+      });
+  Moments m{std::vector<double>(c), std::vector<double>(c)};
+  for (std::int64_t j = 0; j < c; ++j) {
+    const double shifted = sum[j] / static_cast<double>(rows);
+    m.mean[j] = origin[j] + shifted;
+    m.var[j] = std::max(0.0, squares[j] / static_cast<double>(rows) - shifted * shifted);
+  }
+  return m;
+}
+
+// As BatchNormImplBase::forward and ATen's batch_norm update them in training.
+void update_running_statistics(torch::nn::BatchNorm2dImpl& bn, const Moments& m,
+                               std::int64_t rows) {
+  torch::NoGradGuard no_grad;
+  double factor = bn.options.momentum().value_or(0.0);
+  if (bn.num_batches_tracked.defined()) {
+    bn.num_batches_tracked += 1;
+    if (!bn.options.momentum()) factor = 1.0 / bn.num_batches_tracked.item<double>();
+  }
+  const double unbiased = static_cast<double>(rows) / static_cast<double>(rows - 1);
+  const auto update = [&](torch::Tensor& running, const std::vector<double>& batch, double scale) {
+    if (running.scalar_type() == torch::kFloat && running.is_contiguous()) {
+      float* r = running.mutable_data_ptr<float>();
+      for (std::size_t j = 0; j < batch.size(); ++j) {
+        r[j] = static_cast<float>((1.0 - factor) * r[j] + factor * scale * batch[j]);
+      }
+    } else {
+      const torch::Tensor values = torch::tensor(std::vector<double>(batch));
+      running.mul_(1.0 - factor).add_(values.to(running.scalar_type()), factor * scale);
+    }
+  };
+  update(bn.running_mean, m.mean, 1.0);
+  update(bn.running_var, m.var, unbiased);
+}
+
+// Per channel, as floats: [kMean] and [kInvstd] the step normalizes with, [kScale] and [kShift]
+// what it applies (weight * invstd; bias - mean * scale). One [4, C] tensor.
+enum { kMean, kInvstd, kScale, kShift };
+torch::Tensor per_channel(const torch::nn::BatchNorm2dImpl& bn, const Moments& m) {
+  const std::int64_t c = static_cast<std::int64_t>(m.mean.size());
+  torch::Tensor t = torch::empty({4, c}, torch::kFloat);
+  float* p = t.mutable_data_ptr<float>();
+  const std::vector<double> w = values_of(bn.weight), b = values_of(bn.bias);
+  for (std::int64_t j = 0; j < c; ++j) {
+    const double invstd = 1.0 / std::sqrt(m.var[j] + bn.options.eps());
+    const double scale = w[j] * invstd;
+    p[kMean * c + j] = static_cast<float>(m.mean[j]);
+    p[kInvstd * c + j] = static_cast<float>(invstd);
+    p[kScale * c + j] = static_cast<float>(scale);
+    p[kShift * c + j] = static_cast<float>(b[j] - m.mean[j] * scale);
+  }
+  return t;
+}
+
+const float* row(const torch::Tensor& channels, int which) {
+  return channels.const_data_ptr<float>() + which * channels.size(1);
+}
+
+// relu(x * scale + shift (+ residual, where `add`)).
+torch::Tensor normalized(const kernel::Kernel& k, const torch::Tensor& x,
+                         const torch::Tensor& residual, bool add, const torch::Tensor& channels) {
+  torch::Tensor y = torch::empty_like(x); // x's channels-last strides
+  for_each_block(rows_in(x), [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+    k.normalize(rows_of(x, begin, end), add ? row_of(residual, begin) : nullptr,
+                row(channels, kScale), row(channels, kShift), row_of(y, begin));
+  });
+  return y;
+}
+
+// x channels-last, float32 or bfloat16; weight and bias [C] float32; `channels` per_channel's,
+// which carry no gradient; the residual (as x) or null.
+torch::Tensor forward_saving(AutogradContext* ctx, const torch::Tensor& x,
+                             const torch::Tensor& weight, const torch::Tensor& channels,
+                             const torch::Tensor* residual) {
+  const torch::Tensor y =
+      normalized(*kernels().kernel, x, residual ? *residual : x, residual != nullptr, channels);
+  ctx->save_for_backward({x, y, weight, channels});
+  return y;
+}
+
+// The gradients of x, weight and bias, none for `channels`, and the residual's where
+// `residual`.
+variable_list backward_of(AutogradContext* ctx, const variable_list& grads, bool residual) {
+  const auto saved = ctx->get_saved_variables();
+  const torch::Tensor &x = saved[0], &y = saved[1], &weight = saved[2], &channels = saved[3];
+  const kernel::Kernel& k = kernel_for_backward();
+  const torch::Tensor gy =
+      grads[0].to(x.scalar_type()).contiguous(torch::MemoryFormat::ChannelsLast);
+  const std::int64_t c = x.size(1), rows = rows_in(x);
+  const float* mean = row(channels, kMean);
+  auto [sum_g, sum_gx] =
+      block_sums(rows, c, [&](std::int64_t begin, std::int64_t end, double* s, double* q) {
+        k.backward_sums(rows_of(x, begin, end), row_of(y, begin), row_of(gy, begin), mean, s, q);
+      });
+  // gx = w * invstd * (g - mean(g) - (x - mean) * invstd^2 * mean(g * (x - mean))):
+  // g * scale + (x - mean) * slope + offset. Then the weight's and bias's gradients.
+  torch::Tensor factors = torch::empty({3, c}, torch::kFloat);
+  torch::Tensor parameter_grads = torch::empty({2, c}, torch::kFloat);
+  float* f = factors.mutable_data_ptr<float>();
+  float* pg = parameter_grads.mutable_data_ptr<float>();
+  const float* invstd = row(channels, kInvstd);
+  const float* scale = row(channels, kScale);
+  for (std::int64_t j = 0; j < c; ++j) {
+    const double is = invstd[j], s = scale[j], n = static_cast<double>(rows);
+    f[j] = scale[j];
+    f[c + j] = static_cast<float>(-s * is * is * sum_gx[j] / n);
+    f[2 * c + j] = static_cast<float>(-s * sum_g[j] / n);
+    pg[j] = static_cast<float>(sum_gx[j] * is);
+    pg[c + j] = static_cast<float>(sum_g[j]);
+  }
+  torch::Tensor gx = torch::empty_like(x);
+  torch::Tensor g_residual = residual ? torch::empty_like(x) : torch::Tensor();
+  for_each_block(rows, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+    k.backward_input(rows_of(x, begin, end), row_of(y, begin), row_of(gy, begin), mean, f, f + c,
+                     f + 2 * c, row_of(gx, begin), residual ? row_of(g_residual, begin) : nullptr);
+  });
+  variable_list result = {gx, parameter_grads[0].to(weight.scalar_type()),
+                          parameter_grads[1].to(weight.scalar_type()), torch::Tensor()};
+  if (residual) result.push_back(g_residual);
+  return result;
+}
+
+// relu(batch_norm(x)), and relu(batch_norm(x) + residual): two functions, as an undefined
+// tensor cannot be an input.
+class BatchNormReLUFunction : public torch::autograd::Function<BatchNormReLUFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               const torch::Tensor& channels) {
+    return forward_saving(ctx, x, weight, channels, nullptr);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return backward_of(ctx, grads, false);
+  }
+};
+
+class BatchNormAddReLUFunction : public torch::autograd::Function<BatchNormAddReLUFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               const torch::Tensor& channels, const torch::Tensor& residual) {
+    return forward_saving(ctx, x, weight, channels, &residual);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return backward_of(ctx, grads, true);
+  }
+};
+
+bool runs_kernel(const torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
+                 const torch::Tensor& residual) {
+  const auto channels_last = torch::MemoryFormat::ChannelsLast;
+  return kernels().kernel != nullptr && x.device().is_cpu() && x.dim() == 4 &&
+         (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+         x.size(1) % kLanes == 0 && x.size(1) == bn.options.num_features() && rows_in(x) > 1 &&
+         x.is_contiguous(channels_last) && bn.options.affine() && bn.weight.device().is_cpu() &&
+         bn.weight.scalar_type() == torch::kFloat && bn.bias.scalar_type() == torch::kFloat &&
+         (!residual.defined() ||
+          (residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+           residual.device().is_cpu() && residual.is_contiguous(channels_last)));
+}
+
+} // namespace
+
+torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
+                              const torch::Tensor& residual) {
+  if (!runs_kernel(bn, x, residual)) {
+    const torch::Tensor y = bn.forward(x);
+    return torch::relu(residual.defined() ? y + residual : y);
+  }
+  const bool batch_statistics = bn.is_training() || !bn.options.track_running_stats();
+  const bool needs_grad =
+      torch::GradMode::is_enabled() &&
+      (x.requires_grad() || bn.weight.requires_grad() || bn.bias.requires_grad() ||
+       (residual.defined() && residual.requires_grad()));
+  if (!batch_statistics && needs_grad) {
+    // Evaluation with gradients (a frozen BatchNorm being trained through): ATen's.
+    return torch::relu(residual.defined() ? bn.forward(x) + residual : bn.forward(x));
+  }
+  RECORD_FUNCTION("flotilla::batch_norm_relu", std::vector<c10::IValue>({x}));
+  const kernel::Kernel& k = *kernels().kernel;
+  Moments moments;
+  if (batch_statistics) {
+    moments = batch_moments(k, x);
+    if (bn.is_training() && bn.options.track_running_stats()) {
+      update_running_statistics(bn, moments, rows_in(x));
+    }
+  } else {
+    moments = {values_of(bn.running_mean), values_of(bn.running_var)};
+  }
+  const torch::Tensor channels = per_channel(bn, moments);
+  if (needs_grad) {
+    return residual.defined()
+               ? BatchNormAddReLUFunction::apply(x, bn.weight, bn.bias, channels, residual)
+               : BatchNormReLUFunction::apply(x, bn.weight, bn.bias, channels);
+  }
+  return normalized(k, x, residual, residual.defined(), channels);
+}
+
+const char* batch_norm_relu_kernel() {
+  return kernels().name;
+}
+
+bool use_batch_norm_relu_kernel(const std::string& name) {
+  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
+  for (const Kernels& k : table) {
+    if (name == k.name) {
+      chosen.store(&k);
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace flotilla::models

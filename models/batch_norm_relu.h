@@ -1,0 +1,36 @@
+// relu(batch_norm(x)) and relu(batch_norm(x) + residual) as one operation: what a ResNet's
+// "BatchNorm, ReLU" and its block's "BatchNorm, add the shortcut, ReLU" compute. On a CPU with
+// AVX-512 or AVX2, for channels-last float32 or bfloat16 input (channels a multiple of 16), in
+// training, forward makes two passes (the batch statistics; then normalize, add, ReLU) and
+// backward two (the sums; then the input's and the residual's gradients). Counted in
+// activation-sized reads and writes, a step costs 10 instead of the separate operations' 13,
+// and 12 instead of 16 with the residual: BatchNorm needs two passes each way either way, so
+// this saves a quarter of the element-wise traffic, not more (bench/batch_norm_relu.cpp).
+// The running statistics are updated as the module's own forward does (momentum or cumulative
+// average, unbiased variance, num_batches_tracked). Sums run in double, as ATen's do. Values are
+// those of the separate operations within float rounding (batch_norm_relu_test.cpp). In
+// evaluation without gradients it normalizes with the running statistics in one pass. Anything
+// else (another device or layout, other types, affine=false, evaluation with gradients) runs
+// the module's forward, then the add and torch::relu.
+#pragma once
+
+#include <torch/nn/modules/batchnorm.h>
+
+#include <string>
+
+namespace flotilla::models {
+
+// `bn` is the module whose weights, options and running statistics apply; `residual`, where
+// defined, has x's shape and type.
+torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
+                              const torch::Tensor& residual = {});
+
+// The kernel batch_norm_relu runs: "avx512" or "avx2" (the best this CPU has), or "none"
+// (ATen's ops). The environment variable FLOTILLA_BATCH_NORM_RELU_KERNEL (avx512, avx2, none)
+// chooses another at the first use, where this CPU runs it.
+const char* batch_norm_relu_kernel();
+// Runs `name`'s kernel from now on (for tests and benchmarks); false, and nothing changes,
+// where this CPU lacks it.
+bool use_batch_norm_relu_kernel(const std::string& name);
+
+} // namespace flotilla::models
