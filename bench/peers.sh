@@ -190,6 +190,10 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   local norm
   norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
   echo "$norm" >"$tmp/norm-$name-$model"
+  # ViT-tiny's dropout, as the recipe names it.
+  local drop
+  drop=$(sed -n 's/.*recipe: dropout: hashed masks.* (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way (\1)/p; s/.*recipe: dropout: ATen.*/ATen (Bernoulli mask)/p' "$log" | head -n 1)
+  echo "$drop" >"$tmp/dropout-$name-$model"
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -206,14 +210,14 @@ peer_result() {  # system, short name, rank 0's log, command -> samples/s; versi
   json_number samples_per_s <<<"$line"
 }
 
-run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc[, order]]
+run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc[, order[, attention]]]
   local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=() tunables=()
   port=$(free_ports 1)
   # keep: malloc keeps what a step frees, as flotilla's --freed-memory keep (base/system.h).
   [ "${8:-}" = keep ] &&
     tunables=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824)
   local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR"
-    "$5" "$6" "$7" "${9:-relu-pool}")
+    "$5" "$6" "$7" "${9:-relu-pool}" "${10:-default}")
   for rank in $(seq 0 $((WORKERS - 1))); do
     start "$log.$rank.log" env "${tunables[@]}" OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 \
       MASTER_PORT="$port" RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
@@ -286,6 +290,12 @@ peak_bfloat16=$(sed 's/.*"bfloat16": *\([0-9.]*\).*/\1/' <<<"$peak_line")
 printf '{"bench":"peers","metric":"matmul_peak_gflops_per_thread","float32":%s,"bfloat16":%s,"how":"1024x1024 torch.mm, one thread, median of 7","machine":%s}\n' \
   "$peak_float32" "$peak_bfloat16" "$machine"
 
+# DDP at its best: math attention under bf16 autocast (ViT-tiny's step 1.19x faster than flash
+# attention for the CPU here), the default (flash) in float32 (level).
+ddp_best_attention() {  # precision
+  if [ "$1" = mixed_bfloat16 ]; then echo math; else echo default; fi
+}
+
 # The settings each system ran at, for the JSON lines: precision and memory format.
 settings_of() {  # system, model, precision -> JSON fields
   local format=nchw
@@ -300,10 +310,14 @@ settings_of() {  # system, model, precision -> JSON fields
       [ -z "$first" ] || printf ',"relu_pool_order":"pool-relu fused","first_layer":"%s"' "$first"
       local norm
       norm=$(cat "$tmp/norm-$1-$2" 2>/dev/null || true)
-      [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm" ;;
+      [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
+      local drop
+      drop=$(cat "$tmp/dropout-$1-$2" 2>/dev/null || true)
+      [ -z "$drop" ] || printf ',"attention":"math","dropout":"%s"' "$drop" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
-      [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"' ;;
+      [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"'
+      [ "$2" != vit-tiny ] || printf ',"attention":"%s","dropout":"ATen (Bernoulli mask)"' "$(ddp_best_attention "$3")" ;;
     tf-mwms) printf '"precision":"%s","memory_format":"channels_last","xla":false' "$3" ;;
     tf-mwms-xla) printf '"precision":"%s","memory_format":"channels_last","xla":true' "$3" ;;
     tf-mwms-pool-relu) printf '"precision":"%s","memory_format":"channels_last","xla":false,"relu_pool_order":"pool-relu"' "$3" ;;
@@ -326,7 +340,7 @@ for run in $(seq "$RUNS"); do
             pytorch-ddp) run_ddp "$model" "$batch" "$steps" "$run" "$precision" nchw default ;;
             pytorch-ddp-best)
               run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep \
-                pool-relu ;;
+                pool-relu "$(ddp_best_attention "$precision")" ;;
             tf-mwms) run_tf "$model" "$batch" "$steps" "$run" "$precision" off ;;
             tf-mwms-xla) run_tf "$model" "$batch" "$steps" "$run" "$precision" on ;;
             tf-mwms-pool-relu) run_tf "$model" "$batch" "$steps" "$run" "$precision" off pool-relu ;;

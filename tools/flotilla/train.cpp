@@ -33,6 +33,7 @@
 #include "flotilla/train/torchscript.h"
 #include "models/batch_norm_relu.h"
 #include "models/conv_pool_relu.h"
+#include "models/dropout.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -507,6 +508,21 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                      (std::getenv("FLOTILLA_BATCH_NORM_RELU_KERNEL") != nullptr
                           ? "FLOTILLA_BATCH_NORM_RELU_KERNEL=none)"
                           : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
+      break;
+    }
+  }
+  for (const auto& m : model.module().modules()) {
+    if (dynamic_cast<const models::DropoutImpl*>(m.get()) != nullptr) {
+      const std::string kernel = models::dropout_kernel();
+      strategy.log().info(
+          "recipe: dropout: " +
+          (kernel != "none"
+               ? "hashed masks, one pass each way, none stored (" + kernel +
+                     " kernel; FLOTILLA_DROPOUT_KERNEL=none runs ATen's Bernoulli masks)"
+               : std::string("ATen's Bernoulli masks (") +
+                     (std::getenv("FLOTILLA_DROPOUT_KERNEL") != nullptr
+                          ? "FLOTILLA_DROPOUT_KERNEL=none)"
+                          : "this CPU has neither AVX2 nor AVX-512 for the kernel)")));
       break;
     }
   }

@@ -1,0 +1,69 @@
+// `build/bench_dropout [REPEATS=15] [IMAGES=64] | bench/machine.sh --tag`: ViT-tiny's dropout
+// (p = 0.1), training, forward and backward, one thread: flotilla's hash_dropout
+// (models/dropout.h) against torch::dropout (what it runs with FLOTILLA_DROPOUT_KERNEL=none,
+// and what PyTorch's twin runs). Shapes: the MLP's hidden layer and the residual stream at
+// IMAGES images of 50 tokens (64: a worker's share of a global batch of 128). Prints one JSON
+// line per dtype and shape: the median milliseconds of each over REPEATS runs (after 3
+// untimed), and the ratio. Freed memory is kept, as `flotilla train` keeps it.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flotilla/base/system.h"
+#include "models/dropout.h"
+
+namespace {
+
+double median_ms(int repeats, const std::function<void()>& f) {
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    times.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  namespace models = flotilla::models;
+  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
+  const std::int64_t images = argc > 2 ? std::max(1, std::atoi(argv[2])) : 64;
+  at::set_num_threads(1);
+  flotilla::base::keep_freed_memory();
+  const std::string best = models::dropout_kernel();
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (const std::int64_t width : {768, 192}) {
+      const std::vector<std::int64_t> shape = {images, 50, width};
+      const torch::Tensor x = torch::randn(shape).to(dtype).requires_grad_();
+      const torch::Tensor grad = torch::randn(shape).to(dtype);
+      auto step = [&] {
+        const torch::Tensor y = models::hash_dropout(x, 0.1, true);
+        torch::autograd::grad({y}, {x}, {grad});
+      };
+      models::use_dropout_kernel(best);
+      const double hashed = median_ms(repeats, step);
+      models::use_dropout_kernel("none");
+      const double aten = median_ms(repeats, step);
+      models::use_dropout_kernel(best);
+      std::printf("{\"bench\":\"dropout\",\"dtype\":\"%s\",\"shape\":[%lld,50,%lld],\"p\":0.1,"
+                  "\"threads\":1,\"repeats\":%d,\"metric\":\"forward_backward_ms\","
+                  "\"kernel\":\"%s\",\"hashed\":%.3f,\"aten\":%.3f,\"ratio\":%.3f}\n",
+                  dtype == torch::kFloat32 ? "float32" : "bfloat16",
+                  static_cast<long long>(images), static_cast<long long>(width), repeats,
+                  best.c_str(), hashed, aten, aten / hashed);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,147 @@
+#include "models/dropout.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+
+#include "flotilla/error.h"
+#include "models/cpu_kernels.h"
+#include "models/dropout_kernel.h"
+
+namespace flotilla::models {
+namespace {
+
+namespace kernel = dropout_kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Kernels {
+  const char* name;
+  const kernel::Kernel* kernel;
+};
+
+// `isa`'s kernel ("avx512", "avx2", "none": ATen's), where this build and CPU have it.
+Kernels supported(const std::string& isa) {
+  if (isa != "none" && cpu_runs(isa)) {
+    return isa == "avx512" ? Kernels{"avx512", &kernel::kAvx512} : Kernels{"avx2", &kernel::kAvx2};
+  }
+  return Kernels{isa == "none" ? "none" : "", nullptr};
+}
+
+std::atomic<const Kernels*> chosen{nullptr};
+
+Kernels kernels() {
+  if (const Kernels* k = chosen.load()) return *k;
+  static const Kernels initial = supported(cpu_kernel_from_environment("FLOTILLA_DROPOUT_KERNEL"));
+  return initial;
+}
+
+// The kernel chosen now, or (chosen "none" since a forward ran one) the best this CPU runs: the
+// kernels agree to the bit.
+const kernel::Kernel& kernel_for_backward() {
+  const Kernels k = kernels();
+  return k.kernel ? *k.kernel : *supported(best_cpu_kernel()).kernel;
+}
+
+// 64 random bits from LibTorch's default CPU generator (what torch::manual_seed seeds).
+std::uint64_t draw_seed() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+}
+
+kernel::Mask mask_of(std::uint64_t seed, double p) {
+  const double threshold = std::nearbyint(p * 4294967296.0);
+  return {static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32),
+          static_cast<unsigned>(std::min(threshold, 4294967295.0)),
+          static_cast<float>(1.0 / (1.0 - p))};
+}
+
+// `in` (contiguous, float32 or bfloat16) times its mask.
+torch::Tensor masked(const kernel::Kernel& k, const torch::Tensor& in, const kernel::Mask& mask) {
+  torch::Tensor out = torch::empty_like(in, torch::MemoryFormat::Contiguous);
+  const bool bf16 = in.scalar_type() == torch::kBFloat16;
+  const auto* x = static_cast<const char*>(in.const_data_ptr());
+  auto* y = static_cast<char*>(out.mutable_data_ptr());
+  const std::int64_t element = in.element_size();
+  at::parallel_for(0, in.numel(), 1 << 15, [&](std::int64_t begin, std::int64_t end) {
+    k.apply(x + begin * element, y + begin * element, static_cast<long>(end - begin), bf16,
+            static_cast<unsigned>(begin), mask);
+  });
+  return out;
+}
+
+class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, std::int64_t seed,
+                               double p) {
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["p"] = p;
+    return masked(*kernels().kernel, x, mask_of(static_cast<std::uint64_t>(seed), p));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto seed = static_cast<std::uint64_t>(ctx->saved_data["seed"].toInt());
+    const double p = ctx->saved_data["p"].toDouble();
+    const torch::Tensor gy = grads[0].contiguous();
+    if (gy.scalar_type() != torch::kFloat && gy.scalar_type() != torch::kBFloat16) {
+      return {masked(kernel_for_backward(), gy.to(torch::kFloat), mask_of(seed, p))
+                  .to(gy.scalar_type()),
+              torch::Tensor(), torch::Tensor()};
+    }
+    return {masked(kernel_for_backward(), gy, mask_of(seed, p)), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+} // namespace
+
+torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
+  if (!training || p == 0 || x.numel() == 0) return x; // as torch::dropout
+  const Kernels k = kernels();
+  if (k.kernel == nullptr || !x.device().is_cpu() || p >= 1 || x.numel() >= (1LL << 32) ||
+      !x.is_contiguous() ||
+      (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kBFloat16)) {
+    return torch::dropout(x, p, training);
+  }
+  RECORD_FUNCTION("flotilla::dropout", std::vector<c10::IValue>({x}));
+  const std::uint64_t seed = draw_seed();
+  if (torch::GradMode::is_enabled() && x.requires_grad()) {
+    return DropoutFunction::apply(x, static_cast<std::int64_t>(seed), p);
+  }
+  return masked(*k.kernel, x, mask_of(seed, p));
+}
+
+DropoutImpl::DropoutImpl(double p) : p(p) {
+  if (!(p >= 0 && p <= 1)) {
+    throw ConfigError("dropout probability " + std::to_string(p) +
+                      " is not between 0 and 1 (the share of elements zeroed in training)");
+  }
+}
+
+void DropoutImpl::pretty_print(std::ostream& stream) const {
+  stream << "flotilla::models::Dropout(p=" << p << ")";
+}
+
+const char* dropout_kernel() {
+  return kernels().name;
+}
+
+bool use_dropout_kernel(const std::string& name) {
+  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
+  for (const Kernels& k : table) {
+    if (name == k.name) {
+      chosen.store(&k);
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace flotilla::models
