@@ -9,33 +9,16 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "timing.h"
 #include "flotilla/base/system.h"
 #include "models/batch_norm_relu.h"
 
-namespace {
-
-double median_ms(int repeats, const std::function<void()>& f) {
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<double> times;
-  for (int i = 0; i < repeats; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    times.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-} // namespace
+using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
   namespace models = flotilla::models;

@@ -13,32 +13,16 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <vector>
 
+#include "timing.h"
 #include "models/conv_pool_relu.h"
 #include "models/max_pool_relu.h"
 
-namespace {
-
-double median_ms(int repeats, const std::function<void()>& f) {
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<double> times;
-  for (int i = 0; i < repeats; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    times.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-} // namespace
+using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;

@@ -6,7 +6,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -25,32 +24,9 @@ constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel
 // any number of threads.
 constexpr std::int64_t kBlockRows = 256;
 
-struct Kernels {
-  const char* name;
-  const kernel::Kernel* kernel;
-};
-
-// `isa`'s kernels ("avx512", "avx2", "none": ATen's ops), where this build and CPU have them.
-Kernels supported(const std::string& isa) {
-  if (isa != "none" && cpu_runs(isa)) {
-    return isa == "avx512" ? Kernels{"avx512", &kernel::kAvx512} : Kernels{"avx2", &kernel::kAvx2};
-  }
-  return Kernels{isa == "none" ? "none" : "", nullptr};
-}
-
-std::atomic<const Kernels*> chosen{nullptr};
-
-Kernels kernels() {
-  if (const Kernels* k = chosen.load()) return *k;
-  static const Kernels initial =
-      supported(cpu_kernel_from_environment("FLOTILLA_BATCH_NORM_RELU_KERNEL"));
-  return initial;
-}
-
-// The kernel chosen now, or (chosen "none" since a forward ran one) the best this CPU runs.
-const kernel::Kernel& kernel_for_backward() {
-  const Kernels k = kernels();
-  return k.kernel ? *k.kernel : *supported(best_cpu_kernel()).kernel;
+CpuKernelChoice<kernel::Kernel>& choice() {
+  static CpuKernelChoice<kernel::Kernel> choice("FLOTILLA_BATCH_NORM_RELU_KERNEL", kernel::kAvx512, kernel::kAvx2);
+  return choice;
 }
 
 // Row `row` of a channels-last tensor viewed as [rows][C].
@@ -198,7 +174,7 @@ torch::Tensor forward_saving(AutogradContext* ctx, const torch::Tensor& x,
                              const torch::Tensor& weight, const torch::Tensor& channels,
                              const torch::Tensor* residual) {
   const torch::Tensor y =
-      normalized(*kernels().kernel, x, residual ? *residual : x, residual != nullptr, channels);
+      normalized(*choice().kernel(), x, residual ? *residual : x, residual != nullptr, channels);
   ctx->save_for_backward({x, y, weight, channels});
   return y;
 }
@@ -208,7 +184,7 @@ torch::Tensor forward_saving(AutogradContext* ctx, const torch::Tensor& x,
 variable_list backward_of(AutogradContext* ctx, const variable_list& grads, bool residual) {
   const auto saved = ctx->get_saved_variables();
   const torch::Tensor &x = saved[0], &y = saved[1], &weight = saved[2], &channels = saved[3];
-  const kernel::Kernel& k = kernel_for_backward();
+  const kernel::Kernel& k = choice().kernel_for_backward();
   const torch::Tensor gy =
       grads[0].to(x.scalar_type()).contiguous(torch::MemoryFormat::ChannelsLast);
   const std::int64_t c = x.size(1), rows = rows_in(x);
@@ -274,7 +250,7 @@ class BatchNormAddReLUFunction : public torch::autograd::Function<BatchNormAddRe
 bool runs_kernel(const torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
                  const torch::Tensor& residual) {
   const auto channels_last = torch::MemoryFormat::ChannelsLast;
-  return kernels().kernel != nullptr && x.device().is_cpu() && x.dim() == 4 &&
+  return choice().kernel() != nullptr && x.device().is_cpu() && x.dim() == 4 &&
          (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
          x.size(1) % kLanes == 0 && x.size(1) == bn.options.num_features() && rows_in(x) > 1 &&
          x.is_contiguous(channels_last) && bn.options.affine() && bn.weight.device().is_cpu() &&
@@ -302,7 +278,7 @@ torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tenso
     return torch::relu(residual.defined() ? bn.forward(x) + residual : bn.forward(x));
   }
   RECORD_FUNCTION("flotilla::batch_norm_relu", std::vector<c10::IValue>({x}));
-  const kernel::Kernel& k = *kernels().kernel;
+  const kernel::Kernel& k = *choice().kernel();
   Moments moments;
   if (batch_statistics) {
     moments = batch_moments(k, x);
@@ -322,18 +298,11 @@ torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tenso
 }
 
 const char* batch_norm_relu_kernel() {
-  return kernels().name;
+  return choice().name();
 }
 
 bool use_batch_norm_relu_kernel(const std::string& name) {
-  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
-  for (const Kernels& k : table) {
-    if (name == k.name) {
-      chosen.store(&k);
-      return true;
-    }
-  }
-  return false;
+  return choice().use(name);
 }
 
 } // namespace flotilla::models

@@ -7,7 +7,6 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <string>
 #include <vector>
 
@@ -24,28 +23,9 @@ using torch::autograd::variable_list;
 
 constexpr std::int64_t kLanes = 16;
 
-struct Kernels {
-  const char* name;
-  kernel::Forward forward;
-  kernel::Backward backward;
-};
-
-// `isa`'s kernels ("avx512", "avx2", "none": ATen's ops), where this build and CPU have them.
-Kernels supported(const std::string& isa) {
-  if (isa != "none" && cpu_runs(isa)) {
-    const kernel::Kernel& k = isa == "avx512" ? kernel::kAvx512 : kernel::kAvx2;
-    return Kernels{isa == "avx512" ? "avx512" : "avx2", k.forward, k.backward};
-  }
-  return Kernels{isa == "none" ? "none" : "", nullptr, nullptr};
-}
-
-std::atomic<const Kernels*> chosen{nullptr};
-
-Kernels kernels() {
-  if (const Kernels* k = chosen.load()) return *k;
-  static const Kernels initial =
-      supported(cpu_kernel_from_environment("FLOTILLA_CONV_POOL_KERNEL"));
-  return initial;
+CpuKernelChoice<kernel::Kernel>& choice() {
+  static CpuKernelChoice<kernel::Kernel> choice("FLOTILLA_CONV_POOL_KERNEL", kernel::kAvx512, kernel::kAvx2);
+  return choice;
 }
 
 // The images as floats with a zero border of one pixel: [N, H+2, W+2].
@@ -80,7 +60,7 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
     const torch::Tensor b = bias.to(torch::kFloat).contiguous();
     torch::Tensor y = empty_channels_last(n, c, oh, ow, weight.options());
     torch::Tensor code = torch::empty({n, oh, ow, c}, x.options().dtype(torch::kUInt8));
-    const auto forward = kernels().forward;
+    const auto forward = choice().kernel()->forward;
     const std::int64_t per_image = oh * ow * c;
     auto* out = static_cast<char*>(y.data_ptr());
     const std::int64_t element = y.element_size();
@@ -108,10 +88,7 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
     // One sum per thread, added in thread order.
     const int threads = at::get_num_threads();
     torch::Tensor sums = torch::zeros({threads, 10, c}, gy.options().dtype(torch::kFloat));
-    // The kernel chosen now, or (chosen "none" since the forward) the best this CPU runs: the
-    // kernels agree to the bit.
-    const auto backward =
-        kernels().backward ? kernels().backward : supported(best_cpu_kernel()).backward;
+    const auto backward = choice().kernel_for_backward().backward;
     at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
       float* mine = sums.mutable_data_ptr<float>() + at::get_thread_num() * 10 * c;
       for (std::int64_t i = begin; i < end; ++i) {
@@ -129,7 +106,7 @@ class ConvMaxPool2ReLUFunction : public torch::autograd::Function<ConvMaxPool2Re
 };
 
 bool runs_kernel(const torch::Tensor& x, const torch::Tensor& weight) {
-  return kernels().forward != nullptr && x.device().is_cpu() && weight.device().is_cpu() &&
+  return choice().kernel() != nullptr && x.device().is_cpu() && weight.device().is_cpu() &&
          x.dim() == 4 && x.size(1) == 1 && x.size(2) >= 2 && x.size(3) >= 2 && !x.requires_grad() &&
          weight.size(0) % kLanes == 0 &&
          (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16);
@@ -171,18 +148,11 @@ torch::Tensor ConvMaxPool2ReLUImpl::forward(const torch::Tensor& x) {
 }
 
 const char* conv_max_pool2_relu_kernel() {
-  return kernels().name;
+  return choice().name();
 }
 
 bool use_conv_max_pool2_relu_kernel(const std::string& name) {
-  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
-  for (const Kernels& k : table) {
-    if (name == k.name) {
-      chosen.store(&k);
-      return true;
-    }
-  }
-  return false;
+  return choice().use(name);
 }
 
 } // namespace flotilla::models

@@ -6,7 +6,6 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -22,32 +21,9 @@ namespace kernel = dropout_kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct Kernels {
-  const char* name;
-  const kernel::Kernel* kernel;
-};
-
-// `isa`'s kernel ("avx512", "avx2", "none": ATen's), where this build and CPU have it.
-Kernels supported(const std::string& isa) {
-  if (isa != "none" && cpu_runs(isa)) {
-    return isa == "avx512" ? Kernels{"avx512", &kernel::kAvx512} : Kernels{"avx2", &kernel::kAvx2};
-  }
-  return Kernels{isa == "none" ? "none" : "", nullptr};
-}
-
-std::atomic<const Kernels*> chosen{nullptr};
-
-Kernels kernels() {
-  if (const Kernels* k = chosen.load()) return *k;
-  static const Kernels initial = supported(cpu_kernel_from_environment("FLOTILLA_DROPOUT_KERNEL"));
-  return initial;
-}
-
-// The kernel chosen now, or (chosen "none" since a forward ran one) the best this CPU runs: the
-// kernels agree to the bit.
-const kernel::Kernel& kernel_for_backward() {
-  const Kernels k = kernels();
-  return k.kernel ? *k.kernel : *supported(best_cpu_kernel()).kernel;
+CpuKernelChoice<kernel::Kernel>& choice() {
+  static CpuKernelChoice<kernel::Kernel> choice("FLOTILLA_DROPOUT_KERNEL", kernel::kAvx512, kernel::kAvx2);
+  return choice;
 }
 
 // 64 random bits from LibTorch's default CPU generator (what torch::manual_seed seeds).
@@ -84,7 +60,7 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
                                double p) {
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["p"] = p;
-    return masked(*kernels().kernel, x, mask_of(static_cast<std::uint64_t>(seed), p));
+    return masked(*choice().kernel(), x, mask_of(static_cast<std::uint64_t>(seed), p));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -92,11 +68,11 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
     const double p = ctx->saved_data["p"].toDouble();
     const torch::Tensor gy = grads[0].contiguous();
     if (gy.scalar_type() != torch::kFloat && gy.scalar_type() != torch::kBFloat16) {
-      return {masked(kernel_for_backward(), gy.to(torch::kFloat), mask_of(seed, p))
+      return {masked(choice().kernel_for_backward(), gy.to(torch::kFloat), mask_of(seed, p))
                   .to(gy.scalar_type()),
               torch::Tensor(), torch::Tensor()};
     }
-    return {masked(kernel_for_backward(), gy, mask_of(seed, p)), torch::Tensor(), torch::Tensor()};
+    return {masked(choice().kernel_for_backward(), gy, mask_of(seed, p)), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -104,8 +80,8 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
 
 torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
   if (!training || p == 0 || x.numel() == 0) return x; // as torch::dropout
-  const Kernels k = kernels();
-  if (k.kernel == nullptr || !x.device().is_cpu() || p >= 1 || x.numel() >= (1LL << 32) ||
+  const kernel::Kernel* k = choice().kernel();
+  if (k == nullptr || !x.device().is_cpu() || p >= 1 || x.numel() >= (1LL << 32) ||
       !x.is_contiguous() ||
       (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kBFloat16)) {
     return torch::dropout(x, p, training);
@@ -115,7 +91,7 @@ torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
   if (torch::GradMode::is_enabled() && x.requires_grad()) {
     return DropoutFunction::apply(x, static_cast<std::int64_t>(seed), p);
   }
-  return masked(*k.kernel, x, mask_of(seed, p));
+  return masked(*k, x, mask_of(seed, p));
 }
 
 DropoutImpl::DropoutImpl(double p) : p(p) {
@@ -130,18 +106,11 @@ void DropoutImpl::pretty_print(std::ostream& stream) const {
 }
 
 const char* dropout_kernel() {
-  return kernels().name;
+  return choice().name();
 }
 
 bool use_dropout_kernel(const std::string& name) {
-  static const Kernels table[] = {supported("avx512"), supported("avx2"), supported("none")};
-  for (const Kernels& k : table) {
-    if (name == k.name) {
-      chosen.store(&k);
-      return true;
-    }
-  }
-  return false;
+  return choice().use(name);
 }
 
 } // namespace flotilla::models

@@ -33,6 +33,7 @@
 #include "flotilla/train/torchscript.h"
 #include "models/batch_norm_relu.h"
 #include "models/conv_pool_relu.h"
+#include "models/cpu_kernels.h"
 #include "models/dropout.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
@@ -466,6 +467,27 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
   return compile;
 }
 
+// A fused layer's recipe line, where the model has one: what ran, the kernel (`kernel`: its
+// instruction set) or ATen's operations, and why.
+template <class Layer>
+void log_fused_layer(const strategy::Strategy& strategy, train::Model& model,
+                     const std::string& topic, const std::string& kernel, const char* variable,
+                     const std::string& fused, const std::string& aten) {
+  const auto modules = model.module().modules();
+  if (std::none_of(modules.begin(), modules.end(), [](const auto& m) {
+        return dynamic_cast<const Layer*>(m.get()) != nullptr;
+      })) {
+    return;
+  }
+  const std::string why = models::best_cpu_kernel() == "none"
+                              ? "this CPU has neither AVX2 nor AVX-512 for the fused kernel"
+                              : std::string(variable) + "=none";
+  strategy.log().info("recipe: " + topic + ": " +
+                      (kernel != "none" ? fused + " (" + kernel + " kernel; " + variable +
+                                              "=none runs " + aten + ")"
+                                        : aten + " (" + why + ")"));
+}
+
 void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe, const Input& input,
                 train::Model& model, const collective::CommunicationOptions& comm,
                 bool kept_freed_memory) {
@@ -480,52 +502,20 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                                  ? "--channels-last off)"
                                  : "no 2-D convolutions to speed up; --channels-last on forces "
                                    "it)")));
-  for (const auto& m : model.module().modules()) {
-    if (dynamic_cast<const models::ConvMaxPool2ReLUImpl*>(m.get()) != nullptr) {
-      const std::string kernel = models::conv_max_pool2_relu_kernel();
-      strategy.log().info(
-          "recipe: first layer: " +
-          (kernel != "none"
-               ? "3x3 convolution, ReLU and max-pool fused (" + kernel +
-                     " kernel; FLOTILLA_CONV_POOL_KERNEL=none runs ATen's conv2d)"
-               : std::string("conv2d, then ReLU and max-pool fused (") +
-                     (std::getenv("FLOTILLA_CONV_POOL_KERNEL") != nullptr
-                          ? "FLOTILLA_CONV_POOL_KERNEL=none)"
-                          : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
-      break;
-    }
-  }
-  for (const auto& m : model.module().modules()) {
-    if (dynamic_cast<const torch::nn::BatchNorm2dImpl*>(m.get()) != nullptr) {
-      const std::string kernel = models::batch_norm_relu_kernel();
-      strategy.log().info(
-          "recipe: batch norm: " +
-          (kernel != "none"
-               ? "BatchNorm and ReLU, and a block's last BatchNorm, sum and ReLU, fused in the "
-                 "residual blocks (" + kernel +
-                     " kernel, channels-last; FLOTILLA_BATCH_NORM_RELU_KERNEL=none runs ATen's)"
-               : std::string("ATen's BatchNorm, add and ReLU (") +
-                     (std::getenv("FLOTILLA_BATCH_NORM_RELU_KERNEL") != nullptr
-                          ? "FLOTILLA_BATCH_NORM_RELU_KERNEL=none)"
-                          : "this CPU has neither AVX2 nor AVX-512 for the fused kernel)")));
-      break;
-    }
-  }
-  for (const auto& m : model.module().modules()) {
-    if (dynamic_cast<const models::DropoutImpl*>(m.get()) != nullptr) {
-      const std::string kernel = models::dropout_kernel();
-      strategy.log().info(
-          "recipe: dropout: " +
-          (kernel != "none"
-               ? "hashed masks, one pass each way, none stored (" + kernel +
-                     " kernel; FLOTILLA_DROPOUT_KERNEL=none runs ATen's Bernoulli masks)"
-               : std::string("ATen's Bernoulli masks (") +
-                     (std::getenv("FLOTILLA_DROPOUT_KERNEL") != nullptr
-                          ? "FLOTILLA_DROPOUT_KERNEL=none)"
-                          : "this CPU has neither AVX2 nor AVX-512 for the kernel)")));
-      break;
-    }
-  }
+  log_fused_layer<models::ConvMaxPool2ReLUImpl>(
+      strategy, model, "first layer", models::conv_max_pool2_relu_kernel(),
+      "FLOTILLA_CONV_POOL_KERNEL", "3x3 convolution, ReLU and max-pool fused",
+      "conv2d, then ReLU and max-pool fused");
+  log_fused_layer<torch::nn::BatchNorm2dImpl>(
+      strategy, model, "batch norm", models::batch_norm_relu_kernel(),
+      "FLOTILLA_BATCH_NORM_RELU_KERNEL",
+      "BatchNorm and ReLU, and a block's last BatchNorm, sum and ReLU, fused in the residual "
+      "blocks",
+      "ATen's BatchNorm, add and ReLU");
+  log_fused_layer<models::DropoutImpl>(strategy, model, "dropout", models::dropout_kernel(),
+                                       "FLOTILLA_DROPOUT_KERNEL",
+                                       "hashed masks, one pass each way, none stored",
+                                       "ATen's Bernoulli masks");
   strategy.log().info(std::string("recipe: freed memory: ") +
                       (kept_freed_memory
                            ? "kept for the next step (malloc reuses blocks up to 32 MiB instead of "

@@ -9,6 +9,7 @@
 
 #include "flotilla/error.h"
 #include "flotilla/train/mixed_precision.h"
+#include "kernel_choice.h"
 #include "models/batch_norm_relu.h"
 #include "models/cpu_kernels.h"
 #include "models/zoo.h"
@@ -19,24 +20,11 @@ namespace {
 namespace nn = torch::nn;
 const auto kChannelsLast = torch::MemoryFormat::ChannelsLast;
 
-// The kernels this CPU runs; each test runs each, then leaves the best chosen again.
+// Each test runs each kernel this CPU has, then leaves the one chosen before.
+using Choose = KernelChoice<batch_norm_relu_kernel, use_batch_norm_relu_kernel>;
 std::vector<std::string> kernels() {
-  const std::string best = batch_norm_relu_kernel();
-  std::vector<std::string> names;
-  for (const char* name : {"avx512", "avx2"}) {
-    if (use_batch_norm_relu_kernel(name)) names.push_back(name);
-  }
-  use_batch_norm_relu_kernel(best);
-  return names;
+  return Choose::runnable();
 }
-
-struct Choose {
-  explicit Choose(const std::string& name) : best(batch_norm_relu_kernel()) {
-    EXPECT_TRUE(use_batch_norm_relu_kernel(name)) << name;
-  }
-  ~Choose() { use_batch_norm_relu_kernel(best); }
-  std::string best;
-};
 
 // The largest difference, relative to the reference's largest magnitude.
 double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "flotilla/train/mixed_precision.h"
+#include "kernel_choice.h"
 #include "models/conv_pool_relu.h"
 #include "models/zoo.h"
 
@@ -14,24 +15,11 @@ namespace {
 
 namespace nn = torch::nn;
 
-// The kernels this CPU runs; each test runs each, then leaves the best chosen again.
+// Each test runs each kernel this CPU has, then leaves the one chosen before.
+using Choose = KernelChoice<conv_max_pool2_relu_kernel, use_conv_max_pool2_relu_kernel>;
 std::vector<std::string> kernels() {
-  const std::string best = conv_max_pool2_relu_kernel();
-  std::vector<std::string> names;
-  for (const char* name : {"avx512", "avx2"}) {
-    if (use_conv_max_pool2_relu_kernel(name)) names.push_back(name);
-  }
-  use_conv_max_pool2_relu_kernel(best);
-  return names;
+  return Choose::runnable();
 }
-
-struct Choose {
-  explicit Choose(const std::string& name) : best(conv_max_pool2_relu_kernel()) {
-    EXPECT_TRUE(use_conv_max_pool2_relu_kernel(name)) << name;
-  }
-  ~Choose() { use_conv_max_pool2_relu_kernel(best); }
-  std::string best;
-};
 
 // The largest difference, relative to the reference's largest magnitude.
 double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {

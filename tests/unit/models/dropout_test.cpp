@@ -8,29 +8,17 @@
 #include <vector>
 
 #include "flotilla/error.h"
+#include "kernel_choice.h"
 #include "models/dropout.h"
 
 namespace flotilla::models {
 namespace {
 
-// The kernels this CPU runs; each test runs each, then leaves the best chosen again.
+// Each test runs each kernel this CPU has, then leaves the one chosen before.
+using Choose = KernelChoice<dropout_kernel, use_dropout_kernel>;
 std::vector<std::string> kernels() {
-  const std::string best = dropout_kernel();
-  std::vector<std::string> names;
-  for (const char* name : {"avx512", "avx2"}) {
-    if (use_dropout_kernel(name)) names.push_back(name);
-  }
-  use_dropout_kernel(best);
-  return names;
+  return Choose::runnable();
 }
-
-struct Choose {
-  explicit Choose(const std::string& name) : best(dropout_kernel()) {
-    EXPECT_TRUE(use_dropout_kernel(name)) << name;
-  }
-  ~Choose() { use_dropout_kernel(best); }
-  std::string best;
-};
 
 // Drops a share p of the elements (within 5 standard deviations of a binomial count), scales the
 // rest by 1/(1-p) exactly in float32 (and as bfloat16 rounds that product), and drops neighbours
