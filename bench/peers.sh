@@ -290,10 +290,11 @@ peak_bfloat16=$(sed 's/.*"bfloat16": *\([0-9.]*\).*/\1/' <<<"$peak_line")
 printf '{"bench":"peers","metric":"matmul_peak_gflops_per_thread","float32":%s,"bfloat16":%s,"how":"1024x1024 torch.mm, one thread, median of 7","machine":%s}\n' \
   "$peak_float32" "$peak_bfloat16" "$machine"
 
-# DDP at its best: math attention under bf16 autocast (ViT-tiny's step 1.19x faster than flash
-# attention for the CPU here), the default (flash) in float32 (level).
+# DDP at its best: under bf16 autocast nn.MultiheadAttention's own path (need_weights=True:
+# bmm, softmax, bmm; ViT-tiny's step 545 ms against 566 with math attention and 656 with flash
+# attention for the CPU, one thread, 64 images), the default (flash) in float32 (all three level).
 ddp_best_attention() {  # precision
-  if [ "$1" = mixed_bfloat16 ]; then echo math; else echo default; fi
+  if [ "$1" = mixed_bfloat16 ]; then echo weights; else echo default; fi
 }
 
 # The settings each system ran at, for the JSON lines: precision and memory format.
@@ -313,11 +314,14 @@ settings_of() {  # system, model, precision -> JSON fields
       [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
       local drop
       drop=$(cat "$tmp/dropout-$1-$2" 2>/dev/null || true)
-      [ -z "$drop" ] || printf ',"attention":"math","dropout":"%s"' "$drop" ;;
+      [ -z "$drop" ] || printf ',"attention":"bmm, softmax, bmm (models/attention.h)","dropout":"%s"' "$drop" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"'
-      [ "$2" != vit-tiny ] || printf ',"attention":"%s","dropout":"ATen (Bernoulli mask)"' "$(ddp_best_attention "$3")" ;;
+      local attention
+      attention=$(ddp_best_attention "$3")
+      [ "$attention" != weights ] || attention="MultiheadAttention need_weights=True (bmm, softmax, bmm)"
+      [ "$2" != vit-tiny ] || printf ',"attention":"%s","dropout":"ATen (Bernoulli mask)"' "$attention" ;;
     tf-mwms) printf '"precision":"%s","memory_format":"channels_last","xla":false' "$3" ;;
     tf-mwms-xla) printf '"precision":"%s","memory_format":"channels_last","xla":true' "$3" ;;
     tf-mwms-pool-relu) printf '"precision":"%s","memory_format":"channels_last","xla":false,"relu_pool_order":"pool-relu"' "$3" ;;

@@ -6,6 +6,7 @@
 
 #include "flotilla/error.h"
 #include "flotilla/train/sync_batchnorm.h"
+#include "models/attention.h"
 #include "models/batch_norm_relu.h"
 #include "models/conv_pool_relu.h"
 #include "models/dropout.h"
@@ -168,8 +169,8 @@ class PatchEmbeddingImpl : public nn::Cloneable<PatchEmbeddingImpl> {
 };
 TORCH_MODULE(PatchEmbedding);
 
-// Multi-head self-attention over [N, L, E] through scaled_dot_product_attention (its fused
-// kernels), with PyTorch MultiheadAttention's parameters: one QKV projection, one output.
+// Multi-head self-attention over [N, L, E] (models::attention), with PyTorch
+// MultiheadAttention's parameters: one QKV projection, one output.
 class SelfAttentionImpl : public nn::Cloneable<SelfAttentionImpl> {
  public:
   SelfAttentionImpl() { reset(); }
@@ -181,22 +182,10 @@ class SelfAttentionImpl : public nn::Cloneable<SelfAttentionImpl> {
     const std::int64_t n = x.size(0), l = x.size(1);
     const auto qkv =
         qkv_->forward(x).view({n, l, 3, kVitHeads, kVitWidth / kVitHeads}).permute({2, 0, 3, 1, 4});
-    const torch::Tensor attended = attend(qkv[0], qkv[1], qkv[2]); // [N, H, L, D]
-    return out_->forward(attended.transpose(1, 2).reshape({n, l, kVitWidth}));
+    return out_->forward(attention(qkv[0], qkv[1], qkv[2])); // [N, L, E]
   }
 
  private:
-  // [N, H, L, D]. On the CPU ATen's math attention (matmul, softmax, matmul): at these lengths
-  // (50 tokens) ATen's flash attention for the CPU took 29.4 ms forward and backward for a
-  // block's 64 images in bfloat16, the math path 12.7 (12.1 and 12.4 in float32). Under autocast
-  // its operations run as scaled_dot_product_attention's would: in the inputs' type.
-  static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v) {
-    if (!q.device().is_cpu()) return at::scaled_dot_product_attention(q, k, v);
-    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    return std::get<0>(at::_scaled_dot_product_attention_math(q, k, v));
-  }
-
   nn::Linear qkv_{nullptr}, out_{nullptr};
 };
 TORCH_MODULE(SelfAttention);

@@ -25,11 +25,14 @@ def parse_args(argv):
     return argv[1], int(argv[2]), int(argv[3]), threads, data_dir
 
 
-def make_torch_model(name, pool_first=False):
+def make_torch_model(name, pool_first=False, need_weights=False):
     """The same layers as flotilla's models/zoo.cpp, in PyTorch (imported here, not at the top:
     the TensorFlow peer shares this module). pool_first: the CNN's "ReLU, max-pool 2" as
     "max-pool 2, ReLU", the same values (ReLU is monotone) with ReLU on a quarter of the
-    elements; what flotilla's zoo computes (its MaxPool2ReLU), as a PyTorch user can write it."""
+    elements; what flotilla's zoo computes (its MaxPool2ReLU), as a PyTorch user can write it.
+    need_weights: ViT's attention asks nn.MultiheadAttention for the heads' averaged weights,
+    which makes it compute softmax(Q K^T / sqrt(D)) V with bmm and softmax itself instead of
+    through scaled_dot_product_attention (the same values)."""
     from torch import nn
     if name in ("mlp", "mlp-wide"):
         hidden = 256 if name == "mlp" else 2048
@@ -46,7 +49,7 @@ def make_torch_model(name, pool_first=False):
     if name == "resnet18":
         return _torch_resnet((64, 128, 256, 512), blocks=2)
     if name == "vit-tiny":
-        return _torch_vit()
+        return _torch_vit(need_weights=need_weights)
     raise SystemExit(
         f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
 
@@ -82,7 +85,7 @@ def _torch_resnet(widths, blocks):
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
 
 
-def _torch_vit(width=192, depth=6, heads=3, mlp=768, patch=4, dropout=0.1):
+def _torch_vit(width=192, depth=6, heads=3, mlp=768, patch=4, dropout=0.1, need_weights=False):
     """ViT-Tiny's width, heads and MLP at depth 6 for 28x28 images: 4x4 patches (49 tokens) and
     a class token, pre-norm blocks, no dropout inside the attention, LayerNorm eps 1e-6 (set:
     torch's default is 1e-5, Keras' 1e-3)."""
@@ -101,8 +104,9 @@ def _torch_vit(width=192, depth=6, heads=3, mlp=768, patch=4, dropout=0.1):
 
         def forward(self, x):
             h = self.norm1(x)
-            # need_weights=False, as nn.TransformerEncoderLayer: no averaged weights to build.
-            x = x + self.drop(self.attention(h, h, h, need_weights=False)[0])
+            # need_weights=False by default, as nn.TransformerEncoderLayer: no averaged weights
+            # to build.
+            x = x + self.drop(self.attention(h, h, h, need_weights=need_weights)[0])
             return x + self.mlp(self.norm2(x))
 
     class ViT(nn.Module):

@@ -17,8 +17,11 @@ default, and at the fastest settings found for this CPU):
   ORDER      relu-pool (the CNN as usually written: ReLU, then max-pool), or pool-relu (max-pool
              first: the same values, ReLU on a quarter of the elements; common.make_torch_model)
   ATTENTION  default (scaled_dot_product_attention picks its backend: flash attention for the
-             CPU), or math (torch.nn.attention.sdpa_kernel(SDPBackend.MATH): matmul, softmax,
-             matmul; ViT-tiny's step 1.19x faster under bf16 autocast here, level in float32)
+             CPU), math (torch.nn.attention.sdpa_kernel(SDPBackend.MATH): matmul, softmax,
+             matmul; ViT-tiny's step 1.19x faster under bf16 autocast here, level in float32),
+             or weights (nn.MultiheadAttention(need_weights=True): its own bmm, softmax, bmm,
+             and the heads' averaged weights; under bf16 autocast 1.035x faster than math here,
+             level in float32)
 
 Started once per rank by bench/peers.sh, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment.
@@ -51,7 +54,7 @@ def main():
     attention = sys.argv[10] if len(sys.argv) > 10 else "default"
     if precision not in ("float32", "mixed_bfloat16") or layout not in ("nchw", "channels_last") \
             or optimizer_kind not in ("default", "fused") or order not in ("relu-pool", "pool-relu") \
-            or attention not in ("default", "math"):
+            or attention not in ("default", "math", "weights"):
         raise SystemExit(f"bad settings {precision} {layout} {optimizer_kind} {order} {attention}")
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.set_num_threads(threads)
@@ -70,7 +73,8 @@ def main():
 
     torch.manual_seed(SEED)  # DDP broadcasts rank 0's parameters anyway
     model = DistributedDataParallel(
-        make_torch_model(model_name, pool_first=order == "pool-relu").to(memory_format=fmt))
+        make_torch_model(model_name, pool_first=order == "pool-relu",
+                         need_weights=attention == "weights").to(memory_format=fmt))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
                                 **({"fused": True} if optimizer_kind == "fused" else {}))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) \
