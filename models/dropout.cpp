@@ -76,7 +76,71 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
   }
 };
 
+// GELU of `in` (contiguous, float32 or bfloat16) times its mask.
+torch::Tensor gelu_masked(const kernel::Kernel& k, const torch::Tensor& in, const kernel::Mask& mask) {
+  torch::Tensor out = torch::empty_like(in);
+  const bool bf16 = in.scalar_type() == torch::kBFloat16;
+  const auto* x = static_cast<const char*>(in.const_data_ptr());
+  auto* y = static_cast<char*>(out.mutable_data_ptr());
+  const std::int64_t element = in.element_size();
+  at::parallel_for(0, in.numel(), 1 << 15, [&](std::int64_t begin, std::int64_t end) {
+    k.gelu(x + begin * element, y + begin * element, static_cast<long>(end - begin), bf16,
+           static_cast<unsigned>(begin), mask);
+  });
+  return out;
+}
+
+// GELU then dropout in one pass each way; saves the input (GELU's backward needs it) and the
+// seed, not the mask.
+class GeluDropoutFunction : public torch::autograd::Function<GeluDropoutFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, std::int64_t seed,
+                               double p) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["p"] = p;
+    return gelu_masked(*choice().kernel(), x, mask_of(static_cast<std::uint64_t>(seed), p));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const kernel::Mask mask = mask_of(static_cast<std::uint64_t>(ctx->saved_data["seed"].toInt()),
+                                      ctx->saved_data["p"].toDouble());
+    const torch::Tensor gy = grads[0].to(x.scalar_type()).contiguous();
+    torch::Tensor gx = torch::empty_like(x);
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    const std::int64_t element = x.element_size();
+    const auto* in = static_cast<const char*>(x.const_data_ptr());
+    const auto* g = static_cast<const char*>(gy.const_data_ptr());
+    auto* out = static_cast<char*>(gx.mutable_data_ptr());
+    const kernel::Kernel& k = choice().kernel_for_backward();
+    at::parallel_for(0, x.numel(), 1 << 15, [&](std::int64_t begin, std::int64_t end) {
+      k.gelu_backward(in + begin * element, g + begin * element, out + begin * element,
+                      static_cast<long>(end - begin), bf16, static_cast<unsigned>(begin), mask);
+    });
+    return {gx, torch::Tensor(), torch::Tensor()};
+  }
+};
+
 } // namespace
+
+torch::Tensor gelu_dropout(const torch::Tensor& x, double p, bool training) {
+  const kernel::Kernel* k = choice().kernel();
+  if (k == nullptr || !x.device().is_cpu() || !(p >= 0 && p < 1) || x.numel() >= (1LL << 32) ||
+      !x.is_contiguous() ||
+      (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kBFloat16)) {
+    return hash_dropout(torch::gelu(x), p, training);
+  }
+  RECORD_FUNCTION("flotilla::gelu_dropout", std::vector<c10::IValue>({x}));
+  // Evaluation, or p = 0: every element kept, scaled by 1, and no draw from the generator.
+  const bool drops = training && p > 0;
+  const std::uint64_t seed = drops ? draw_seed() : 0;
+  const double rate = drops ? p : 0;
+  if (torch::GradMode::is_enabled() && x.requires_grad()) {
+    return GeluDropoutFunction::apply(x, static_cast<std::int64_t>(seed), rate);
+  }
+  return gelu_masked(*k, x, mask_of(seed, rate));
+}
 
 torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
   if (!training || p == 0 || x.numel() == 0) return x; // as torch::dropout

@@ -206,10 +206,19 @@ class EncoderBlockImpl : public nn::Cloneable<EncoderBlockImpl> {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor y = x + dropout_->forward(attention_->forward(norm1_->forward(x)));
-    return y + mlp_->forward(norm2_->forward(y));
+    return y + mlp(norm2_->forward(y));
   }
 
  private:
+  // The MLP's layers in order, but its GELU and the dropout after it as one gelu_dropout (one
+  // pass each way instead of four; the same masks as the Dropout's).
+  torch::Tensor mlp(const torch::Tensor& x) {
+    const auto& hidden_dropout = mlp_->ptr<DropoutImpl>(2);
+    const torch::Tensor hidden = gelu_dropout(mlp_->ptr<nn::LinearImpl>(0)->forward(x),
+                                              hidden_dropout->p, hidden_dropout->is_training());
+    return mlp_->ptr<DropoutImpl>(4)->forward(mlp_->ptr<nn::LinearImpl>(3)->forward(hidden));
+  }
+
   nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   SelfAttention attention_{nullptr};
   Dropout dropout_{nullptr};

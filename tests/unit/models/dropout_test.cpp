@@ -110,5 +110,93 @@ TEST(Dropout, EvaluationZeroOneAndNaNAsTorchDropout) {
   EXPECT_TRUE(torch::equal(aten, torch::dropout(x, 0.5, true)));
 }
 
+// Each element's factor (0, or 1/(1-p)) in the mask the next draw from `seed` makes.
+torch::Tensor factors(std::uint64_t seed, at::IntArrayRef sizes, double p) {
+  torch::manual_seed(seed);
+  return hash_dropout(torch::ones(sizes, torch::kDouble).to(torch::kFloat), p, true)
+      .to(torch::kDouble);
+}
+
+// GELU then dropout in one: the exact GELU (float64's, erf from the C library) times the mask
+// hash_dropout draws from the same seed, within the approximation's 1.5e-7 of erfc (times |x|
+// and the scale) and float's rounding; bfloat16 within one rounding of that; backward the
+// float64 GELU's gradient through the same mask. Sizes with a tail shorter than a vector.
+TEST(GeluDropout, IsTheExactGeluThenTheSameMask) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: ATen's runs";
+  for (const std::string& kernel : kernels()) {
+    Choose choose(kernel);
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      const std::string what = kernel + " " + c10::toString(type);
+      const std::vector<std::int64_t> sizes = {3, 7, 101};
+      torch::manual_seed(30);
+      const torch::Tensor x = (torch::randn(sizes) * 4).to(type).requires_grad_();
+      const torch::Tensor g = torch::randn(sizes).to(type);
+      const double p = 0.3, scale = 1 / (1 - p);
+      torch::manual_seed(31);
+      const torch::Tensor y = gelu_dropout(x, p, true);
+      y.backward(g);
+      const torch::Tensor factor = factors(31, sizes, p);
+      const torch::Tensor x64 = x.detach().to(torch::kDouble).requires_grad_();
+      const torch::Tensor expected = torch::gelu(x64) * factor;
+      expected.backward(g.to(torch::kDouble));
+      const double rounding = type == torch::kFloat ? 2e-7 : 1.0 / 256;
+      const torch::Tensor error = (y.detach().to(torch::kDouble) - expected).abs();
+      EXPECT_TRUE((error <= scale * 2e-7 * x64.detach().abs() + rounding * expected.abs().detach())
+                      .all()
+                      .item<bool>())
+          << what << ": " << error.max().item<double>();
+      EXPECT_TRUE(torch::equal(y == 0, factor == 0) || type == torch::kBFloat16) << what;
+      const torch::Tensor grad_error = (x.grad().to(torch::kDouble) - x64.grad()).abs();
+      EXPECT_TRUE((grad_error <= scale * 3e-7 * (1 + x64.detach().abs()) * g.to(torch::kDouble).abs() +
+                                     rounding * x64.grad().abs())
+                      .all()
+                      .item<bool>())
+          << what << ": " << grad_error.max().item<double>();
+    }
+  }
+}
+
+// The AVX2 and AVX-512 kernels compute each element with the same operations in the same order:
+// the same bits, forward and backward.
+TEST(GeluDropout, TheKernelsAgreeBitForBit) {
+  if (kernels().size() < 2) GTEST_SKIP() << "this CPU runs one kernel";
+  std::vector<torch::Tensor> results;
+  for (const std::string& kernel : kernels()) {
+    Choose choose(kernel);
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      torch::manual_seed(32);
+      const torch::Tensor x = (torch::randn({5, 1003}) * 3).to(type).requires_grad_();
+      const torch::Tensor y = gelu_dropout(x, 0.1, true);
+      y.backward(torch::ones_like(y));
+      results.push_back(y.detach());
+      results.push_back(x.grad());
+    }
+  }
+  for (std::size_t i = 0; i < results.size() / 2; ++i) {
+    EXPECT_TRUE(torch::equal(results[i], results[i + results.size() / 2])) << i;
+  }
+}
+
+// Evaluation and p = 0: the GELU alone, without a draw from the generator; NaN stays NaN;
+// without a kernel ("none") ATen's GELU then hash_dropout's (ATen's) dropout, bit for bit.
+TEST(GeluDropout, EvaluationNaNAndATensPath) {
+  torch::manual_seed(33);
+  const torch::Tensor x = torch::randn({4, 333}) * 3;
+  for (const bool training : {false, true}) {
+    torch::manual_seed(34);
+    const torch::Tensor y = gelu_dropout(x, training ? 0.0 : 0.5, training);
+    const torch::Tensor next = torch::rand({4});
+    torch::manual_seed(34);
+    EXPECT_TRUE(torch::equal(next, torch::rand({4}))) << training;
+    EXPECT_TRUE(torch::allclose(y, torch::gelu(x), 1e-6, 1e-6)) << training;
+  }
+  EXPECT_TRUE(gelu_dropout(torch::full({100}, std::nan("")), 0.5, true).isnan().all().item<bool>());
+  Choose none("none");
+  torch::manual_seed(35);
+  const torch::Tensor aten = gelu_dropout(x, 0.5, true);
+  torch::manual_seed(35);
+  EXPECT_TRUE(torch::equal(aten, torch::dropout(torch::gelu(x), 0.5, true)));
+}
+
 } // namespace
 } // namespace flotilla::models
