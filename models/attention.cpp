@@ -13,20 +13,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     return at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({n, l, h * d});
   }
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  // One copy changes both the type and the layout (to() would not copy a float32 tensor whose
-  // strides it takes for contiguous already).
-  const auto copy = [](const torch::Tensor& t, c10::ScalarType type) {
-    return at::_to_copy(t, t.options().dtype(type), false, at::MemoryFormat::Contiguous);
-  };
-  const c10::ScalarType type = at::isReducedFloatingType(q.scalar_type()) ? at::kFloat : q.scalar_type();
-  const auto batched = [&](const torch::Tensor& t) {
-    return copy(t, type).view({n * h, l, d});
-  };
+  const auto batched = [&](const torch::Tensor& t) { return t.reshape({n * h, l, d}); };
   const torch::Tensor keys = batched(k).transpose(1, 2);
   const torch::Tensor scores = at::baddbmm(at::zeros({}, keys.options()), batched(q), keys,
                                            /*beta=*/0, /*alpha=*/1.0 / std::sqrt(double(d)));
   const torch::Tensor heads = at::bmm(at::_softmax(scores, -1, false), batched(v));
-  return copy(heads.view({n, h, l, d}).transpose(1, 2), q.scalar_type()).view({n, l, h * d});
+  return heads.view({n, h, l, d}).transpose(1, 2).reshape({n, l, h * d});
 }
 
 } // namespace flotilla::models

@@ -1,13 +1,14 @@
 // Scaled dot-product attention for ViT: softmax(Q K^T / sqrt(D)) V over [N, H, L, D] queries,
 // keys and values, the heads' outputs returned side by side, [N, L, H * D] (what the output
 // projection takes). On CUDA ATen's scaled_dot_product_attention (its fused kernels). On the CPU
-// the computation of ATen's math attention (in float32 for bfloat16 or float16 inputs, as it
-// does, the result in the inputs' type), with two passes fewer: the scale applied inside the
-// first batched matmul instead of multiplying Q and K by its square root, and a plain softmax
-// instead of the math path's "safe" one, whose checks for rows that are all -inf (a mask's
-// concern; this attention has no mask) took 3% of ViT-tiny's float32 step. Autocast does not
-// change its types. ATen's flash attention for the CPU is slower at ViT-tiny's 50 tokens:
-// 29.4 ms forward and backward for a block's 64 images in bfloat16 against the math path's 12.7.
+// two batched matmuls and a softmax in the inputs' type, as PyTorch's nn.MultiheadAttention
+// computes them when asked for its weights: under bf16 autocast the matmuls in bfloat16 (float
+// sums), the softmax's sums in float. ATen's math attention computes bfloat16 inputs in float32
+// (the same computation in float32 took 12.0 against 6.4 ms forward and backward for a block's
+// 64 images here); its "safe" softmax checks for rows that are all -inf (a mask's concern; this
+// attention has none) took 3% of ViT-tiny's float32 step, and it multiplies Q and K by the
+// scale's square root where this scales inside the first matmul. ATen's flash attention for the
+// CPU is slower still at ViT-tiny's 50 tokens: 29.4 ms in bfloat16 against the math path's 12.7.
 #pragma once
 
 #include <torch/types.h>
