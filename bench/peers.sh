@@ -190,10 +190,16 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   local norm
   norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
   echo "$norm" >"$tmp/norm-$name-$model"
-  # ViT-tiny's dropout, as the recipe names it.
+  # ViT-tiny's dropout, as the recipe names it; the builds that fuse the MLP's GELU with it
+  # (they say so) run models::attention, the ones before ATen's math attention.
   local drop
-  drop=$(sed -n 's/.*recipe: dropout: hashed masks.* (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way (\1)/p; s/.*recipe: dropout: ATen.*/ATen (Bernoulli mask)/p' "$log" | head -n 1)
+  drop=$(sed -n 's/.*recipe: dropout: hashed masks.*GELU in the same pass (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way, the MLP'"'"'s GELU fused (\1)/p; t; s/.*recipe: dropout: hashed masks.* (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way (\1)/p; s/.*recipe: dropout: ATen.*/ATen (Bernoulli mask)/p' "$log" | head -n 1)
   echo "$drop" >"$tmp/dropout-$name-$model"
+  if grep -q "recipe: dropout: .*GELU in the same pass" "$log"; then
+    echo "bmm, softmax, bmm in the inputs' type (models/attention.h)" >"$tmp/attention-$name-$model"
+  else
+    echo "math" >"$tmp/attention-$name-$model"
+  fi
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -314,7 +320,8 @@ settings_of() {  # system, model, precision -> JSON fields
       [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
       local drop
       drop=$(cat "$tmp/dropout-$1-$2" 2>/dev/null || true)
-      [ -z "$drop" ] || printf ',"attention":"bmm, softmax, bmm (models/attention.h)","dropout":"%s"' "$drop" ;;
+      [ -z "$drop" ] || printf ',"attention":"%s","dropout":"%s"' \
+        "$(cat "$tmp/attention-$1-$2")" "$drop" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"'

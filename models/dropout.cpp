@@ -40,16 +40,16 @@ kernel::Mask mask_of(std::uint64_t seed, double p) {
           static_cast<float>(1.0 / (1.0 - p))};
 }
 
-// `in` (contiguous, float32 or bfloat16) times its mask.
-torch::Tensor masked(const kernel::Kernel& k, const torch::Tensor& in, const kernel::Mask& mask) {
+// `in` (contiguous, float32 or bfloat16), or its GELU (`f` the kernel's gelu), times its mask.
+torch::Tensor masked(kernel::Apply f, const torch::Tensor& in, const kernel::Mask& mask) {
   torch::Tensor out = torch::empty_like(in, torch::MemoryFormat::Contiguous);
   const bool bf16 = in.scalar_type() == torch::kBFloat16;
   const auto* x = static_cast<const char*>(in.const_data_ptr());
   auto* y = static_cast<char*>(out.mutable_data_ptr());
   const std::int64_t element = in.element_size();
   at::parallel_for(0, in.numel(), 1 << 15, [&](std::int64_t begin, std::int64_t end) {
-    k.apply(x + begin * element, y + begin * element, static_cast<long>(end - begin), bf16,
-            static_cast<unsigned>(begin), mask);
+    f(x + begin * element, y + begin * element, static_cast<long>(end - begin), bf16,
+      static_cast<unsigned>(begin), mask);
   });
   return out;
 }
@@ -60,7 +60,7 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
                                double p) {
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["p"] = p;
-    return masked(*choice().kernel(), x, mask_of(static_cast<std::uint64_t>(seed), p));
+    return masked(choice().kernel()->apply, x, mask_of(static_cast<std::uint64_t>(seed), p));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -68,27 +68,14 @@ class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
     const double p = ctx->saved_data["p"].toDouble();
     const torch::Tensor gy = grads[0].contiguous();
     if (gy.scalar_type() != torch::kFloat && gy.scalar_type() != torch::kBFloat16) {
-      return {masked(choice().kernel_for_backward(), gy.to(torch::kFloat), mask_of(seed, p))
+      return {masked(choice().kernel_for_backward().apply, gy.to(torch::kFloat), mask_of(seed, p))
                   .to(gy.scalar_type()),
               torch::Tensor(), torch::Tensor()};
     }
-    return {masked(choice().kernel_for_backward(), gy, mask_of(seed, p)), torch::Tensor(), torch::Tensor()};
+    return {masked(choice().kernel_for_backward().apply, gy, mask_of(seed, p)), torch::Tensor(),
+            torch::Tensor()};
   }
 };
-
-// GELU of `in` (contiguous, float32 or bfloat16) times its mask.
-torch::Tensor gelu_masked(const kernel::Kernel& k, const torch::Tensor& in, const kernel::Mask& mask) {
-  torch::Tensor out = torch::empty_like(in);
-  const bool bf16 = in.scalar_type() == torch::kBFloat16;
-  const auto* x = static_cast<const char*>(in.const_data_ptr());
-  auto* y = static_cast<char*>(out.mutable_data_ptr());
-  const std::int64_t element = in.element_size();
-  at::parallel_for(0, in.numel(), 1 << 15, [&](std::int64_t begin, std::int64_t end) {
-    k.gelu(x + begin * element, y + begin * element, static_cast<long>(end - begin), bf16,
-           static_cast<unsigned>(begin), mask);
-  });
-  return out;
-}
 
 // GELU then dropout in one pass each way; saves the input (GELU's backward needs it) and the
 // seed, not the mask.
@@ -99,7 +86,7 @@ class GeluDropoutFunction : public torch::autograd::Function<GeluDropoutFunction
     ctx->save_for_backward({x});
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["p"] = p;
-    return gelu_masked(*choice().kernel(), x, mask_of(static_cast<std::uint64_t>(seed), p));
+    return masked(choice().kernel()->gelu, x, mask_of(static_cast<std::uint64_t>(seed), p));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -139,7 +126,7 @@ torch::Tensor gelu_dropout(const torch::Tensor& x, double p, bool training) {
   if (torch::GradMode::is_enabled() && x.requires_grad()) {
     return GeluDropoutFunction::apply(x, static_cast<std::int64_t>(seed), rate);
   }
-  return gelu_masked(*k, x, mask_of(seed, rate));
+  return masked(k->gelu, x, mask_of(seed, rate));
 }
 
 torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
@@ -155,7 +142,7 @@ torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training) {
   if (torch::GradMode::is_enabled() && x.requires_grad()) {
     return DropoutFunction::apply(x, static_cast<std::int64_t>(seed), p);
   }
-  return masked(*k, x, mask_of(seed, p));
+  return masked(k->apply, x, mask_of(seed, p));
 }
 
 DropoutImpl::DropoutImpl(double p) : p(p) {

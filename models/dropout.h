@@ -23,9 +23,9 @@ torch::Tensor hash_dropout(const torch::Tensor& x, double p, bool training);
 // with the same masks, for contiguous float32 or bfloat16 CPU tensors where a kernel runs:
 // ViT's MLP. Phi from the approximation ATen's vectorized erf uses (absolute error below
 // 1.5e-7); a bfloat16 result rounded once, where ATen rounds the GELU and then the product.
-// Backward reads the saved input and the gradient and writes the input's gradient: one pass
-// where ATen's dropout and GELU backward make two (and GELU's forward and dropout's two more).
-// Elsewhere the two operations, as written above.
+// One pass each way where GELU then dropout make two each way: forward reads the input and
+// writes the result; backward reads the saved input and the gradient and writes the input's
+// gradient. Elsewhere the two operations, as written above.
 torch::Tensor gelu_dropout(const torch::Tensor& x, double p, bool training);
 
 class DropoutImpl : public torch::nn::Cloneable<DropoutImpl> {

@@ -211,7 +211,7 @@ class EncoderBlockImpl : public nn::Cloneable<EncoderBlockImpl> {
 
  private:
   // The MLP's layers in order, but its GELU and the dropout after it as one gelu_dropout (one
-  // pass each way instead of four; the same masks as the Dropout's).
+  // pass each way instead of two; the same masks as the Dropout's).
   torch::Tensor mlp(const torch::Tensor& x) {
     const auto& hidden_dropout = mlp_->ptr<DropoutImpl>(2);
     const torch::Tensor hidden = gelu_dropout(mlp_->ptr<nn::LinearImpl>(0)->forward(x),

@@ -514,7 +514,8 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
       "ATen's BatchNorm, add and ReLU");
   log_fused_layer<models::DropoutImpl>(strategy, model, "dropout", models::dropout_kernel(),
                                        "FLOTILLA_DROPOUT_KERNEL",
-                                       "hashed masks, one pass each way, none stored",
+                                       "hashed masks, one pass each way, none stored; the "
+                                       "MLP's GELU in the same pass",
                                        "ATen's Bernoulli masks");
   strategy.log().info(std::string("recipe: freed memory: ") +
                       (kept_freed_memory
