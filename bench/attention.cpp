@@ -12,18 +12,14 @@
 #include <cstdlib>
 
 #include "timing.h"
-#include "flotilla/base/system.h"
 #include "flotilla/train/mixed_precision.h"
 #include "models/attention.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
-  const std::int64_t n = argc > 2 ? std::max(1, std::atoi(argv[2])) : 64;
+  const auto [repeats, n] = flotilla::bench::layer_bench(argc, argv, 64, true);
   const std::int64_t l = 50, h = 3, d = 64;
-  at::set_num_threads(1);
-  flotilla::base::keep_freed_memory();
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     const torch::Tensor qkv = torch::randn({n, l, 3, h, d}).to(dtype).requires_grad_();
     const torch::Tensor grad = torch::randn({n, l, h * d}).to(dtype);

@@ -15,17 +15,13 @@
 #include <vector>
 
 #include "timing.h"
-#include "flotilla/base/system.h"
 #include "models/batch_norm_relu.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
   namespace models = flotilla::models;
-  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
-  const std::int64_t images = argc > 2 ? std::max(1, std::atoi(argv[2])) : 64;
-  at::set_num_threads(1);
-  flotilla::base::keep_freed_memory(); // as flotilla train: no page faults for each step's tensors
+  const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 64, true);
   const std::string best = models::batch_norm_relu_kernel();
   const auto cl = torch::MemoryFormat::ChannelsLast;
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {

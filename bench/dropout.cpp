@@ -15,17 +15,13 @@
 #include <vector>
 
 #include "timing.h"
-#include "flotilla/base/system.h"
 #include "models/dropout.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
   namespace models = flotilla::models;
-  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
-  const std::int64_t images = argc > 2 ? std::max(1, std::atoi(argv[2])) : 64;
-  at::set_num_threads(1);
-  flotilla::base::keep_freed_memory();
+  const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 64, true);
   const std::string best = models::dropout_kernel();
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     for (const std::int64_t width : {768, 192}) {

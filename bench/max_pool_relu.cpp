@@ -25,9 +25,7 @@
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
-  const std::int64_t images = argc > 2 ? std::max(1, std::atoi(argv[2])) : 256;
-  at::set_num_threads(1);
+  const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 256, false);
   using Layer = std::function<torch::Tensor(const torch::Tensor&)>;
   const Layer fused = [](const torch::Tensor& x) { return flotilla::models::max_pool2_relu(x); };
   const Layer pool_relu = [](const torch::Tensor& x) {

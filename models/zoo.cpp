@@ -2,8 +2,6 @@
 
 #include <torch/nn.h>
 
-#include <cmath>
-
 #include "flotilla/error.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "models/attention.h"

@@ -145,7 +145,8 @@ TEST(GeluDropout, IsTheExactGeluThenTheSameMask) {
                       .all()
                       .item<bool>())
           << what << ": " << error.max().item<double>();
-      EXPECT_TRUE(torch::equal(y == 0, factor == 0) || type == torch::kBFloat16) << what;
+      // Dropped exactly where the mask drops (in float32 no kept GELU here rounds to 0).
+      if (type == torch::kFloat) EXPECT_TRUE(torch::equal(y.detach() == 0, factor == 0)) << what;
       const torch::Tensor grad_error = (x.grad().to(torch::kDouble) - x64.grad()).abs();
       EXPECT_TRUE((grad_error <= scale * 3e-7 * (1 + x64.detach().abs()) * g.to(torch::kDouble).abs() +
                                      rounding * x64.grad().abs())
