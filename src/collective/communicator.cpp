@@ -233,9 +233,10 @@ std::string missing_ranks(c10d::Store& store, int rank, int size, std::uint64_t 
 struct Health {
   std::mutex mutex;
   std::condition_variable cv;
-  std::string failure;             // empty: healthy; written once, under the mutex
-  bool changed = false;            // elastic: the membership moved on (GroupChanged)
-  std::atomic<bool> failed{false}; // set after `failure`: every operation reads it, lock-free
+  std::string failure;                   // empty: healthy; written once, under the mutex
+  bool changed = false;                  // elastic: the membership moved on (GroupChanged)
+  std::atomic<bool> failed{false};       // set after `failure`: every operation reads it, lock-free
+  std::atomic<std::uint64_t> reached{0}; // the newest operation's sequence number (started)
 
   std::string failure_text() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -263,6 +264,11 @@ namespace detail {
 
 std::shared_ptr<Health> new_health() {
   return std::make_shared<Health>();
+}
+
+std::shared_ptr<const std::atomic<std::uint64_t>>
+reached_of(const std::shared_ptr<Health>& health) {
+  return {health, &health->reached};
 }
 
 bool fail_group(Health& health, const std::string& why, bool changed) {
@@ -483,6 +489,7 @@ struct Communicator::Impl {
     state->rank = rank;
     state->size = size;
     state->sequence = sequence;
+    if (health) health->reached.store(sequence, std::memory_order_relaxed);
     if (size > 1) state->store = store;
     state->health = health;
     state->names = names;

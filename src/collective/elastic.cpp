@@ -306,6 +306,7 @@ struct MembershipState {
       config.standing->member = true;
       config.standing->generation = g;
       config.standing->slots = record.slots;
+      config.standing->reached = detail::reached_of(fresh);
     }
     members = record.slots;
     last_confirmed = Clock::now();

@@ -5,6 +5,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +28,9 @@ Communicator make_group(int rank, int size, const CommunicationOptions& options,
                         std::vector<std::string> names, std::shared_ptr<Health> health);
 
 std::shared_ptr<Health> new_health();
+// The sequence number of the newest operation started on the group watching `health` (for the
+// heartbeat's pings: Standing::reached).
+std::shared_ptr<const std::atomic<std::uint64_t>> reached_of(const std::shared_ptr<Health>& health);
 // Every operation of the groups watching `health` fails from now on, naming `why`: with
 // GroupChanged when `changed` (the membership moved on), with CommError otherwise. The first
 // call wins; false when it had failed already.

@@ -85,6 +85,15 @@ struct Heartbeat::Impl {
     return true;
   }
 
+  // Elastic: this member's generation and the newest collective it has started in it (what
+  // a ping says); zeros otherwise.
+  std::pair<std::uint64_t, std::uint64_t> progress() const {
+    if (!is_elastic()) return {0, 0};
+    std::lock_guard<std::mutex> lock(config.standing->mutex);
+    const auto& reached = config.standing->reached;
+    return {config.standing->generation, reached ? reached->load(std::memory_order_relaxed) : 0};
+  }
+
   void run() {
     auto last_answer = Clock::now();
     bool awaiting = false; // a ping sent whose answer has not been read
@@ -104,6 +113,9 @@ struct Heartbeat::Impl {
         if (!awaiting) {
           WireWriter w;
           w.u8(kPing);
+          const auto [generation, reached] = progress();
+          w.i64(static_cast<std::int64_t>(generation));
+          w.i64(static_cast<std::int64_t>(reached));
           connection->send(w.frame(), Clock::now() + config.heartbeat_timeout);
           awaiting = true;
         }

@@ -151,9 +151,35 @@ std::optional<std::vector<int>> Membership::slots_reported(int reporter, std::ui
   return out;
 }
 
-std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g,
-                                             const std::vector<int>& ranks) const {
-  return slots_reported(reporter, g, ranks).value_or(std::vector<int>{});
+std::vector<int> Membership::reported_silent(int reporter, std::uint64_t g, std::uint64_t sequence,
+                                             const std::vector<int>& ranks,
+                                             const std::string& description) {
+  std::vector<int> held;
+  for (int s : slots_reported(reporter, g, ranks).value_or(std::vector<int>{})) {
+    Slot& x = at(s);
+    if (x.said.generation == g && x.said.reached >= sequence) continue; // it is in it
+    if (!x.held) x.held = HeldReport{reporter, g, sequence, description};
+    held.push_back(s);
+  }
+  return held;
+}
+
+std::optional<Membership::HeldReport> Membership::heard_from(int s, Clock::time_point now,
+                                                             Progress progress) {
+  Slot& x = at(s);
+  x.last_seen = now;
+  x.said = progress;
+  if (!x.held) return std::nullopt;
+  const HeldReport& r = *x.held;
+  if (r.generation != generation_ || !x.member ||
+      (progress.generation == r.generation && progress.reached >= r.sequence)) {
+    x.held.reset();
+    return std::nullopt;
+  }
+  if (++x.held->pings < 2) return std::nullopt;
+  HeldReport out = std::move(*x.held);
+  x.held.reset();
+  return out;
 }
 
 void Membership::reported_unreachable(int reporter, std::uint64_t g, const std::vector<int>& ranks,

@@ -32,6 +32,22 @@ class Membership {
  public:
   using Clock = std::chrono::steady_clock;
 
+  // Elastic: what a member's ping says of its progress: the newest collective it has started
+  // (its communicator's sequence number) in generation `generation`.
+  struct Progress {
+    std::uint64_t generation = 0;
+    std::uint64_t reached = 0;
+  };
+  // A member's report that another never reached collective #sequence of generation
+  // `generation` (`description`), in which the reporter timed out.
+  struct HeldReport {
+    int reporter = 0;
+    std::uint64_t generation = 0;
+    std::uint64_t sequence = 0;
+    std::string description;
+    int pings = 0; // the suspect's pings heard since
+  };
+
   struct Slot {
     bool claimed = false;
     Session session{};
@@ -46,6 +62,8 @@ class Membership {
     // the newest, it is stale: never admitted (its state is of before), it learns it was
     // expelled when it regroups.
     bool resumed = false;
+    Progress said;                  // elastic: what its newest ping said
+    std::optional<HeldReport> held; // elastic: a report that it never reached a collective
   };
 
   // A generation formed by a transition.
@@ -88,7 +106,12 @@ class Membership {
   Changes resume(int s, const Session& session, const std::string& peer, std::uint64_t g,
                  const std::vector<int>& slots, Clock::time_point now);
   void start_heartbeat(int s, Clock::time_point now);
-  void heard_from(int s, Clock::time_point now) { at(s).last_seen = now; }
+  // Slot `s` pinged at `now`, saying `progress` (elastic). The report to expel it for, when one
+  // holds it (reported_silent) and this is its second ping since that still says it never
+  // started that collective: a heartbeat has one ping in flight at a time, so the second was
+  // sent after the report arrived. A ping saying it did start it clears the report.
+  std::optional<HeldReport> heard_from(int s, Clock::time_point now, Progress progress);
+  void heard_from(int s, Clock::time_point now) { heard_from(s, now, Progress()); }
   // Elastic: slot `s`'s process is gone ("<name> <what>"); its slot is free again. `finished`:
   // a member's fit has run to its end.
   Changes release(int s, const std::string& what, bool finished);
@@ -96,12 +119,16 @@ class Membership {
   // member's request forms the next generation, the others' find it formed). Returns the newest
   // generation's number.
   std::uint64_t advance(std::uint64_t from, Changes& changes);
-  // Elastic: the member in slot `reporter` timed out in a collective of generation `g`, which
-  // ranks `ranks` of that generation never reached. The slots to expel: those ranks' slots, when
-  // `g` is the newest generation and the reporter is one of its members (a hang outside the
-  // collectives while the heartbeat thread runs; a late or stale report expels nobody).
-  std::vector<int> reported_silent(int reporter, std::uint64_t g,
-                                   const std::vector<int>& ranks) const;
+  // Elastic: the member in slot `reporter` timed out in collective #`sequence` (`description`)
+  // of generation `g`, which ranks `ranks` of that generation did not say they had reached (a
+  // hang outside the collectives while the heartbeat thread runs, or a member that came late or
+  // whose own timeout fired later on a loaded machine). Those ranks' slots are held as suspects
+  // until their heartbeat says where they are (heard_from), unless its newest ping says it has
+  // started that collective already. Returns the slots held; none for a late or stale report
+  // (`g` not the newest generation, the reporter no member of it). A slot held already keeps
+  // its first report.
+  std::vector<int> reported_silent(int reporter, std::uint64_t g, std::uint64_t sequence,
+                                   const std::vector<int>& ranks, const std::string& description);
   // Elastic: after a collective of generation `g` failed and no member left, the member in slot
   // `reporter` probed the others directly and could not reach `ranks` of that generation (maybe
   // none). Kept until the next generation forms; a late or stale report is dropped.

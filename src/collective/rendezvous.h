@@ -26,6 +26,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -47,6 +48,10 @@ struct Standing {
   bool member = false;
   std::uint64_t generation = 0;
   std::vector<int> slots;
+  // The newest collective this process has started in `generation` (its communicator's sequence
+  // number): every ping says it, so a report that this member never reached a collective is
+  // checked against what it said (Membership::heard_from).
+  std::shared_ptr<const std::atomic<std::uint64_t>> reached;
 };
 
 struct RendezvousConfig {

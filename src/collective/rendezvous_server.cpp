@@ -429,11 +429,9 @@ struct RendezvousServer::Impl {
       expel_partitioned(Clock::now());
       return;
     }
-    const std::string why = "made no progress: it never reached " + report->description +
-                            ", in which " + config.name(reporter) +
-                            " waited until its timeout (hung outside the collectives while its "
-                            "heartbeat ran)";
-    for (int s : members.reported_silent(reporter, *g, report->ranks)) release(s, why, /*expel=*/true);
+    // Expelled once a ping it sent after this report says it has not started that collective
+    // (handle_heartbeat): a member that came late is not a hung one.
+    members.reported_silent(reporter, *g, report->sequence, report->ranks, report->description);
   }
 
   // The smaller side of a partition between the members, once decided (Membership::partitioned;
@@ -484,7 +482,20 @@ struct RendezvousServer::Impl {
   void handle_heartbeat(Conn& c, WireReader& in) {
     const std::uint8_t op = in.u8();
     if (op == kPing) {
-      members.heard_from(c.rank, Clock::now());
+      Membership::Progress progress;
+      if (!in.done()) {
+        progress.generation = static_cast<std::uint64_t>(in.i64());
+        progress.reached = static_cast<std::uint64_t>(in.i64());
+      }
+      if (const auto held = members.heard_from(c.rank, Clock::now(), progress)) {
+        release(c.rank,
+                "made no progress: it never reached " + held->description + ", in which " +
+                    config.name(held->reporter) +
+                    " waited until its timeout (hung outside the collectives while its "
+                    "heartbeat ran)",
+                /*expel=*/true);
+        return;
+      }
       send_pong(c, false);
     } else if (op == kBye) {
       c.close_after_flush = true;

@@ -411,6 +411,46 @@ TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGo
       << workers[2]->errors_so_far();
 }
 
+// As above, but slot 0 reaches that collective late: slot 1 times out first, waits its grace for
+// the others to say where they are, and reports slot 0 as well as slot 2 before slot 0's own
+// timeout fires. Slot 0's heartbeat says it started the collective: only slot 2 is expelled.
+TEST(RendezvousCommand, AMemberThatReachesTheCollectiveLateIsNotTakenForAHungOne) {
+  const auto ports = testing::free_ports(4);
+  const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
+  testing::Process service(
+      {kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"});
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int slot = 0; slot < 3; ++slot) {
+    // Slot 1 times out 2 s after it entered, and reports 2 s later (its grace); slot 0 enters
+    // 3 s after slot 1 and times out 2 s after that.
+    std::vector<std::string> flags = {"--steps",
+                                      "6",
+                                      "--timeout-ms",
+                                      "2000",
+                                      "--heartbeat-timeout-ms",
+                                      "1000",
+                                      "--heartbeat-interval-ms",
+                                      "200"};
+    if (slot == 2) flags.insert(flags.end(), {"--signal-at", "3", "--signal", "HANG"});
+    if (slot == 0) {
+      flags.insert(flags.end(), {"--signal-at", "3", "--signal", "NAP", "--nap-ms", "3000"});
+    }
+    workers.push_back(elastic_worker(ports, 3, slot, listen, flags));
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    const auto r = workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("generation 1 [0,1] (slot 2 made no progress: it never reached "
+                         "all_reduce #"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("step 5 gen 1 rank " + std::to_string(slot) + "/2 sum 3 ok"),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("slot 0 made no progress"), std::string::npos) << r.out;
+  }
+}
+
 // The table's flags are the CLI's: each one a subcommand's --help lists.
 TEST(TrainCommand, EveryFlagOfTheApiTableIsAFlagOfTheCli) {
   auto help_of = [](const std::string& sub) {

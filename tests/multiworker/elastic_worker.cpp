@@ -12,10 +12,11 @@
 // and exits 0 when every sum was right, 1 otherwise, or flotilla's exit code for an error.
 // Flags: --steps N (default 6); --until-members M (go on past N steps until the group has M
 // members again and 3 steps more, at most 600 steps); --step-ms MS (sleep per step, default 20);
-// --signal-at K --signal STOP|KILL|HANG (this process sends itself the signal at step K, before
-// its all-reduce, while the others are inside theirs; HANG: its training thread sleeps for ever
-// there, while its heartbeat goes on); --signal-after-all-reduce 1 (sends it once step K's
-// all-reduce completed, before the step is confirmed); --signal-slot S (only slot S does);
+// --signal-at K --signal STOP|KILL|HANG|NAP (this process sends itself the signal at step K,
+// before its all-reduce, while the others are inside theirs; HANG: its training thread sleeps for
+// ever there, while its heartbeat goes on; NAP: it sleeps --nap-ms MS there once, then goes on);
+// --signal-after-all-reduce 1 (sends it once step K's all-reduce completed, before the step is
+// confirmed); --signal-slot S (only slot S does);
 // --signal-once FILE (only when FILE does not exist yet; it is created first, so a restarted
 // process does not signal itself again); --heartbeat-timeout-ms,
 // --heartbeat-interval-ms, --timeout-ms.
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = std::chrono::milliseconds(200);
   options.heartbeat_timeout = std::chrono::seconds(2);
   int steps = 6, until_members = 0, step_ms = 20, signal_at = -1, signal = SIGKILL;
-  int signal_slot = -1;
+  int signal_slot = -1, nap_ms = 0;
   bool signal_after = false;
   std::string signal_once;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -54,9 +55,11 @@ int main(int argc, char** argv) {
     if (flag == "--signal-slot") signal_slot = value;
     if (flag == "--signal-after-all-reduce") signal_after = value != 0;
     if (flag == "--signal-once") signal_once = argv[i + 1];
+    if (flag == "--nap-ms") nap_ms = value;
     if (flag == "--signal") {
       signal = !std::strcmp(argv[i + 1], "STOP")   ? SIGSTOP
                : !std::strcmp(argv[i + 1], "HANG") ? 0
+               : !std::strcmp(argv[i + 1], "NAP")  ? -1
                                                    : SIGKILL;
     }
     if (flag == "--timeout-ms") options.timeout = std::chrono::milliseconds(value);
@@ -107,10 +110,15 @@ int main(int argc, char** argv) {
         if (step == signal_at && signal == 0) {
           for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
         }
-        if (step == signal_at && !signal_after) ::raise(signal);
+        if (step == signal_at && signal == -1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(nap_ms));
+          signal_at = -1; // once: not again when the step is redone
+        } else if (step == signal_at && !signal_after) {
+          ::raise(signal);
+        }
         auto value = torch::full({1000}, static_cast<float>(group->slot() + 1));
         comm.all_reduce(value).wait();
-        if (step == signal_at && signal_after) ::raise(signal);
+        if (step == signal_at && signal_after && signal > 0) ::raise(signal);
         group->confirm_membership(); // as fit does before a step's callbacks
         float expected = 0;
         for (int s : group->members()) expected += static_cast<float>(s + 1);

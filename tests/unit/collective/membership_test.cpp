@@ -104,8 +104,8 @@ TEST(Membership, TheMembersAdmitTheWaitingWorkersOnceAtAStepBoundary) {
   m.release(2, "was killed", false); // generation 1: [0, 1]
   const Changes waiting = m.claim(2, session_of(9), "back");
   EXPECT_TRUE(waiting.formed.empty());
-  EXPECT_EQ(waiting.info,
-            (std::vector<std::string>{"worker 2 (back) is waiting to be admitted at the next step"}));
+  EXPECT_EQ(waiting.info, (std::vector<std::string>{
+                              "worker 2 (back) is waiting to be admitted at the next step"}));
   Changes first, second, stale;
   EXPECT_EQ(m.advance(1, first), 2u);
   ASSERT_EQ(first.formed.size(), 1u);
@@ -148,8 +148,8 @@ TEST(Membership, EveryMemberLostBeforeTheEndStartsAfreshWhenAllAreBack) {
 
 TEST(Membership, AfterTheTrainingFinishedAWorkerThatComesLearnsThereIsNothingToJoin) {
   Membership m = formed(2);
-  m.release(1, "was stopped", false);                        // generation 1: [0]
-  m.claim(1, session_of(3), "again");                        // waiting for a step boundary
+  m.release(1, "was stopped", false); // generation 1: [0]
+  m.claim(1, session_of(3), "again"); // waiting for a step boundary
   const Changes end = m.release(0, "left the group", /*finished=*/true);
   ASSERT_EQ(end.formed.size(), 1u);
   EXPECT_EQ(end.formed[0].slots, (std::vector<int>{1})); // the waiting worker, told at once
@@ -285,17 +285,62 @@ TEST(Membership, TimeTheServerDidNotRunIsNoWorkersSilence) {
   EXPECT_EQ(m.slot(0).last_seen, woke); // never later than now
 }
 
-// A member that timed out in a collective names the ranks that never reached it: their slots
-// are expelled, if the report is about the newest generation and comes from one of its members.
-TEST(Membership, RanksReportedSilentInTheNewestGenerationAreItsSlotsToExpel) {
+// A member that timed out in a collective names the ranks that did not say they reached it:
+// their slots are held as suspects, if the report is about the newest generation and comes from
+// one of its members.
+TEST(Membership, RanksReportedSilentInTheNewestGenerationAreHeldAsSuspects) {
   Membership m = formed(4);
   m.release(1, "was killed", false); // generation 1: slots [0, 2, 3] as ranks 0, 1, 2
-  EXPECT_EQ(m.reported_silent(0, 1, {2}), (std::vector<int>{3}));
-  EXPECT_EQ(m.reported_silent(3, 1, {0, 1}), (std::vector<int>{0, 2}));
-  EXPECT_TRUE(m.reported_silent(0, 1, {0}).empty());     // never itself
-  EXPECT_TRUE(m.reported_silent(0, 0, {2}).empty());     // about an older generation: late
-  EXPECT_TRUE(m.reported_silent(1, 1, {2}).empty());     // from a slot that is no member
-  EXPECT_TRUE(m.reported_silent(0, 1, {3, -1}).empty()); // ranks the generation does not have
+  EXPECT_EQ(m.reported_silent(0, 1, 9, {2}, "all_reduce #9"), (std::vector<int>{3}));
+  EXPECT_EQ(m.reported_silent(3, 1, 9, {0, 1}, "all_reduce #9"), (std::vector<int>{0, 2}));
+  EXPECT_TRUE(m.reported_silent(0, 1, 9, {0}, "x").empty());     // never itself
+  EXPECT_TRUE(m.reported_silent(0, 0, 9, {2}, "x").empty());     // an older generation: late
+  EXPECT_TRUE(m.reported_silent(1, 1, 9, {2}, "x").empty());     // from a slot that is no member
+  EXPECT_TRUE(m.reported_silent(0, 1, 9, {3, -1}, "x").empty()); // ranks it does not have
+  EXPECT_EQ(m.slot(3).held->reporter, 0);                        // its first report stands
+  EXPECT_EQ(m.slot(0).held->reporter, 3);
+  EXPECT_FALSE(m.slot(1).held.has_value());
+}
+
+// A suspect is expelled when the second ping it sends after the report (the first may have been
+// on its way already) still says it never started that collective; a ping saying it did clears
+// the report, and so does a newer generation.
+TEST(Membership, ASuspectIsExpelledOnlyWhenItsOwnPingsSayItNeverReachedTheCollective) {
+  const auto t = Clock::now();
+  using Progress = Membership::Progress;
+  Membership m = formed(3);           // generation 0: slots 0, 1, 2
+  m.heard_from(1, t, Progress{0, 9}); // slot 1 is in all_reduce #9 already
+  EXPECT_EQ(m.reported_silent(0, 0, 9, {1, 2}, "all_reduce #9 (sum)"), (std::vector<int>{2}));
+  EXPECT_FALSE(m.slot(1).held.has_value());
+
+  EXPECT_FALSE(m.heard_from(2, t, Progress{0, 8}).has_value()); // maybe sent before the report
+  const auto held = m.heard_from(2, t, Progress{0, 8});         // sent after it: still behind
+  ASSERT_TRUE(held.has_value());
+  EXPECT_EQ(held->reporter, 0);
+  EXPECT_EQ(held->description, "all_reduce #9 (sum)");
+  EXPECT_FALSE(m.slot(2).held.has_value());
+
+  // Late, but there: a ping saying it started #9 (or later) clears it for good.
+  Membership late = formed(3);
+  EXPECT_EQ(late.reported_silent(0, 0, 9, {2}, "x"), (std::vector<int>{2}));
+  EXPECT_FALSE(late.heard_from(2, t, Progress{0, 8}).has_value());
+  EXPECT_FALSE(late.heard_from(2, t, Progress{0, 10}).has_value());
+  EXPECT_FALSE(late.slot(2).held.has_value());
+  EXPECT_FALSE(late.heard_from(2, t, Progress{0, 10}).has_value());
+
+  // Behind in an older generation's numbers is behind.
+  Membership old = formed(3);
+  old.release(0, "was killed", false); // generation 1: slots [1, 2] as ranks 0, 1
+  EXPECT_EQ(old.reported_silent(1, 1, 3, {1}, "x"), (std::vector<int>{2}));
+  EXPECT_FALSE(old.heard_from(2, t, Progress{0, 50}).has_value());
+  EXPECT_TRUE(old.heard_from(2, t, Progress{0, 50}).has_value());
+
+  // A generation formed since the report: it is about a group that no longer exists.
+  Membership moved = formed(3);
+  EXPECT_EQ(moved.reported_silent(0, 0, 9, {2}, "x"), (std::vector<int>{2}));
+  moved.release(1, "was killed", false);
+  EXPECT_FALSE(moved.heard_from(2, t, Progress{0, 1}).has_value());
+  EXPECT_FALSE(moved.heard_from(2, t, Progress{0, 1}).has_value());
 }
 
 // A partition between members that all reach the rendezvous: each reports whom its probe could
