@@ -37,7 +37,9 @@
 # epochs that no fault touched (goal >= 0.9: the time the faults cost, drift-proof),
 # the ledger's lost/repeated samples (goal 0), restarts beyond one per fault (survivors
 # restarted; goal 0), the test accuracy of each run and the difference in points (goal <= 0.5),
-# and the time from each fault to the survivors training again.
+# and the time from each fault to the survivors training again. Fails (exit 1) when a goal of
+# correctness is missed: samples lost or repeated, or the accuracy (a run without it, or more
+# than 0.5 points apart); the goals of time are reported only.
 # Usage: bench/chaos.sh [FLOTILLA] [PYTHON]
 #   env: CHAOS_LOGS=DIR (keep both runs' logs there) FAULTS="kill stop cut" GAP_MIN=20 GAP_MAX=40
 #        DURATION=300 (s of faults) EPOCHS=64 STEPS=468 (an epoch: 60000 rows) BATCH=32 MODEL=mlp
@@ -304,8 +306,9 @@ free_s=$run_seconds
 run chaos 23600 1
 chaos_s=$run_seconds
 
+status=0
 "$PYTHON" - "$tmp" "$EPOCHS" "$STEPS" "$((BATCH * HOSTS))" "$HOSTS" "$free_s" "$chaos_s" \
-  "$MODEL" "$HB" "$machine" "$DURATION" "$ELASTIC_BATCH" "$RENDEZVOUS" <<'EOF'
+  "$MODEL" "$HB" "$machine" "$DURATION" "$ELASTIC_BATCH" "$RENDEZVOUS" <<'EOF' || status=$?
 import glob, json, os, re, statistics, sys
 tmp, epochs, steps, global_batch, hosts = sys.argv[1], *map(int, sys.argv[2:6])
 free_s, chaos_s, model, hb, machine = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8], float(sys.argv[9]), json.loads(sys.argv[10])
@@ -316,6 +319,7 @@ common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": gl
           "machine": machine}
 def out(**kv):
     print(json.dumps({**common, **kv}, separators=(",", ":")))
+failed = False
 
 def accuracy(run):
     lines = []
@@ -429,6 +433,9 @@ out(metric="faults", value=len(faults), kinds=kinds, duration_s=duration,
     process_starts=starts, survivor_restarts=restarts, goal_survivor_restarts=0)
 for run in ("free", "chaos"):
     out(config="fault-free" if run == "free" else "chaos", metric="ledger", **stats[run][0], goal="0 lost, 0 repeated")
+    if stats[run][0]["lost_samples"] or stats[run][0]["repeated_samples"]:
+        print(f"chaos: the {run} run lost or repeated samples (its ledger line above)", file=sys.stderr)
+        failed = True
 # What processes keep of the faults they lived through (others' faults): open files and threads
 # gained per fault, from the last sample before the first of them (a training process; the
 # very first sample can be one still starting) to the fewest of its last three before its own
@@ -452,6 +459,16 @@ if seen:
 a_free, a_chaos = accuracy("free"), accuracy("chaos")
 out(metric="test_accuracy", fault_free=a_free, chaos=a_chaos,
     diff_points=None if a_free is None or a_chaos is None else round(abs(a_free - a_chaos) * 100, 2), goal="<= 0.5")
+missing = [run for run, a in (("fault-free", a_free), ("chaos", a_chaos)) if a is None]
+if missing:
+    print(f"chaos: the {' and the '.join(missing)} run printed no test accuracy (no 'Test: ... accuracy' "
+          f"line in its hosts' logs): it did not finish its evaluation; keep its logs with CHAOS_LOGS=DIR "
+          f"and read them", file=sys.stderr)
+    failed = True
+elif abs(a_free - a_chaos) * 100 > 0.5:
+    print(f"chaos: the test accuracy differs by {abs(a_free - a_chaos) * 100:.2f} points (goal <= 0.5)",
+          file=sys.stderr)
+    failed = True
 for kind in ("rendezvous", "etcd"):
     outages = [f for f in faults if f[1] == kind]
     if outages:
@@ -465,10 +482,12 @@ for kind in ("kill", "stop", "cut"):
         out(metric="fault_to_training_again_s", fault=kind, median=round(statistics.median(times), 2),
             max=round(max(times), 2), count=len(times),
             goal=("< 2" if kind == "kill" else f"< {hb + 2:g}"))
+sys.exit(1 if failed else 0)
 EOF
 if [[ -n ${CHAOS_LOGS:-} ]]; then
   mkdir -p "$CHAOS_LOGS"
   cp -r "$tmp/free" "$tmp/chaos" "$CHAOS_LOGS/"
   log "logs copied to $CHAOS_LOGS"
 fi
+((status == 0)) || netns_failures+=("a goal of correctness missed: samples lost or repeated, or the test accuracy (above)")
 netns_finish

@@ -170,6 +170,7 @@ class Model {
   void mirror_buffers();
 
   torch::nn::Module& module() { return *module_; }
+  const torch::nn::Module& module() const { return *module_; }
   // This worker's replicas of the module (after compile), the model itself first (TF's
   // experimental_local_results of a mirrored model).
   std::vector<std::shared_ptr<torch::nn::Module>> local_replicas() const;
