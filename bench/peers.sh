@@ -13,6 +13,9 @@
 #                      keeping freed blocks (GLIBC_TUNABLES: the settings flotilla's
 #                      --freed-memory keep makes with mallopt), and the CNN's max-pools before
 #                      their ReLUs (the same values, as flotilla's MaxPool2ReLU computes them)
+#   Both all-reduce over Gloo's TCP ring: PyTorch has no other backend for CPU tensors.
+#   flotilla's workers, all on this host, all-reduce through shared memory (its default;
+#   the "all_reduce" field says which ran).
 #   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
 #   tf-mwms-pool-relu  the CNN's ReLUs after its max-pools (Conv2D without activation: TF no
 #                      longer fuses the ReLU into the convolution): level with tf-mwms here, up
@@ -190,6 +193,8 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   local norm
   norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
   echo "$norm" >"$tmp/norm-$name-$model"
+  # How its gradients crossed the workers (builds before shared memory name none).
+  sed -n 's/.*gradients: .*, all-reduce over \(.*\)$/\1/p' "$log" | head -n 1 >"$tmp/allreduce-$name-$model"
   # ViT-tiny's dropout, as the recipe names it; the builds that fuse the MLP's GELU with it
   # (they say so) run models::attention, the ones before ATen's math attention.
   local drop
@@ -318,12 +323,15 @@ settings_of() {  # system, model, precision -> JSON fields
       local norm
       norm=$(cat "$tmp/norm-$1-$2" 2>/dev/null || true)
       [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
+      local over
+      over=$(cat "$tmp/allreduce-$1-$2" 2>/dev/null || true)
+      printf ',"all_reduce":"%s"' "${over:-gloo}"
       local drop
       drop=$(cat "$tmp/dropout-$1-$2" 2>/dev/null || true)
       [ -z "$drop" ] || printf ',"attention":"%s","dropout":"%s"' \
         "$(cat "$tmp/attention-$1-$2")" "$drop" ;;
-    pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)"' "$3" ;;
-    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept"' "$3"
+    pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)","all_reduce":"gloo"' "$3" ;;
+    pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept","all_reduce":"gloo"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"'
       local attention
       attention=$(ddp_best_attention "$3")

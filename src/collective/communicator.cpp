@@ -22,6 +22,7 @@
 #include "collective/rendezvous.h"
 #include "collective/rendezvous_server.h"
 #include "collective/rendezvous_store.h"
+#include "collective/shared_memory.h"
 #include "collective/wire.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
@@ -434,6 +435,8 @@ struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> ring;
   c10::intrusive_ptr<c10d::Backend> nccl; // made on the first CUDA collective
+  // CommunicationOptions::shared_memory, when every rank is on this host: CPU all-reduces.
+  std::unique_ptr<detail::SharedMemoryReduce> shared_memory;
   std::uint64_t sequence = 0;
   bool warned_nccl_cpu = false;
 
@@ -582,6 +585,15 @@ std::shared_ptr<Communicator::Impl> make_impl(int rank, int size,
   impl->store = store;
   impl->ring = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
                                          rank, size, local_host, options.timeout);
+  if (options.shared_memory && size > 1) {
+    std::string why;
+    c10d::PrefixStore shm_store("shm", store);
+    impl->shared_memory = detail::SharedMemoryReduce::open(shm_store, rank, size, why);
+    if (!impl->shared_memory && rank == 0) {
+      Logger(rank, size)
+          .warn("shared memory was asked for, but " + why + "; CPU tensors use the Gloo ring");
+    }
+  }
   return impl;
 }
 
@@ -784,6 +796,18 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   opts.reduceOp = op == ReduceOp::kMax   ? c10d::ReduceOp::MAX
                   : op == ReduceOp::kMin ? c10d::ReduceOp::MIN
                                          : c10d::ReduceOp::SUM;
+  if (impl_->shared_memory && detail::SharedMemoryReduce::takes(buffer)) {
+    // On this thread, now; a failure is kept for wait() as a backend's would be. While it
+    // waits for the others, the heartbeat's news of a failed peer stops it.
+    const std::string head = state->description + " on " + state->where() + " cannot complete: ";
+    auto* shared = impl_->shared_memory.get();
+    const auto timeout = impl_->options.timeout;
+    return impl_->start(std::move(state), [&, health = impl_->health] {
+      return shared->run(buffer, opts.reduceOp, timeout, [&health, &head] {
+        if (health && health->failed) detail::throw_failed(*health, head);
+      });
+    });
+  }
   auto& backend = impl_->backend_for(tensor);
   state->stream_ordered = tensor.is_cuda() && backend.getBackendName() == "nccl";
   return impl_->start(std::move(state), [&] {
@@ -827,6 +851,9 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
 }
 
 std::string Communicator::transport(const at::Tensor& tensor) {
+  if (impl_->shared_memory && detail::SharedMemoryReduce::takes(tensor.contiguous())) {
+    return "shared memory"; // its all-reduces; the other collectives go through the ring
+  }
   return impl_->backend_for(tensor).getBackendName();
 }
 

@@ -711,7 +711,7 @@ TEST(Torchrun, MaxRestartsResumesEveryWorkerFromTheBackup) {
   }
   argv.push_back(std::to_string(port));
   for (const std::string& arg : {"--no-python", kCli.c_str(), "train", "--model", "mlp", "--epochs",
-                                 "3", "--steps-per-epoch", "40", "--batch-per-replica", "16",
+                                 "3", "--steps-per-epoch", "400", "--batch-per-replica", "16",
                                  "--threads", "1", "--verbose", "2"}) {
     argv.push_back(arg);
   }
@@ -729,7 +729,7 @@ TEST(Torchrun, MaxRestartsResumesEveryWorkerFromTheBackup) {
   const std::string all = r.out + r.err;
   EXPECT_NE(all.find("BackupAndRestore: resuming from " + dir.path() +
                      "/backup/backup-1 at epoch "
-                     "2, step 0 (40 updates done)"),
+                     "2, step 0 (400 updates done)"),
             std::string::npos)
       << all;
   EXPECT_EQ(count_of(all, "Test: loss: "), 1u) << all;

@@ -93,8 +93,10 @@ done
 # job, and the requeued job resumes from the backup and finishes. Signalled once epoch 2 of 5
 # shows in the job's output, with three epochs (3 s or more) left: the output and the signal
 # each take a moment through Slurm, and with 3 epochs the signal once came at the last step
-# (training had ended, nothing to resume).
-export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 5 --steps-per-epoch 150 --batch-per-replica 16 --verbose 2"
+# (training had ended, nothing to resume). 1500 steps an epoch: with the gradients summed
+# through shared memory a step takes about 1 ms, and at 150 steps the training ended before
+# the signal came.
+export FLOTILLA_TRAIN_ARGS="--model mlp --epochs 5 --steps-per-epoch 1500 --batch-per-replica 16 --verbose 2"
 preempt() {  # name, then scancel's options that send the signal
   local name=$1 job state start out=$tmp/job-$1.out
   shift

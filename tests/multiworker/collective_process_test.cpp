@@ -27,7 +27,8 @@ std::vector<ProcessResult> run_cluster(int world, const std::vector<std::string>
     std::vector<std::string> argv = {kWorker};
     argv.insert(argv.end(), flags.begin(), flags.end());
     procs.push_back(std::make_unique<Process>(
-        argv, std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, i)}}));
+        argv,
+        std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, i)}}));
   }
   std::vector<ProcessResult> results;
   for (auto& p : procs) results.push_back(p->wait(std::chrono::seconds(120)));
@@ -36,7 +37,7 @@ std::vector<ProcessResult> run_cluster(int world, const std::vector<std::string>
 
 TEST(CollectiveProcesses, TwoAndThreeProcessesAgree) {
   for (int world : {2, 3}) {
-    const auto results = run_cluster(world, {"--timeout-ms", "60000"});
+    const auto results = run_cluster(world, {"--timeout-ms", "60000", "--shared-memory", "0"});
     for (int r = 0; r < world; ++r) {
       EXPECT_EQ(results[r].exit_code, 0) << results[r].err;
       EXPECT_EQ(results[r].out,
@@ -63,13 +64,43 @@ TEST(CollectiveProcesses, TorchrunVariablesWorkToo) {
 }
 
 TEST(CollectiveProcesses, AWorkerThatExitsFailsTheOthersInsteadOfHangingThem) {
-  const auto results = run_cluster(3, {"--timeout-ms", "20000", "--leave-rank", "2"});
+  const auto results =
+      run_cluster(3, {"--timeout-ms", "20000", "--leave-rank", "2", "--shared-memory", "0"});
   EXPECT_EQ(results[2].exit_code, 0);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
     // "failed (": noticed the closed connection, not waited for the timeout.
     EXPECT_NE(results[r].err.find("error: all_reduce #1 (sum, 1048579 x float) on rank " +
                                   std::to_string(r) + " of 3 failed ("),
+              std::string::npos)
+        << results[r].err;
+  }
+}
+
+TEST(CollectiveProcesses, AllReducesThroughSharedMemoryAgree) {
+  for (int world : {2, 3}) {
+    const auto results = run_cluster(world, {"--timeout-ms", "60000", "--shared-memory", "1"});
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[r].exit_code, 0) << results[r].err;
+      EXPECT_EQ(results[r].out,
+                "rank " + std::to_string(r) + " of " + std::to_string(world) + " ok\n");
+    }
+  }
+}
+
+// Shared memory has no connection to close: the others see the process is gone (its
+// communicator's destructor says so, or /proc that the process exited).
+TEST(CollectiveProcesses, AWorkerThatExitsFailsTheOthersThroughSharedMemoryToo) {
+  const auto results =
+      run_cluster(3, {"--timeout-ms", "20000", "--leave-rank", "2", "--shared-memory", "1"});
+  EXPECT_EQ(results[2].exit_code, 0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    EXPECT_NE(results[r].err.find("error: all_reduce #1 (sum, 1048579 x float) on rank " +
+                                  std::to_string(r) + " of 3 failed (Connection closed: rank 2 "),
+              std::string::npos)
+        << results[r].err;
+    EXPECT_NE(results[r].err.find(" during the shared-memory all-reduce); a peer probably exited"),
               std::string::npos)
         << results[r].err;
   }

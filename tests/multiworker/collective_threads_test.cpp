@@ -20,6 +20,53 @@ torch::Tensor input(int rank, std::int64_t n, torch::ScalarType type = torch::kF
 
 class Collectives : public ::testing::TestWithParam<std::tuple<int, std::int64_t>> {};
 
+// CommunicationOptions::shared_memory: the ranks (threads of one process here) share this host,
+// so CPU all-reduces go through the segment, 4 MiB at a time: 2.5 M floats are three chunks.
+TEST(SharedMemory, AllReducesGiveTheClosedFormOnEveryRankInEveryTypeAndOp) {
+  auto options = flotilla::testing::test_options();
+  options.shared_memory = true;
+  for (int world : {2, 3}) {
+    const std::int64_t n = 2'500'007;
+    const double rank_sum = world * (world + 1) / 2.0;
+    run_ranks(
+        world,
+        [&, world](int rank, Communicator& comm) {
+          const auto base = input(0, n);
+          auto sum = input(rank, n);
+          EXPECT_EQ(comm.transport(sum), "shared memory");
+          comm.all_reduce(sum).wait();
+          EXPECT_TRUE(torch::equal(sum, base * rank_sum));
+          for (auto type : {torch::kFloat64, torch::kBFloat16, torch::kFloat16, torch::kInt32}) {
+            auto t = input(rank, 1001, type);
+            comm.all_reduce(t).wait();
+            EXPECT_TRUE(torch::equal(t, input(0, 1001, type) * static_cast<int>(rank_sum))) << type;
+          }
+          auto mean = input(rank, 7, torch::kFloat64);
+          comm.all_reduce(mean, ReduceOp::kMean).wait();
+          EXPECT_TRUE(torch::allclose(mean, input(0, 7, torch::kFloat64) * rank_sum / world));
+          auto max = input(rank, n, torch::kInt64);
+          auto min = input(rank, n);
+          comm.all_reduce(max, ReduceOp::kMax).wait();
+          comm.all_reduce(min, ReduceOp::kMin).wait();
+          EXPECT_TRUE(torch::equal(max, base.to(torch::kInt64) * world));
+          EXPECT_TRUE(torch::equal(min, base));
+          // A strided view is reduced in a contiguous copy and written back.
+          auto wide = input(rank, 40).view({8, 5});
+          auto column = wide.select(1, 2);
+          comm.all_reduce(column).wait();
+          EXPECT_TRUE(torch::equal(column, input(0, 40).view({8, 5}).select(1, 2) * rank_sum));
+          EXPECT_TRUE(torch::equal(wide.select(1, 1), input(rank, 40).view({8, 5}).select(1, 1)));
+          // Every rank holds the same bits of a sum that rounds (0.1 + 0.2 + ...).
+          auto odd = torch::full({3}, 0.1 * (rank + 1), torch::kFloat32);
+          comm.all_reduce(odd).wait();
+          auto all = comm.all_gather(odd);
+          all.wait();
+          for (const auto& other : all.result()) EXPECT_TRUE(torch::equal(other, odd));
+        },
+        options);
+  }
+}
+
 TEST_P(Collectives, AllReduceBroadcastGatherGiveTheClosedFormOnEveryRank) {
   const auto [world, n] = GetParam();
   const double rank_sum = world * (world + 1) / 2.0; // sum of (r + 1)

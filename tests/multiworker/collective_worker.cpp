@@ -4,7 +4,8 @@
 // Flags: --timeout-ms N; --heartbeat-timeout-ms N; --heartbeat-interval-ms N; --leave-rank R
 // (rank R exits right after joining, before collectives); --signal-rank R --signal STOP|KILL
 // (rank R sends itself that signal right after joining, while the others go on into an
-// all-reduce). The cluster token comes from FLOTILLA_CLUSTER_TOKEN /
+// all-reduce); --shared-memory 0|1 (CommunicationOptions::shared_memory; with 1 the all-reduces
+// must go through it). The cluster token comes from FLOTILLA_CLUSTER_TOKEN /
 // FLOTILLA_CLUSTER_TOKEN_FILE, as in flotilla train.
 #include <csignal>
 #include <cstdio>
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   int leave_rank = -1;
   int signal_rank = -1;
   int signal = 0;
+  int shared = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--timeout-ms")) {
       options.timeout = std::chrono::milliseconds(std::atoi(argv[i + 1]));
@@ -35,6 +37,9 @@ int main(int argc, char** argv) {
       leave_rank = std::atoi(argv[i + 1]);
     } else if (!std::strcmp(argv[i], "--signal-rank")) {
       signal_rank = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--shared-memory")) {
+      shared = std::atoi(argv[i + 1]);
+      options.shared_memory = shared != 0;
     } else if (!std::strcmp(argv[i], "--signal")) {
       signal = !std::strcmp(argv[i + 1], "STOP") ? SIGSTOP : SIGKILL;
     }
@@ -55,6 +60,10 @@ int main(int argc, char** argv) {
     bool ok = true;
 
     auto sum = base * (comm.rank() + 1);
+    if (shared == 1 && comm.transport(sum) != "shared memory") {
+      std::cerr << "error: the all-reduce would go through " << comm.transport(sum) << std::endl;
+      return 1;
+    }
     comm.all_reduce(sum).wait();
     ok &= torch::allclose(sum, base * (world * (world + 1) / 2.0));
 

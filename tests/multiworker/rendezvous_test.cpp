@@ -42,9 +42,10 @@ std::unique_ptr<Process> start(const std::vector<int>& ports, int index,
   argv.insert(argv.end(), flags.begin(), flags.end());
   // An empty value removes the variable, so a test's own environment cannot leak a token in.
   return std::make_unique<Process>(
-      argv, std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, index)},
-                                               {"FLOTILLA_CLUSTER_TOKEN", token},
-                                               {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
+      argv,
+      std::map<std::string, std::string>{{"TF_CONFIG", testing::loopback_tf_config(ports, index)},
+                                         {"FLOTILLA_CLUSTER_TOKEN", token},
+                                         {"FLOTILLA_CLUSTER_TOKEN_FILE", ""}});
 }
 
 bool has(const std::string& text, const std::string& needle) {
@@ -95,23 +96,23 @@ TEST(Rendezvous, AnIntruderWithTheWrongTokenIsRefusedAndCannotStallTheJob) {
   const auto ports = testing::free_ports(2);
   auto chief = start(ports, 0, {"--timeout-ms", "60000"}, token);
   // The intruder claims rank 1 before the real worker exists.
-  const auto intruder = start(ports, 1, {"--timeout-ms", "60000"}, wrong)->wait(
-      std::chrono::seconds(60));
+  const auto intruder =
+      start(ports, 1, {"--timeout-ms", "60000"}, wrong)->wait(std::chrono::seconds(60));
   EXPECT_EQ(intruder.exit_code, kExitBadInput) << intruder.err;
   EXPECT_TRUE(has(intruder.err, "refused worker 1 at 127.0.0.1:" + std::to_string(ports[1]) +
                                     " (rank 1): wrong or missing cluster token"))
       << intruder.err;
   // Rank 1 is still free: the real worker takes it and the job completes.
-  const auto worker = start(ports, 1, {"--timeout-ms", "60000"}, token)->wait(
-      std::chrono::seconds(120));
+  const auto worker =
+      start(ports, 1, {"--timeout-ms", "60000"}, token)->wait(std::chrono::seconds(120));
   const auto chief_result = chief->wait(std::chrono::seconds(120));
   EXPECT_EQ(worker.exit_code, 0) << worker.err;
   EXPECT_EQ(chief_result.exit_code, 0) << chief_result.err;
   EXPECT_TRUE(has(chief_result.err, "rendezvous: refused 127.0.0.1:")) << chief_result.err;
   EXPECT_TRUE(has(chief_result.err, "wrong or missing cluster token (claiming rank 1)"))
       << chief_result.err;
-  for (const auto& text : {intruder.out, intruder.err, worker.out, worker.err, chief_result.out,
-                           chief_result.err}) {
+  for (const auto& text :
+       {intruder.out, intruder.err, worker.out, worker.err, chief_result.out, chief_result.err}) {
     EXPECT_FALSE(has(text, token));
     EXPECT_FALSE(has(text, wrong));
   }
@@ -131,8 +132,8 @@ TEST(Rendezvous, ATaskWithoutTheTokenIsToldWhatToSetAndTheChiefNamesWhoIsMissing
       << worker_result.err;
   const auto chief_result = chief->wait(std::chrono::seconds(60));
   EXPECT_EQ(chief_result.exit_code, kExitComm) << chief_result.err;
-  EXPECT_TRUE(has(chief_result.err, "1 of 2 joined within 2 s; " + name_of(ports, 1) +
-                                        " did not join"))
+  EXPECT_TRUE(
+      has(chief_result.err, "1 of 2 joined within 2 s; " + name_of(ports, 1) + " did not join"))
       << chief_result.err;
 }
 
@@ -407,10 +408,18 @@ TEST(Rendezvous, AChiefAddressThatIsNotThisHostIsAClearError) {
 // after a barrier that follows the rendezvous. The collective timeout (120 s) is far beyond the
 // heartbeat's (1 s, pinging every 200 ms), so only the heartbeat can end the wait in time.
 std::vector<ProcessResult> run_with_victim(const std::vector<int>& ports, int victim,
-                                           const std::string& signal) {
-  const std::vector<std::string> flags = {
-      "--timeout-ms",  "120000", "--heartbeat-timeout-ms", "1000", "--heartbeat-interval-ms", "200",
-      "--signal-rank", std::to_string(victim), "--signal", signal};
+                                           const std::string& signal, bool shared = false) {
+  std::vector<std::string> flags = {"--timeout-ms",
+                                    "120000",
+                                    "--heartbeat-timeout-ms",
+                                    "1000",
+                                    "--heartbeat-interval-ms",
+                                    "200",
+                                    "--signal-rank",
+                                    std::to_string(victim),
+                                    "--signal",
+                                    signal};
+  flags.insert(flags.end(), {"--shared-memory", shared ? "1" : "0"});
   std::vector<std::unique_ptr<Process>> procs;
   for (int i = 0; i < 3; ++i) procs.push_back(start(ports, i, flags));
   std::vector<ProcessResult> results(3);
@@ -448,14 +457,41 @@ TEST(Heartbeat, AStoppedChiefFailsTheWorkersByName) {
   }
 }
 
+// The same through shared memory, where the waiting ranks poll the heartbeat's news.
+TEST(Heartbeat, AStoppedWorkerFailsTheOthersInASharedMemoryAllReduceToo) {
+  const auto ports = testing::free_ports(3);
+  const auto results = run_with_victim(ports, 2, "STOP", /*shared=*/true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    EXPECT_TRUE(has(results[r].err, "all_reduce #2 (sum, 1048579 x float) on rank " +
+                                        std::to_string(r) + " of 3 cannot complete: " +
+                                        name_of(ports, 2) + " stopped sending heartbeats for 1 s"))
+        << results[r].err;
+  }
+}
+
 TEST(Heartbeat, AKilledWorkerFailsTheOthersAtOnce) {
   const auto ports = testing::free_ports(3);
   const auto results = run_with_victim(ports, 1, "KILL");
   for (int r : {0, 2}) {
     EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
     // Gloo's closed connection or the heartbeat's news, whichever came first; never the timeout.
-    EXPECT_TRUE(has(results[r].err, "all_reduce #2 (sum, 1048579 x float) on rank " +
-                                        std::to_string(r) + " of 3"))
+    EXPECT_TRUE(has(results[r].err,
+                    "all_reduce #2 (sum, 1048579 x float) on rank " + std::to_string(r) + " of 3"))
+        << results[r].err;
+    EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
+  }
+}
+
+// Through shared memory: its heartbeat connection closes, or /proc shows it gone, whichever the
+// others see first; never the timeout.
+TEST(Heartbeat, AKilledWorkerFailsTheOthersInASharedMemoryAllReduceAtOnce) {
+  const auto ports = testing::free_ports(3);
+  const auto results = run_with_victim(ports, 1, "KILL", /*shared=*/true);
+  for (int r : {0, 2}) {
+    EXPECT_EQ(results[r].exit_code, kExitComm) << results[r].err;
+    EXPECT_TRUE(has(results[r].err,
+                    "all_reduce #2 (sum, 1048579 x float) on rank " + std::to_string(r) + " of 3"))
         << results[r].err;
     EXPECT_FALSE(has(results[r].err, "did not complete within")) << results[r].err;
   }

@@ -111,6 +111,7 @@ const std::vector<FlagFor>& flag_table() {
       {"CommunicationOptions::bytes_per_pack", "--bytes-per-pack"},
       {"CommunicationOptions::overlap", "--no-overlap", Form::kNegatedSwitch},
       {"CommunicationOptions::compression", "--compression"},
+      {"CommunicationOptions::shared_memory", "--no-shared-memory", Form::kNegatedSwitch},
       {"ElasticOptions::enabled", "--elastic", Form::kSwitch},
       {"ElasticOptions::batch", "--elastic-batch"},
       {"CommunicationOptions::heartbeat_timeout", "--heartbeat-timeout"},

@@ -85,6 +85,7 @@ struct TrainArgs {
   std::string implementation = "auto";
   std::int64_t bytes_per_pack = 25 * 1024 * 1024;
   bool no_overlap = false;
+  bool no_shared_memory = false;
   bool elastic = false;                 // ElasticOptions::enabled
   std::string elastic_batch = "global"; // ElasticOptions::batch
   double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
@@ -197,6 +198,7 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.insecure = a.insecure;
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;
+  comm.shared_memory = !a.no_shared_memory;
   comm.compression = collective::parse_compression(a.compression);
   comm.heartbeat_timeout = seconds_flag(a.heartbeat_timeout_s, "--heartbeat-timeout");
   // At least four beats per timeout, so one late beat on a busy machine is not a failure.
@@ -474,9 +476,8 @@ void log_fused_layer(const strategy::Strategy& strategy, train::Model& model,
                      const std::string& topic, const std::string& kernel, const char* variable,
                      const std::string& fused, const std::string& aten) {
   const auto modules = model.module().modules();
-  if (std::none_of(modules.begin(), modules.end(), [](const auto& m) {
-        return dynamic_cast<const Layer*>(m.get()) != nullptr;
-      })) {
+  if (std::none_of(modules.begin(), modules.end(),
+                   [](const auto& m) { return dynamic_cast<const Layer*>(m.get()) != nullptr; })) {
     return;
   }
   const std::string why = models::best_cpu_kernel() == "none"
@@ -524,9 +525,15 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                              "--freed-memory release turns it off)"
                            : "released (the C library's default)"));
   strategy.log().info("input: " + input.train.plan());
-  strategy.log().info("gradients: " + model.gradient_reducer().plan() + "; overlap " +
-                      (comm.overlap ? "on" : "off") + ", compression " +
-                      std::string(collective::to_string(comm.compression)));
+  // How a CPU bucket crosses the workers (a CUDA one goes through NCCL, made on its first use).
+  const auto params = model.module().parameters();
+  const bool cpu = params.empty() || params.front().device().is_cpu();
+  strategy.log().info(
+      "gradients: " + model.gradient_reducer().plan() + "; overlap " +
+      (comm.overlap ? "on" : "off") + ", compression " +
+      std::string(collective::to_string(comm.compression)) +
+      (cpu ? ", all-reduce over " + model.strategy().communicator().transport(torch::zeros({1}))
+           : ""));
 }
 
 // --verbose auto: the library's rule (train::resolve_verbosity: a bar on a terminal, else a line
@@ -1107,6 +1114,9 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
                   "Gradients on the wire: none, fp16 or bf16 (half the bytes)")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}, CLI::ignore_case))
       ->capture_default_str();
+  app->add_flag("--no-shared-memory", args.no_shared_memory,
+                "Reduce CPU gradients over Gloo's TCP ring even when every worker runs on this "
+                "host (by default they go through shared memory on the training thread)");
 }
 
 } // namespace

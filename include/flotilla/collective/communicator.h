@@ -58,6 +58,14 @@ struct CommunicationOptions {
   bool overlap = true;
   // Gradients cross workers in half precision (half the bytes); the local math stays fp32.
   Compression compression = Compression::kNone;
+  // When every rank of a group runs on this host (the same boot, and network, IPC, mount and
+  // PID namespaces), CPU tensors' all-reduces go through a shared-memory segment on the calling
+  // thread instead of Gloo's TCP ring over loopback: each rank copies its tensor in, sums its
+  // share, copies the result out (the same bits on every rank; with three or more ranks the sums
+  // may round differently from the ring's). A peer that exits, or whose heartbeat stops, fails
+  // the wait as a closed connection would. Other collectives, groups across hosts, and a host
+  // whose /dev/shm cannot hold the segment (4 MiB per rank and one more) use the ring.
+  bool shared_memory = true;
   // The shared secret a process must prove it holds (HMAC-SHA256 challenge-response) before the
   // chief lets it join; nullopt: none is asked for. Set it on every task or on none. Resolve it
   // with cluster::cluster_token(); it is never logged.
@@ -146,7 +154,8 @@ class Communicator {
   Work all_gather(const at::Tensor& tensor);
   Work barrier();
 
-  // The backend that carries `tensor`'s collectives: "gloo" or "nccl" (made on first use).
+  // The backend that carries `tensor`'s collectives: "gloo" or "nccl" (made on first use), or
+  // "shared memory" for its all-reduces (CommunicationOptions::shared_memory).
   std::string transport(const at::Tensor& tensor);
 
   // Impl is private to the library: its own factories (connect, local_group, an elastic
