@@ -99,7 +99,11 @@ std::unique_ptr<Connection> Connection::connect(const RendezvousConfig& config,
 void Connection::send(const std::string& frame, Clock::time_point deadline) {
   std::size_t sent = 0;
   while (sent < frame.size()) {
-    if (!wait_ready(POLLOUT, deadline)) throw_timeout("sending to");
+    if (!wait_ready(POLLOUT, deadline)) {
+      // Part of the message is out: the server would read the next one from its middle.
+      if (sent > 0) throw_lost("a message was cut off at the deadline");
+      throw_timeout("sending to");
+    }
     const ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) throw_lost(std::strerror(errno));
@@ -108,16 +112,18 @@ void Connection::send(const std::string& frame, Clock::time_point deadline) {
 }
 
 std::string Connection::receive(Clock::time_point deadline, std::size_t max) {
-  char head[4];
-  read_exactly(head, 4, deadline);
-  const std::uint32_t n = read_le32(head);
+  // A deadline can fall inside a message: what was read of it stays in inbox_ and the next call
+  // goes on from there, so the stream never loses its place.
+  fill(4, deadline);
+  const std::uint32_t n = read_le32(inbox_.data());
   if (n > max) {
     throw CommError(server() + " sent a message of " + std::to_string(n) +
                     " bytes, over the limit of " + std::to_string(max) +
                     "; is that address really a flotilla chief?");
   }
-  std::string body(n, '\0');
-  read_exactly(body.data(), n, deadline);
+  fill(4 + std::size_t{n}, deadline);
+  std::string body = inbox_.substr(4);
+  inbox_.clear();
   return body;
 }
 
@@ -125,23 +131,26 @@ bool Connection::wait_ready(short events, Clock::time_point deadline) {
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
     pollfd p{fd_, events, 0};
-    const int rc = ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left, 1000)));
+    // Past the deadline, one look without waiting: what already arrived is read (after this
+    // process was stopped or starved, the server is not to blame).
+    const int rc = ::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left, 0, 1000)));
     if (rc > 0) return true;
     if (rc < 0 && errno != EINTR) throw_lost(std::strerror(errno));
+    if (left <= 0 && rc == 0) return false;
   }
 }
 
-void Connection::read_exactly(char* out, std::size_t n, Clock::time_point deadline) {
-  std::size_t got = 0;
-  while (got < n) {
+void Connection::fill(std::size_t n, Clock::time_point deadline) {
+  while (inbox_.size() < n) {
     if (!wait_ready(POLLIN, deadline)) throw_timeout("waiting for");
-    const ssize_t r = ::recv(fd_, out + got, n - got, 0);
+    const std::size_t had = inbox_.size();
+    inbox_.resize(n); // only this message's bytes: the next one stays in the socket
+    const ssize_t r = ::recv(fd_, inbox_.data() + had, n - had, 0);
+    inbox_.resize(had + static_cast<std::size_t>(std::max<ssize_t>(r, 0)));
     if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (r == 0) throw_lost("the connection was closed");
     if (r < 0) throw_lost(std::strerror(errno));
-    got += static_cast<std::size_t>(r);
   }
 }
 

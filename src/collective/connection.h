@@ -42,9 +42,11 @@ class Connection {
   static std::unique_ptr<Connection> join(const RendezvousConfig& config, Role role,
                                           Clock::time_point deadline);
 
-  // TimeoutError past `deadline`; ConnectionLost when the connection is lost.
+  // TimeoutError past `deadline`; ConnectionLost when the connection is lost (or the deadline
+  // cut the message, which leaves the stream unusable).
   void send(const std::string& frame, Clock::time_point deadline);
-  // One message; `max` bounds its size before anything is allocated for it.
+  // One message; `max` bounds its size before anything is allocated for it. A TimeoutError
+  // keeps what arrived of the message: the next call returns it whole.
   std::string receive(Clock::time_point deadline, std::size_t max = kMaxFrameBytes);
 
   int fd() const { return fd_; }
@@ -60,7 +62,8 @@ class Connection {
   static std::unique_ptr<Connection> connect(const RendezvousConfig& config,
                                              Clock::time_point deadline);
   bool wait_ready(short events, Clock::time_point deadline);
-  void read_exactly(char* out, std::size_t n, Clock::time_point deadline);
+  // Reads into inbox_ until it holds `n` bytes.
+  void fill(std::size_t n, Clock::time_point deadline);
   [[noreturn]] void throw_timeout(const std::string& what) const;
   [[noreturn]] void throw_lost(const std::string& why) const;
   void handshake(const RendezvousConfig& config, Role role, Clock::time_point deadline);
@@ -68,6 +71,7 @@ class Connection {
   int fd_ = -1;
   std::string chief_;
   bool external_ = false; // chief_ is `flotilla rendezvous`, not a training rank
+  std::string inbox_;     // what arrived of the message being received
 };
 
 } // namespace flotilla::collective::detail

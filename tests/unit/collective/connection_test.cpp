@@ -10,17 +10,24 @@
 
 #include <atomic>
 #include <thread>
+#include <vector>
 
 namespace flotilla::collective::detail {
 namespace {
 
 using namespace std::chrono_literals;
 
+// Bytes the server writes after its acceptance, each `after` the one before.
+struct Chunk {
+  std::chrono::milliseconds after;
+  std::string bytes;
+};
+
 // Listens on loopback; its one connection gets a Hello, then, `answer_after` after the join
-// request arrives, an acceptance (never, when `answer_after` is negative).
+// request arrives, an acceptance (never, when `answer_after` is negative), then `then`.
 class SlowServer {
  public:
-  explicit SlowServer(std::chrono::milliseconds answer_after) {
+  explicit SlowServer(std::chrono::milliseconds answer_after, std::vector<Chunk> then = {}) {
     listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -32,7 +39,7 @@ class SlowServer {
       throw std::runtime_error("cannot listen on loopback");
     }
     port_ = ntohs(addr.sin_port);
-    thread_ = std::thread([this, answer_after] {
+    thread_ = std::thread([this, answer_after, then = std::move(then)] {
       const int fd = ::accept(listener_, nullptr, nullptr);
       if (fd < 0) return;
       const std::string hello = Hello{false, {}}.frame();
@@ -49,6 +56,10 @@ class SlowServer {
         std::this_thread::sleep_for(answer_after);
         const std::string welcome = Welcome::acceptance(std::nullopt).frame();
         (void)!::write(fd, welcome.data(), welcome.size());
+        for (const auto& chunk : then) {
+          std::this_thread::sleep_for(chunk.after);
+          (void)!::write(fd, chunk.bytes.data(), chunk.bytes.size());
+        }
       }
       char byte;
       (void)!::recv(fd, &byte, 1, 0); // until the client hangs up
@@ -98,6 +109,36 @@ TEST(Connection, AServerThatNeverAnswersIsATimeoutAfterTheHeartbeatTimeout) {
                                 std::chrono::steady_clock::now() + 100ms),
                TimeoutError);
   EXPECT_TRUE(server.request_arrived());
+}
+
+// A message whose head came before a receive's deadline and whose body after it: the next
+// receive reads that message, not its body as a head (a heartbeat so read a Pong's first four
+// bytes as an empty message, and its member took the rendezvous for gone; make test, once).
+TEST(Connection, AMessageCutByADeadlineIsReadWholeByTheNextReceive) {
+  WireWriter w;
+  w.str("the pong");
+  const std::string frame = w.frame();
+  SlowServer server(0ms, {{0ms, frame.substr(0, 6)}, {400ms, frame.substr(6)}});
+  auto conn = Connection::join(config_for(server.port(), 10s), kRoleHeartbeat,
+                               std::chrono::steady_clock::now() + 5s);
+  EXPECT_THROW(conn->receive(std::chrono::steady_clock::now() + 150ms), TimeoutError);
+  const std::string body = conn->receive(std::chrono::steady_clock::now() + 5s);
+  WireReader in(body);
+  EXPECT_EQ(in.str(100), "the pong");
+  EXPECT_TRUE(in.done());
+}
+
+// What arrived before the deadline is read even when the reader runs after it (a loaded machine,
+// a stopped process): a deadline bounds waiting, not reading.
+TEST(Connection, AMessageThatArrivedIsReadAfterTheDeadlinePassed) {
+  WireWriter w;
+  w.str("arrived");
+  SlowServer server(0ms, {{0ms, w.frame()}});
+  auto conn = Connection::join(config_for(server.port(), 10s), kRoleHeartbeat,
+                               std::chrono::steady_clock::now() + 5s);
+  std::this_thread::sleep_for(200ms);
+  WireReader in(conn->receive(std::chrono::steady_clock::now() - 1ms));
+  EXPECT_EQ(in.str(100), "arrived");
 }
 
 } // namespace
