@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -68,6 +69,45 @@ bool running(std::uint64_t pid) {
   const auto close = stat.rfind(") ");
   return close == std::string::npos || close + 2 >= stat.size() ||
          (stat[close + 2] != 'Z' && stat[close + 2] != 'X');
+}
+
+// This PID namespace's number ("pid:[4026531836]" -> "4026531836"): segment names carry it, so
+// that a pid in a name is read only in the namespace it belongs to.
+std::string pid_namespace() {
+  const std::string link = link_of("/proc/self/ns/pid");
+  std::string digits;
+  for (char c : link) {
+    if (c >= '0' && c <= '9') digits += c;
+  }
+  return digits;
+}
+
+// Segments whose maker was killed between making and unlinking them (rank 0 unlinks its
+// segment as soon as every rank has mapped it, or open() failed): "flotilla-<ns>-<pid>-<16 hex>"
+// in /dev/shm, of this user and this PID namespace, whose process no longer runs. Anything else
+// there is left alone.
+void remove_orphans(const std::string& ns) {
+  DIR* dir = ::opendir("/dev/shm");
+  if (!dir) return;
+  const std::string prefix = "flotilla-" + ns + "-";
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto dash = name.find('-', prefix.size());
+    if (dash == std::string::npos || dash == prefix.size() || dash - prefix.size() > 9 ||
+        name.size() != dash + 17 || name.find_first_not_of("0123456789", prefix.size()) != dash ||
+        name.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) {
+      continue;
+    }
+    const std::uint64_t pid = std::stoull(name.substr(prefix.size(), dash - prefix.size()));
+    struct stat st {};
+    if (::fstatat(::dirfd(dir), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || running(pid)) {
+      continue;
+    }
+    ::shm_unlink(("/" + name).c_str());
+  }
+  ::closedir(dir);
 }
 
 std::string errno_text(const std::string& what) {
@@ -196,15 +236,29 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
   const std::size_t bytes = Segment::bytes_for(size);
   std::string name, failure;
   int fd = -1;
+  // Rank 0's name goes however open() ends: once every rank has tried (below), or when a wait
+  // for another rank throws. The mappings stay until each process unmaps them.
+  struct Cleanup {
+    const std::string& name;
+    const int& fd;
+    bool unlink = false;
+    ~Cleanup() {
+      if (unlink) ::shm_unlink(name.c_str());
+      if (fd >= 0) ::close(fd);
+    }
+  } cleanup{name, fd};
   if (rank == 0) {
+    const std::string ns = pid_namespace();
+    remove_orphans(ns);
     const auto nonce = random_bytes<8>();
-    name = "/flotilla-" + std::to_string(::getpid()) + "-";
+    name = "/flotilla-" + ns + "-" + std::to_string(::getpid()) + "-";
     for (auto b : nonce) {
       const char* hex = "0123456789abcdef";
       name += hex[b >> 4];
       name += hex[b & 15];
     }
     fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    cleanup.unlink = fd >= 0;
     if (fd < 0) {
       failure = errno_text("shm_open " + name);
     } else if (const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
@@ -243,9 +297,6 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
     const std::string ok = text_of(store.get("ok/" + std::to_string(r)));
     if (ok != "1" && first_failure.empty()) first_failure = "rank " + std::to_string(r) + ": " + ok;
   }
-  // Every rank has tried: the name can go, the mappings stay until each process unmaps them.
-  if (rank == 0 && fd >= 0) ::shm_unlink(name.c_str());
-  if (fd >= 0) ::close(fd);
   if (!first_failure.empty()) {
     why = first_failure;
     return nullptr;

@@ -1,10 +1,13 @@
 // Private: an all-reduce through shared memory for the ranks of one group that share a host
 // (CommunicationOptions::shared_memory). Rank 0 makes a POSIX shared-memory segment, the others
-// map it, and rank 0 unlinks its name once every rank has tried, so nothing is left in /dev/shm
-// when the processes end. Per chunk of at most 4 MiB: each rank copies its tensor into its slot,
-// waits for every rank's, sums its share of the chunk into the result, waits again, and copies
-// the whole result back. Every rank ends with the same bits. It runs on the calling thread: no
-// thread hand-off and no TCP on the way, where Gloo's ring over loopback costs milliseconds.
+// map it, and rank 0 unlinks its name once every rank has tried (or a wait for one failed), so
+// nothing is left in /dev/shm when the processes end; a rank 0 killed before that leaves
+// "flotilla-<pid namespace>-<pid>-<nonce>", which the next rank 0 of this user and namespace
+// removes once that pid no longer runs. Per chunk of at most 4 MiB: each rank copies its tensor
+// into its slot, waits for every rank's, sums its share of the chunk into the result, waits again,
+// and copies the whole result back. Every rank ends with the same bits. It runs on the calling
+// thread: no thread hand-off and no TCP on the way, where Gloo's ring over loopback costs
+// milliseconds.
 #pragma once
 
 #include <ATen/core/Tensor.h>

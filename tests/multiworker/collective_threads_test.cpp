@@ -4,6 +4,15 @@
 #include <chrono>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "collective/shared_memory.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/error.h"
 #include "support/ranks.h"
@@ -64,6 +73,88 @@ TEST(SharedMemory, AllReducesGiveTheClosedFormOnEveryRankInEveryTypeAndOp) {
           for (const auto& other : all.result()) EXPECT_TRUE(torch::equal(other, odd));
         },
         options);
+  }
+}
+
+// The names in /dev/shm that start with `prefix`.
+std::vector<std::string> shm_names(const std::string& prefix) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (const dirent* e = ::readdir(dir)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
+    }
+    ::closedir(dir);
+  }
+  return names;
+}
+
+bool shm_exists(const std::string& name) {
+  return ::access(("/dev/shm/" + name).c_str(), F_OK) == 0;
+}
+
+std::string pid_namespace() {
+  char link[64] = {};
+  (void)!::readlink("/proc/self/ns/pid", link, sizeof link - 1);
+  std::string digits;
+  for (const char* c = link; *c; ++c) {
+    if (*c >= '0' && *c <= '9') digits += *c;
+  }
+  return digits;
+}
+
+// Rank 0 made the segment, then a rank never said it mapped it (it died): the wait for it fails,
+// and the segment's name goes with it instead of staying in /dev/shm.
+TEST(SharedMemory, ASegmentWhoseRankNeverMappedItLeavesNothingInDevShm) {
+  const auto before = shm_names("flotilla-");
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::milliseconds(500));
+  std::thread peer([&] { // says it shares this host, then nothing more
+    store->set("host/1", store->get("host/0"));
+  });
+  std::string why;
+  EXPECT_ANY_THROW(detail::SharedMemoryReduce::open(*store, 0, 2, why));
+  peer.join();
+  EXPECT_FALSE(store->get("name").empty()); // it was made
+  EXPECT_EQ(shm_names("flotilla-"), before);
+}
+
+// A rank 0 killed before it unlinked its segment leaves it behind: the next rank 0 of this user
+// and PID namespace removes it once its process no longer runs, and nothing else.
+TEST(SharedMemory, TheNextGroupRemovesASegmentLeftByAKilledRankZeroAndNothingElse) {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child); // a pid that no longer runs
+  const std::string ns = pid_namespace();
+  const std::string orphan = "flotilla-" + ns + "-" + std::to_string(child) + "-0123456789abcdef";
+  const std::vector<std::string> kept = {
+      "flotilla-" + ns + "-" + std::to_string(::getpid()) + "-0123456789abcdef", // runs
+      "flotilla-1-" + std::to_string(child) + "-0123456789abcdef",           // another namespace
+      "flotilla-" + ns + "-" + std::to_string(child) + "-notanonce",         // not flotilla's name
+      "flotilla-" + ns + "-" + std::to_string(child) + "-0123456789abcdef0", // nor this
+  };
+  for (const auto& name : kept) ASSERT_FALSE(shm_exists(name)) << name;
+  std::vector<std::string> made = kept;
+  made.push_back(orphan);
+  for (const auto& name : made) {
+    const int fd = ::shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << name;
+    ::close(fd);
+  }
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(30));
+  std::unique_ptr<detail::SharedMemoryReduce> reduce[2];
+  std::string why[2];
+  std::thread one([&] { reduce[1] = detail::SharedMemoryReduce::open(*store, 1, 2, why[1]); });
+  reduce[0] = detail::SharedMemoryReduce::open(*store, 0, 2, why[0]);
+  one.join();
+  EXPECT_NE(reduce[0], nullptr) << why[0];
+  EXPECT_NE(reduce[1], nullptr) << why[1];
+  EXPECT_FALSE(shm_exists(orphan));
+  ::shm_unlink(("/" + orphan).c_str()); // when it failed
+  for (const auto& name : kept) {
+    EXPECT_TRUE(shm_exists(name)) << name;
+    ::shm_unlink(("/" + name).c_str());
   }
 }
 
