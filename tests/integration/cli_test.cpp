@@ -368,10 +368,12 @@ TEST(RendezvousCommand, ARestartWhoseSlotIsStillHeldWaitsForItAndIsAdmitted) {
   EXPECT_EQ(first.out.find("WRONG"), std::string::npos) << first.out;
 }
 
-// A member whose training thread hangs outside the collectives while its heartbeat runs: the
-// others time out in the collective it never reaches, say so to the rendezvous, which expels it,
-// and they go on without it instead of exiting.
-TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGoOn) {
+// Three elastic members of a `flotilla rendezvous` (heartbeat timeout 1 s) train `steps` steps
+// with a collective timeout of `timeout_ms`; slot 2 hangs before step 3's all-reduce, slot 0 gets
+// `slot0_flags` too. Slots 0 and 1 must go on as generation 1 without slot 2, expelled as hung
+// (its own process told so); their results are returned.
+std::vector<testing::ProcessResult>
+run_with_a_hung_member(int steps, int timeout_ms, const std::vector<std::string>& slot0_flags) {
   const auto ports = testing::free_ports(4);
   const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
   testing::Process service(
@@ -379,24 +381,28 @@ TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGo
   std::vector<std::unique_ptr<testing::Process>> workers;
   for (int slot = 0; slot < 3; ++slot) {
     std::vector<std::string> flags = {"--steps",
-                                      "8",
+                                      std::to_string(steps),
                                       "--timeout-ms",
-                                      "4000",
+                                      std::to_string(timeout_ms),
                                       "--heartbeat-timeout-ms",
                                       "1000",
                                       "--heartbeat-interval-ms",
                                       "200"};
     if (slot == 2) flags.insert(flags.end(), {"--signal-at", "3", "--signal", "HANG"});
+    if (slot == 0) flags.insert(flags.end(), slot0_flags.begin(), slot0_flags.end());
     workers.push_back(elastic_worker(ports, 3, slot, listen, flags));
   }
+  std::vector<testing::ProcessResult> results;
   for (int slot = 0; slot < 2; ++slot) {
-    const auto r = workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90));
+    results.push_back(workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90)));
+    const auto& r = results.back();
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_NE(r.out.find("generation 1 [0,1] (slot 2 made no progress: it never reached "
                          "all_reduce #"),
               std::string::npos)
         << r.out;
-    EXPECT_NE(r.out.find("step 7 gen 1 rank " + std::to_string(slot) + "/2 sum 3 ok"),
+    EXPECT_NE(r.out.find("step " + std::to_string(steps - 1) + " gen 1 rank " +
+                         std::to_string(slot) + "/2 sum 3 ok"),
               std::string::npos)
         << r.out;
   }
@@ -409,44 +415,23 @@ TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGo
                                           "again to rejoin)",
                                           std::chrono::seconds(10)))
       << workers[2]->errors_so_far();
+  return results;
 }
 
-// As above, but slot 0 reaches that collective late: slot 1 times out first, waits its grace for
-// the others to say where they are, and reports slot 0 as well as slot 2 before slot 0's own
-// timeout fires. Slot 0's heartbeat says it started the collective: only slot 2 is expelled.
+// A member whose training thread hangs outside the collectives while its heartbeat runs: the
+// others time out in the collective it never reaches, say so to the rendezvous, which expels it,
+// and they go on without it instead of exiting.
+TEST(RendezvousCommand, AMemberHungOutsideTheCollectivesIsExpelledAndTheOthersGoOn) {
+  run_with_a_hung_member(8, 4000, {});
+}
+
+// As above, but slot 0 reaches that collective late: slot 1 times out first (2 s after it
+// entered), waits its grace (2 s) for the others to say where they are, and reports slot 0 as
+// well as slot 2 before slot 0's own timeout fires (slot 0 enters 3 s after slot 1). Slot 0's
+// heartbeat says it started the collective: only slot 2 is expelled.
 TEST(RendezvousCommand, AMemberThatReachesTheCollectiveLateIsNotTakenForAHungOne) {
-  const auto ports = testing::free_ports(4);
-  const std::string listen = "127.0.0.1:" + std::to_string(ports[3]);
-  testing::Process service(
-      {kCli, "rendezvous", "--listen", listen, "--workers", "3", "--heartbeat-timeout", "1"});
-  std::vector<std::unique_ptr<testing::Process>> workers;
-  for (int slot = 0; slot < 3; ++slot) {
-    // Slot 1 times out 2 s after it entered, and reports 2 s later (its grace); slot 0 enters
-    // 3 s after slot 1 and times out 2 s after that.
-    std::vector<std::string> flags = {"--steps",
-                                      "6",
-                                      "--timeout-ms",
-                                      "2000",
-                                      "--heartbeat-timeout-ms",
-                                      "1000",
-                                      "--heartbeat-interval-ms",
-                                      "200"};
-    if (slot == 2) flags.insert(flags.end(), {"--signal-at", "3", "--signal", "HANG"});
-    if (slot == 0) {
-      flags.insert(flags.end(), {"--signal-at", "3", "--signal", "NAP", "--nap-ms", "3000"});
-    }
-    workers.push_back(elastic_worker(ports, 3, slot, listen, flags));
-  }
-  for (int slot = 0; slot < 2; ++slot) {
-    const auto r = workers[static_cast<std::size_t>(slot)]->wait(std::chrono::seconds(90));
-    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    EXPECT_NE(r.out.find("generation 1 [0,1] (slot 2 made no progress: it never reached "
-                         "all_reduce #"),
-              std::string::npos)
-        << r.out;
-    EXPECT_NE(r.out.find("step 5 gen 1 rank " + std::to_string(slot) + "/2 sum 3 ok"),
-              std::string::npos)
-        << r.out;
+  for (const auto& r : run_with_a_hung_member(
+           6, 2000, {"--signal-at", "3", "--signal", "NAP", "--nap-ms", "3000"})) {
     EXPECT_EQ(r.out.find("slot 0 made no progress"), std::string::npos) << r.out;
   }
 }
