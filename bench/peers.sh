@@ -54,6 +54,8 @@
 #        PEERS="pytorch-ddp pytorch-ddp-best tf-mwms" (also tf-mwms-xla; PEERS= runs flotilla
 #          alone)
 #        FLOTILLA_ARGS="..." more flags for flotilla train (e.g. --channels-last off)
+#        CONVS=1: first, a line per convolutional model and batch: its convolutions' training
+#          time per step alone (bench/peers/utilisation.py convs), each precision
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-5}
@@ -300,6 +302,19 @@ peak_float32=$(sed 's/.*"float32": *\([0-9.]*\).*/\1/' <<<"$peak_line")
 peak_bfloat16=$(sed 's/.*"bfloat16": *\([0-9.]*\).*/\1/' <<<"$peak_line")
 printf '{"bench":"peers","metric":"matmul_peak_gflops_per_thread","float32":%s,"bfloat16":%s,"how":"1024x1024 torch.mm, one thread, median of 7","machine":%s}\n' \
   "$peak_float32" "$peak_bfloat16" "$machine"
+
+# CONVS=1: each convolutional model's convolutions alone at each configuration's batch per
+# worker, one thread (utilisation.py convs; oneDNN's kernels, which every system calls): a
+# floor under any system's step at that model and batch, measured in this sitting.
+if [ "${CONVS:-0}" = 1 ]; then
+  for model in $MODELS; do
+    case $model in cnn | resnet20 | resnet18) ;; *) continue ;; esac
+    for batch in $BATCHES; do
+      line=$(cd bench/peers && OMP_NUM_THREADS=1 "../../$PYTHON" utilisation.py convs "$model" $((batch / WORKERS)) | tail -n 1)
+      echo "${line%\}}, \"global_batch\": $batch, \"machine\": $machine}"
+    done
+  done
+fi
 
 # DDP at its best: under bf16 autocast nn.MultiheadAttention's own path (need_weights=True:
 # bmm, softmax, bmm; ViT-tiny's step 545 ms against 566 with math attention and 656 with flash
