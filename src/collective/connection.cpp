@@ -147,10 +147,11 @@ void Connection::fill(std::size_t n, Clock::time_point deadline) {
     const std::size_t had = inbox_.size();
     inbox_.resize(n); // only this message's bytes: the next one stays in the socket
     const ssize_t r = ::recv(fd_, inbox_.data() + had, n - had, 0);
+    const int error = errno;
     inbox_.resize(had + static_cast<std::size_t>(std::max<ssize_t>(r, 0)));
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (r < 0 && (error == EINTR || error == EAGAIN)) continue;
     if (r == 0) throw_lost("the connection was closed");
-    if (r < 0) throw_lost(std::strerror(errno));
+    if (r < 0) throw_lost(std::strerror(error));
   }
 }
 
