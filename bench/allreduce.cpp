@@ -2,8 +2,10 @@
 // processes, interleaved size by size (bench/allreduce.sh starts one process per rank with
 // torchrun-style RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Both sum float32 tensors on the
 // same loopback Gloo transport; the difference is flotilla's layer (sequence numbers,
-// descriptions, completion times, error mapping). Rank 0 prints one JSON line per system and
-// size (bus bandwidth as nccl-tests define it: bytes / time x 2(n-1)/n) and one overhead line.
+// descriptions, completion times, error mapping). With its third argument 1 flotilla's side runs
+// its shared-memory all-reduce instead (every rank here shares the host). Rank 0 prints one JSON
+// line per system and size (bus bandwidth as nccl-tests define it: bytes / time x 2(n-1)/n; the
+// "transport" each used) and one ratio line.
 // (A benchmark may include Gloo's header: it measures c10d itself, not through flotilla.)
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -34,10 +36,14 @@ int main(int argc, char** argv) {
   using namespace flotilla;
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 5;
   const std::int64_t max_bytes = argc > 2 ? std::atoll(argv[2]) : (256ll << 20);
+  // 1: flotilla's shared-memory all-reduce where every rank shares this host (its default);
+  // 0: its ring over Gloo, the layer whose cost against raw c10d the verdict measures.
+  const bool shared_memory = argc > 3 && std::atoi(argv[3]) != 0;
   const auto env = cluster::Environment::from_process();
   const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
   collective::CommunicationOptions options;
   options.implementation = collective::Implementation::kRing;
+  options.shared_memory = shared_memory;
   auto comm = collective::Communicator::connect(spec, options);
   const int rank = comm.rank();
   const int size = comm.size();
@@ -86,19 +92,22 @@ int main(int argc, char** argv) {
     }
     // Rank 0 reports rank 0's medians; the ring makes every rank wait for the slowest anyway.
     if (rank != 0) continue;
+    const std::string transport = comm.transport(tensor);
     const double factor = 2.0 * (size - 1) / size;
     for (const auto& [name, seconds] :
          {std::pair<const char*, double>{"flotilla", median(ours)}, {"c10d-gloo", median(theirs)}}) {
-      std::printf("{\"bench\":\"allreduce\",\"system\":\"%s\",\"processes\":%d,\"bytes\":%lld,"
+      std::printf("{\"bench\":\"allreduce\",\"system\":\"%s\",\"transport\":\"%s\","
+                  "\"processes\":%d,\"bytes\":%lld,"
                   "\"metric\":\"busbw_GBps\",\"value\":%.4f,\"time_us\":%.1f,\"rounds\":%d,"
                   "\"iterations\":%d}\n",
-                  name, size, static_cast<long long>(bytes),
+                  name, name == std::string("flotilla") ? transport.c_str() : "gloo", size,
+                  static_cast<long long>(bytes),
                   static_cast<double>(bytes) / seconds * factor / 1e9, seconds * 1e6, rounds,
                   iterations);
     }
-    std::printf("{\"bench\":\"allreduce\",\"processes\":%d,\"bytes\":%lld,\"metric\":\"time\","
-                "\"ratio\":%.4f,\"of\":\"flotilla/c10d-gloo\"}\n",
-                size, static_cast<long long>(bytes), median(ours) / median(theirs));
+    std::printf("{\"bench\":\"allreduce\",\"transport\":\"%s\",\"processes\":%d,\"bytes\":%lld,"
+                "\"metric\":\"time\",\"ratio\":%.4f,\"of\":\"flotilla/c10d-gloo\"}\n",
+                transport.c_str(), size, static_cast<long long>(bytes), median(ours) / median(theirs));
     std::fflush(stdout);
   }
   return 0;
