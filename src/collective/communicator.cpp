@@ -797,14 +797,18 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
                   : op == ReduceOp::kMin ? c10d::ReduceOp::MIN
                                          : c10d::ReduceOp::SUM;
   if (impl_->shared_memory && detail::SharedMemoryReduce::takes(buffer)) {
-    // On this thread, now; a failure is kept for wait() as a backend's would be. While it
-    // waits for the others, the heartbeat's news of a failed peer stops it.
-    const std::string head = state->description + " on " + state->where() + " cannot complete: ";
+    // On this thread, now (start() holds the state meanwhile); a failure is kept for wait() as a
+    // backend's would be. While it waits for the others, the heartbeat's news of a failed peer
+    // stops it.
+    const Work::State* op = state.get();
     auto* shared = impl_->shared_memory.get();
     const auto timeout = impl_->options.timeout;
-    return impl_->start(std::move(state), [&, health = impl_->health] {
-      return shared->run(buffer, opts.reduceOp, timeout, [&health, &head] {
-        if (health && health->failed) detail::throw_failed(*health, head);
+    return impl_->start(std::move(state), [&, op, health = impl_->health] {
+      return shared->run(buffer, opts.reduceOp, timeout, [&health, op] {
+        if (health && health->failed) {
+          detail::throw_failed(*health,
+                               op->description + " on " + op->where() + " cannot complete: ");
+        }
       });
     });
   }

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <regex>
 #include <stdexcept>
 #include <thread>
 
@@ -89,17 +90,12 @@ std::string pid_namespace() {
 void remove_orphans(const std::string& ns) {
   DIR* dir = ::opendir("/dev/shm");
   if (!dir) return;
-  const std::string prefix = "flotilla-" + ns + "-";
+  const std::regex ours("flotilla-" + ns + "-([0-9]{1,9})-[0-9a-f]{16}");
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const auto dash = name.find('-', prefix.size());
-    if (dash == std::string::npos || dash == prefix.size() || dash - prefix.size() > 9 ||
-        name.size() != dash + 17 || name.find_first_not_of("0123456789", prefix.size()) != dash ||
-        name.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) {
-      continue;
-    }
-    const std::uint64_t pid = std::stoull(name.substr(prefix.size(), dash - prefix.size()));
+    std::smatch match;
+    if (!std::regex_match(name, match, ours)) continue;
+    const std::uint64_t pid = std::stoull(match[1]);
     struct stat st {};
     if (::fstatat(::dirfd(dir), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 ||
         !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || running(pid)) {
