@@ -25,7 +25,10 @@ constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel
 constexpr std::int64_t kBlockRows = 256;
 
 CpuKernelChoice<kernel::Kernel>& choice() {
-  static CpuKernelChoice<kernel::Kernel> choice("FLOTILLA_BATCH_NORM_RELU_KERNEL", kernel::kAvx512, kernel::kAvx2);
+  // "avx512" rounds to bfloat16 with AVX512_BF16's instruction where the CPU has it.
+  static CpuKernelChoice<kernel::Kernel> choice(
+      "FLOTILLA_BATCH_NORM_RELU_KERNEL",
+      cpu_runs("avx512bf16") ? kernel::kAvx512Bf16 : kernel::kAvx512, kernel::kAvx2);
   return choice;
 }
 

@@ -7,11 +7,11 @@
 // and 12 instead of 16 with the residual: BatchNorm needs two passes each way either way, so
 // this saves a quarter of the element-wise traffic, not more (bench/batch_norm_relu.cpp).
 // The running statistics are updated as the module's own forward does (momentum or cumulative
-// average, unbiased variance, num_batches_tracked). Sums run in double, as ATen's do. Values are
-// those of the separate operations within float rounding (batch_norm_relu_test.cpp). In
-// evaluation without gradients it normalizes with the running statistics in one pass. Anything
-// else (another device or layout, other types, affine=false, evaluation with gradients) runs
-// the module's forward, then the add and torch::relu.
+// average, unbiased variance, num_batches_tracked). Sums run in double (over runs of 16 rows summed
+// in float). Values are those of the separate operations within float rounding
+// (batch_norm_relu_test.cpp). In evaluation without gradients it normalizes with the running
+// statistics in one pass. Anything else (another device or layout, other types, affine=false,
+// evaluation with gradients) runs the module's forward, then the add and torch::relu.
 #pragma once
 
 #include <torch/nn/modules/batchnorm.h>

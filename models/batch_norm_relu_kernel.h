@@ -2,7 +2,8 @@
 // row is one pixel's C channels (C a multiple of 16), as floats or as bfloat16 bits (`bf16`).
 // This header includes no other, for the reason conv_pool_relu_kernel.h gives:
 // batch_norm_relu_kernel.inc is compiled once per instruction set into its own namespace, and
-// batch_norm_relu.cpp calls the one this CPU runs. Sums run in double.
+// batch_norm_relu.cpp calls the one this CPU runs. Sums run in double, over runs of 16 rows summed
+// in float.
 #pragma once
 
 namespace flotilla::models::batch_norm_relu_kernels {
@@ -35,7 +36,8 @@ struct Kernel {
   BackwardSums backward_sums;
   BackwardInput backward_input;
 };
-extern const Kernel kAvx512; // x86-64-v4
+extern const Kernel kAvx512;     // x86-64-v4
+extern const Kernel kAvx512Bf16; // x86-64-v4 with AVX512_BF16: rounds to bfloat16 with it
 extern const Kernel kAvx2;   // x86-64-v3
 
 } // namespace flotilla::models::batch_norm_relu_kernels

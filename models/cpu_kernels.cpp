@@ -11,6 +11,9 @@ bool cpu_runs(const std::string& isa) {
 #if defined(FLOTILLA_CPU_KERNELS)
   __builtin_cpu_init();
   if (isa == "avx512") return __builtin_cpu_supports("x86-64-v4");
+  if (isa == "avx512bf16") {
+    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
+  }
   if (isa == "avx2") return __builtin_cpu_supports("x86-64-v3");
 #endif
   return false;

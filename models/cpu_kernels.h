@@ -7,8 +7,9 @@
 
 namespace flotilla::models {
 
-// Whether this build has kernels for `isa` ("avx512": x86-64-v4; "avx2": x86-64-v3, with FMA)
-// and this CPU runs them. "none" (ATen's operations instead) is always true.
+// Whether this build has kernels for `isa` ("avx512": x86-64-v4; "avx512bf16": that and
+// AVX512_BF16; "avx2": x86-64-v3, with FMA) and this CPU runs them. "none" (ATen's operations
+// instead) is always true.
 bool cpu_runs(const std::string& isa);
 
 // The best this CPU runs: "avx512", "avx2", or "none" where it runs neither.
