@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -147,9 +148,11 @@ bool running(pid_t pid) {
 }
 
 // Waits (bounded) until backup number `at_least` (2 or more) exists, then a random part of the
-// time between the last two backups (5 updates): a moment in the middle of the first epoch,
-// however fast the machine. (A fixed 0-300 ms once landed after the end of a fast run, which
-// then had nothing to resume.) False if the run ended first.
+// time between the last two backups (5 updates), at most 50 ms: a moment in the middle of the
+// first epoch, however fast the machine. (A fixed 0-300 ms once landed after the end of a fast
+// run, which then had nothing to resume. Without the cap, a machine loaded by other tests made
+// one interval 2 s long, 384 ms a step, then ran the last 30 steps at 8 ms each: the signal
+// came after the run ended.) False if the run ended first.
 bool wait_mid_run(testing::Process& launch, const fs::path& dir, int at_least, std::mt19937& rng) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   auto wait_for = [&](int number) {
@@ -162,7 +165,8 @@ bool wait_mid_run(testing::Process& launch, const fs::path& dir, int at_least, s
   if (!wait_for(at_least - 1)) return false;
   const auto previous = std::chrono::steady_clock::now();
   if (!wait_for(at_least)) return false;
-  const auto interval = std::chrono::steady_clock::now() - previous;
+  const auto interval = std::min<std::chrono::steady_clock::duration>(
+      std::chrono::steady_clock::now() - previous, std::chrono::milliseconds(50));
   std::this_thread::sleep_for(std::uniform_real_distribution<double>(0, 1)(rng) * interval);
   return true;
 }
