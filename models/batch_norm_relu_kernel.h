@@ -38,6 +38,6 @@ struct Kernel {
 };
 extern const Kernel kAvx512;     // x86-64-v4
 extern const Kernel kAvx512Bf16; // x86-64-v4 with AVX512_BF16: rounds to bfloat16 with it
-extern const Kernel kAvx2;   // x86-64-v3
+extern const Kernel kAvx2;       // x86-64-v3
 
 } // namespace flotilla::models::batch_norm_relu_kernels

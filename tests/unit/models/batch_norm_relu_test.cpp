@@ -11,6 +11,7 @@
 #include "flotilla/train/mixed_precision.h"
 #include "kernel_choice.h"
 #include "models/batch_norm_relu.h"
+#include "models/batch_norm_relu_kernel.h"
 #include "models/cpu_kernels.h"
 #include "models/zoo.h"
 
@@ -157,6 +158,51 @@ TEST(BatchNormReLU, TheAvx2AndAvx512KernelsAgreeBitForBit) {
       EXPECT_TRUE(torch::equal(p, q)) << c10::toString(type);
     }
   }
+}
+
+// On a CPU with AVX512_BF16 "avx512" runs the build that rounds with its instruction, so the
+// test above compares that one with AVX2. The AVX-512 build without it (what "avx512" runs on
+// other AVX-512 CPUs) rounds the same bits from normal values; a denormal result, which the
+// software rounding keeps, the instruction takes for zero.
+TEST(BatchNormReLU, TheAvx512BuildsRoundAlikeButTheInstructionTakesDenormalsForZero) {
+  if (!cpu_runs("avx512bf16")) GTEST_SKIP() << "this CPU lacks AVX512_BF16: one AVX-512 build";
+  namespace kernel = batch_norm_relu_kernels;
+  torch::manual_seed(16);
+  const std::int64_t rows = 37, c = 32;
+  auto bf16 = [&](double scale) { return (torch::randn({rows, c}) * scale).to(torch::kBFloat16); };
+  const torch::Tensor x = bf16(1), residual = bf16(1), gy = bf16(1);
+  const torch::Tensor scale = torch::rand({c}) + 0.5, shift = torch::randn({c}),
+                      mean = torch::randn({c}) * 0.1, slope = torch::randn({c}) * 0.1,
+                      offset = torch::randn({c}) * 0.1;
+  auto f = [](const torch::Tensor& t) { return t.const_data_ptr<float>(); };
+  // y without and with the residual, then the input's and the residual's gradients.
+  auto run = [&](const kernel::Kernel& k, const torch::Tensor& in, const torch::Tensor& sc,
+                 const torch::Tensor& sh) {
+    const kernel::Rows rows_of_x{in.const_data_ptr(), rows, c, true};
+    std::vector<torch::Tensor> out(4);
+    for (auto& t : out) t = torch::empty({rows, c}, torch::kBFloat16);
+    k.normalize(rows_of_x, nullptr, f(sc), f(sh), out[0].mutable_data_ptr());
+    k.normalize(rows_of_x, residual.const_data_ptr(), f(sc), f(sh), out[1].mutable_data_ptr());
+    k.backward_input(rows_of_x, out[1].const_data_ptr(), gy.const_data_ptr(), f(mean), f(sc),
+                     f(slope), f(offset), out[2].mutable_data_ptr(), out[3].mutable_data_ptr());
+    return out;
+  };
+  const auto plain = run(kernel::kAvx512, x, scale, shift);
+  const auto instruction = run(kernel::kAvx512Bf16, x, scale, shift);
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(torch::equal(plain[i], instruction[i])) << "output " << i;
+  }
+  EXPECT_GT((plain[0] > 0).sum().item<std::int64_t>(), 0); // the ReLU left values to round
+
+  // 1 x 0 + 1e-39: a positive denormal float, rounded to the bfloat16 denormal 0x000b by the
+  // software and to +0 by the instruction (ReLU keeps either).
+  const torch::Tensor ones = torch::ones({rows, c}).to(torch::kBFloat16);
+  const torch::Tensor zero = torch::zeros({c}), tiny = torch::full({c}, 1e-39f);
+  const auto kept = run(kernel::kAvx512, ones, zero, tiny)[0];
+  const auto flushed = run(kernel::kAvx512Bf16, ones, zero, tiny)[0];
+  EXPECT_TRUE(
+      torch::equal(kept.view(torch::kInt16), torch::full({rows, c}, 0x000b, torch::kInt16)));
+  EXPECT_TRUE(torch::equal(flushed.view(torch::kInt16), torch::zeros({rows, c}, torch::kInt16)));
 }
 
 // ATen's operations where the kernel does not apply: NCHW, channels not a multiple of 16,
