@@ -197,6 +197,8 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   local norm
   norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
   echo "$norm" >"$tmp/norm-$name-$model"
+  # A ResNet's 3x3 convolutions, as the recipe names them (builds before Winograd's name none).
+  sed -n 's/.*recipe: convolutions: the 3x3 ones.*Winograd.s F(4x4, 3x3).* (\([a-z0-9]*\) kernel.*/3x3 as Winograd F(4x4,3x3) (\1)/p; s/.*recipe: convolutions: oneDNN.s direct.*/oneDNN direct/p' "$log" | head -n 1 >"$tmp/conv-$name-$model"
   # How its gradients crossed the workers (builds before shared memory name none).
   sed -n 's/.*gradients: .*, all-reduce over \(.*\)$/\1/p' "$log" | head -n 1 >"$tmp/allreduce-$name-$model"
   # ViT-tiny's dropout, as the recipe names it; the builds that fuse the MLP's GELU with it
@@ -340,6 +342,9 @@ settings_of() {  # system, model, precision -> JSON fields
       local norm
       norm=$(cat "$tmp/norm-$1-$2" 2>/dev/null || true)
       [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
+      local convs
+      convs=$(cat "$tmp/conv-$1-$2" 2>/dev/null || true)
+      [ -z "$convs" ] || printf ',"convolutions":"%s"' "$convs"
       local over
       over=$(cat "$tmp/allreduce-$1-$2" 2>/dev/null || true)
       printf ',"all_reduce":"%s"' "${over:-gloo}"

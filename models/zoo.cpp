@@ -9,6 +9,7 @@
 #include "models/conv_pool_relu.h"
 #include "models/dropout.h"
 #include "models/max_pool_relu.h"
+#include "models/winograd.h"
 
 namespace flotilla::models {
 namespace nn = torch::nn;
@@ -67,7 +68,8 @@ class ResidualImpl : public nn::Cloneable<ResidualImpl>, public train::Replaceab
   // BatchNorm with the sum and the ReLU after it as one: the same values within float rounding,
   // a quarter less memory traffic (batch_norm_relu.h). A SyncBatchNorm (after
   // convert_sync_batchnorm) runs as its own layer. The stem's "BatchNorm, ReLU" sits in the
-  // top-level Sequential, whose forward calls each layer: not fused.
+  // top-level Sequential, whose forward calls each layer: not fused. Its 3x3 convolutions run as
+  // conv3x3 (Winograd's, where it applies: winograd.h).
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor shortcut = shortcut_ ? shortcut_->forward(x) : x;
     torch::Tensor h = x;
@@ -79,6 +81,10 @@ class ResidualImpl : public nn::Cloneable<ResidualImpl>, public train::Replaceab
       if (bn && dynamic_cast<nn::ReLUImpl*>(body_->ptr(i + 1).get())) {
         h = batch_norm_relu(*bn, h);
         ++i, ++layer;
+        continue;
+      }
+      if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(body_->ptr(i).get())) {
+        h = conv3x3(*conv, h);
         continue;
       }
       h = layer->forward(h);

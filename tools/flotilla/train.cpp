@@ -35,6 +35,7 @@
 #include "models/conv_pool_relu.h"
 #include "models/cpu_kernels.h"
 #include "models/dropout.h"
+#include "models/winograd.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -471,18 +472,25 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
 
 // A fused layer's recipe line, where the model has one: what ran, the kernel (`kernel`: its
 // instruction set) or ATen's operations, and why.
+template <class Layer> bool has_layer(train::Model& model) {
+  const auto modules = model.module().modules();
+  return std::any_of(modules.begin(), modules.end(),
+                     [](const auto& m) { return dynamic_cast<const Layer*>(m.get()) != nullptr; });
+}
+
+// Why a layer runs ATen's operations instead of flotilla's kernel.
+std::string why_not_kernel(const char* variable) {
+  return models::best_cpu_kernel() == "none"
+             ? "this CPU has neither AVX2 nor AVX-512 for the fused kernel"
+             : std::string(variable) + "=none";
+}
+
 template <class Layer>
 void log_fused_layer(const strategy::Strategy& strategy, train::Model& model,
                      const std::string& topic, const std::string& kernel, const char* variable,
                      const std::string& fused, const std::string& aten) {
-  const auto modules = model.module().modules();
-  if (std::none_of(modules.begin(), modules.end(),
-                   [](const auto& m) { return dynamic_cast<const Layer*>(m.get()) != nullptr; })) {
-    return;
-  }
-  const std::string why = models::best_cpu_kernel() == "none"
-                              ? "this CPU has neither AVX2 nor AVX-512 for the fused kernel"
-                              : std::string(variable) + "=none";
+  if (!has_layer<Layer>(model)) return;
+  const std::string why = why_not_kernel(variable);
   strategy.log().info("recipe: " + topic + ": " +
                       (kernel != "none" ? fused + " (" + kernel + " kernel; " + variable +
                                               "=none runs " + aten + ")"
@@ -513,6 +521,29 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
       "BatchNorm and ReLU, and a block's last BatchNorm, sum and ReLU, fused in the residual "
       "blocks",
       "ATen's BatchNorm, add and ReLU");
+  // The ResNets' 3x3 convolutions (models/winograd.h).
+  const auto params = model.module().parameters();
+  const bool cpu = params.empty() || params.front().device().is_cpu();
+  if (has_layer<torch::nn::BatchNorm2dImpl>(model)) {
+    const std::string kernel = models::winograd_kernel();
+    const std::string direct = cpu ? "oneDNN's direct convolutions" : "cuDNN's convolutions";
+    std::string line;
+    if (!cpu) {
+      line = direct + " (flotilla's Winograd kernels are the CPU's)";
+    } else if (kernel == "none") {
+      line = direct + " (" + why_not_kernel("FLOTILLA_WINOGRAD_KERNEL") + ")";
+    } else if (recipe.policy != train::Policy::kFloat32) {
+      line = direct + " (flotilla's Winograd kernels compute in float32; " +
+             train::to_string(recipe.policy) + " hands the convolutions its lower precision)";
+    } else if (!model.channels_last()) {
+      line = direct + " (flotilla's Winograd kernels read channels-last; --channels-last off)";
+    } else {
+      line = "the 3x3 ones of 16 to 256 channels, stride 1, as Winograd's F(4x4, 3x3): 36 "
+             "products per 16 outputs a channel pair instead of 144 (" +
+             kernel + " kernel; FLOTILLA_WINOGRAD_KERNEL=none runs " + direct + ")";
+    }
+    strategy.log().info("recipe: convolutions: " + line);
+  }
   log_fused_layer<models::DropoutImpl>(strategy, model, "dropout", models::dropout_kernel(),
                                        "FLOTILLA_DROPOUT_KERNEL",
                                        "hashed masks, one pass each way, none stored; the "
@@ -526,8 +557,6 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                            : "released (the C library's default)"));
   strategy.log().info("input: " + input.train.plan());
   // How a CPU bucket crosses the workers (a CUDA one goes through NCCL, made on its first use).
-  const auto params = model.module().parameters();
-  const bool cpu = params.empty() || params.front().device().is_cpu();
   strategy.log().info(
       "gradients: " + model.gradient_reducer().plan() + "; overlap " +
       (comm.overlap ? "on" : "off") + ", compression " +

@@ -1,0 +1,34 @@
+// A ResNet's 3x3 convolutions (stride 1, padding 1, no bias) in fewer multiplications:
+// Winograd's F(4x4, 3x3) (Lavin and Gray, 2016) computes each 4x4 block of outputs from the 6x6
+// block of inputs around it in 36 products a channel pair instead of the direct convolution's
+// 144, at the price of transforms that cost a few additions an input and output value. On a CPU
+// with AVX-512 or AVX2, for channels-last float32 input whose channel counts (in and out) are
+// multiples of 16 and at most 256, forward, the input's gradient (the same computation with the
+// weights flipped and transposed) and the weight's gradient run flotilla's kernels
+// (winograd_kernel.h). The values are the convolution's within float rounding, a little more
+// of it than the direct sum: ~5e-6 of the output's largest value against ~5e-7
+// (winograd_test.cpp). Anything else (another device, type or layout, under autocast, other
+// options or channel counts) runs the module's forward: oneDNN's direct convolution.
+#pragma once
+
+#include <torch/nn/modules/conv.h>
+
+#include <string>
+
+namespace flotilla::models {
+
+// conv->forward(x), through the Winograd kernels where they apply (above).
+torch::Tensor conv3x3(torch::nn::Conv2dImpl& conv, const torch::Tensor& x);
+
+// Whether conv3x3(conv, x) runs the Winograd kernels.
+bool runs_winograd(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x);
+
+// The kernel conv3x3 runs: "avx512" or "avx2" (the best this CPU has), or "none" (oneDNN's
+// direct convolution). The environment variable FLOTILLA_WINOGRAD_KERNEL (avx512, avx2, none)
+// chooses another at the first use, where this CPU runs it.
+const char* winograd_kernel();
+// Runs `name`'s kernel from now on (for tests and benchmarks); false, and nothing changes,
+// where this CPU lacks it.
+bool use_winograd_kernel(const std::string& name);
+
+} // namespace flotilla::models

@@ -1,0 +1,209 @@
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "flotilla/profile/compute.h"
+#include "flotilla/train/mixed_precision.h"
+#include "kernel_choice.h"
+#include "models/batch_norm_relu.h"
+#include "models/winograd.h"
+#include "models/zoo.h"
+
+namespace flotilla::models {
+namespace {
+
+namespace nn = torch::nn;
+const auto kChannelsLast = torch::MemoryFormat::ChannelsLast;
+
+using Choose = KernelChoice<winograd_kernel, use_winograd_kernel>;
+std::vector<std::string> kernels() {
+  return Choose::runnable();
+}
+
+// The largest difference, relative to the reference's largest magnitude.
+double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {
+  const torch::Tensor ref = reference.to(torch::kDouble);
+  return ((a.to(torch::kDouble) - ref).abs().max() / ref.abs().max()).item<double>();
+}
+
+nn::Conv2d conv3(std::int64_t in, std::int64_t out) {
+  nn::Conv2d conv(nn::Conv2dOptions(in, out, 3).padding(1).bias(false));
+  torch::NoGradGuard no_grad;
+  conv->weight.set_data(conv->weight.contiguous(kChannelsLast));
+  return conv;
+}
+
+struct Result {
+  torch::Tensor y, gx, gw;
+};
+
+// One forward and backward of `conv` on x: through conv3x3 (float32), or the module's own in
+// float64 (the truth both float32 convolutions are measured against).
+Result step(const nn::Conv2d& conv, const torch::Tensor& input, const torch::Tensor& seed,
+            bool in_double = false) {
+  auto copy = std::dynamic_pointer_cast<nn::Conv2dImpl>(conv->clone());
+  if (in_double) copy->to(torch::kDouble);
+  const auto type = in_double ? torch::kDouble : torch::kFloat;
+  const torch::Tensor x = input.detach().to(type).contiguous(kChannelsLast).requires_grad_();
+  const torch::Tensor y = conv3x3(*copy, x);
+  (y * seed.to(type)).sum().backward();
+  return {y.detach(), x.grad(), copy->weight.grad()};
+}
+
+// Forward, the input's gradient and the weight's, against the convolution in float64, for
+// sizes that are and are not multiples of the 4x4 tiles, 16 to 256 channels in and out: the
+// Winograd kernels are within 2e-5 of the largest value (measured: 2.6e-7 to 6.5e-6, against
+// oneDNN's direct convolution's 4.3e-8 to 7.3e-7 in float32: the transforms scale values by up
+// to 8 and 64 before they cancel, and the weight gradient adds its tiles' products in float).
+TEST(Winograd, MatchesTheConvolutionInFloat64ForwardAndBackward) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: oneDNN runs";
+  struct Shape {
+    std::int64_t n, in, out, h, w;
+  };
+  for (const Shape s : {Shape{3, 16, 32, 9, 7}, Shape{2, 32, 16, 28, 28}, Shape{2, 64, 64, 7, 7},
+                        Shape{1, 48, 64, 4, 5}, Shape{2, 16, 16, 1, 2}, Shape{1, 256, 128, 5, 3}}) {
+    torch::manual_seed(s.h * 100 + s.in);
+    const nn::Conv2d conv = conv3(s.in, s.out);
+    const torch::Tensor x = torch::randn({s.n, s.in, s.h, s.w});
+    const torch::Tensor seed = torch::randn({s.n, s.out, s.h, s.w});
+    const Result truth = step(conv, x, seed, /*in_double=*/true);
+    Result direct;
+    {
+      Choose none("none");
+      EXPECT_FALSE(runs_winograd(*conv, x.contiguous(kChannelsLast)));
+      direct = step(conv, x, seed);
+    }
+    for (const auto& name : kernels()) {
+      Choose kernel(name);
+      const std::string what = name + " " + std::to_string(s.n) + "x" + std::to_string(s.in) +
+                               "->" + std::to_string(s.out) + " " + std::to_string(s.h) + "x" +
+                               std::to_string(s.w);
+      ASSERT_TRUE(runs_winograd(*conv, x.contiguous(kChannelsLast))) << what;
+      const Result r = step(conv, x, seed);
+      EXPECT_TRUE(r.y.is_contiguous(kChannelsLast)) << what;
+      EXPECT_EQ(r.gw.sizes(), conv->weight.sizes()) << what;
+      const std::pair<torch::Tensor, torch::Tensor> pairs[] = {
+          {r.y, direct.y}, {r.gx, direct.gx}, {r.gw, direct.gw}};
+      const torch::Tensor* truths[] = {&truth.y, &truth.gx, &truth.gw};
+      const char* names[] = {"y", "gx", "gw"};
+      for (int i = 0; i < 3; ++i) {
+        const double error = relative_difference(pairs[i].first, *truths[i]);
+        // oneDNN's, for scale: 1.2e-7 to 7.3e-7.
+        EXPECT_GT(relative_difference(pairs[i].second, *truths[i]), 0) << what << " " << names[i];
+        EXPECT_LT(error, 2e-5) << what << " " << names[i];
+        EXPECT_GT(error, 0) << what << " " << names[i];
+      }
+    }
+  }
+}
+
+// The AVX2 and AVX-512 kernels add the same products in the same order, and the weight
+// gradient's partial sums are added in an order that does not depend on the threads.
+TEST(Winograd, TheKernelsAndTheThreadCountsAgreeBitForBit) {
+  if (kernels().size() < 2) GTEST_SKIP() << "this CPU lacks AVX-512: one kernel to compare";
+  torch::manual_seed(7);
+  const nn::Conv2d conv = conv3(32, 16);
+  const torch::Tensor x = torch::randn({40, 32, 14, 14}); // 640 tiles: several partial sums
+  const torch::Tensor seed = torch::randn({40, 16, 14, 14});
+  std::vector<Result> results;
+  const int threads = at::get_num_threads();
+  for (const int t : {1, 2}) {
+    at::set_num_threads(t);
+    for (const auto& name : kernels()) {
+      Choose kernel(name);
+      results.push_back(step(conv, x, seed));
+    }
+  }
+  at::set_num_threads(threads);
+  for (std::size_t i = 1; i < results.size(); ++i) {
+    EXPECT_TRUE(torch::equal(results[i].y, results[0].y)) << i;
+    EXPECT_TRUE(torch::equal(results[i].gx, results[0].gx)) << i;
+    EXPECT_TRUE(torch::equal(results[i].gw, results[0].gw)) << i;
+  }
+}
+
+// Where the kernels do not apply, conv3x3 is the module's forward: oneDNN's result to the bit.
+TEST(Winograd, WhereTheKernelsDoNotApplyItRunsTheModule) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: oneDNN runs";
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({2, 16, 8, 8}).contiguous(kChannelsLast);
+  const auto same = [](nn::Conv2d conv, const torch::Tensor& input) {
+    torch::NoGradGuard no_grad;
+    EXPECT_FALSE(runs_winograd(*conv, input));
+    return torch::equal(conv3x3(*conv, input), conv->forward(input));
+  };
+  EXPECT_TRUE(runs_winograd(*conv3(16, 16), x));
+  EXPECT_TRUE(same(conv3(16, 16), x.contiguous())) << "NCHW";
+  nn::Conv2d in_double = conv3(16, 16);
+  in_double->to(torch::kDouble);
+  EXPECT_TRUE(same(in_double, x.to(torch::kDouble))) << "float64";
+  EXPECT_TRUE(same(nn::Conv2d(nn::Conv2dOptions(16, 16, 3).padding(1)), x)) << "a bias";
+  EXPECT_TRUE(same(nn::Conv2d(nn::Conv2dOptions(16, 16, 3).padding(1).stride(2).bias(false)), x))
+      << "stride 2";
+  EXPECT_TRUE(same(nn::Conv2d(nn::Conv2dOptions(16, 16, 3).bias(false)), x)) << "no padding";
+  EXPECT_TRUE(same(nn::Conv2d(nn::Conv2dOptions(16, 16, 1).bias(false)), x)) << "1x1";
+  EXPECT_TRUE(same(conv3(16, 8), x)) << "8 out";
+  EXPECT_TRUE(same(conv3(16, 512), x)) << "512 out";
+  {
+    train::AutocastGuard autocast(train::Policy::kMixedBFloat16, torch::kCPU);
+    EXPECT_TRUE(same(conv3(16, 16), x)) << "under bfloat16 autocast";
+  }
+}
+
+// The FLOP counter (the doctor's, the benchmarks' utilisation) counts a Winograd convolution as
+// the convolution it computes, not the fewer products it takes.
+TEST(Winograd, CountsAsTheConvolutionItComputes) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: oneDNN runs";
+  nn::Conv2d conv = conv3(32, 16);
+  const torch::Tensor x = torch::randn({3, 32, 9, 7}).contiguous(kChannelsLast);
+  ASSERT_TRUE(runs_winograd(*conv, x));
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(profile::counted_flops([&] { conv3x3(*conv, x); }), 2.0 * 3 * 9 * 7 * 16 * 32 * 9);
+}
+
+// The zoo's ResNet-20 in float32 with its 3x3 convolutions as Winograd's: one training step's
+// logits and gradients against the same step in float64, next to the step with oneDNN's direct
+// convolutions (measured: logits 1.7e-6 against 5.3e-7, gradients 1.1e-5 against 4.2e-6).
+TEST(Winograd, TheZooResNetStepStaysCloseToFloat64) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: oneDNN runs";
+  torch::manual_seed(15);
+  nn::Sequential winograd = make_model("resnet20");
+  {
+    torch::NoGradGuard no_grad; // as compile() keeps a convolutional net
+    for (auto& p : winograd->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(kChannelsLast));
+    }
+  }
+  auto copy = [&] {
+    return nn::Sequential(std::dynamic_pointer_cast<nn::SequentialImpl>(winograd->clone()));
+  };
+  nn::Sequential direct = copy(), truth = copy();
+  truth->to(torch::kDouble);
+  const torch::Tensor x = torch::randn({8, 1, 28, 28}).contiguous(kChannelsLast);
+  const torch::Tensor labels = torch::randint(10, {8});
+  std::vector<torch::Tensor> logits;
+  for (auto* net : {&winograd, &direct, &truth}) {
+    Choose kernel(net == &winograd ? winograd_kernel() : "none");
+    logits.push_back((*net)->forward(net == &truth ? x.to(torch::kDouble) : x).to(torch::kDouble));
+    torch::nn::functional::cross_entropy(logits.back(), labels).backward();
+  }
+  auto reference = truth->named_parameters(), plain = direct->named_parameters();
+  double error = 0, direct_error = 0;
+  for (const auto& p : winograd->named_parameters()) {
+    error = std::max(error, relative_difference(p.value().grad(), reference[p.key()].grad()));
+    direct_error = std::max(direct_error,
+                            relative_difference(plain[p.key()].grad(), reference[p.key()].grad()));
+  }
+  // The kernels ran: not oneDNN's values to the bit.
+  EXPECT_FALSE(torch::equal(winograd->named_parameters()["3.body.0.weight"].grad(),
+                            plain["3.body.0.weight"].grad()));
+  EXPECT_LT(error, 5e-5) << "oneDNN's " << direct_error;
+  EXPECT_LT(relative_difference(logits[0], logits[2]), 1e-5);
+  EXPECT_GT(direct_error, 0);
+}
+
+} // namespace
+} // namespace flotilla::models
