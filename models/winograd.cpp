@@ -23,6 +23,9 @@ using torch::autograd::variable_list;
 // no longer stay in cache between blocks of tiles: at 512 channels and 4x4 images the kernels
 // took 1.6-2x oneDNN's time (bench/winograd.cpp).
 constexpr std::int64_t kMaxChannels = 256;
+// With bfloat16 activations oneDNN's direct convolution computes in bfloat16, twice float's
+// rate: float Winograd is ahead of it to 64 channels only (bench/winograd.cpp).
+constexpr std::int64_t kMaxChannelsBf16 = 64;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
 constexpr int kPositions = kernel::kPositions;
 // Tile blocks whose weight gradients one partial sum holds: partial sums are added in order, so
@@ -44,7 +47,8 @@ torch::Tensor transformed(const kernel::Kernel& k, const torch::Tensor& g) {
 
 kernel::Images images_of(const torch::Tensor& x) {
   const long h = x.size(2), w = x.size(3);
-  return {static_cast<long>(x.size(0)), h, w, (h + 3) / 4, (w + 3) / 4};
+  return {static_cast<long>(x.size(0)),       h, w, (h + 3) / 4, (w + 3) / 4,
+          x.scalar_type() == torch::kBFloat16};
 }
 
 std::int64_t tiles_in(const kernel::Images& im) {
@@ -81,9 +85,9 @@ torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
   const std::int64_t blocks = (tiles + block - 1) / block;
   const std::int64_t in_stride = position_stride(block, in),
                      out_stride = position_stride(block, out);
-  const float* xs = x.const_data_ptr<float>();
+  const void* xs = x.const_data_ptr();
   const float* us = u.const_data_ptr<float>();
-  float* ys = y.mutable_data_ptr<float>();
+  void* ys = y.mutable_data_ptr();
   at::parallel_for(0, blocks, 1, [&](std::int64_t begin, std::int64_t end) {
     float* buffer = scratch(kPositions * (in_stride + out_stride));
     const kernel::Scratch in_tiles{buffer, in_stride};
@@ -107,9 +111,10 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
   const std::int64_t sums = (blocks + kBlocksPerSum - 1) / kBlocksPerSum;
   const std::int64_t in_stride = position_stride(block, in),
                      grad_stride = position_stride(block, out);
-  torch::Tensor partial = torch::zeros({sums, kPositions, in, out}, x.options());
-  const float* xs = x.const_data_ptr<float>();
-  const float* gys = gy.const_data_ptr<float>();
+  const auto floats = x.options().dtype(torch::kFloat);
+  torch::Tensor partial = torch::zeros({sums, kPositions, in, out}, floats);
+  const void* xs = x.const_data_ptr();
+  const void* gys = gy.const_data_ptr();
   float* ps = partial.mutable_data_ptr<float>();
   at::parallel_for(0, sums, 1, [&](std::int64_t begin, std::int64_t end) {
     float* buffer = scratch(kPositions * (in_stride + grad_stride));
@@ -125,15 +130,14 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
   });
   // Partial sums in order, then G^T s G, as [3][3][in][out].
   const torch::Tensor s = sums == 1 ? partial[0] : partial.sum(0);
-  torch::Tensor g = torch::empty({3, 3, in, out}, x.options());
+  torch::Tensor g = torch::empty({3, 3, in, out}, floats);
   k.transform_back(s.const_data_ptr<float>(), in, out, g.mutable_data_ptr<float>());
   return g.permute({3, 2, 0, 1}).contiguous(w.suggest_memory_format());
 }
 
-const torch::Tensor& channels_last(const torch::Tensor& t, torch::Tensor& copy) {
-  if (t.is_contiguous(torch::MemoryFormat::ChannelsLast)) return t;
-  copy = t.contiguous(torch::MemoryFormat::ChannelsLast);
-  return copy;
+// t as `type`, channels-last (itself where it is).
+torch::Tensor channels_last(const torch::Tensor& t, torch::ScalarType type) {
+  return t.to(type).contiguous(torch::MemoryFormat::ChannelsLast);
 }
 
 class WinogradConvFunction : public torch::autograd::Function<WinogradConvFunction> {
@@ -148,8 +152,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
     const auto saved = ctx->get_saved_variables();
     const torch::Tensor &x = saved[0], &w = saved[1];
     const kernel::Kernel& k = choice().kernel_for_backward();
-    torch::Tensor copy;
-    const torch::Tensor& gy = channels_last(grads[0], copy);
+    const torch::Tensor gy = channels_last(grads[0], x.scalar_type());
     torch::Tensor gx, gw;
     if (ctx->needs_input_grad(0)) {
       // The input's gradient is the convolution of gy with the weights flipped and transposed.
@@ -165,32 +168,51 @@ bool is(const torch::ExpandingArray<2>& a, std::int64_t v) {
   return (*a)[0] == v && (*a)[1] == v;
 }
 
+// The type the kernels read x as: float32, or under CPU autocast to bfloat16 bfloat16 (x cast
+// as autocast casts a convolution's input); kUndefined where they do not apply.
+torch::ScalarType activations_of(const torch::Tensor& x) {
+  const bool floating = x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16;
+  if (!at::autocast::is_autocast_enabled(at::kCPU)) {
+    return x.scalar_type() == torch::kFloat ? torch::kFloat : torch::ScalarType::Undefined;
+  }
+  return floating && at::autocast::get_autocast_dtype(at::kCPU) == torch::kBFloat16
+             ? torch::kBFloat16
+             : torch::ScalarType::Undefined;
+}
+
 } // namespace
 
 bool runs_winograd(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
   const torch::Tensor& w = conv.weight;
-  return choice().kernel() != nullptr && x.device().is_cpu() && x.dim() == 4 &&
-         x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat &&
-         !at::autocast::is_autocast_enabled(at::kCPU) && is(o.kernel_size(), 3) &&
-         is(o.stride(), 1) && padding != nullptr && is(*padding, 1) && is(o.dilation(), 1) &&
-         o.groups() == 1 && !o.transposed() && !o.bias() &&
+  const torch::ScalarType type =
+      x.device().is_cpu() ? activations_of(x) : torch::ScalarType::Undefined;
+  const std::int64_t most = type == torch::kBFloat16 ? kMaxChannelsBf16 : kMaxChannels;
+  return choice().kernel() != nullptr && type != torch::ScalarType::Undefined && x.dim() == 4 &&
+         w.scalar_type() == torch::kFloat && is(o.kernel_size(), 3) && is(o.stride(), 1) &&
+         padding != nullptr && is(*padding, 1) && is(o.dilation(), 1) && o.groups() == 1 &&
+         !o.transposed() && !o.bias() &&
          std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
          x.size(1) == w.size(1) && x.size(1) % kLanes == 0 && w.size(0) % kLanes == 0 &&
-         x.size(1) <= kMaxChannels && w.size(0) <= kMaxChannels && x.numel() > 0 &&
+         x.size(1) <= most && w.size(0) <= most && x.numel() > 0 &&
          x.is_contiguous(torch::MemoryFormat::ChannelsLast);
 }
 
 torch::Tensor conv3x3(torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
   if (!runs_winograd(conv, x)) return conv.forward(x);
+  // Under autocast x is cast as autocast casts it (a float32 input to bfloat16); the weights stay
+  // float32, as the arithmetic is.
+  const torch::ScalarType type = activations_of(x);
+  const torch::Tensor input =
+      x.scalar_type() == type ? x : at::autocast::cached_cast(type, x, at::kCPU);
   // The FLOP counter (profile::counted_flops) counts it as the convolution it computes.
-  RECORD_FUNCTION(
-      "flotilla::convolution",
-      std::vector<c10::IValue>({x, conv.weight, torch::Tensor(), std::vector<std::int64_t>{1, 1},
-                                std::vector<std::int64_t>{1, 1}, std::vector<std::int64_t>{1, 1},
-                                false, std::vector<std::int64_t>{0, 0}, 1}));
-  return WinogradConvFunction::apply(x, conv.weight);
+  RECORD_FUNCTION("flotilla::convolution",
+                  std::vector<c10::IValue>(
+                      {input, conv.weight, torch::Tensor(), std::vector<std::int64_t>{1, 1},
+                       std::vector<std::int64_t>{1, 1}, std::vector<std::int64_t>{1, 1}, false,
+                       std::vector<std::int64_t>{0, 0}, 1}));
+  return WinogradConvFunction::apply(input, conv.weight);
 }
 
 const char* winograd_kernel() {

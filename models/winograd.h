@@ -2,13 +2,17 @@
 // Winograd's F(4x4, 3x3) (Lavin and Gray, 2016) computes each 4x4 block of outputs from the 6x6
 // block of inputs around it in 36 products a channel pair instead of the direct convolution's
 // 144, at the price of transforms that cost a few additions an input and output value. On a CPU
-// with AVX-512 or AVX2, for channels-last float32 input whose channel counts (in and out) are
-// multiples of 16 and at most 256, forward, the input's gradient (the same computation with the
-// weights flipped and transposed) and the weight's gradient run flotilla's kernels
-// (winograd_kernel.h). The values are the convolution's within float rounding, a little more
-// of it than the direct sum: ~5e-6 of the output's largest value against ~5e-7
-// (winograd_test.cpp). Anything else (another device, type or layout, under autocast, other
-// options or channel counts) runs the module's forward: oneDNN's direct convolution.
+// with AVX-512 or AVX2, for channels-last input whose channel counts (in and out) are multiples
+// of 16, forward, the input's gradient (the same computation with the weights flipped and
+// transposed) and the weight's gradient run flotilla's kernels (winograd_kernel.h):
+// - float32 activations, 16 to 256 channels: float32 throughout. The values are the
+//   convolution's within float rounding, a little more of it than the direct sum's: up to
+//   7.9e-6 of the output's largest value against 7.3e-7 (winograd_test.cpp).
+// - under CPU autocast to bfloat16, 16 to 64 channels: the activations (input, output and their
+//   gradients) are bfloat16 as autocast makes them, the weights and the arithmetic float32 (the
+//   direct convolution rounds the weights to bfloat16 too), the weight gradient float32.
+// Anything else (another device, type or layout, other options or channel counts) runs the
+// module's forward: oneDNN's direct convolution.
 #pragma once
 
 #include <torch/nn/modules/conv.h>

@@ -13,9 +13,12 @@ namespace flotilla::models::winograd_kernels {
 constexpr int kPositions = 36; // of a 6x6 transformed tile
 
 // Images [n][h][w][channels]; tiles are numbered image by image, row by row, tiles_w a row.
+// The images (x, y, gy below) are floats, or bfloat16 bits (`bf16`: read widened to float,
+// written rounded to nearest even); weights and the arithmetic are float either way.
 struct Images {
   long n, h, w;
   long tiles_h, tiles_w; // (h + 3) / 4, (w + 3) / 4
+  bool bf16;
 };
 
 // Scratch for `count` tiles: transformed tiles [36][count][channels], each position
@@ -29,14 +32,13 @@ struct Scratch {
 // y (channels k) of tiles [first, first + count) from x (channels c) and u, the transformed
 // weights [36][c][k] (transform_weights in winograd.cpp). `in` and `out` hold count tiles of c
 // and of k channels.
-using Forward = void (*)(const float* x, long c, const Images& images, const float* u, long k,
-                         long first, long count, Scratch in, Scratch out, float* y);
+using Forward = void (*)(const void* x, long c, const Images& images, const float* u, long k,
+                         long first, long count, Scratch in, Scratch out, void* y);
 // Adds, for tiles [first, first + count), the products of x's transformed input tiles (c
 // channels) and gy's transformed gradient tiles (k channels) into s [36][c][k]: the weight
 // gradient before its transform back (G^T s G).
-using WeightGradient = void (*)(const float* x, long c, const float* gy, long k,
-                                const Images& images, long first, long count, Scratch in,
-                                Scratch grad, float* s);
+using WeightGradient = void (*)(const void* x, long c, const void* gy, long k, const Images& images,
+                                long first, long count, Scratch in, Scratch grad, float* s);
 
 // u [36][in][out] = G g G^T of each filter of g [3][3][in][out].
 using TransformWeights = void (*)(const float* g, long in, long out, float* u);

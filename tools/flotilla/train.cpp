@@ -532,15 +532,17 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
       line = direct + " (flotilla's Winograd kernels are the CPU's)";
     } else if (kernel == "none") {
       line = direct + " (" + why_not_kernel("FLOTILLA_WINOGRAD_KERNEL") + ")";
-    } else if (recipe.policy != train::Policy::kFloat32) {
-      line = direct + " (flotilla's Winograd kernels compute in float32; " +
-             train::to_string(recipe.policy) + " hands the convolutions its lower precision)";
+    } else if (recipe.policy == train::Policy::kMixedFloat16) {
+      line = direct + " (flotilla's Winograd kernels read float32 or bfloat16, not float16)";
     } else if (!model.channels_last()) {
       line = direct + " (flotilla's Winograd kernels read channels-last; --channels-last off)";
     } else {
-      line = "the 3x3 ones of 16 to 256 channels, stride 1, as Winograd's F(4x4, 3x3): 36 "
-             "products per 16 outputs a channel pair instead of 144 (" +
-             kernel + " kernel; FLOTILLA_WINOGRAD_KERNEL=none runs " + direct + ")";
+      const bool bf16 = recipe.policy == train::Policy::kMixedBFloat16;
+      line = std::string("the 3x3 ones of 16 to ") + (bf16 ? "64" : "256") +
+             " channels, stride 1, as Winograd's F(4x4, 3x3): 36 products per 16 outputs a "
+             "channel pair instead of 144" +
+             (bf16 ? ", bfloat16 activations in and out, float32 weights and arithmetic" : "") +
+             " (" + kernel + " kernel; FLOTILLA_WINOGRAD_KERNEL=none runs " + direct + ")";
     }
     strategy.log().info("recipe: convolutions: " + line);
   }
