@@ -24,7 +24,8 @@ using torch::autograd::variable_list;
 // took 1.6-2x oneDNN's time (bench/winograd.cpp).
 constexpr std::int64_t kMaxChannels = 256;
 // With bfloat16 activations oneDNN's direct convolution computes in bfloat16, twice float's
-// rate: float Winograd is ahead of it to 64 channels only (bench/winograd.cpp).
+// rate: float Winograd is ahead of it to 64 channels (1.15-1.45x, bench/winograd.cpp), not at
+// 128 and 256 (0.95x, measured with float activations against it).
 constexpr std::int64_t kMaxChannelsBf16 = 64;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
 constexpr int kPositions = kernel::kPositions;
@@ -47,8 +48,14 @@ torch::Tensor transformed(const kernel::Kernel& k, const torch::Tensor& g) {
 
 kernel::Images images_of(const torch::Tensor& x) {
   const long h = x.size(2), w = x.size(3);
-  return {static_cast<long>(x.size(0)),       h, w, (h + 3) / 4, (w + 3) / 4,
-          x.scalar_type() == torch::kBFloat16};
+  kernel::Images im{};
+  im.n = x.size(0);
+  im.h = h;
+  im.w = w;
+  im.tiles_h = (h + 3) / 4;
+  im.tiles_w = (w + 3) / 4;
+  im.bf16 = x.scalar_type() == torch::kBFloat16;
+  return im;
 }
 
 std::int64_t tiles_in(const kernel::Images& im) {

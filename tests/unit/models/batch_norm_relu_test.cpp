@@ -13,6 +13,7 @@
 #include "models/batch_norm_relu.h"
 #include "models/batch_norm_relu_kernel.h"
 #include "models/cpu_kernels.h"
+#include "models/winograd.h"
 #include "models/zoo.h"
 
 namespace flotilla::models {
@@ -274,6 +275,9 @@ double gradient_error(const nn::Sequential& net, const nn::Sequential& truth) {
 // to a thousandth of their terms.
 TEST(BatchNormReLU, TheZooResNetStepIsAsAccurateAsWithATensOperations) {
   if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: ATen's ops run";
+  // oneDNN's convolutions on every side: the BatchNorms are what is compared (winograd_test.cpp
+  // measures the Winograd convolutions).
+  KernelChoice<winograd_kernel, use_winograd_kernel> direct("none");
   for (const auto policy : {train::Policy::kFloat32, train::Policy::kMixedBFloat16}) {
     torch::manual_seed(15);
     nn::Sequential fused = make_model("resnet20");
