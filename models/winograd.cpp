@@ -24,7 +24,7 @@ using torch::autograd::variable_list;
 // took 1.6-2x oneDNN's time (bench/winograd.cpp).
 constexpr std::int64_t kMaxChannels = 256;
 // With bfloat16 activations oneDNN's direct convolution computes in bfloat16, twice float's
-// rate: float Winograd is ahead of it to 64 channels (1.15-1.45x, bench/winograd.cpp), not at
+// rate: float Winograd is ahead of it to 64 channels (1.1-1.5x, bench/winograd.cpp), not at
 // 128 and 256 (0.95x, measured with float activations against it).
 constexpr std::int64_t kMaxChannelsBf16 = 64;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
