@@ -24,7 +24,8 @@
 #                      are not yet implemented for CPU devices when compiling with XLA", TF
 #                      2.21); not in the default PEERS, its note printed when asked for
 # flotilla runs as its users get it: its defaults (channels-last for models with 2-D
-# convolutions). Every line names each side's precision and memory format.
+# convolutions; the ResNets' 3x3 convolutions as Winograd's, models/winograd.h, which its lines'
+# "convolutions" field names). Every line names each side's precision and memory format.
 #
 # Each run trains S untimed warm-up steps, then times S steps on worker 0 between syncs
 # (flotilla: its second epoch of --steps-per-epoch S; DDP: barriers; TF: fit's second epoch,
