@@ -28,12 +28,6 @@ std::vector<std::string> kernels() {
   return Choose::runnable();
 }
 
-// The largest difference, relative to the reference's largest magnitude.
-double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {
-  const torch::Tensor ref = reference.to(torch::kDouble);
-  return ((a.to(torch::kDouble) - ref).abs().max() / ref.abs().max()).item<double>();
-}
-
 struct Result {
   torch::Tensor y, gx, gw, gb, gr, running_mean, running_var, batches;
 };

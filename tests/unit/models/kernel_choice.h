@@ -1,8 +1,10 @@
 // The fused layers' tests run each kernel this CPU has: KernelChoice<name, use> lists them and
-// switches to one for a scope, then back to the one chosen before.
+// switches to one for a scope, then back to the one chosen before. relative_difference is how
+// they measure a result against a reference.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <string>
 #include <vector>
@@ -26,5 +28,11 @@ template <const char* (*Name)(), bool (*Use)(const std::string&)> struct KernelC
   ~KernelChoice() { Use(before); }
   std::string before;
 };
+
+// The largest difference, relative to the reference's largest magnitude.
+inline double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {
+  const torch::Tensor ref = reference.to(torch::kDouble);
+  return ((a.to(torch::kDouble) - ref).abs().max() / ref.abs().max()).item<double>();
+}
 
 } // namespace flotilla::models

@@ -23,12 +23,6 @@ std::vector<std::string> kernels() {
   return Choose::runnable();
 }
 
-// The largest difference, relative to the reference's largest magnitude.
-double relative_difference(const torch::Tensor& a, const torch::Tensor& reference) {
-  const torch::Tensor ref = reference.to(torch::kDouble);
-  return ((a.to(torch::kDouble) - ref).abs().max() / ref.abs().max()).item<double>();
-}
-
 nn::Conv2d conv3(std::int64_t in, std::int64_t out) {
   nn::Conv2d conv(nn::Conv2dOptions(in, out, 3).padding(1).bias(false));
   torch::NoGradGuard no_grad;
