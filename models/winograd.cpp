@@ -24,8 +24,9 @@ using torch::autograd::variable_list;
 // took 1.6-2x oneDNN's time (bench/winograd.cpp).
 constexpr std::int64_t kMaxChannels = 256;
 // With bfloat16 activations oneDNN's direct convolution computes in bfloat16, twice float's
-// rate: float Winograd is ahead of it to 64 channels (1.1-1.5x, bench/winograd.cpp), not at
-// 128 and 256 (0.95x, measured with float activations against it).
+// rate: float Winograd is ahead of it to 64 channels (1.1-1.5x, bench/winograd.cpp), about
+// level at 128 and 256 (1.06x and 0.97x at ResNet-18's 14x14 and 7x7, forward and both
+// gradients).
 constexpr std::int64_t kMaxChannelsBf16 = 64;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
 constexpr int kPositions = kernel::kPositions;
