@@ -2,6 +2,8 @@
 
 #include <torch/nn.h>
 
+#include <algorithm>
+
 #include "flotilla/error.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "models/attention.h"
@@ -256,6 +258,13 @@ nn::Sequential vit_tiny() {
 }
 
 } // namespace
+
+bool has_residual_blocks(const torch::nn::Module& module) {
+  const auto modules = module.modules();
+  return std::any_of(modules.begin(), modules.end(), [](const auto& m) {
+    return dynamic_cast<const ResidualImpl*>(m.get()) != nullptr;
+  });
+}
 
 nn::Sequential make_model(const std::string& name) {
   if (name == "mlp") return mlp(256);

@@ -30,4 +30,8 @@ const std::vector<std::string>& model_names();
 // ConfigError for an unknown name, listing the known ones.
 torch::nn::Sequential make_model(const std::string& name);
 
+// Whether `module` holds the ResNets' residual blocks (with BatchNorm or, after
+// convert_sync_batchnorm, SyncBatchNorm), whose 3x3 convolutions run as conv3x3 (winograd.h).
+bool has_residual_blocks(const torch::nn::Module& module);
+
 } // namespace flotilla::models

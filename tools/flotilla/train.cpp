@@ -524,7 +524,7 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
   // The ResNets' 3x3 convolutions (models/winograd.h).
   const auto params = model.module().parameters();
   const bool cpu = params.empty() || params.front().device().is_cpu();
-  if (has_layer<torch::nn::BatchNorm2dImpl>(model)) {
+  if (models::has_residual_blocks(model.module())) {
     const std::string kernel = models::winograd_kernel();
     const std::string direct = cpu ? "oneDNN's direct convolutions" : "cuDNN's convolutions";
     std::string line;

@@ -101,6 +101,17 @@ TEST(Zoo, TheResNetsConvertToSyncBatchNormWithTheirNamesAndValues) {
   EXPECT_TRUE(torch::equal(sync->forward(x), before));
 }
 
+// The ResNets (and they alone) hold residual blocks, with SyncBatchNorm too: flotilla train's
+// recipe line on their convolutions (winograd.h) depends on it.
+TEST(Zoo, TheResNetsAloneHaveResidualBlocksBeforeAndAfterSyncBatchNorm) {
+  for (const auto& name : model_names()) {
+    auto m = make_model(name);
+    const bool resnet = name == "resnet20" || name == "resnet18";
+    EXPECT_EQ(has_residual_blocks(*m), resnet) << name;
+    if (resnet) EXPECT_TRUE(has_residual_blocks(*train::convert_sync_batchnorm(m))) << name;
+  }
+}
+
 TEST(Zoo, UnknownModelListsTheKnownOnes) {
   try {
     make_model("resnet");
