@@ -176,42 +176,44 @@ bool is(const torch::ExpandingArray<2>& a, std::int64_t v) {
   return (*a)[0] == v && (*a)[1] == v;
 }
 
-// The type the kernels read x as: float32, or under CPU autocast to bfloat16 bfloat16 (x cast
-// as autocast casts a convolution's input); kUndefined where they do not apply.
-torch::ScalarType activations_of(const torch::Tensor& x) {
+// The type the kernels read x as where they apply to conv(x): float32, or under CPU autocast to
+// bfloat16 bfloat16 (x cast as autocast casts a convolution's input); kUndefined where they do
+// not apply.
+torch::ScalarType activations_of(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
+  constexpr auto kNone = torch::ScalarType::Undefined;
   const bool floating = x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16;
+  torch::ScalarType type = kNone;
   if (!at::autocast::is_autocast_enabled(at::kCPU)) {
-    return x.scalar_type() == torch::kFloat ? torch::kFloat : torch::ScalarType::Undefined;
+    if (x.scalar_type() == torch::kFloat) type = torch::kFloat;
+  } else if (floating && at::autocast::get_autocast_dtype(at::kCPU) == torch::kBFloat16) {
+    type = torch::kBFloat16;
   }
-  return floating && at::autocast::get_autocast_dtype(at::kCPU) == torch::kBFloat16
-             ? torch::kBFloat16
-             : torch::ScalarType::Undefined;
+  const auto& o = conv.options;
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+  const torch::Tensor& w = conv.weight;
+  const std::int64_t most = type == torch::kBFloat16 ? kMaxChannelsBf16 : kMaxChannels;
+  const bool applies = choice().kernel() != nullptr && type != kNone && x.device().is_cpu() &&
+                       x.dim() == 4 && w.scalar_type() == torch::kFloat && is(o.kernel_size(), 3) &&
+                       is(o.stride(), 1) && padding != nullptr && is(*padding, 1) &&
+                       is(o.dilation(), 1) && o.groups() == 1 && !o.transposed() && !o.bias() &&
+                       std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
+                       x.size(1) == w.size(1) && x.size(1) % kLanes == 0 &&
+                       w.size(0) % kLanes == 0 && x.size(1) <= most && w.size(0) <= most &&
+                       x.numel() > 0 && x.is_contiguous(torch::MemoryFormat::ChannelsLast);
+  return applies ? type : kNone;
 }
 
 } // namespace
 
 bool runs_winograd(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
-  const auto& o = conv.options;
-  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
-  const torch::Tensor& w = conv.weight;
-  const torch::ScalarType type =
-      x.device().is_cpu() ? activations_of(x) : torch::ScalarType::Undefined;
-  const std::int64_t most = type == torch::kBFloat16 ? kMaxChannelsBf16 : kMaxChannels;
-  return choice().kernel() != nullptr && type != torch::ScalarType::Undefined && x.dim() == 4 &&
-         w.scalar_type() == torch::kFloat && is(o.kernel_size(), 3) && is(o.stride(), 1) &&
-         padding != nullptr && is(*padding, 1) && is(o.dilation(), 1) && o.groups() == 1 &&
-         !o.transposed() && !o.bias() &&
-         std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
-         x.size(1) == w.size(1) && x.size(1) % kLanes == 0 && w.size(0) % kLanes == 0 &&
-         x.size(1) <= most && w.size(0) <= most && x.numel() > 0 &&
-         x.is_contiguous(torch::MemoryFormat::ChannelsLast);
+  return activations_of(conv, x) != torch::ScalarType::Undefined;
 }
 
 torch::Tensor conv3x3(torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
-  if (!runs_winograd(conv, x)) return conv.forward(x);
+  const torch::ScalarType type = activations_of(conv, x);
+  if (type == torch::ScalarType::Undefined) return conv.forward(x);
   // Under autocast x is cast as autocast casts it (a float32 input to bfloat16); the weights stay
   // float32, as the arithmetic is.
-  const torch::ScalarType type = activations_of(x);
   const torch::Tensor input =
       x.scalar_type() == type ? x : at::autocast::cached_cast(type, x, at::kCPU);
   // The FLOP counter (profile::counted_flops) counts it as the convolution it computes.
