@@ -4,7 +4,9 @@
 # during an elastic fit costs no regroup and no sample.
 #
 # Hosts 3, 4 and 5 each run an etcd member (Debian's etcd-server, v3 API); hosts 3 and 4 also run
-# a replica of `flotilla rendezvous --etcd` (heartbeat timeout 4 s). Hosts 0-2 run
+# a replica of `flotilla rendezvous --etcd` (heartbeat timeout 6 s: a 6 s lease, so a replica
+# steps down after 4.5 s without a confirmed renewal; with 4 s, a 5 s lease and 3.75 s, etcd's
+# election under make test's load once took 4.3 s and the serving replica stepped down). Hosts 0-2 run
 # tests/multiworker/elastic_trainer (an elastic group of 3, 8 epochs of 10 global batches of 24
 # rows, 150 ms a step) with FLOTILLA_RENDEZVOUS=etcd://<the three members>/flit. One replica is
 # elected (it creates the job's key under its lease) and serves; the other stands by without
@@ -55,7 +57,7 @@ log "etcd: 3 members healthy ($endpoints)"
 start_replica() {
   local h=$1
   ip netns exec "$(host_ns "$h")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
-    "$bin" rendezvous --listen "$(host_ip "$h"):$PORT" --workers 3 --heartbeat-timeout 4 \
+    "$bin" rendezvous --listen "$(host_ip "$h"):$PORT" --workers 3 --heartbeat-timeout 6 \
     --etcd "$url" >>"$tmp/replica$h.log" 2>&1 &
   replica_pid[$h]=$!
   pids+=($!)
