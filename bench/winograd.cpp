@@ -3,8 +3,8 @@
 // bfloat16 autocast (bfloat16 activations): flotilla's conv3x3 with the Winograd kernels
 // (models/winograd.h) against the module's forward, oneDNN's direct convolution (what it runs
 // with FLOTILLA_WINOGRAD_KERNEL=none, and what PyTorch's twin runs; under autocast in bfloat16).
-// Shapes: ResNet-20's three stages at IMAGES images (64: a worker's share of a global batch of 128)
-// and ResNet-18's first. Prints one JSON line per shape and part (forward; forward and the input's
+// Shapes: ResNet-20's three stages and ResNet-18's four at IMAGES images (64: a worker's share of a
+// global batch of 128). Prints one JSON line per shape and part (forward; forward and the input's
 // gradient; forward and both gradients): the median milliseconds of each over REPEATS runs (after 3
 // untimed), and the ratio. Freed memory is kept, as `flotilla train` keeps it.
 #include <torch/torch.h>
@@ -25,8 +25,13 @@ int main(int argc, char** argv) {
   const std::string best = models::winograd_kernel();
   const auto cl = torch::MemoryFormat::ChannelsLast;
   for (const bool bf16 : {false, true}) {
-    for (const auto& [channels, size] :
-         {std::pair<std::int64_t, std::int64_t>{16, 28}, {32, 14}, {64, 7}, {64, 28}}) {
+    for (const auto& [channels, size] : {std::pair<std::int64_t, std::int64_t>{16, 28},
+                                         {32, 14},
+                                         {64, 7},
+                                         {64, 28},
+                                         {128, 14},
+                                         {256, 7},
+                                         {512, 4}}) {
       torch::nn::Conv2d conv(
           torch::nn::Conv2dOptions(channels, channels, 3).padding(1).bias(false));
       conv->weight.set_data(conv->weight.contiguous(cl));

@@ -19,20 +19,25 @@ namespace kernel = winograd_kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Past 256 channels in and out the transformed weights (36 x in x out floats, 37 MB at 512)
-// no longer stay in cache between blocks of tiles: at 512 channels and 4x4 images the kernels
-// took 1.6-2x oneDNN's time (bench/winograd.cpp).
-constexpr std::int64_t kMaxChannels = 256;
-// With bfloat16 activations oneDNN's direct convolution computes in bfloat16, twice float's
-// rate: float Winograd is ahead of it to 64 channels (1.1-1.5x, bench/winograd.cpp), about
-// level at 128 and 256 (1.06x and 0.97x at ResNet-18's 14x14 and 7x7, forward and both
-// gradients).
-constexpr std::int64_t kMaxChannelsBf16 = 64;
+// The channels in and out that the kernels take, in float32 and with bfloat16 activations: to
+// ResNet-18's widest (512, its 4x4 stage), where they measured 2.2x oneDNN's direct convolution
+// in float32 and 1.1x its bfloat16 one (bench/winograd.cpp). None wider was measured.
+constexpr std::int64_t kMaxChannels = 512;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
 constexpr int kPositions = kernel::kPositions;
 // Tile blocks whose weight gradients one partial sum holds: partial sums are added in order, so
 // the gradient is the same for any number of threads.
-constexpr std::int64_t kBlocksPerSum = 16;
+constexpr std::int64_t kBlocksPerSum = 4;
+// Tiles a block (a thread's unit of work). Each block transforms its tiles (36 x (in + out)
+// floats a tile, 9.4 MB at 512 channels) and multiplies them by every position's weights; 64
+// was ahead of 16 and 32, and level with 128, from 16 to 512 channels (bench/winograd.cpp).
+constexpr std::int64_t kBlockTiles = 64;
+// Up to this many weights (in x out) a forward transforms them all first (36 x in x out floats,
+// 9.4 MB at 256 channels) for every block to read; past it, each block transforms one panel of
+// 16 outputs at a time just before its products, so they never leave the core's cache. At 512
+// channels that took 50.5 against 54.4 ms for the forward and both gradients; at 256, 44.2
+// against 39.4 (bench/winograd.cpp, 64 images, one thread, bfloat16 activations).
+constexpr std::int64_t kMostWeightsTransformedFirst = 256 * 256;
 
 CpuKernelChoice<kernel::Kernel>& choice() {
   static CpuKernelChoice<kernel::Kernel> choice("FLOTILLA_WINOGRAD_KERNEL", kernel::kAvx512,
@@ -40,11 +45,14 @@ CpuKernelChoice<kernel::Kernel>& choice() {
   return choice;
 }
 
-// The transformed weights [36][in][out] of g, filters laid out [3][3][in][out].
-torch::Tensor transformed(const kernel::Kernel& k, const torch::Tensor& g) {
-  torch::Tensor u = torch::empty({kPositions, g.size(2), g.size(3)}, g.options());
-  k.transform_weights(g.const_data_ptr<float>(), g.size(2), g.size(3), u.mutable_data_ptr<float>());
-  return u;
+// A buffer of at least `floats` that the calling thread keeps for its next call. The weight
+// gradient's partial sums (36 x in x out floats) pass 32 MB at 512 channels, beyond glibc's
+// largest heap block: allocated per call, they were mapped and zeroed by the kernel every time.
+// Which: 0 the transformed weights, 1 the partial sums, 2 a thread's blocks' scratch.
+template <int Which> float* kept(std::size_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
 }
 
 kernel::Images images_of(const torch::Tensor& x) {
@@ -63,47 +71,42 @@ std::int64_t tiles_in(const kernel::Images& im) {
   return im.n * im.tiles_h * im.tiles_w;
 }
 
-// Tiles a block: enough to reuse each position's weights, few enough that the block's
-// transformed tiles in and out stay in the core's cache (~0.5 MB), a multiple of 8.
-std::int64_t block_tiles(std::int64_t in, std::int64_t out) {
-  return std::max<std::int64_t>(8, std::min<std::int64_t>(128, 3500 / (in + out)) / 8 * 8);
-}
-
-// A thread's scratch of `floats`, kept for its next call.
-float* scratch(std::size_t floats) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < floats) buffer.resize(floats);
-  return buffer.data();
-}
-
 // 36 positions of `tiles` tiles of `channels`, each position a little more than the last's end
 // apart (36 streams exactly 4 KiB apart would share the same cache sets).
 std::int64_t position_stride(std::int64_t tiles, std::int64_t channels) {
   return tiles * channels + 16;
 }
 
-// y [n][out][h][w] (channels-last) of x (channels-last) and the transformed weights u.
+// y [n][out][h][w] (channels-last) of x (channels-last) and the weights g [3][3][in][out].
 torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
-                               const torch::Tensor& u) {
-  const std::int64_t in = x.size(1), out = u.size(2);
+                               const torch::Tensor& g) {
+  const std::int64_t in = x.size(1), out = g.size(3);
   torch::Tensor y = torch::empty({x.size(0), out, x.size(2), x.size(3)},
                                  x.options().memory_format(torch::MemoryFormat::ChannelsLast));
   const kernel::Images im = images_of(x);
-  const std::int64_t tiles = tiles_in(im), block = block_tiles(in, out);
+  const std::int64_t tiles = tiles_in(im), block = kBlockTiles;
   const std::int64_t blocks = (tiles + block - 1) / block;
   const std::int64_t in_stride = position_stride(block, in),
                      out_stride = position_stride(block, out);
+  const bool all = in * out <= kMostWeightsTransformedFirst;
+  const float* gs = g.const_data_ptr<float>();
+  float* u = nullptr;
+  if (all) {
+    u = kept<0>(kPositions * in * out);
+    k.transform_weights(gs, in, out, u);
+  }
+  const std::int64_t panel_floats = all ? 0 : kPositions * in * kernel::kPanel;
   const void* xs = x.const_data_ptr();
-  const float* us = u.const_data_ptr<float>();
   void* ys = y.mutable_data_ptr();
   at::parallel_for(0, blocks, 1, [&](std::int64_t begin, std::int64_t end) {
-    float* buffer = scratch(kPositions * (in_stride + out_stride));
+    float* buffer = kept<2>(kPositions * (in_stride + out_stride) + panel_floats);
     const kernel::Scratch in_tiles{buffer, in_stride};
     const kernel::Scratch out_tiles{buffer + kPositions * in_stride, out_stride};
+    const kernel::Weights weights{u, gs, buffer + kPositions * (in_stride + out_stride)};
     for (std::int64_t b = begin; b < end; ++b) {
       const std::int64_t first = b * block;
-      k.forward(xs, in, im, us, out, first, std::min(block, tiles - first), in_tiles, out_tiles,
-                ys);
+      k.forward(xs, in, im, weights, out, first, std::min(block, tiles - first), in_tiles,
+                out_tiles, ys);
     }
   });
   return y;
@@ -114,33 +117,59 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
                                        const torch::Tensor& gy, const torch::Tensor& w) {
   const std::int64_t in = x.size(1), out = gy.size(1);
   const kernel::Images im = images_of(x);
-  const std::int64_t tiles = tiles_in(im), block = block_tiles(in, out);
+  const std::int64_t tiles = tiles_in(im), block = kBlockTiles;
   const std::int64_t blocks = (tiles + block - 1) / block;
   const std::int64_t sums = (blocks + kBlocksPerSum - 1) / kBlocksPerSum;
   const std::int64_t in_stride = position_stride(block, in),
                      grad_stride = position_stride(block, out);
-  const auto floats = x.options().dtype(torch::kFloat);
-  torch::Tensor partial = torch::zeros({sums, kPositions, in, out}, floats);
+  const std::int64_t sum_floats = kPositions * in * out;
+  float* partial = kept<1>(sums * sum_floats);
   const void* xs = x.const_data_ptr();
   const void* gys = gy.const_data_ptr();
-  float* ps = partial.mutable_data_ptr<float>();
   at::parallel_for(0, sums, 1, [&](std::int64_t begin, std::int64_t end) {
-    float* buffer = scratch(kPositions * (in_stride + grad_stride));
+    float* buffer = kept<2>(kPositions * (in_stride + grad_stride));
     const kernel::Scratch in_tiles{buffer, in_stride};
     const kernel::Scratch grad_tiles{buffer + kPositions * in_stride, grad_stride};
     for (std::int64_t s = begin; s < end; ++s) {
-      for (std::int64_t b = s * kBlocksPerSum; b < std::min(blocks, (s + 1) * kBlocksPerSum); ++b) {
+      const std::int64_t first_block = s * kBlocksPerSum;
+      for (std::int64_t b = first_block; b < std::min(blocks, first_block + kBlocksPerSum); ++b) {
         const std::int64_t first = b * block;
         k.weight_gradient(xs, in, gys, out, im, first, std::min(block, tiles - first), in_tiles,
-                          grad_tiles, ps + s * kPositions * in * out);
+                          grad_tiles, b > first_block, partial + s * sum_floats);
       }
     }
   });
   // Partial sums in order, then G^T s G, as [3][3][in][out].
-  const torch::Tensor s = sums == 1 ? partial[0] : partial.sum(0);
-  torch::Tensor g = torch::empty({3, 3, in, out}, floats);
-  k.transform_back(s.const_data_ptr<float>(), in, out, g.mutable_data_ptr<float>());
-  return g.permute({3, 2, 0, 1}).contiguous(w.suggest_memory_format());
+  for (std::int64_t s = 1; s < sums; ++s) {
+    const float* add = partial + s * sum_floats;
+    for (std::int64_t i = 0; i < sum_floats; ++i) partial[i] += add[i];
+  }
+  torch::Tensor g =
+      torch::empty({out, in, 3, 3}, w.options().memory_format(torch::MemoryFormat::ChannelsLast));
+  k.transform_back(partial, out, in, g.mutable_data_ptr<float>());
+  return g.contiguous(w.suggest_memory_format());
+}
+
+// The filters [3][3][in][out] of a convolution's weights w [out][in][3][3], 16 outputs by 16 input
+// channels at a time (a permute and copy of the channels-last weights took 5 ms at 512 channels).
+torch::Tensor filters_of(const torch::Tensor& w) {
+  const torch::Tensor nhwc = w.contiguous(torch::MemoryFormat::ChannelsLast); // [out][3][3][in]
+  const std::int64_t out = w.size(0), in = w.size(1);
+  torch::Tensor g = torch::empty({3, 3, in, out}, w.options());
+  const float* from = nhwc.const_data_ptr<float>();
+  float* to = g.mutable_data_ptr<float>();
+  for (std::int64_t o0 = 0; o0 < out; o0 += kLanes) {
+    for (std::int64_t f = 0; f < 9; ++f) {
+      for (std::int64_t c0 = 0; c0 < in; c0 += kLanes) {
+        for (std::int64_t c = c0; c < c0 + kLanes; ++c) {
+          for (std::int64_t o = o0; o < o0 + kLanes; ++o) {
+            to[(f * in + c) * out + o] = from[(o * 9 + f) * in + c];
+          }
+        }
+      }
+    }
+  }
+  return g;
 }
 
 // t as `type`, channels-last (itself where it is).
@@ -154,7 +183,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
                                const torch::Tensor& w) {
     ctx->save_for_backward({x, w});
     const kernel::Kernel& k = *choice().kernel();
-    return winograd_forward(k, x, transformed(k, w.permute({2, 3, 1, 0}).contiguous()));
+    return winograd_forward(k, x, filters_of(w));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -164,8 +193,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
     torch::Tensor gx, gw;
     if (ctx->needs_input_grad(0)) {
       // The input's gradient is the convolution of gy with the weights flipped and transposed.
-      gx = winograd_forward(k, gy,
-                            transformed(k, w.flip({2, 3}).permute({2, 3, 0, 1}).contiguous()));
+      gx = winograd_forward(k, gy, w.flip({2, 3}).permute({2, 3, 0, 1}).contiguous());
     }
     if (ctx->needs_input_grad(1)) gw = winograd_weight_gradient(k, x, gy, w);
     return {gx, gw};
@@ -191,15 +219,16 @@ torch::ScalarType activations_of(const torch::nn::Conv2dImpl& conv, const torch:
   const auto& o = conv.options;
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
   const torch::Tensor& w = conv.weight;
-  const std::int64_t most = type == torch::kBFloat16 ? kMaxChannelsBf16 : kMaxChannels;
+
   const bool applies = choice().kernel() != nullptr && type != kNone && x.device().is_cpu() &&
                        x.dim() == 4 && w.scalar_type() == torch::kFloat && is(o.kernel_size(), 3) &&
                        is(o.stride(), 1) && padding != nullptr && is(*padding, 1) &&
                        is(o.dilation(), 1) && o.groups() == 1 && !o.transposed() && !o.bias() &&
                        std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
                        x.size(1) == w.size(1) && x.size(1) % kLanes == 0 &&
-                       w.size(0) % kLanes == 0 && x.size(1) <= most && w.size(0) <= most &&
-                       x.numel() > 0 && x.is_contiguous(torch::MemoryFormat::ChannelsLast);
+                       w.size(0) % kLanes == 0 && x.size(1) <= kMaxChannels &&
+                       w.size(0) <= kMaxChannels && x.numel() > 0 &&
+                       x.is_contiguous(torch::MemoryFormat::ChannelsLast);
   return applies ? type : kNone;
 }
 

@@ -11,6 +11,10 @@
 namespace flotilla::models::winograd_kernels {
 
 constexpr int kPositions = 36; // of a 6x6 transformed tile
+// The transformed weights are kept in panels of 16 outputs, [out / 16][36][in][16], each
+// panel contiguous: a product step reads its weights in order (rows `out` floats apart would
+// fall on few cache sets), and a panel can be transformed just before its products.
+constexpr int kPanel = 16;
 
 // Images [n][h][w][channels]; tiles are numbered image by image, row by row, tiles_w a row.
 // The images (x, y, gy below) are floats, or bfloat16 bits (`bf16`: read widened to float,
@@ -29,21 +33,31 @@ struct Scratch {
   long stride;
 };
 
-// y (channels k) of tiles [first, first + count) from x (channels c) and u, the transformed
-// weights [36][c][k] (transform_weights in winograd.cpp). `in` and `out` hold count tiles of c
-// and of k channels.
-using Forward = void (*)(const void* x, long c, const Images& images, const float* u, long k,
-                         long first, long count, Scratch in, Scratch out, void* y);
-// Adds, for tiles [first, first + count), the products of x's transformed input tiles (c
-// channels) and gy's transformed gradient tiles (k channels) into s [36][c][k]: the weight
-// gradient before its transform back (G^T s G).
-using WeightGradient = void (*)(const void* x, long c, const void* gy, long k, const Images& images,
-                                long first, long count, Scratch in, Scratch grad, float* s);
+// The weights of a forward: u, all panels transformed (transform_weights); or, where u is null,
+// g [3][3][c][k], each panel transformed into `panel` ([36][c][kPanel]) before its products,
+// so the transformed weights never leave the core's cache (they are 4x g's size).
+struct Weights {
+  const float* u;
+  const float* g;
+  float* panel;
+};
 
-// u [36][in][out] = G g G^T of each filter of g [3][3][in][out].
+// y (channels k) of tiles [first, first + count) from x (channels c) and the weights. `in` and
+// `out` hold count tiles of c and of k channels.
+using Forward = void (*)(const void* x, long c, const Images& images, const Weights& w, long k,
+                         long first, long count, Scratch in, Scratch out, void* y);
+// Adds (or with `accumulate` false, writes), for tiles [first, first + count), the products of
+// gy's transformed gradient tiles (k channels) and x's transformed input tiles (c channels) into
+// s [36][k][c]: the weight gradient before its transform back (G^T s G).
+using WeightGradient = void (*)(const void* x, long c, const void* gy, long k, const Images& images,
+                                long first, long count, Scratch in, Scratch grad, bool accumulate,
+                                float* s);
+
+// u [out / kPanel][36][in][kPanel] = G g G^T of each filter of g [3][3][in][out].
 using TransformWeights = void (*)(const float* g, long in, long out, float* u);
-// g [3][3][in][out] = G^T s G of each of s [36][in][out]: the weight gradient.
-using TransformBack = void (*)(const float* s, long in, long out, float* g);
+// g [out][3][3][in] (a convolution's channels-last weights) = G^T s G of each of s
+// [36][out][in]: the weight gradient.
+using TransformBack = void (*)(const float* s, long out, long in, float* g);
 
 struct Kernel {
   Forward forward;
