@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "models/cpu_kernels.h"
@@ -24,6 +25,7 @@ using torch::autograd::variable_list;
 // in float32 and 1.1x its bfloat16 one (bench/winograd.cpp). None wider was measured.
 constexpr std::int64_t kMaxChannels = 512;
 constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
+constexpr std::int64_t kPanel = winograd_kernels::kPanel;
 constexpr int kPositions = kernel::kPositions;
 // Tile blocks whose weight gradients one partial sum holds: partial sums are added in order, so
 // the gradient is the same for any number of threads.
@@ -77,10 +79,10 @@ std::int64_t position_stride(std::int64_t tiles, std::int64_t channels) {
   return tiles * channels + 16;
 }
 
-// y [n][out][h][w] (channels-last) of x (channels-last) and the weights g [3][3][in][out].
+// y [n][out][h][w] (channels-last) of x (channels-last) and the filters g (panels_of).
 torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
                                const torch::Tensor& g) {
-  const std::int64_t in = x.size(1), out = g.size(3);
+  const std::int64_t in = x.size(1), out = g.size(0) * kPanel;
   torch::Tensor y = torch::empty({x.size(0), out, x.size(2), x.size(3)},
                                  x.options().memory_format(torch::MemoryFormat::ChannelsLast));
   const kernel::Images im = images_of(x);
@@ -150,20 +152,26 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
   return g.contiguous(w.suggest_memory_format());
 }
 
-// The filters [3][3][in][out] of a convolution's weights w [out][in][3][3], 16 outputs by 16 input
-// channels at a time (a permute and copy of the channels-last weights took 5 ms at 512 channels).
-torch::Tensor filters_of(const torch::Tensor& w) {
+// The filters of a forward by panels of 16 outputs, [out / 16][3][3][in][16], from a
+// convolution's weights w [out][in][3][3]; `transposed`, those of its input's gradient: w flipped,
+// with in and out swapped. (A permute and copy of 512x512x3x3 channels-last weights to
+// [3][3][in][out] took 5.4 ms.)
+torch::Tensor panels_of(const torch::Tensor& w, bool transposed) {
   const torch::Tensor nhwc = w.contiguous(torch::MemoryFormat::ChannelsLast); // [out][3][3][in]
   const std::int64_t out = w.size(0), in = w.size(1);
-  torch::Tensor g = torch::empty({3, 3, in, out}, w.options());
+  const std::int64_t rows = transposed ? out : in, panels = (transposed ? in : out) / kPanel;
+  torch::Tensor g = torch::empty({panels, 9, rows, kPanel}, w.options());
   const float* from = nhwc.const_data_ptr<float>();
   float* to = g.mutable_data_ptr<float>();
-  for (std::int64_t o0 = 0; o0 < out; o0 += kLanes) {
+  for (std::int64_t p = 0; p < panels; ++p) {
     for (std::int64_t f = 0; f < 9; ++f) {
-      for (std::int64_t c0 = 0; c0 < in; c0 += kLanes) {
-        for (std::int64_t c = c0; c < c0 + kLanes; ++c) {
-          for (std::int64_t o = o0; o < o0 + kLanes; ++o) {
-            to[(f * in + c) * out + o] = from[(o * 9 + f) * in + c];
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* panel_row = to + ((p * 9 + f) * rows + r) * kPanel;
+        if (transposed) { // output channel r's filter value 8 - f, input channels p * 16 on
+          std::memcpy(panel_row, from + (r * 9 + 8 - f) * in + p * kPanel, kPanel * sizeof(float));
+        } else {
+          for (std::int64_t j = 0; j < kPanel; ++j) {
+            panel_row[j] = from[((p * kPanel + j) * 9 + f) * in + r];
           }
         }
       }
@@ -183,7 +191,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
                                const torch::Tensor& w) {
     ctx->save_for_backward({x, w});
     const kernel::Kernel& k = *choice().kernel();
-    return winograd_forward(k, x, filters_of(w));
+    return winograd_forward(k, x, panels_of(w, false));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -193,7 +201,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
     torch::Tensor gx, gw;
     if (ctx->needs_input_grad(0)) {
       // The input's gradient is the convolution of gy with the weights flipped and transposed.
-      gx = winograd_forward(k, gy, w.flip({2, 3}).permute({2, 3, 0, 1}).contiguous());
+      gx = winograd_forward(k, gy, panels_of(w, true));
     }
     if (ctx->needs_input_grad(1)) gw = winograd_weight_gradient(k, x, gy, w);
     return {gx, gw};

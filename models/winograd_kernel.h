@@ -34,8 +34,9 @@ struct Scratch {
 };
 
 // The weights of a forward: u, all panels transformed (transform_weights); or, where u is null,
-// g [3][3][c][k], each panel transformed into `panel` ([36][c][kPanel]) before its products,
-// so the transformed weights never leave the core's cache (they are 4x g's size).
+// the filters g, each panel transformed into `panel` ([36][c][kPanel]) before its products, so
+// the transformed weights never leave the core's cache (they are 4x g's size). Filters are laid
+// out by panel too: g [k / kPanel][3][3][c][kPanel].
 struct Weights {
   const float* u;
   const float* g;
@@ -53,7 +54,7 @@ using WeightGradient = void (*)(const void* x, long c, const void* gy, long k, c
                                 long first, long count, Scratch in, Scratch grad, bool accumulate,
                                 float* s);
 
-// u [out / kPanel][36][in][kPanel] = G g G^T of each filter of g [3][3][in][out].
+// u [out / kPanel][36][in][kPanel] = G g G^T of each filter of g [out / kPanel][3][3][in][kPanel].
 using TransformWeights = void (*)(const float* g, long in, long out, float* u);
 // g [out][3][3][in] (a convolution's channels-last weights) = G^T s G of each of s
 // [36][out][in]: the weight gradient.
