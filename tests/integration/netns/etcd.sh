@@ -4,9 +4,10 @@
 # during an elastic fit costs no regroup and no sample.
 #
 # Hosts 3, 4 and 5 each run an etcd member (Debian's etcd-server, v3 API); hosts 3 and 4 also run
-# a replica of `flotilla rendezvous --etcd` (heartbeat timeout 6 s: a 6 s lease, so a replica
-# steps down after 4.5 s without a confirmed renewal; with 4 s, a 5 s lease and 3.75 s, etcd's
-# election under make test's load once took 4.3 s and the serving replica stepped down). Hosts 0-2 run
+# a replica of `flotilla rendezvous --etcd` (heartbeat timeout 8 s: an 8 s lease, so a replica
+# steps down after 6 s without a confirmed renewal; under make test's load the serving replica
+# once went 4.3 s without one while etcd elected a new leader (with 4 s: a 5 s lease, 3.75 s),
+# and once 4.6 s (with 6 s: a 6 s lease, 4.5 s), and stepped down). Hosts 0-2 run
 # tests/multiworker/elastic_trainer (an elastic group of 3, 8 epochs of 10 global batches of 24
 # rows, 150 ms a step) with FLOTILLA_RENDEZVOUS=etcd://<the three members>/flit. One replica is
 # elected (it creates the job's key under its lease) and serves; the other stands by without
@@ -51,13 +52,14 @@ url="etcd://$endpoints/flit"
 log "etcd: 3 members healthy ($endpoints)"
 
 # start_replica H: a replica of `flotilla rendezvous --etcd` on host H (again, after a kill).
-# Heartbeat timeout 4 s: members must be back at a newly elected replica within it, and with
-# 2 s one run in about eight on this loaded 2-core VM had a worker rejoin 2 s after the others
-# (expelled: "did not come back within 2 s after the rendezvous restarted").
+# Its heartbeat timeout (8 s, above) is also the members': they must be back at a newly elected
+# replica within it, and with 2 s one run in about eight on this loaded 2-core VM had a worker
+# rejoin 2 s after the others (expelled: "did not come back within 2 s after the rendezvous
+# restarted").
 start_replica() {
   local h=$1
   ip netns exec "$(host_ns "$h")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
-    "$bin" rendezvous --listen "$(host_ip "$h"):$PORT" --workers 3 --heartbeat-timeout 6 \
+    "$bin" rendezvous --listen "$(host_ip "$h"):$PORT" --workers 3 --heartbeat-timeout 8 \
     --etcd "$url" >>"$tmp/replica$h.log" 2>&1 &
   replica_pid[$h]=$!
   pids+=($!)
