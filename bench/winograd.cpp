@@ -5,8 +5,9 @@
 // with FLOTILLA_WINOGRAD_KERNEL=none, and what PyTorch's twin runs; under autocast in bfloat16).
 // Shapes: ResNet-20's three stages and ResNet-18's four at IMAGES images (64: a worker's share of a
 // global batch of 128). Prints one JSON line per shape and part (forward; forward and the input's
-// gradient; forward and both gradients): the median milliseconds of each over REPEATS runs (after 3
-// untimed), and the ratio. Freed memory is kept, as `flotilla train` keeps it.
+// gradient; forward and the weight's gradient; forward and both gradients): the median
+// milliseconds of each over REPEATS runs (after 3 untimed), and the ratio. Freed memory is kept, as
+// `flotilla train` keeps it.
 #include <torch/torch.h>
 
 #include <cstdio>

@@ -24,8 +24,9 @@ using torch::autograd::variable_list;
 // ResNet-18's widest (512, its 4x4 stage), where they measured 2.2x oneDNN's direct convolution
 // in float32 and 1.1x its bfloat16 one (bench/winograd.cpp). None wider was measured.
 constexpr std::int64_t kMaxChannels = 512;
-constexpr std::int64_t kLanes = 16; // the channels: a multiple of either kernel's vector
-constexpr std::int64_t kPanel = winograd_kernels::kPanel;
+// Outputs a panel of transformed weights; the channel counts in and out must be multiples of it
+// (and so of either kernel's vector).
+constexpr std::int64_t kPanel = kernel::kPanel;
 constexpr int kPositions = kernel::kPositions;
 // Tile blocks whose weight gradients one partial sum holds: partial sums are added in order, so
 // the gradient is the same for any number of threads.
@@ -97,7 +98,7 @@ torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
     u = kept<0>(kPositions * in * out);
     k.transform_weights(gs, in, out, u);
   }
-  const std::int64_t panel_floats = all ? 0 : kPositions * in * kernel::kPanel;
+  const std::int64_t panel_floats = all ? 0 : kPositions * in * kPanel;
   const void* xs = x.const_data_ptr();
   void* ys = y.mutable_data_ptr();
   at::parallel_for(0, blocks, 1, [&](std::int64_t begin, std::int64_t end) {
@@ -227,14 +228,13 @@ torch::ScalarType activations_of(const torch::nn::Conv2dImpl& conv, const torch:
   const auto& o = conv.options;
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
   const torch::Tensor& w = conv.weight;
-
   const bool applies = choice().kernel() != nullptr && type != kNone && x.device().is_cpu() &&
                        x.dim() == 4 && w.scalar_type() == torch::kFloat && is(o.kernel_size(), 3) &&
                        is(o.stride(), 1) && padding != nullptr && is(*padding, 1) &&
                        is(o.dilation(), 1) && o.groups() == 1 && !o.transposed() && !o.bias() &&
                        std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
-                       x.size(1) == w.size(1) && x.size(1) % kLanes == 0 &&
-                       w.size(0) % kLanes == 0 && x.size(1) <= kMaxChannels &&
+                       x.size(1) == w.size(1) && x.size(1) % kPanel == 0 &&
+                       w.size(0) % kPanel == 0 && x.size(1) <= kMaxChannels &&
                        w.size(0) <= kMaxChannels && x.numel() > 0 &&
                        x.is_contiguous(torch::MemoryFormat::ChannelsLast);
   return applies ? type : kNone;
