@@ -51,7 +51,8 @@ CpuKernelChoice<kernel::Kernel>& choice() {
 // A buffer of at least `floats` that the calling thread keeps for its next call. The weight
 // gradient's partial sums (36 x in x out floats) pass 32 MB at 512 channels, beyond glibc's
 // largest heap block: allocated per call, they were mapped and zeroed by the kernel every time.
-// Which: 0 the transformed weights, 1 the partial sums, 2 a thread's blocks' scratch.
+// Which: 0 the transformed weights, 1 a thread's partial sum, 2 a thread's blocks' scratch, 3
+// the partial sums transformed back.
 template <int Which> float* kept(std::size_t floats) {
   thread_local std::vector<float> buffer;
   if (buffer.size() < floats) buffer.resize(floats);
@@ -59,23 +60,61 @@ template <int Which> float* kept(std::size_t floats) {
 }
 
 kernel::Images images_of(const torch::Tensor& x) {
-  const long h = x.size(2), w = x.size(3);
-  kernel::Images im{};
-  im.n = x.size(0);
-  im.h = h;
-  im.w = w;
-  im.tiles_h = (h + 3) / 4;
-  im.tiles_w = (w + 3) / 4;
-  im.bf16 = x.scalar_type() == torch::kBFloat16;
-  return im;
+  return {x.size(0), x.size(2), x.size(3), x.scalar_type() == torch::kBFloat16};
 }
 
-std::int64_t tiles_in(const kernel::Images& im) {
-  return im.n * im.tiles_h * im.tiles_w;
+// The tiles of one size (kernel::Part) over the images, and where their blocks and partial sums
+// fall among all parts'.
+struct Planned {
+  kernel::Part part;
+  std::int64_t tiles, blocks, first_block, sums, first_sum;
+  std::int64_t weights; // floats of the part's transformed weights or weight gradient sum
+};
+
+// The images' tiles by size: 4 x 4 outputs where 4 rows and 4 columns are left, and a last row
+// and column of tiles as deep as what is left of the side (3, or 2 where 2 or 1 is): 22
+// positions along a side of 14 where 4-deep tiles take 24. Each part in blocks of kBlockTiles.
+std::vector<Planned> plan_of(const kernel::Images& im, std::int64_t in, std::int64_t out) {
+  struct Band {
+    int size;
+    long first, count;
+  };
+  auto bands = [](long side) {
+    std::vector<Band> b;
+    if (side / 4 > 0) b.push_back({4, 0, side / 4});
+    if (side % 4 != 0)
+      b.push_back({static_cast<int>(std::max<long>(side % 4, 2)), side / 4 * 4, 1});
+    return b;
+  };
+  std::vector<Planned> plan;
+  std::int64_t blocks = 0, sums = 0;
+  for (const Band& r : bands(im.h)) {
+    for (const Band& c : bands(im.w)) {
+      Planned p{};
+      p.part = {r.size, c.size, r.first, c.first, r.count, c.count};
+      p.tiles = im.n * r.count * c.count;
+      p.blocks = (p.tiles + kBlockTiles - 1) / kBlockTiles;
+      p.first_block = blocks;
+      p.sums = (p.blocks + kBlocksPerSum - 1) / kBlocksPerSum;
+      p.first_sum = sums;
+      p.weights = p.part.positions() * in * out;
+      blocks += p.blocks;
+      sums += p.sums;
+      plan.push_back(p);
+    }
+  }
+  return plan;
 }
 
-// 36 positions of `tiles` tiles of `channels`, each position a little more than the last's end
-// apart (36 streams exactly 4 KiB apart would share the same cache sets).
+// The part that holds block (or partial sum) `i` of all parts'.
+const Planned& part_of(const std::vector<Planned>& plan, std::int64_t i, bool sum) {
+  std::size_t p = 0;
+  while (p + 1 < plan.size() && (sum ? plan[p + 1].first_sum : plan[p + 1].first_block) <= i) ++p;
+  return plan[p];
+}
+
+// kPositions positions of `tiles` tiles of `channels`, each position a little more than the
+// last's end apart (streams exactly 4 KiB apart would share the same cache sets).
 std::int64_t position_stride(std::int64_t tiles, std::int64_t channels) {
   return tiles * channels + 16;
 }
@@ -87,28 +126,39 @@ torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
   torch::Tensor y = torch::empty({x.size(0), out, x.size(2), x.size(3)},
                                  x.options().memory_format(torch::MemoryFormat::ChannelsLast));
   const kernel::Images im = images_of(x);
-  const std::int64_t tiles = tiles_in(im), block = kBlockTiles;
-  const std::int64_t blocks = (tiles + block - 1) / block;
+  const std::vector<Planned> plan = plan_of(im, in, out);
+  const std::int64_t block = kBlockTiles, blocks = plan.back().first_block + plan.back().blocks;
   const std::int64_t in_stride = position_stride(block, in),
                      out_stride = position_stride(block, out);
-  const bool all = in * out <= kMostWeightsTransformedFirst;
+  // A part of one block transforms its panels just before their products either way.
+  auto all = [&](const Planned& p) {
+    return in * out <= kMostWeightsTransformedFirst && p.blocks > 1;
+  };
   const float* gs = g.const_data_ptr<float>();
-  float* u = nullptr;
-  if (all) {
-    u = kept<0>(kPositions * in * out);
-    k.transform_weights(gs, in, out, u);
+  std::int64_t u_floats = 0;
+  for (const Planned& p : plan) u_floats += all(p) ? p.weights : 0;
+  float* u = u_floats > 0 ? kept<0>(u_floats) : nullptr;
+  std::vector<const float*> us;
+  for (const Planned& p : plan) {
+    us.push_back(all(p) ? u : nullptr);
+    if (all(p)) {
+      k.transform_weights(gs, in, out, p.part, u);
+      u += p.weights;
+    }
   }
-  const std::int64_t panel_floats = all ? 0 : kPositions * in * kPanel;
+  const std::int64_t panel_floats = kPositions * in * kPanel;
   const void* xs = x.const_data_ptr();
   void* ys = y.mutable_data_ptr();
   at::parallel_for(0, blocks, 1, [&](std::int64_t begin, std::int64_t end) {
     float* buffer = kept<2>(kPositions * (in_stride + out_stride) + panel_floats);
     const kernel::Scratch in_tiles{buffer, in_stride};
     const kernel::Scratch out_tiles{buffer + kPositions * in_stride, out_stride};
-    const kernel::Weights weights{u, gs, buffer + kPositions * (in_stride + out_stride)};
     for (std::int64_t b = begin; b < end; ++b) {
-      const std::int64_t first = b * block;
-      k.forward(xs, in, im, weights, out, first, std::min(block, tiles - first), in_tiles,
+      const Planned& p = part_of(plan, b, false);
+      const kernel::Weights weights{us[&p - plan.data()], gs,
+                                    buffer + kPositions * (in_stride + out_stride)};
+      const std::int64_t first = (b - p.first_block) * block;
+      k.forward(xs, in, im, p.part, weights, out, first, std::min(block, p.tiles - first), in_tiles,
                 out_tiles, ys);
     }
   });
@@ -120,36 +170,44 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
                                        const torch::Tensor& gy, const torch::Tensor& w) {
   const std::int64_t in = x.size(1), out = gy.size(1);
   const kernel::Images im = images_of(x);
-  const std::int64_t tiles = tiles_in(im), block = kBlockTiles;
-  const std::int64_t blocks = (tiles + block - 1) / block;
-  const std::int64_t sums = (blocks + kBlocksPerSum - 1) / kBlocksPerSum;
+  const std::vector<Planned> plan = plan_of(im, in, out);
+  const std::int64_t block = kBlockTiles, sums = plan.back().first_sum + plan.back().sums;
   const std::int64_t in_stride = position_stride(block, in),
                      grad_stride = position_stride(block, out);
-  const std::int64_t sum_floats = kPositions * in * out;
-  float* partial = kept<1>(sums * sum_floats);
+  // Each partial sum is transformed back as soon as it is complete, from a buffer its thread
+  // reuses (36 x in x out floats, 9.4 MB at 256 channels), into its own [out][3][3][in] (a
+  // quarter of that or less); those are added in order. (Keeping every part's sums until the end
+  // took 31.7 MB at 7x7 and 256 channels, past what stays in cache.)
+  torch::Tensor g =
+      torch::empty({out, in, 3, 3}, w.options().memory_format(torch::MemoryFormat::ChannelsLast));
+  const std::int64_t filter_floats = 9 * in * out;
+  float* gs = g.mutable_data_ptr<float>();
+  float* sum_filters = sums > 1 ? kept<3>(sums * filter_floats) : gs;
   const void* xs = x.const_data_ptr();
   const void* gys = gy.const_data_ptr();
   at::parallel_for(0, sums, 1, [&](std::int64_t begin, std::int64_t end) {
     float* buffer = kept<2>(kPositions * (in_stride + grad_stride));
     const kernel::Scratch in_tiles{buffer, in_stride};
     const kernel::Scratch grad_tiles{buffer + kPositions * in_stride, grad_stride};
+    float* sum = kept<1>(kPositions * in * out);
     for (std::int64_t s = begin; s < end; ++s) {
-      const std::int64_t first_block = s * kBlocksPerSum;
-      for (std::int64_t b = first_block; b < std::min(blocks, first_block + kBlocksPerSum); ++b) {
+      const Planned& p = part_of(plan, s, true);
+      const std::int64_t first_block = (s - p.first_sum) * kBlocksPerSum;
+      for (std::int64_t b = first_block; b < std::min(p.blocks, first_block + kBlocksPerSum); ++b) {
         const std::int64_t first = b * block;
-        k.weight_gradient(xs, in, gys, out, im, first, std::min(block, tiles - first), in_tiles,
-                          grad_tiles, b > first_block, partial + s * sum_floats);
+        k.weight_gradient(xs, in, gys, out, im, p.part, first, std::min(block, p.tiles - first),
+                          in_tiles, grad_tiles, b > first_block, sum);
       }
+      k.transform_back(sum, out, in, p.part, sum_filters + s * filter_floats);
     }
   });
-  // Partial sums in order, then G^T s G, as [3][3][in][out].
-  for (std::int64_t s = 1; s < sums; ++s) {
-    const float* add = partial + s * sum_floats;
-    for (std::int64_t i = 0; i < sum_floats; ++i) partial[i] += add[i];
+  if (sums > 1) {
+    std::memcpy(gs, sum_filters, filter_floats * sizeof(float));
+    for (std::int64_t s = 1; s < sums; ++s) {
+      const float* add = sum_filters + s * filter_floats;
+      for (std::int64_t i = 0; i < filter_floats; ++i) gs[i] += add[i];
+    }
   }
-  torch::Tensor g =
-      torch::empty({out, in, 3, 3}, w.options().memory_format(torch::MemoryFormat::ChannelsLast));
-  k.transform_back(partial, out, in, g.mutable_data_ptr<float>());
   return g.contiguous(w.suggest_memory_format());
 }
 

@@ -1,7 +1,10 @@
 // A ResNet's 3x3 convolutions (stride 1, padding 1, no bias) in fewer multiplications:
 // Winograd's F(4x4, 3x3) (Lavin and Gray, 2016) computes each 4x4 block of outputs from the 6x6
 // block of inputs around it in 36 products a channel pair instead of the direct convolution's
-// 144, at the price of transforms that cost a few additions an input and output value. On a CPU
+// 144, at the price of transforms that cost a few additions an input and output value. Where a
+// side is not a multiple of 4 the last row or column of tiles is as deep as what is left: F(3, 3)
+// (5 positions) or F(2, 3) (4) along that side, so no products are spent on outputs past the
+// edge (a 14x14 image takes 22 x 22 positions where 4x4 tiles alone take 24 x 24). On a CPU
 // with AVX-512 or AVX2, for channels-last input whose channel counts (in and out) are multiples
 // of 16, forward, the input's gradient (the same computation with the weights flipped and
 // transposed) and the weight's gradient run flotilla's kernels (winograd_kernel.h):
