@@ -539,7 +539,8 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
     } else {
       const bool bf16 = recipe.policy == train::Policy::kMixedBFloat16;
       line = std::string("the 3x3 ones of 16 to 512 channels, stride 1, as Winograd's F(4x4, "
-                         "3x3): 36 products per 16 outputs a channel pair instead of 144") +
+                         "3x3): 36 products per 16 outputs a channel pair instead of 144; a "
+                         "side's last tiles F(3, 3) or F(2, 3) where fewer than 4 are left") +
              (bf16 ? ", bfloat16 activations in and out, float32 weights and arithmetic" : "") +
              " (" + kernel + " kernel; FLOTILLA_WINOGRAD_KERNEL=none runs " + direct + ")";
     }
