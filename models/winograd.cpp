@@ -52,7 +52,7 @@ CpuKernelChoice<kernel::Kernel>& choice() {
 // gradient's partial sums (36 x in x out floats) pass 32 MB at 512 channels, beyond glibc's
 // largest heap block: allocated per call, they were mapped and zeroed by the kernel every time.
 // Which: 0 the transformed weights, 1 a thread's partial sum, 2 a thread's blocks' scratch, 3
-// the partial sums transformed back.
+// the partial sums transformed back, 4 the filters by panel.
 template <int Which> float* kept(std::size_t floats) {
   thread_local std::vector<float> buffer;
   if (buffer.size() < floats) buffer.resize(floats);
@@ -69,6 +69,7 @@ struct Planned {
   kernel::Part part;
   std::int64_t tiles, blocks, first_block, sums, first_sum;
   std::int64_t weights; // floats of the part's transformed weights or weight gradient sum
+  const float* u;       // a forward's transformed weights, where they are transformed first
 };
 
 // The images' tiles by size: 4 x 4 outputs where 4 rows and 4 columns are left, and a last row
@@ -119,30 +120,27 @@ std::int64_t position_stride(std::int64_t tiles, std::int64_t channels) {
   return tiles * channels + 16;
 }
 
-// y [n][out][h][w] (channels-last) of x (channels-last) and the filters g (panels_of).
-torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
-                               const torch::Tensor& g) {
-  const std::int64_t in = x.size(1), out = g.size(0) * kPanel;
+// y [n][out][h][w] (channels-last) of x (channels-last) and the filters g of `out` outputs
+// (panels_of).
+torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x, const float* g,
+                               std::int64_t out) {
+  const std::int64_t in = x.size(1);
   torch::Tensor y = torch::empty({x.size(0), out, x.size(2), x.size(3)},
                                  x.options().memory_format(torch::MemoryFormat::ChannelsLast));
   const kernel::Images im = images_of(x);
-  const std::vector<Planned> plan = plan_of(im, in, out);
+  std::vector<Planned> plan = plan_of(im, in, out);
   const std::int64_t block = kBlockTiles, blocks = plan.back().first_block + plan.back().blocks;
   const std::int64_t in_stride = position_stride(block, in),
                      out_stride = position_stride(block, out);
   // A part of one block transforms its panels just before their products either way.
-  auto all = [&](const Planned& p) {
-    return in * out <= kMostWeightsTransformedFirst && p.blocks > 1;
-  };
-  const float* gs = g.const_data_ptr<float>();
+  const bool small = in * out <= kMostWeightsTransformedFirst;
   std::int64_t u_floats = 0;
-  for (const Planned& p : plan) u_floats += all(p) ? p.weights : 0;
+  for (const Planned& p : plan) u_floats += small && p.blocks > 1 ? p.weights : 0;
   float* u = u_floats > 0 ? kept<0>(u_floats) : nullptr;
-  std::vector<const float*> us;
-  for (const Planned& p : plan) {
-    us.push_back(all(p) ? u : nullptr);
-    if (all(p)) {
-      k.transform_weights(gs, in, out, p.part, u);
+  for (Planned& p : plan) {
+    if (small && p.blocks > 1) {
+      k.transform_weights(g, in, out, p.part, u);
+      p.u = u;
       u += p.weights;
     }
   }
@@ -155,8 +153,7 @@ torch::Tensor winograd_forward(const kernel::Kernel& k, const torch::Tensor& x,
     const kernel::Scratch out_tiles{buffer + kPositions * in_stride, out_stride};
     for (std::int64_t b = begin; b < end; ++b) {
       const Planned& p = part_of(plan, b, false);
-      const kernel::Weights weights{us[&p - plan.data()], gs,
-                                    buffer + kPositions * (in_stride + out_stride)};
+      const kernel::Weights weights{p.u, g, buffer + kPositions * (in_stride + out_stride)};
       const std::int64_t first = (b - p.first_block) * block;
       k.forward(xs, in, im, p.part, weights, out, first, std::min(block, p.tiles - first), in_tiles,
                 out_tiles, ys);
@@ -214,14 +211,13 @@ torch::Tensor winograd_weight_gradient(const kernel::Kernel& k, const torch::Ten
 // The filters of a forward by panels of 16 outputs, [out / 16][3][3][in][16], from a
 // convolution's weights w [out][in][3][3]; `transposed`, those of its input's gradient: w flipped,
 // with in and out swapped. (A permute and copy of 512x512x3x3 channels-last weights to
-// [3][3][in][out] took 5.4 ms.)
-torch::Tensor panels_of(const torch::Tensor& w, bool transposed) {
+// [3][3][in][out] took 5.4 ms.) In a buffer the calling thread keeps, valid until its next call.
+const float* panels_of(const torch::Tensor& w, bool transposed) {
   const torch::Tensor nhwc = w.contiguous(torch::MemoryFormat::ChannelsLast); // [out][3][3][in]
   const std::int64_t out = w.size(0), in = w.size(1);
   const std::int64_t rows = transposed ? out : in, panels = (transposed ? in : out) / kPanel;
-  torch::Tensor g = torch::empty({panels, 9, rows, kPanel}, w.options());
   const float* from = nhwc.const_data_ptr<float>();
-  float* to = g.mutable_data_ptr<float>();
+  float* to = kept<4>(panels * 9 * rows * kPanel);
   for (std::int64_t p = 0; p < panels; ++p) {
     for (std::int64_t f = 0; f < 9; ++f) {
       for (std::int64_t r = 0; r < rows; ++r) {
@@ -236,7 +232,7 @@ torch::Tensor panels_of(const torch::Tensor& w, bool transposed) {
       }
     }
   }
-  return g;
+  return to;
 }
 
 // t as `type`, channels-last (itself where it is).
@@ -250,7 +246,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
                                const torch::Tensor& w) {
     ctx->save_for_backward({x, w});
     const kernel::Kernel& k = *choice().kernel();
-    return winograd_forward(k, x, panels_of(w, false));
+    return winograd_forward(k, x, panels_of(w, false), w.size(0));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -260,7 +256,7 @@ class WinogradConvFunction : public torch::autograd::Function<WinogradConvFuncti
     torch::Tensor gx, gw;
     if (ctx->needs_input_grad(0)) {
       // The input's gradient is the convolution of gy with the weights flipped and transposed.
-      gx = winograd_forward(k, gy, panels_of(w, true));
+      gx = winograd_forward(k, gy, panels_of(w, true), w.size(1));
     }
     if (ctx->needs_input_grad(1)) gw = winograd_weight_gradient(k, x, gy, w);
     return {gx, gw};
