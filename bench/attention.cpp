@@ -1,6 +1,6 @@
 // `build/bench_attention [REPEATS=15] [IMAGES=64] | bench/machine.sh --tag`: one ViT-tiny block's
 // attention (3 heads of 64 over 50 tokens), forward and backward, one thread: flotilla's
-// models::attention against ATen's math attention (_scaled_dot_product_attention_math, which
+// kernels::attention against ATen's math attention (_scaled_dot_product_attention_math, which
 // computes bfloat16 inputs in float32) and scaled_dot_product_attention (flash attention for the
 // CPU), each from the QKV projection's output to [N, L, 192]. bfloat16 under bf16 autocast, as
 // in training. Prints one JSON line per dtype: the median milliseconds over REPEATS runs (after
@@ -13,11 +13,13 @@
 
 #include "timing.h"
 #include "flotilla/train/mixed_precision.h"
-#include "models/attention.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/attention.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
+  flotilla::kernels::set_mode(flotilla::kernels::Mode::kFixed); // each kernel, not a measured choice
   const auto [repeats, n] = flotilla::bench::layer_bench(argc, argv, 64, true);
   const std::int64_t l = 50, h = 3, d = 64;
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
@@ -37,7 +39,7 @@ int main(int argc, char** argv) {
     const auto arranged = [&](const torch::Tensor& out) {
       return out.transpose(1, 2).reshape({n, l, h * d});
     };
-    const double ours = time(flotilla::models::attention);
+    const double ours = time(flotilla::kernels::attention);
     const double math = time([&](const auto& q, const auto& k, const auto& v) {
       return arranged(std::get<0>(at::_scaled_dot_product_attention_math(q, k, v)));
     });

@@ -1,6 +1,6 @@
 // `build/bench_dropout [REPEATS=15] [IMAGES=64] | bench/machine.sh --tag`: ViT-tiny's dropout
 // (p = 0.1), training, forward and backward, one thread: flotilla's hash_dropout
-// (models/dropout.h) against torch::dropout (what it runs with FLOTILLA_DROPOUT_KERNEL=none,
+// (flotilla/kernels/dropout.h) against torch::dropout (what it runs with FLOTILLA_DROPOUT_KERNEL=none,
 // and what PyTorch's twin runs); then the MLP's GELU and dropout: gelu_dropout against GELU
 // then either dropout. Shapes: the MLP's hidden layer and the residual stream at
 // IMAGES images of 50 tokens (64: a worker's share of a global batch of 128). Prints one JSON
@@ -15,28 +15,30 @@
 #include <vector>
 
 #include "timing.h"
-#include "models/dropout.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/dropout.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
-  namespace models = flotilla::models;
+  namespace kernels = flotilla::kernels;
+  flotilla::kernels::set_mode(flotilla::kernels::Mode::kFixed); // each kernel, not a measured choice
   const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 64, true);
-  const std::string best = models::dropout_kernel();
+  const std::string best = kernels::dropout_kernel();
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     for (const std::int64_t width : {768, 192}) {
       const std::vector<std::int64_t> shape = {images, 50, width};
       const torch::Tensor x = torch::randn(shape).to(dtype).requires_grad_();
       const torch::Tensor grad = torch::randn(shape).to(dtype);
       auto step = [&] {
-        const torch::Tensor y = models::hash_dropout(x, 0.1, true);
+        const torch::Tensor y = kernels::hash_dropout(x, 0.1, true);
         torch::autograd::grad({y}, {x}, {grad});
       };
-      models::use_dropout_kernel(best);
+      kernels::use_dropout_kernel(best);
       const double hashed = median_ms(repeats, step);
-      models::use_dropout_kernel("none");
+      kernels::use_dropout_kernel("none");
       const double aten = median_ms(repeats, step);
-      models::use_dropout_kernel(best);
+      kernels::use_dropout_kernel(best);
       std::printf("{\"bench\":\"dropout\",\"dtype\":\"%s\",\"shape\":[%lld,50,%lld],\"p\":0.1,"
                   "\"threads\":1,\"repeats\":%d,\"metric\":\"forward_backward_ms\","
                   "\"kernel\":\"%s\",\"hashed\":%.3f,\"aten\":%.3f,\"ratio\":%.3f}\n",
@@ -54,12 +56,12 @@ int main(int argc, char** argv) {
     auto run = [&](auto layer) {
       return median_ms(repeats, [&] { torch::autograd::grad({layer()}, {x}, {grad}); });
     };
-    models::use_dropout_kernel(best);
-    const double fused = run([&] { return models::gelu_dropout(x, 0.1, true); });
-    const double hashed = run([&] { return models::hash_dropout(torch::gelu(x), 0.1, true); });
-    models::use_dropout_kernel("none");
-    const double aten = run([&] { return models::hash_dropout(torch::gelu(x), 0.1, true); });
-    models::use_dropout_kernel(best);
+    kernels::use_dropout_kernel(best);
+    const double fused = run([&] { return kernels::gelu_dropout(x, 0.1, true); });
+    const double hashed = run([&] { return kernels::hash_dropout(torch::gelu(x), 0.1, true); });
+    kernels::use_dropout_kernel("none");
+    const double aten = run([&] { return kernels::hash_dropout(torch::gelu(x), 0.1, true); });
+    kernels::use_dropout_kernel(best);
     std::printf("{\"bench\":\"gelu_dropout\",\"dtype\":\"%s\",\"shape\":[%lld,50,768],\"p\":0.1,"
                 "\"threads\":1,\"repeats\":%d,\"metric\":\"forward_backward_ms\","
                 "\"kernel\":\"%s\",\"fused\":%.3f,\"aten_gelu_then_hashed\":%.3f,"

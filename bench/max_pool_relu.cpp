@@ -6,7 +6,7 @@
 // (a worker's share of a global batch of 512). Prints one JSON line per dtype and shape: the median
 // milliseconds of each over REPEATS runs (after 3 untimed), and the ratios.
 // Then the CNN's first layer (3x3 convolution of one-channel images, ReLU, max-pool 2): flotilla's
-// ConvMaxPool2ReLU (models/conv_pool_relu.h) with its kernel, against ATen's conv2d then
+// ConvMaxPool2ReLU (flotilla/kernels/conv_pool_relu.h) with its kernel, against ATen's conv2d then
 // MaxPool2ReLU (that layer without its kernel: FLOTILLA_CONV_POOL_KERNEL=none) and ATen's
 // conv2d, max-pool, ReLU; forward and the weights' backward, float32 and under bf16 autocast.
 #include <ATen/autocast_mode.h>
@@ -19,15 +19,17 @@
 #include <vector>
 
 #include "timing.h"
-#include "models/conv_pool_relu.h"
-#include "models/max_pool_relu.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/conv_pool_relu.h"
+#include "flotilla/kernels/max_pool_relu.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
+  flotilla::kernels::set_mode(flotilla::kernels::Mode::kFixed); // each kernel, not a measured choice
   const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 256, false);
   using Layer = std::function<torch::Tensor(const torch::Tensor&)>;
-  const Layer fused = [](const torch::Tensor& x) { return flotilla::models::max_pool2_relu(x); };
+  const Layer fused = [](const torch::Tensor& x) { return flotilla::kernels::max_pool2_relu(x); };
   const Layer pool_relu = [](const torch::Tensor& x) {
     return torch::relu(torch::max_pool2d(x, 2));
   };
@@ -66,8 +68,8 @@ int main(int argc, char** argv) {
     return torch::empty_strided(s, {s[1] * s[2] * s[3], 1, s[3] * s[1], s[1]}, t.options())
         .copy_(t);
   };
-  const std::string best = flotilla::models::conv_max_pool2_relu_kernel();
-  flotilla::models::ConvMaxPool2ReLU layer(32);
+  const std::string best = flotilla::kernels::conv_max_pool2_relu_kernel();
+  flotilla::kernels::ConvMaxPool2ReLU layer(32);
   layer->weight.set_data(nhwc(layer->weight.detach()));
   const torch::Tensor batch = nhwc(torch::randn({images, 1, 28, 28}));
   const torch::Tensor grad =
@@ -87,11 +89,11 @@ int main(int argc, char** argv) {
         layer->bias.mutable_grad().reset();
       });
     };
-    flotilla::models::use_conv_max_pool2_relu_kernel(best);
+    flotilla::kernels::use_conv_max_pool2_relu_kernel(best);
     const double fused = time([&] { return layer->forward(batch); });
-    flotilla::models::use_conv_max_pool2_relu_kernel("none");
+    flotilla::kernels::use_conv_max_pool2_relu_kernel("none");
     const double unfused = time([&] { return layer->forward(batch); });
-    flotilla::models::use_conv_max_pool2_relu_kernel(best);
+    flotilla::kernels::use_conv_max_pool2_relu_kernel(best);
     const double aten = time([&] {
       return torch::relu(
           torch::max_pool2d(torch::conv2d(batch, layer->weight, layer->bias, 1, 1), 2));

@@ -13,7 +13,10 @@
 #                      keeping freed blocks (GLIBC_TUNABLES: the settings flotilla's
 #                      --freed-memory keep makes with mallopt), and the CNN's max-pools before
 #                      their ReLUs (the same values, as flotilla's MaxPool2ReLU computes them)
-#   Both all-reduce over Gloo's TCP ring: PyTorch has no other backend for CPU tensors.
+#   pytorch-ddp-compile  DDP at its best under torch.compile (Inductor's CPU code generation):
+#                      PyTorch's best on the CPU; its compilation falls in the untimed warm-up,
+#                      whose seconds its line gives apart ("compile_seconds_in_warmup")
+#   All all-reduce over Gloo's TCP ring: PyTorch has no other backend for CPU tensors.
 #   flotilla's workers, all on this host, all-reduce through shared memory (its default;
 #   the "all_reduce" field says which ran).
 #   tf-mwms            Keras' defaults (NHWC: Keras' only CPU layout); also its fastest here:
@@ -24,8 +27,9 @@
 #                      are not yet implemented for CPU devices when compiling with XLA", TF
 #                      2.21); not in the default PEERS, its note printed when asked for
 # flotilla runs as its users get it: its defaults (channels-last for models with 2-D
-# convolutions; the ResNets' 3x3 convolutions as Winograd's, models/winograd.h, which its lines'
-# "convolutions" field names). Every line names each side's precision and memory format.
+# convolutions; the compile step, with flotilla's kernels where they measure faster on this CPU:
+# its lines' "kernels" field says what ran). Every line names each side's precision and memory
+# format.
 #
 # Each run trains S untimed warm-up steps, then times S steps on worker 0 between syncs
 # (flotilla: its second epoch of --steps-per-epoch S; DDP: barriers; TF: fit's second epoch,
@@ -44,7 +48,11 @@
 # The TF peer uses tf-keras (Keras 2): Keras 3's fit fails under MWMS (keras-team/keras#20585).
 #
 # Usage: bench/peers.sh [RUNS=5]
-#   env: MODELS="cnn resnet20 resnet18 vit-tiny" (also mlp, mlp-wide)  BATCHES="128 512" (global)
+#   env: MODELS="cnn resnet20 resnet18 vit-tiny" (also mlp, mlp-wide, and models nobody here
+#          wrote: tv-resnet18, tv-mobilenetv2, torchvision's made for 28x28 images
+#          (bench/peers/common.py), which flotilla trains from a file scripted with
+#          torch.jit.script, DDP as nn.Modules, and TF not at all; bench/setup_torchvision.sh
+#          installs torchvision once)  BATCHES="128 512" (global)
 #        PRECISIONS="float32 mixed_bfloat16" (mixed_bfloat16 only on CPUs with AVX512-BF16/AMX)
 #        STEPS=S (all configurations)
 #        FLOTILLA=build/flotilla  PYTHON=.venv/bin/python  TIMEOUT=600 (seconds, per process)
@@ -52,8 +60,10 @@
 #        BASELINE=path/to/another/flotilla: that build too, alternating with FLOTILLA in the same
 #          runs ("system":"flotilla-baseline"), with the ratio flotilla/baseline: a change's
 #          before and after in one sitting
-#        PEERS="pytorch-ddp pytorch-ddp-best tf-mwms" (also tf-mwms-xla; PEERS= runs flotilla
-#          alone)
+#        PEERS="pytorch-ddp pytorch-ddp-best tf-mwms" (also pytorch-ddp-compile, tf-mwms-xla,
+#          and flotilla itself with one choice changed: flotilla-no-compile (--no-jit-compile,
+#          the model as written), flotilla-fixed (--kernels fixed), flotilla-none (--kernels
+#          none); PEERS= runs flotilla alone)
 #        FLOTILLA_ARGS="..." more flags for flotilla train (e.g. --channels-last off)
 #        CONVS=1: first, a line per convolutional model and batch: its convolutions' training
 #          time per step alone (bench/peers/utilisation.py convs), each precision
@@ -121,7 +131,11 @@ steps_for() {  # model, global batch
     vit-tiny:512) echo 5 ;;
     resnet18:128) echo 4 ;;
     resnet18:512) echo 2 ;;
-    *) fail "unknown model $1 (use mlp, mlp-wide, cnn, resnet20, vit-tiny, resnet18)" ;;
+    tv-resnet18:128) echo 4 ;;
+    tv-resnet18:512) echo 2 ;;
+    tv-mobilenetv2:128) echo 6 ;;
+    tv-mobilenetv2:512) echo 3 ;;
+    *) fail "unknown model $1 (use mlp, mlp-wide, cnn, resnet20, vit-tiny, resnet18, tv-resnet18, tv-mobilenetv2)" ;;
   esac
 }
 
@@ -169,14 +183,18 @@ wait_all() {  # label, pids...
   done
 }
 
-run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samples/s on stdout
-  local model=$1 batch=$2 steps=$3 precision=$5 binary=${6:-$FLOTILLA} name=flotilla${6:+-baseline}
+run_flotilla() {  # model, global batch, steps, run, precision[, binary[, name, flags...]] -> samples/s
+  local model=$1 batch=$2 steps=$3 precision=$5 binary=${6:-$FLOTILLA} name=${7:-flotilla${6:+-baseline}}
+  local extra=("${@:8}")
   local log="$tmp/$name-$1-$2-$5-$4.log" metrics="$tmp/$name-$1-$2-$5-$4.json"
+  # A torchvision model trains from the TorchScript file scripted from it (as its users would).
+  local model_arg=$model
+  case $model in tv-*) model_arg="$tmp/$model.pt" ;; esac
   # shellcheck disable=SC2206
-  local cmd=("$binary" launch --workers "$WORKERS" -- flotilla train --model "$model"
+  local cmd=("$binary" launch --workers "$WORKERS" -- flotilla train --model "$model_arg"
     --data-dir "$DATA_DIR" --batch-per-replica $((batch / WORKERS)) --steps-per-epoch "$steps"
     --epochs 2 --lr 0.04 --momentum 0.9 --metrics-json "$metrics" --verbose 0
-    --precision "$precision" $FLOTILLA_ARGS)
+    --precision "$precision" $FLOTILLA_ARGS "${extra[@]+"${extra[@]}"}")
   for _ in $(seq 30); do [ -x "$binary" ] && break; sleep 2; done  # may be being relinked
   start "$log" env -u OMP_NUM_THREADS "${cmd[@]}"
   wait_all "${cmd[*]}" "$started"
@@ -190,28 +208,13 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary] -> samp
   else
     echo released >"$tmp/freed-$name-$model"
   fi
-  # The CNN's first layer, as the recipe names it (builds before ConvMaxPool2ReLU name none).
-  local first
-  first=$(sed -n 's/.*recipe: first layer: \([^(]*\)(\([a-z0-9]*\) kernel.*/\1(\2)/p; s/.*recipe: first layer: \(conv2d, then ReLU and max-pool fused\).*/\1/p' "$log" | head -n 1)
-  echo "$first" >"$tmp/first-$name-$model"
-  # A ResNet's BatchNorms, as the recipe names them (builds before batch_norm_relu name none).
-  local norm
-  norm=$(sed -n 's/.*recipe: batch norm: BatchNorm and ReLU.* fused in the residual blocks (\([a-z0-9]*\) kernel.*/BatchNorm, ReLU and the residual add fused (\1)/p; s/.*recipe: batch norm: ATen.*/ATen'"'"'s BatchNorm, add and ReLU/p' "$log" | head -n 1)
-  echo "$norm" >"$tmp/norm-$name-$model"
-  # A ResNet's 3x3 convolutions, as the recipe names them (builds before Winograd's name none).
-  sed -n 's/.*recipe: convolutions: the 3x3 ones.*Winograd.s F(4x4, 3x3).* (\([a-z0-9]*\) kernel.*/3x3 as Winograd F(4x4,3x3) (\1)/p; s/.*recipe: convolutions: oneDNN.s direct.*/oneDNN direct/p' "$log" | head -n 1 >"$tmp/conv-$name-$model"
+  # What the compile step rewrote, and what ran for each kind of layer with its measured ratio
+  # (its "recipe: <layer>: flotilla's at N of M shape(s) ..." lines), joined by "; ".
+  { sed -n "s/.*recipe: compile step: \(.*\)$/compile step: \1/p" "$log"
+    sed -n "s/.*recipe: \([^:]*\): flotilla's at \(.*\)$/\1: flotilla's at \2/p" "$log"
+  } | paste -sd '|' | sed 's/|/; /g' >"$tmp/kernels-$name-$model"
   # How its gradients crossed the workers (builds before shared memory name none).
   sed -n 's/.*gradients: .*, all-reduce over \(.*\)$/\1/p' "$log" | head -n 1 >"$tmp/allreduce-$name-$model"
-  # ViT-tiny's dropout, as the recipe names it; the builds that fuse the MLP's GELU with it
-  # (they say so) run models::attention, the ones before ATen's math attention.
-  local drop
-  drop=$(sed -n 's/.*recipe: dropout: hashed masks.*GELU in the same pass (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way, the MLP'"'"'s GELU fused (\1)/p; t; s/.*recipe: dropout: hashed masks.* (\([a-z0-9]*\) kernel.*/hashed masks, one pass each way (\1)/p; s/.*recipe: dropout: ATen.*/ATen (Bernoulli mask)/p' "$log" | head -n 1)
-  echo "$drop" >"$tmp/dropout-$name-$model"
-  if grep -q "recipe: dropout: .*GELU in the same pass" "$log"; then
-    echo "bmm, softmax, bmm in the inputs' type (models/attention.h)" >"$tmp/attention-$name-$model"
-  else
-    echo "math" >"$tmp/attention-$name-$model"
-  fi
   if grep -q 'recipe: memory format: channels-last' "$log"; then
     echo channels_last >"$tmp/format-$name-$model"
   else
@@ -228,18 +231,21 @@ peer_result() {  # system, short name, rank 0's log, command -> samples/s; versi
   json_number samples_per_s <<<"$line"
 }
 
-run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc[, order[, attention]]]
-  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-$4" port rank pids=() tunables=()
+run_ddp() {  # model, global batch, steps, run, precision, layout, optimizer[, malloc[, order[, attention[, compile]]]]
+  local model=$1 batch=$2 steps=$3 log="$tmp/ddp-$1-$2-$5-$6-${11:-eager}-$4" port rank pids=() tunables=()
   port=$(free_ports 1)
   [ "${8:-}" = keep ] && tunables=("$KEEP_FREED")
   local cmd=("$PYTHON" bench/peers/ddp_train.py "$model" "$batch" "$steps" "$THREADS" "$DATA_DIR"
-    "$5" "$6" "$7" "${9:-relu-pool}" "${10:-default}")
+    "$5" "$6" "$7" "${9:-relu-pool}" "${10:-default}" "${11:-eager}")
   for rank in $(seq 0 $((WORKERS - 1))); do
-    start "$log.$rank.log" env "${tunables[@]}" OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 \
+    start "$log.$rank.log" env "${tunables[@]}" PYTHONPATH="$TORCHVISION_PATH" \
+      OMP_NUM_THREADS="$THREADS" MASTER_ADDR=127.0.0.1 \
       MASTER_PORT="$port" RANK="$rank" WORLD_SIZE="$WORKERS" GLOO_SOCKET_IFNAME=lo "${cmd[@]}"
     pids+=("$started")
   done
   wait_all "${cmd[*]}" "${pids[@]}"
+  # torch.compile's compilation fell in the untimed warm-up: its length, apart.
+  sed -n 's/.*"warmup_seconds": \([0-9.]*\).*/\1/p' "$log.0.log" >>"$tmp/warmup-$model-$batch-$5-${11:-eager}"
   peer_result pytorch-ddp ddp "$log.0.log" "${cmd[*]}"
 }
 
@@ -285,6 +291,21 @@ if ! compgen -G "bench/.venv-tf/lib/python3*/site-packages/tf_keras-${TF_KERAS_V
   bench/.venv-tf/bin/pip install --quiet "tf-keras==${TF_KERAS_VERSION}" >&2 ||
     fail "pip install tf-keras==${TF_KERAS_VERSION} into bench/.venv-tf"
 fi
+TORCHVISION_PATH=
+case " $MODELS " in
+  *" tv-"*)
+    bench/setup_torchvision.sh >&2 || fail "bench/setup_torchvision.sh"
+    TORCHVISION_PATH=$PWD/bench/.torchvision
+    for model in $MODELS; do
+      case $model in tv-*) ;; *) continue ;; esac
+      # The same seed as the DDP peer's model (every side starts from the same weights).
+      (cd bench/peers && PYTHONPATH="$TORCHVISION_PATH" "../../$PYTHON" -c '
+import sys, torch, common
+torch.manual_seed(common.SEED)
+torch.jit.script(common.make_torch_model(sys.argv[1])).save(sys.argv[2])' "$model" "$tmp/$model.pt") ||
+        fail "scripting $model"
+    done ;;
+esac
 for model in $MODELS; do
   for batch in $BATCHES; do
     steps=$(steps_for "$model" "$batch")
@@ -298,7 +319,7 @@ done
 # thread's matmul peak at each precision (measured now, on this machine).
 declare -A flops=()
 for model in $MODELS; do
-  flops[$model]=$(cd bench/peers && "../../$PYTHON" utilisation.py flops "$model" | json_number train_flops_per_sample)
+  flops[$model]=$(cd bench/peers && PYTHONPATH="$TORCHVISION_PATH" "../../$PYTHON" utilisation.py flops "$model" | json_number train_flops_per_sample)
 done
 peak_line=$(cd bench/peers && OMP_NUM_THREADS=1 "../../$PYTHON" utilisation.py peak)
 peak_float32=$(sed 's/.*"float32": *\([0-9.]*\).*/\1/' <<<"$peak_line")
@@ -333,27 +354,20 @@ settings_of() {  # system, model, precision -> JSON fields
   local format=nchw
   case "$1" in
     flotilla*) format=$(cat "$tmp/format-$1-$2" 2>/dev/null || echo nchw)
+      case $1 in
+        flotilla-no-compile) printf '"jit_compile":false,' ;;
+        flotilla-fixed) printf '"kernels_mode":"fixed",' ;;
+        flotilla-none) printf '"kernels_mode":"none",' ;;
+      esac
       printf '"precision":"%s","memory_format":"%s","optimizer":"SGD (LibTorch)","freed_memory":"%s"' \
         "$3" "$format" "$(cat "$tmp/freed-$1-$2" 2>/dev/null || echo released)"
-      # The CNN pools before ReLU in one kernel (models/max_pool_relu.h), and its first layer
-      # is the one its recipe names (models/conv_pool_relu.h), in the builds that say so.
-      local first
-      first=$(cat "$tmp/first-$1-$2" 2>/dev/null || true)
-      [ -z "$first" ] || printf ',"relu_pool_order":"pool-relu fused","first_layer":"%s"' "$first"
-      local norm
-      norm=$(cat "$tmp/norm-$1-$2" 2>/dev/null || true)
-      [ -z "$norm" ] || printf ',"batch_norm":"%s"' "$norm"
-      local convs
-      convs=$(cat "$tmp/conv-$1-$2" 2>/dev/null || true)
-      [ -z "$convs" ] || printf ',"convolutions":"%s"' "$convs"
       local over
       over=$(cat "$tmp/allreduce-$1-$2" 2>/dev/null || true)
-      printf ',"all_reduce":"%s"' "${over:-gloo}"
-      local drop
-      drop=$(cat "$tmp/dropout-$1-$2" 2>/dev/null || true)
-      [ -z "$drop" ] || printf ',"attention":"%s","dropout":"%s"' \
-        "$(cat "$tmp/attention-$1-$2")" "$drop" ;;
+      printf ',"all_reduce":"%s","kernels":"%s"' "${over:-gloo}" \
+        "$(cat "$tmp/kernels-$1-$2" 2>/dev/null || true)" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)","all_reduce":"gloo"' "$3" ;;
+    pytorch-ddp-compile) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept","all_reduce":"gloo","torch_compile":"inductor","compile_seconds_in_warmup":%s' "$3" \
+        "$(median "$tmp/warmup-$2-$batch-$3-inductor")" ;;
     pytorch-ddp-best) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept","all_reduce":"gloo"' "$3"
       [ "$2" != cnn ] || printf ',"relu_pool_order":"pool-relu"'
       local attention
@@ -378,8 +392,19 @@ for run in $(seq "$RUNS"); do
             >>"$tmp/flotilla-baseline-$key"
         fi
         for peer in $PEERS; do
+          # TF has no twin of torchvision's models here.
+          case $peer:$model in tf-mwms*:tv-*) continue ;; esac
           case $peer in
             pytorch-ddp) run_ddp "$model" "$batch" "$steps" "$run" "$precision" nchw default ;;
+            pytorch-ddp-compile)
+              run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep \
+                pool-relu "$(ddp_best_attention "$precision")" inductor ;;
+            flotilla-no-compile)
+              run_flotilla "$model" "$batch" "$steps" "$run" "$precision" "$FLOTILLA" "$peer" --no-jit-compile ;;
+            flotilla-fixed)
+              run_flotilla "$model" "$batch" "$steps" "$run" "$precision" "$FLOTILLA" "$peer" --kernels fixed ;;
+            flotilla-none)
+              run_flotilla "$model" "$batch" "$steps" "$run" "$precision" "$FLOTILLA" "$peer" --kernels none ;;
             pytorch-ddp-best)
               run_ddp "$model" "$batch" "$steps" "$run" "$precision" channels_last fused keep \
                 pool-relu "$(ddp_best_attention "$precision")" ;;
@@ -407,11 +432,13 @@ for precision in $PRECISIONS; do
       key="$model-$batch-$precision"
       declare -A value=()
       for system in "${systems[@]}"; do
+        [ -f "$tmp/$system-$key" ] || continue # a peer that has no twin of the model
         value[$system]=$(median "$tmp/$system-$key")
         [ -n "${value[$system]}" ] || continue  # XLA did not run
         case $system in
           flotilla) version=$flotilla_version ;;
           flotilla-baseline) version=$("$BASELINE" --version | awk '{print $NF}') ;;
+          flotilla-*) version=$flotilla_version ;;
           pytorch-ddp*) version=$(cat "$tmp/version-ddp") ;;
           tf-mwms*) version=$(cat "$tmp/version-tf") ;;
         esac
@@ -424,7 +451,7 @@ for precision in $PRECISIONS; do
           "$utilisation" "$version" "$machine"
       done
       for system in "${systems[@]:1}"; do
-        [ -n "${value[$system]}" ] || continue
+        [ -n "${value[$system]:-}" ] || continue
         read -r lo hi < <(paste "$tmp/flotilla-$key" "$tmp/$system-$key" |
           awk '$2 > 0 {r = $1 / $2; if (lo == "" || r < lo) lo = r; if (r > hi) hi = r} END {printf "%.3f %.3f\n", lo, hi}')
         printf '{"bench":"peers","model":"%s","global_batch":%d,"metric":"samples_per_s","ratio":%.3f,"of":"flotilla/%s","runs_ratio_min":%s,"runs_ratio_max":%s,"flotilla":{%s},"peer":{%s},"machine":%s}\n' \

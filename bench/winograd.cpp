@@ -1,7 +1,7 @@
 // `build/bench_winograd [REPEATS=15] [IMAGES=64] | bench/machine.sh --tag`: a ResNet's 3x3
 // convolutions (stride 1, padding 1, no bias), channels-last, one thread, in float32 and under
 // bfloat16 autocast (bfloat16 activations): flotilla's conv3x3 with the Winograd kernels
-// (models/winograd.h) against the module's forward, oneDNN's direct convolution (what it runs
+// (flotilla/kernels/winograd.h) against the module's forward, oneDNN's direct convolution (what it runs
 // with FLOTILLA_WINOGRAD_KERNEL=none, and what PyTorch's twin runs; under autocast in bfloat16).
 // Shapes: ResNet-20's three stages and ResNet-18's four at IMAGES images (64: a worker's share of a
 // global batch of 128). Prints one JSON line per shape and part (forward; forward and the input's
@@ -15,15 +15,17 @@
 #include <vector>
 
 #include "flotilla/train/mixed_precision.h"
-#include "models/winograd.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/winograd.h"
 #include "timing.h"
 
 using flotilla::bench::median_ms;
 
 int main(int argc, char** argv) {
-  namespace models = flotilla::models;
+  namespace kernels = flotilla::kernels;
+  flotilla::kernels::set_mode(flotilla::kernels::Mode::kFixed); // each kernel, not a measured choice
   const auto [repeats, images] = flotilla::bench::layer_bench(argc, argv, 64, true);
-  const std::string best = models::winograd_kernel();
+  const std::string best = kernels::winograd_kernel();
   const auto cl = torch::MemoryFormat::ChannelsLast;
   for (const bool bf16 : {false, true}) {
     for (const auto& [channels, size] : {std::pair<std::int64_t, std::int64_t>{16, 28},
@@ -51,10 +53,10 @@ int main(int argc, char** argv) {
                                                     torch::kCPU);
             if (part == "forward") {
               torch::NoGradGuard no_grad;
-              models::conv3x3(*conv, x);
+              kernels::conv2d(*conv, x);
               return;
             }
-            y = models::conv3x3(*conv, x);
+            y = kernels::conv2d(*conv, x);
           }
           if (part == "forward, input gradient") {
             torch::autograd::grad({y}, {x}, {grad});
@@ -64,11 +66,11 @@ int main(int argc, char** argv) {
             torch::autograd::grad({y}, {x, conv->weight}, {grad});
           }
         };
-        models::use_winograd_kernel(best);
+        kernels::use_winograd_kernel(best);
         const double winograd = median_ms(repeats, run);
-        models::use_winograd_kernel("none");
+        kernels::use_winograd_kernel("none");
         const double direct = median_ms(repeats, run);
-        models::use_winograd_kernel(best);
+        kernels::use_winograd_kernel(best);
         std::printf(
             "{\"bench\":\"winograd\",\"dtype\":\"%s\",\"shape\":[%lld,%lld,%lld,%lld],"
             "\"part\":\"%s\",\"memory_format\":\"channels_last\",\"threads\":1,\"repeats\":%d,"

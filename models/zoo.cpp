@@ -5,13 +5,8 @@
 #include <algorithm>
 
 #include "flotilla/error.h"
+#include "flotilla/kernels/attention.h"
 #include "flotilla/train/sync_batchnorm.h"
-#include "models/attention.h"
-#include "models/batch_norm_relu.h"
-#include "models/conv_pool_relu.h"
-#include "models/dropout.h"
-#include "models/max_pool_relu.h"
-#include "models/winograd.h"
 
 namespace flotilla::models {
 namespace nn = torch::nn;
@@ -29,21 +24,22 @@ nn::Sequential mlp(std::int64_t hidden) {
                         nn::Linear(hidden, hidden), nn::ReLU(), nn::Linear(hidden, 10));
 }
 
-// The first convolution, its ReLU and max-pool are one ConvMaxPool2ReLU (the full-size
-// convolution output is never stored); the second "ReLU, max-pool 2" is one MaxPool2ReLU (the
-// same values, one pass each way). The layers keep the names of the unfused sequence, so the
-// weights are "0", "3", "7" and "9" as in PyTorch's twin and in checkpoints written before.
-// The layers are made last first, in the order GCC evaluated the arguments of the
-// nn::Sequential(...) this replaced: the same draws from the generator, so the same initial
-// weights as before.
+// Plain layers; the compile step (flotilla/kernels/compile.h) makes the first convolution, its
+// ReLU and max-pool one ConvMaxPool2ReLU, and the second "ReLU, max-pool 2" one MaxPool2ReLU,
+// under these names: the weights are "0", "3", "7" and "9" as in PyTorch's twin. The layers are
+// made last first, in the order GCC evaluated the arguments of the nn::Sequential(...) this was
+// once, so the generator's draws give the same initial weights as every build before.
 nn::Sequential cnn() {
   nn::Linear logits(128, 10), hidden(3136, 128);
   nn::Conv2d conv2(nn::Conv2dOptions(32, 64, 3).padding(1));
-  ConvMaxPool2ReLU first(32);
+  nn::Conv2d conv1(nn::Conv2dOptions(1, 32, 3).padding(1));
   nn::Sequential net;
-  net->push_back("0", first);
+  net->push_back("0", conv1);
+  net->push_back("1", nn::ReLU());
+  net->push_back("2", nn::MaxPool2d(2));
   net->push_back("3", conv2);
-  net->push_back("4", MaxPool2ReLU());
+  net->push_back("4", nn::ReLU());
+  net->push_back("5", nn::MaxPool2d(2));
   net->push_back("6", nn::Flatten());
   net->push_back("7", hidden);
   net->push_back("8", nn::ReLU());
@@ -66,32 +62,10 @@ class ResidualImpl : public nn::Cloneable<ResidualImpl>, public train::Replaceab
     body_ = register_module("body", copy_of(body_));
     if (shortcut_) shortcut_ = register_module("shortcut", copy_of(shortcut_));
   }
-  // The body's layers in order, but each "BatchNorm, ReLU" as one batch_norm_relu, and its last
-  // BatchNorm with the sum and the ReLU after it as one: the same values within float rounding,
-  // a quarter less memory traffic (batch_norm_relu.h). A SyncBatchNorm (after
-  // convert_sync_batchnorm) runs as its own layer. The stem's "BatchNorm, ReLU" sits in the
-  // top-level Sequential, whose forward calls each layer: not fused. Its 3x3 convolutions run as
-  // conv3x3 (Winograd's, where it applies: winograd.h).
+  // Plain: the compile step swaps the body's layers (its 3x3 convolutions, its "BatchNorm,
+  // ReLU") for flotilla's where they measure faster; the sum and the last ReLU stay ATen's.
   torch::Tensor forward(const torch::Tensor& x) {
-    const torch::Tensor shortcut = shortcut_ ? shortcut_->forward(x) : x;
-    torch::Tensor h = x;
-    const std::size_t n = body_->size();
-    auto layer = body_->begin();
-    for (std::size_t i = 0; i < n; ++i, ++layer) {
-      auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(body_->ptr(i).get());
-      if (bn && i + 1 == n) return batch_norm_relu(*bn, h, shortcut);
-      if (bn && dynamic_cast<nn::ReLUImpl*>(body_->ptr(i + 1).get())) {
-        h = batch_norm_relu(*bn, h);
-        ++i, ++layer;
-        continue;
-      }
-      if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(body_->ptr(i).get())) {
-        h = conv3x3(*conv, h);
-        continue;
-      }
-      h = layer->forward(h);
-    }
-    return torch::relu(h + shortcut);
+    return torch::relu(body_->forward(x) + (shortcut_ ? shortcut_->forward(x) : x));
   }
   void replace_child(const std::string& name,
                      const std::shared_ptr<nn::Module>& module) override {
@@ -142,6 +116,12 @@ nn::Sequential resnet(std::int64_t stem, const std::vector<std::int64_t>& widths
 constexpr std::int64_t kVitWidth = 192;
 constexpr std::int64_t kVitHeads = 3;
 constexpr double kVitDropout = 0.1;
+
+// A Dropout in a Sequential of its own: the compile step can swap a Sequential's layers, not a
+// module's members, and a Dropout has no tensors, so no name changes.
+nn::Sequential dropout_layer() {
+  return nn::Sequential(nn::Dropout(kVitDropout));
+}
 constexpr double kVitLayerNormEps = 1e-6;
 
 nn::LayerNorm vit_layer_norm() {
@@ -157,7 +137,7 @@ class PatchEmbeddingImpl : public nn::Cloneable<PatchEmbeddingImpl> {
         register_module("projection", nn::Conv2d(nn::Conv2dOptions(1, kVitWidth, 4).stride(4)));
     class_token_ = register_parameter("class_token", torch::zeros({1, 1, kVitWidth}));
     positions_ = register_parameter("position_embedding", torch::randn({1, 50, kVitWidth}) * 0.02);
-    dropout_ = register_module("dropout", Dropout(kVitDropout));
+    dropout_ = register_module("dropout", dropout_layer());
   }
   torch::Tensor forward(const torch::Tensor& images) {
     const torch::Tensor patches = projection_->forward(images).flatten(2).transpose(1, 2);
@@ -171,11 +151,12 @@ class PatchEmbeddingImpl : public nn::Cloneable<PatchEmbeddingImpl> {
  private:
   nn::Conv2d projection_{nullptr};
   torch::Tensor class_token_, positions_;
-  Dropout dropout_{nullptr};
+  nn::Sequential dropout_{nullptr};
 };
 TORCH_MODULE(PatchEmbedding);
 
-// Multi-head self-attention over [N, L, E] (models::attention), with PyTorch
+// Multi-head self-attention over [N, L, E] (kernels::attention: flotilla's or ATen's, whichever
+// measured faster, as a user's module would call it), with PyTorch
 // MultiheadAttention's parameters: one QKV projection, one output.
 class SelfAttentionImpl : public nn::Cloneable<SelfAttentionImpl> {
  public:
@@ -188,7 +169,7 @@ class SelfAttentionImpl : public nn::Cloneable<SelfAttentionImpl> {
     const std::int64_t n = x.size(0), l = x.size(1);
     const auto qkv =
         qkv_->forward(x).view({n, l, 3, kVitHeads, kVitWidth / kVitHeads}).permute({2, 0, 3, 1, 4});
-    return out_->forward(attention(qkv[0], qkv[1], qkv[2])); // [N, L, E]
+    return out_->forward(kernels::attention(qkv[0], qkv[1], qkv[2])); // [N, L, E]
   }
 
  private:
@@ -203,31 +184,22 @@ class EncoderBlockImpl : public nn::Cloneable<EncoderBlockImpl> {
   void reset() override {
     norm1_ = register_module("norm1", vit_layer_norm());
     attention_ = register_module("attention", SelfAttention());
-    dropout_ = register_module("dropout", Dropout(kVitDropout));
+    dropout_ = register_module("dropout", dropout_layer());
     norm2_ = register_module("norm2", vit_layer_norm());
     mlp_ = register_module(
         "mlp", nn::Sequential(nn::Linear(kVitWidth, 4 * kVitWidth),
-                              nn::GELU(), Dropout(kVitDropout),
-                              nn::Linear(4 * kVitWidth, kVitWidth), Dropout(kVitDropout)));
+                              nn::GELU(), nn::Dropout(kVitDropout),
+                              nn::Linear(4 * kVitWidth, kVitWidth), nn::Dropout(kVitDropout)));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor y = x + dropout_->forward(attention_->forward(norm1_->forward(x)));
-    return y + mlp(norm2_->forward(y));
+    return y + mlp_->forward(norm2_->forward(y));
   }
 
  private:
-  // The MLP's layers in order, but its GELU and the dropout after it as one gelu_dropout (one
-  // pass each way instead of two; the same masks as the Dropout's).
-  torch::Tensor mlp(const torch::Tensor& x) {
-    const auto& hidden_dropout = mlp_->ptr<DropoutImpl>(2);
-    const torch::Tensor hidden = gelu_dropout(mlp_->ptr<nn::LinearImpl>(0)->forward(x),
-                                              hidden_dropout->p, hidden_dropout->is_training());
-    return mlp_->ptr<DropoutImpl>(4)->forward(mlp_->ptr<nn::LinearImpl>(3)->forward(hidden));
-  }
-
   nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   SelfAttention attention_{nullptr};
-  Dropout dropout_{nullptr};
+  nn::Sequential dropout_{nullptr};
   nn::Sequential mlp_{nullptr};
 };
 TORCH_MODULE(EncoderBlock);
@@ -258,13 +230,6 @@ nn::Sequential vit_tiny() {
 }
 
 } // namespace
-
-bool has_residual_blocks(const torch::nn::Module& module) {
-  const auto modules = module.modules();
-  return std::any_of(modules.begin(), modules.end(), [](const auto& m) {
-    return dynamic_cast<const ResidualImpl*>(m.get()) != nullptr;
-  });
-}
 
 nn::Sequential make_model(const std::string& name) {
   if (name == "mlp") return mlp(256);

@@ -3,7 +3,7 @@
 //   mlp       784-256-256-10, ReLU
 //   mlp-wide  784-2048-2048-10, ReLU
 //   cnn       conv 1→32 3×3 pad 1, ReLU, maxpool 2; conv 32→64 3×3 pad 1, ReLU, maxpool 2;
-//             linear 3136→128, ReLU; linear 128→10 (each ReLU and maxpool as one MaxPool2ReLU)
+//             linear 3136→128, ReLU; linear 128→10
 //   resnet20  He et al.'s CIFAR ResNet-20: conv 3×3 1→16, BatchNorm, ReLU; three stages of three
 //             basic blocks (16, 32, 64 channels; the 2nd and 3rd stages start with stride 2;
 //             a 1×1 conv + BatchNorm shortcut where the shape changes); global average pool;
@@ -14,8 +14,11 @@
 //   vit-tiny  ViT, patch 4 (49 patches of 28×28) to width 192, a class token, learned position
 //             embeddings; depth 6 of pre-norm blocks (3 heads, MLP 768, GELU), LayerNorm eps 1e-6,
 //             dropout 0.1; LayerNorm and linear 192→10 on the class token.
-// All take [N, 1, 28, 28] images and return [N, 10] logits. The residual blocks are
-// ReplaceableChildren, so train::convert_sync_batchnorm converts the ResNets.
+// All take [N, 1, 28, 28] images and return [N, 10] logits. They are plain torch::nn, as a
+// user's model is: flotilla's kernels reach them through the compile step
+// (flotilla/kernels/compile.h), which swaps their Sequentials' layers; ViT's attention calls
+// kernels::attention as a user's module would. The residual blocks are ReplaceableChildren, so
+// train::convert_sync_batchnorm converts the ResNets.
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
@@ -29,9 +32,5 @@ const std::vector<std::string>& model_names();
 
 // ConfigError for an unknown name, listing the known ones.
 torch::nn::Sequential make_model(const std::string& name);
-
-// Whether `module` holds the ResNets' residual blocks (with BatchNorm or, after
-// convert_sync_batchnorm, SyncBatchNorm), whose 3x3 convolutions run as conv3x3 (winograd.h).
-bool has_residual_blocks(const torch::nn::Module& module);
 
 } // namespace flotilla::models

@@ -50,8 +50,28 @@ def make_torch_model(name, pool_first=False, need_weights=False):
         return _torch_resnet((64, 128, 256, 512), blocks=2)
     if name == "vit-tiny":
         return _torch_vit(need_weights=need_weights)
+    if name in ("tv-resnet18", "tv-mobilenetv2"):
+        return torchvision_model(name)
     raise SystemExit(
-        f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18 or vit-tiny")
+        f"unknown model {name!r}; use mlp, mlp-wide, cnn, resnet20, resnet18, vit-tiny, "
+        "tv-resnet18 or tv-mobilenetv2")
+
+
+def torchvision_model(name):
+    """Models nobody here wrote: torchvision's (bench/torchvision.sh puts the package on
+    PYTHONPATH), made for 1x28x28 images as their users do for small images: ResNet-18 with a
+    3x3 stride-1 stem of one input channel and no max-pool; MobileNetV2 with its first
+    convolution of one input channel at stride 1. 10 classes."""
+    import torchvision
+    from torch import nn
+    if name == "tv-resnet18":
+        m = torchvision.models.resnet18(num_classes=10)
+        m.conv1 = nn.Conv2d(1, 64, 3, stride=1, padding=1, bias=False)
+        m.maxpool = nn.Identity()
+        return m
+    m = torchvision.models.mobilenet_v2(num_classes=10)
+    m.features[0][0] = nn.Conv2d(1, 32, 3, stride=1, padding=1, bias=False)
+    return m
 
 
 def _torch_resnet(widths, blocks):

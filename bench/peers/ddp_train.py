@@ -22,11 +22,14 @@ default, and at the fastest settings found for this CPU):
              or weights (nn.MultiheadAttention(need_weights=True): its own bmm, softmax, bmm,
              and the heads' averaged weights; under bf16 autocast 1.035x faster than math here,
              level in float32)
+  COMPILE    eager, or inductor: torch.compile(model) (Inductor's CPU code generation; DDP's
+             optimizer splits the graph at its buckets). Its compile time falls in the warm-up
+             steps, which are not timed; "warmup_seconds" in the line says how long they took
 
 Started once per rank by bench/peers.sh, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment.
 Usage: python ddp_train.py MODEL GLOBAL_BATCH STEPS [THREADS] [DATA_DIR] [PRECISION] [LAYOUT]
-       [OPTIMIZER] [ORDER] [ATTENTION]
+       [OPTIMIZER] [ORDER] [ATTENTION] [COMPILE]
 """
 import contextlib
 import json
@@ -52,9 +55,11 @@ def main():
     optimizer_kind = sys.argv[8] if len(sys.argv) > 8 else "default"
     order = sys.argv[9] if len(sys.argv) > 9 else "relu-pool"
     attention = sys.argv[10] if len(sys.argv) > 10 else "default"
+    compile_kind = sys.argv[11] if len(sys.argv) > 11 else "eager"
     if precision not in ("float32", "mixed_bfloat16") or layout not in ("nchw", "channels_last") \
             or optimizer_kind not in ("default", "fused") or order not in ("relu-pool", "pool-relu") \
-            or attention not in ("default", "math", "weights"):
+            or attention not in ("default", "math", "weights") \
+            or compile_kind not in ("eager", "inductor"):
         raise SystemExit(f"bad settings {precision} {layout} {optimizer_kind} {order} {attention}")
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.set_num_threads(threads)
@@ -75,6 +80,7 @@ def main():
     model = DistributedDataParallel(
         make_torch_model(model_name, pool_first=order == "pool-relu",
                          need_weights=attention == "weights").to(memory_format=fmt))
+    forward = torch.compile(model) if compile_kind == "inductor" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
                                 **({"fused": True} if optimizer_kind == "fused" else {}))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) \
@@ -99,7 +105,7 @@ def main():
             idx = next(batches)
             xb, yb = x.index_select(0, idx).to(memory_format=fmt), y.index_select(0, idx)
             with autocast():
-                logits = model(xb)
+                logits = forward(xb)
                 loss = F.cross_entropy(logits, yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -112,8 +118,10 @@ def main():
     if attention == "math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-    train(steps)  # warm-up
+    warmup_start = time.perf_counter()
+    train(steps)  # warm-up (and torch.compile's compilation)
     dist.barrier()
+    warmup_seconds = time.perf_counter() - warmup_start
     start = time.perf_counter()
     loss_sum.zero_()
     correct.zero_()
@@ -129,7 +137,8 @@ def main():
             "loss": loss_sum.item() / steps, "accuracy": correct.item() / (steps * local_batch),
             "version": torch.__version__, "precision": precision, "memory_format": layout,
             "optimizer": "SGD" + (" fused" if optimizer_kind == "fused" else ""),
-            "relu_pool_order": order, "attention": attention,
+            "relu_pool_order": order, "attention": attention, "compile": compile_kind,
+            "warmup_seconds": warmup_seconds,
         }), flush=True)
     dist.destroy_process_group()
 

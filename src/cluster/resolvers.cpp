@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <optional>
 
 #include "flotilla/error.h"
 
@@ -391,21 +392,57 @@ ClusterSpec resolve_cluster(const Environment& env) {
   return spec;
 }
 
+namespace {
+
+// Loopback by any name is one host.
+std::string host_key(const std::string& host) {
+  if (host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0) return "loopback";
+  return host;
+}
+
+// TF_CONFIG's training tasks at this task's host (the same address, loopback by any name), in
+// rank order, and this task's place among them; nullopt where TF_CONFIG is unset or this task is
+// the evaluator.
+std::optional<std::pair<int, int>> tf_config_host(const Environment& env) {
+  const auto text = env.get("TF_CONFIG");
+  if (!text) return std::nullopt;
+  const ClusterSpec spec = parse_tf_config(*text);
+  if (spec.is_evaluator() || spec.rank < 0) return std::nullopt;
+  const std::vector<Address> tasks = spec.training_addresses();
+  const std::string mine = host_key(tasks.at(static_cast<std::size_t>(spec.rank)).host);
+  int count = 0, index = 0;
+  for (std::size_t r = 0; r < tasks.size(); ++r) {
+    if (host_key(tasks[r].host) != mine) continue;
+    if (static_cast<int>(r) == spec.rank) index = count;
+    ++count;
+  }
+  return std::make_pair(count, index);
+}
+
+} // namespace
+
 int local_rank(const Environment& env) {
   for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID"}) {
     if (env.get(name)) {
       return static_cast<int>(parse_int(env, name, 0, "it is this worker's index on its machine"));
     }
   }
+  if (!env.get("LOCAL_WORLD_SIZE")) {
+    if (const auto host = tf_config_host(env)) return host->second;
+  }
   return 0;
 }
 
-int local_world_size(const Environment& env) {
+LocalWorkers local_workers(const Environment& env) {
   if (env.get("LOCAL_WORLD_SIZE")) {
-    return static_cast<int>(
-        parse_int(env, "LOCAL_WORLD_SIZE", 1, "it is the number of workers on this machine"));
+    return {static_cast<int>(parse_int(env, "LOCAL_WORLD_SIZE", 1,
+                                       "it is the number of workers on this machine")),
+            "LOCAL_WORLD_SIZE"};
   }
-  if (!slurm_applies(env)) return 1;
+  if (const auto host = tf_config_host(env)) {
+    return {host->first, "TF_CONFIG's tasks at this task's address"};
+  }
+  if (!slurm_applies(env)) return {1, "one worker: no LOCAL_WORLD_SIZE, TF_CONFIG or Slurm"};
   const auto [list_name, hosts] = slurm_hosts(env);
   const auto node = env.get("SLURMD_NODENAME");
   const auto at = node ? std::find(hosts.begin(), hosts.end(), *node) : hosts.end();
@@ -419,17 +456,27 @@ int local_world_size(const Environment& env) {
                         std::to_string(hosts.size()) +
                         "; the variables come from different jobs or steps. " + kSlurmFix);
     }
-    if (at != hosts.end()) return counts[static_cast<std::size_t>(at - hosts.begin())];
+    if (at != hosts.end()) {
+      return {counts[static_cast<std::size_t>(at - hosts.begin())],
+              std::string("Slurm's ") + name + " for this node"};
+    }
   }
   if (env.get("SLURM_NTASKS_PER_NODE")) {
-    return static_cast<int>(parse_int(env, "SLURM_NTASKS_PER_NODE", 1,
-                                      "it is the number of tasks on each node (sbatch "
-                                      "--ntasks-per-node)"));
+    return {static_cast<int>(parse_int(env, "SLURM_NTASKS_PER_NODE", 1,
+                                       "it is the number of tasks on each node (sbatch "
+                                       "--ntasks-per-node)")),
+            "Slurm's SLURM_NTASKS_PER_NODE"};
   }
   // No per-node counts: assume the tasks are spread evenly.
   const long tasks = parse_int(env, "SLURM_NTASKS", 1, kSlurmFix);
   const long nodes = static_cast<long>(hosts.size());
-  return static_cast<int>((tasks + nodes - 1) / nodes);
+  return {static_cast<int>((tasks + nodes - 1) / nodes),
+          "Slurm's SLURM_NTASKS over its nodes, spread evenly"};
 }
+
+int local_world_size(const Environment& env) {
+  return local_workers(env).count;
+}
+
 
 } // namespace flotilla::cluster

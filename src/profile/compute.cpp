@@ -45,7 +45,7 @@ double flops_of(const std::string& name, c10::ArrayRef<const c10::IValue> in) {
     if (a.size() < 2 || b.empty()) return 0;
     return 2.0 * static_cast<double>(product(a)) * static_cast<double>(b.back());
   }
-  // flotilla's fused kernels (models/conv_pool_relu.h) announce their convolution as
+  // flotilla's fused kernels (flotilla/kernels/conv_pool_relu.h, winograd.h) announce their convolution as
   // flotilla::convolution, with aten::convolution's arguments.
   if ((name == "aten::convolution" || name == "flotilla::convolution") && in.size() >= 9) {
     // input [N, C, spatial...], weight [O, C/groups, kernel...]

@@ -233,9 +233,10 @@ Finding compiled_step(const RecipeFacts& r, const std::vector<PhaseTimes>& worke
     f.status = Status::kUnknown;
     f.evidence += on_cuda(r) ? "no CUDA-graph step for this setup (it needs one GPU per worker "
                                "and no gradient accumulation): every step runs eagerly"
-                             : "on the CPU the step is compiled C++ already; the CUDA-graph step "
-                               "is for CUDA replicas" +
-                                   std::string(r.jit_compile ? ", so the flag has no effect" : "");
+                             : "the CUDA-graph step is for CUDA replicas; on the CPU jit_compile "
+                               "is the compile step, which rewrites the model for flotilla's "
+                               "kernels (on unless jit_compile is false; the recipe's "
+                               "kernel lines say what ran)";
     if (on_cuda(r)) f.settings = {{"CompileOptions::jit_compile", "true"}};
     f.recommendation = on_cuda(r) ? "with one GPU per worker (strategy::parse_devices(\"cuda:N\"), "
                                     "a worker per GPU), where the batch shapes are fixed"

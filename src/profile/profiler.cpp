@@ -27,7 +27,7 @@ RecipeFacts observe_recipe(train::Model& model, RecipeFacts f) {
   f.hardware_bf16 = cuda ? train::cuda_has_native_bf16(params.front().device().index())
                          : train::cpu_has_native_bf16();
   f.hardware_fp16 = cuda;
-  f.jit_compile = compiled.jit_compile;
+  f.jit_compile = compiled.jit_compile.value_or(false);
   f.compiled_step_available =
       train::why_no_captured_step(strategy, compiled.gradient_accumulation_steps).empty();
   if (f.optimizer.empty()) f.optimizer = compiled.optimizer.describe();

@@ -139,6 +139,10 @@ bool Model::channels_last() const {
   return step_ && step_->channels_last();
 }
 
+const kernels::CompileReport* Model::kernel_rewrites() const {
+  return step_ ? step_->kernel_rewrites() : nullptr;
+}
+
 bool Model::last_step_finite() const {
   return !step_ || step_->last_step_finite();
 }

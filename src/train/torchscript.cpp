@@ -183,6 +183,13 @@ int TorchScriptModuleImpl::convert_sync_batchnorm() {
   return sync_layers_;
 }
 
+kernels::CompileReport TorchScriptModuleImpl::compile_kernels() {
+  kernels::CompileReport report;
+  script_ = kernels::compile(script_, report);
+  script_.train(is_training());
+  return report;
+}
+
 torch::Tensor TorchScriptModuleImpl::forward(const torch::Tensor& x) {
   if (inputs_ != 1) {
     throw ConfigError(source_ + ": forward takes " + std::to_string(inputs_) +

@@ -5,7 +5,9 @@
 #include <utility>
 
 #include "flotilla/error.h"
+#include "flotilla/kernels/compile.h"
 #include "flotilla/train/sync_batchnorm.h"
+#include "flotilla/train/torchscript.h"
 #include "train/captured_step.h"
 #include "train/replica_set.h"
 #include "train/step_timer.h"
@@ -14,7 +16,7 @@ namespace flotilla::train {
 
 std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accumulation_steps) {
   if (!strategy.devices().front().is_cuda()) {
-    return "on the CPU the step is compiled C++ already; a CUDA graph needs CUDA replicas";
+    return "a CUDA graph needs CUDA replicas; on the CPU jit_compile is the compile step";
   }
   if (!detail::cuda_graphs_built())
     return "this flotilla was built against a LibTorch without CUDA";
@@ -175,6 +177,13 @@ TrainStep::TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Si
     loss_scale_.emplace(LossScaleOptions{});
   }
   channels_last_ = options.channels_last.value_or(has_convolutions(*model.first));
+  // On the CPU jit_compile (unset: Keras's "auto") is the compile step: the model rewritten so
+  // flotilla's kernels can run its layers, before the replicas are copied from it.
+  if (strategy_.devices().front().is_cpu() && options.jit_compile.value_or(true)) {
+    auto* script = dynamic_cast<TorchScriptModuleImpl*>(model.first.get());
+    kernel_rewrites_ = std::make_unique<kernels::CompileReport>(
+        script ? script->compile_kernels() : kernels::compile(*model.first));
+  }
   replicas_ = std::make_unique<ReplicaSet>(strategy_.devices(), std::move(model), clone,
                                            options.optimizer, channels_last_);
   if (options_.optimizer.custom && !options_.optimizer.schedule) {
@@ -186,7 +195,7 @@ TrainStep::TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Si
     why_no_graph = "SyncBatchNorm reduces its statistics through the host between kernels, which "
                    "a CUDA graph cannot capture";
   }
-  if (options.jit_compile && why_no_graph.empty()) {
+  if (options.jit_compile.value_or(false) && why_no_graph.empty()) {
     captured_ = std::make_unique<CapturedStep>(replicas_->device(0));
   }
   {
@@ -207,7 +216,14 @@ void TrainStep::log_compile(const std::string& why_no_graph) const {
   if (options_.optimizer.schedule) {
     for (const auto& warning : options_.optimizer.schedule->warnings()) log.warn(warning);
   }
-  if (options_.jit_compile && !captured_) log.info("jit_compile: no effect (" + why_no_graph + ")");
+  // Asked for by name, the compile step says what it did (by default Model::kernel_rewrites()
+  // tells whoever wants to know: the CLI's recipe lines).
+  if (kernel_rewrites_ && options_.jit_compile.value_or(false)) {
+    log.info("jit_compile: the compile step " + kernel_rewrites_->summary() +
+             " (flotilla's kernels run where they measure faster than ATen's)");
+  } else if (options_.jit_compile.value_or(false) && !captured_) {
+    log.info("jit_compile: no effect (" + why_no_graph + ")");
+  }
   if (policy_ == Policy::kMixedFloat16 && !replicas_->device(0).is_cuda()) {
     log.warn("mixed_float16 on the CPU: LibTorch's CPU autocast computes in float16 slowly on "
              "most CPUs; mixed_bfloat16 is the CPU's mixed precision");

@@ -20,6 +20,10 @@
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/model.h"
 
+namespace flotilla::kernels {
+struct CompileReport;
+}
+
 namespace flotilla::train::detail {
 
 class CapturedStep;
@@ -87,6 +91,8 @@ class TrainStep {
   bool channels_last() const { return channels_last_; }
   const std::optional<LossScale>& loss_scale() const { return loss_scale_; }
   int sync_batchnorm_layers() const { return sync_batchnorm_layers_; }
+  // What the compile step rewrote (CompileOptions::jit_compile on the CPU), or null.
+  const kernels::CompileReport* kernel_rewrites() const { return kernel_rewrites_.get(); }
   // The per-example loss of `outputs` against e's labels, weighted by its sample weights when
   // it has them (see Signature).
   torch::Tensor per_example(const Tensors& outputs, const data::Element& e) const;
@@ -119,6 +125,7 @@ class TrainStep {
   std::unique_ptr<ReplicaSet> replicas_;
   std::unique_ptr<strategy::GradientReducer> reducer_;
   std::unique_ptr<CapturedStep> captured_;
+  std::unique_ptr<kernels::CompileReport> kernel_rewrites_;
   std::vector<strategy::ReplicaContext> replica_contexts_; // one per replica (SyncBatchNorm)
   int sync_batchnorm_layers_ = 0;                          // per replica
   bool buffers_dirty_ = false; // a step ran since the buffers were last mirrored

@@ -231,6 +231,18 @@ int supervise(const char* self, const std::string& results, double timeout_s,
 } // namespace
 
 int main(int argc, char** argv) {
+  // Every test, and every program a test starts, keeps flotilla's measured kernel choices
+  // (flotilla/kernels/choice.h) in one directory of the build: they share them, so two runs a
+  // test compares run the same kernels, and no test writes to the user's ~/.cache.
+  {
+    char exe[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+      std::string dir(exe, static_cast<std::size_t>(n));
+      dir = dir.substr(0, dir.rfind('/')) + "/kernel-cache";
+      ::setenv("FLOTILLA_CACHE_DIR", dir.c_str(), /*overwrite=*/0);
+    }
+  }
   const std::string batch_flag = "--flotilla-batch=";
   const std::string timeout_flag = "--flotilla-test-timeout=";
   const std::string shard_flag = "--flotilla-shard=";

@@ -11,6 +11,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
 
 #include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_token.h"
@@ -21,6 +22,8 @@
 #include "flotilla/data/image.h"
 #include "flotilla/data/image_folder.h"
 #include "flotilla/error.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/compile.h"
 #include "flotilla/profile/compute.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
@@ -31,11 +34,6 @@
 #include "flotilla/train/sidecar_evaluator.h"
 #include "flotilla/train/sync_batchnorm.h"
 #include "flotilla/train/torchscript.h"
-#include "models/batch_norm_relu.h"
-#include "models/conv_pool_relu.h"
-#include "models/cpu_kernels.h"
-#include "models/dropout.h"
-#include "models/winograd.h"
 #include "models/zoo.h"
 #include "tools/flotilla/commands.h"
 #include "tools/flotilla/flags.h"
@@ -60,7 +58,9 @@ struct TrainArgs {
   double label_smoothing = 0;
   std::string channels_last = "auto";
   std::string freed_memory = "keep"; // keep: base::keep_freed_memory(); release: malloc's default
-  bool jit_compile = false;
+  std::string jit_compile = "auto"; // auto, on, off: CompileOptions::jit_compile unset, true, false
+  std::string kernels = "measure";   // kernels::Mode
+  std::string kernel_cache;          // "": kernels::cache_directory()'s default
   bool sync_batchnorm = false;
   int steps_per_execution = 1;
   std::uint64_t seed = 42;
@@ -132,11 +132,23 @@ std::string this_command() {
 train::Recipe make_recipe(const TrainArgs& a, std::int64_t global_batch,
                           std::int64_t steps_per_epoch, const torch::Device& device) {
   train::Recipe r = train::make_recipe(a.recipe, global_batch, steps_per_epoch, device);
-  r.lines.push_back(std::string("compiled step: ") +
-                    (!a.jit_compile     ? "off (--jit-compile captures the step in a CUDA graph)"
-                     : device.is_cuda() ? "jit_compile requested: the step in a CUDA graph where "
-                                          "it applies (the jit_compile line says)"
-                                        : "jit_compile requested; on the CPU it has no effect"));
+  const std::string kernels =
+      a.kernels == "measure" ? "flotilla's kernels where they measure faster than ATen's on this "
+                               "CPU (--kernels fixed: wherever they apply; none: ATen's)"
+      : a.kernels == "fixed" ? "flotilla's kernels wherever they apply (--kernels fixed)"
+                             : "ATen's operations only (--kernels none)";
+  std::string compiled;
+  if (device.is_cuda()) {
+    compiled = a.jit_compile == "on" ? "jit_compile: the step in a CUDA graph where it applies "
+                                       "(the jit_compile line says)"
+                                     : "off (--jit-compile captures the step in a CUDA graph)";
+  } else {
+    compiled = a.jit_compile == "off" || a.kernels == "none"
+                   ? "off: the model runs as written (--no-jit-compile or --kernels none)"
+                   : "the compile step rewrites the model's layers for " + kernels +
+                         " (the next line says what it rewrote; --no-jit-compile turns it off)";
+  }
+  r.lines.push_back("compiled step: " + compiled);
   r.lines.push_back("input pipeline: shuffle, batch, parallel map (AUTOTUNE), prefetch (AUTOTUNE)" +
                     std::string(a.cache != "none" ? ", cache" : "") +
                     std::string(device.is_cuda() ? ", prefetch_to_device (pinned)" : "") +
@@ -182,10 +194,19 @@ void check_dataset(const TrainArgs& a) {
   }
 }
 
-// --threads 0: this machine's cores shared among the workers on it.
-int threads_per_worker(const TrainArgs& a, const cluster::Environment& env) {
-  return a.threads > 0 ? a.threads
-                       : std::max(1, base::available_cores() / cluster::local_world_size(env));
+// --threads 0: this machine's cores shared among the workers on it. With how the count was
+// found, for the strategy's line.
+struct Threads {
+  int count = 1;
+  std::string how;
+};
+Threads threads_per_worker(const TrainArgs& a, const cluster::Environment& env) {
+  if (a.threads > 0) return {a.threads, "--threads"};
+  const cluster::LocalWorkers local = cluster::local_workers(env);
+  const int cores = base::available_cores();
+  return {std::max(1, cores / local.count),
+          std::to_string(cores) + " core(s) / " + std::to_string(local.count) +
+              " worker(s) on this host, from " + local.source + "; --threads sets it"};
 }
 
 collective::CommunicationOptions communication_options(const TrainArgs& a,
@@ -348,7 +369,7 @@ std::vector<torch::Device> replica_devices(const TrainArgs& a, const cluster::En
 
 void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
                   const cluster::ClusterSpec& spec, const std::vector<torch::Device>& devices,
-                  int threads, std::int64_t global_batch) {
+                  const Threads& threads, std::int64_t global_batch) {
   std::string rendezvous;
   if (spec.world_size > 1) {
     rendezvous = (spec.agent_store_key.empty() ? ", rendezvous "
@@ -360,8 +381,9 @@ void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
                       " worker(s), " + std::to_string(strategy.num_replicas_in_sync()) +
                       " replica(s) in sync, global batch " + std::to_string(global_batch) + " (" +
                       std::to_string(a.batch_per_replica) + " per replica), replicas on " +
-                      device_list(devices) + ", " + std::to_string(threads) +
-                      " thread(s) per worker; cluster from " + spec.source + rendezvous);
+                      device_list(devices) + ", " + std::to_string(threads.count) +
+                      " thread(s) per worker (" + threads.how + "); cluster from " +
+                      spec.source + rendezvous);
   for (const auto& note : spec.notes) strategy.log().info(note);
 }
 
@@ -463,44 +485,20 @@ train::CompileOptions compile_options(const TrainArgs& a, const train::Recipe& r
   train::CompileOptions compile;
   compile.optimizer = recipe.optimizer;
   compile.loss.label_smoothing = a.label_smoothing;
-  compile.jit_compile = a.jit_compile;
+  if (a.jit_compile != "auto") compile.jit_compile = a.jit_compile == "on";
   compile.steps_per_execution = a.steps_per_execution;
   compile.gradient_accumulation_steps = a.recipe.accumulation_steps;
   if (a.channels_last != "auto") compile.channels_last = a.channels_last == "on";
   return compile;
 }
 
-// A fused layer's recipe line, where the model has one: what ran, the kernel (`kernel`: its
-// instruction set) or ATen's operations, and why.
-template <class Layer> bool has_layer(train::Model& model) {
-  const auto modules = model.module().modules();
-  return std::any_of(modules.begin(), modules.end(),
-                     [](const auto& m) { return dynamic_cast<const Layer*>(m.get()) != nullptr; });
-}
-
-// Why a layer runs ATen's operations instead of flotilla's kernel.
-std::string why_not_kernel(const char* variable) {
-  return models::best_cpu_kernel() == "none"
-             ? "this CPU has neither AVX2 nor AVX-512 for the fused kernel"
-             : std::string(variable) + "=none";
-}
-
-template <class Layer>
-void log_fused_layer(const strategy::Strategy& strategy, train::Model& model,
-                     const std::string& topic, const std::string& kernel, const char* variable,
-                     const std::string& fused, const std::string& aten) {
-  if (!has_layer<Layer>(model)) return;
-  const std::string why = why_not_kernel(variable);
-  strategy.log().info("recipe: " + topic + ": " +
-                      (kernel != "none" ? fused + " (" + kernel + " kernel; " + variable +
-                                              "=none runs " + aten + ")"
-                                        : aten + " (" + why + ")"));
-}
-
 void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe, const Input& input,
                 train::Model& model, const collective::CommunicationOptions& comm,
                 bool kept_freed_memory) {
   for (const auto& line : recipe.lines) strategy.log().info("recipe: " + line);
+  if (const kernels::CompileReport* rewrites = model.kernel_rewrites()) {
+    strategy.log().info("recipe: compile step: " + rewrites->summary());
+  }
   strategy.log().info(
       std::string("recipe: memory format: ") +
       (model.channels_last()
@@ -511,46 +509,8 @@ void log_recipe(const strategy::Strategy& strategy, const train::Recipe& recipe,
                                  ? "--channels-last off)"
                                  : "no 2-D convolutions to speed up; --channels-last on forces "
                                    "it)")));
-  log_fused_layer<models::ConvMaxPool2ReLUImpl>(
-      strategy, model, "first layer", models::conv_max_pool2_relu_kernel(),
-      "FLOTILLA_CONV_POOL_KERNEL", "3x3 convolution, ReLU and max-pool fused",
-      "conv2d, then ReLU and max-pool fused");
-  log_fused_layer<torch::nn::BatchNorm2dImpl>(
-      strategy, model, "batch norm", models::batch_norm_relu_kernel(),
-      "FLOTILLA_BATCH_NORM_RELU_KERNEL",
-      "BatchNorm and ReLU, and a block's last BatchNorm, sum and ReLU, fused in the residual "
-      "blocks",
-      "ATen's BatchNorm, add and ReLU");
-  // The ResNets' 3x3 convolutions (models/winograd.h).
   const auto params = model.module().parameters();
   const bool cpu = params.empty() || params.front().device().is_cpu();
-  if (models::has_residual_blocks(model.module())) {
-    const std::string kernel = models::winograd_kernel();
-    const std::string direct = cpu ? "oneDNN's direct convolutions" : "cuDNN's convolutions";
-    std::string line;
-    if (!cpu) {
-      line = direct + " (flotilla's Winograd kernels are the CPU's)";
-    } else if (kernel == "none") {
-      line = direct + " (" + why_not_kernel("FLOTILLA_WINOGRAD_KERNEL") + ")";
-    } else if (recipe.policy == train::Policy::kMixedFloat16) {
-      line = direct + " (flotilla's Winograd kernels read float32 or bfloat16, not float16)";
-    } else if (!model.channels_last()) {
-      line = direct + " (flotilla's Winograd kernels read channels-last; --channels-last off)";
-    } else {
-      const bool bf16 = recipe.policy == train::Policy::kMixedBFloat16;
-      line = std::string("the 3x3 ones of 16 to 512 channels, stride 1, as Winograd's F(4x4, "
-                         "3x3): 36 products per 16 outputs a channel pair instead of 144; a "
-                         "side's last tiles F(3, 3) or F(2, 3) where fewer than 4 are left") +
-             (bf16 ? ", bfloat16 activations in and out, float32 weights and arithmetic" : "") +
-             " (" + kernel + " kernel; FLOTILLA_WINOGRAD_KERNEL=none runs " + direct + ")";
-    }
-    strategy.log().info("recipe: convolutions: " + line);
-  }
-  log_fused_layer<models::DropoutImpl>(strategy, model, "dropout", models::dropout_kernel(),
-                                       "FLOTILLA_DROPOUT_KERNEL",
-                                       "hashed masks, one pass each way, none stored; the "
-                                       "MLP's GELU in the same pass",
-                                       "ATen's Bernoulli masks");
   strategy.log().info(std::string("recipe: freed memory: ") +
                       (kept_freed_memory
                            ? "kept for the next step (malloc reuses blocks up to 32 MiB instead of "
@@ -855,8 +815,10 @@ int run(const TrainArgs& a) {
   const auto env = cluster::Environment::from_process();
   const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
   check_dataset(a);
-  const int threads = threads_per_worker(a, env);
-  torch::set_num_threads(threads);
+  const Threads threads = threads_per_worker(a, env);
+  torch::set_num_threads(threads.count);
+  kernels::set_mode(kernels::parse_mode(a.kernels));
+  if (!a.kernel_cache.empty()) kernels::set_cache_directory(a.kernel_cache);
   const bool kept_freed_memory = a.freed_memory == "keep" && base::keep_freed_memory();
   const collective::CommunicationOptions comm = communication_options(a, env);
   const strategy::ElasticOptions elastic = elastic_options(a);
@@ -881,7 +843,7 @@ int run(const TrainArgs& a) {
                         " training images held out, evaluated after each epoch (Keras's "
                         "validation_split); the test split is evaluated once, at the end");
   }
-  const Input input = input_pipeline(a, sources, strategy, devices.front(), threads, global_batch);
+  const Input input = input_pipeline(a, sources, strategy, devices.front(), threads.count, global_batch);
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
   const train::Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
@@ -896,6 +858,15 @@ int run(const TrainArgs& a) {
   if (!metrics_json.empty()) {
     fit.callbacks.push_back(metrics_lines(metrics_json, model, global_batch, recipe.policy));
   }
+  if (strategy.is_chief()) {
+    // What ran for each kind of layer, once the first steps have met every shape.
+    auto kernel_lines = std::make_shared<train::LambdaCallback>();
+    kernel_lines->batch_end = [&strategy, done = false](std::int64_t, const train::Logs&) mutable {
+      if (std::exchange(done, true)) return;
+      for (const auto& line : kernels::summary_lines()) strategy.log().info("recipe: " + line);
+    };
+    fit.callbacks.push_back(kernel_lines);
+  }
   if (!a.step_ledger.empty()) {
     if (a.steps_per_execution != 1) {
       throw ConfigError("--step-ledger writes a line per step, and --steps-per-execution " +
@@ -905,7 +876,7 @@ int run(const TrainArgs& a) {
     fit.callbacks.push_back(step_ledger(a.step_ledger, model, a.elastic_batch == "per-replica"));
   }
   profile::ProfilerOptions profiling =
-      profiler_options(a, recipe, global_batch, threads, env, input, fit.verbose);
+      profiler_options(a, recipe, global_batch, threads.count, env, input, fit.verbose);
   const bool reported = profiling.doctor || !a.profile_json.empty() || !a.report.empty();
   if (strategy.is_chief() && reported) {
     profiling.recipe.train_flops_per_sample = train_flops_per_sample(model, sources);
@@ -1038,9 +1009,22 @@ void add_performance_flags(CLI::App* app, TrainArgs& args) {
   app->add_flag("--sync-batchnorm", args.sync_batchnorm,
                 "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
                 "and workers (train::convert_sync_batchnorm)");
-  app->add_flag(
-      "--jit-compile", args.jit_compile,
-      "Keras's jit_compile: capture the step in a CUDA graph (CUDA; no effect on the CPU)");
+  // Keras's jit_compile="auto" unless one of these is given.
+  app->add_flag_callback("--jit-compile", [&args] { args.jit_compile = "on"; },
+                         "Keras's jit_compile=True: on CUDA the step in a CUDA graph; on the CPU "
+                         "the compile step, as by default (it rewrites the model for flotilla's "
+                         "kernels)");
+  app->add_flag_callback("--no-jit-compile", [&args] { args.jit_compile = "off"; },
+                         "Keras's jit_compile=False: the model runs as written (no compile step)");
+  app->add_option("--kernels", args.kernels,
+                  "flotilla's CPU kernels against ATen's: measure (time both at each shape at "
+                  "first use, keep the faster, cache the choice for the next run), fixed "
+                  "(flotilla's wherever they apply: bit-reproducible across CPUs), none (ATen's)")
+      ->check(CLI::IsMember({"measure", "fixed", "none"}))
+      ->capture_default_str();
+  app->add_option("--kernel-cache", args.kernel_cache,
+                  "Where measured kernel choices are kept (default: FLOTILLA_CACHE_DIR, else "
+                  "$XDG_CACHE_HOME/flotilla, else ~/.cache/flotilla)");
   app->add_option("--steps-per-execution", args.steps_per_execution,
                   "Steps between batch-level callbacks and progress updates")
       ->check(number_in(1, 1 << 20))

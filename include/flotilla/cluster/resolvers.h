@@ -52,11 +52,19 @@ ClusterSpec single_worker();
 // --elastic` sets it): spec.rendezvous is that address and spec.external_rendezvous is true.
 ClusterSpec resolve_cluster(const Environment& env);
 
-// Workers started on this machine: LOCAL_WORLD_SIZE (set by `flotilla launch` and torchrun);
-// else, when resolve_cluster picks Slurm, this node's entry of the step's tasks per node; else 1.
-// Used to share the cores between them.
-int local_world_size(const Environment& env);
-// This worker's index among them: LOCAL_RANK (flotilla launch, torchrun), SLURM_LOCALID, or 0.
+// Workers started on this machine, and how that was found: LOCAL_WORLD_SIZE (set by `flotilla
+// launch` and torchrun); else, under TF_CONFIG, its training tasks at this task's address (workers
+// started by hand on one host: loopback by any name is one host); else, when resolve_cluster
+// picks Slurm, this node's entry of the step's tasks per node; else 1. Used to share the cores
+// (and GPUs) between them.
+struct LocalWorkers {
+  int count = 1;
+  std::string source; // "LOCAL_WORLD_SIZE", "TF_CONFIG's tasks at this task's address", ...
+};
+LocalWorkers local_workers(const Environment& env);
+int local_world_size(const Environment& env); // local_workers(env).count
+// This worker's index among them: LOCAL_RANK (flotilla launch, torchrun), SLURM_LOCALID, its
+// place among TF_CONFIG's tasks at its address (in rank order), or 0.
 int local_rank(const Environment& env);
 
 } // namespace flotilla::cluster

@@ -27,6 +27,10 @@
 #include "flotilla/train/step_phases.h"
 #include "flotilla/train/training_state.h"
 
+namespace flotilla::kernels {
+struct CompileReport;
+} // namespace flotilla::kernels
+
 namespace flotilla::train {
 
 class Callback;
@@ -51,12 +55,15 @@ struct CompileOptions {
   // Keras runs this many steps per call of its compiled function; here the steps are C++
   // already, so it sets how often batch-level callbacks (and the progress bar) run.
   int steps_per_execution = 1;
-  // Keras's XLA switch. On CUDA (one GPU per worker, no gradient accumulation): after 3 eager
-  // warm-up steps, the step's forward, backward and gradient all-reduce are captured once in a
-  // CUDA graph and replayed for every batch of the same shapes (others run eagerly); the
-  // optimizer and the loss scale's check stay eager. Elsewhere compile() says in one line why it
-  // has no effect (on the CPU the step is compiled C++ already).
-  bool jit_compile = false;
+  // Keras's jit_compile. Unset is Keras's "auto": on the CPU, the compile step
+  // (flotilla/kernels/compile.h) rewrites the model so flotilla's kernels can run its layers,
+  // each where it measures faster than ATen's (flotilla/kernels/choice.h), before the replicas
+  // are copied from it; on CUDA nothing. true: that on the CPU; on CUDA (one GPU per worker, no
+  // gradient accumulation), after 3 eager warm-up steps, the step's forward, backward and
+  // gradient all-reduce are captured once in a CUDA graph and replayed for every batch of the
+  // same shapes (others run eagerly); the optimizer and the loss scale's check stay eager;
+  // compile() says in one line why where it cannot. false: neither, the model runs as written.
+  std::optional<bool> jit_compile;
   // Apply the optimizer once every K batches, on their summed gradients, with one all-reduce
   // (Keras's gradient_accumulation_steps, DDP's no_sync). An epoch's last partial group is
   // applied at the epoch's end.
@@ -179,6 +186,9 @@ class Model {
   Policy policy() const; // float32 before compile()
   // Whether compile() keeps the replicas channels-last (CompileOptions::channels_last).
   bool channels_last() const;
+  // What compile()'s compile step rewrote (CompileOptions::jit_compile on the CPU), or null
+  // where it did not run.
+  const kernels::CompileReport* kernel_rewrites() const;
   // The gradient engine (after compile): bucket plan and communication statistics.
   const strategy::GradientReducer& gradient_reducer() const;
   // Replica 0's optimizer (every replica's holds the same state).

@@ -25,6 +25,7 @@
 #include <functional>
 #include <string>
 
+#include "flotilla/kernels/compile.h"
 #include "flotilla/strategy/replica_context.h"
 #include "flotilla/train/model.h"
 
@@ -58,6 +59,11 @@ class TorchScriptModuleImpl : public torch::nn::Module {
   // forward (the graphs are compiled then): ConfigError after. Copies made by clone() share it.
   int convert_sync_batchnorm();
   int sync_batchnorm_layers() const { return sync_layers_; }
+  // The compile step on the CPU (flotilla/kernels/compile.h; Model::compile runs it under
+  // CompileOptions::jit_compile): forward from then on is a rewritten copy of the module's,
+  // holding the same tensors. Any time, even after forwards ran. After convert_sync_batchnorm,
+  // whose BatchNorms it leaves as they are.
+  kernels::CompileReport compile_kernels();
   // A trace records BatchNorm's mode as a constant: true when one was traced in training mode
   // (it then normalises with batch statistics in evaluation too). load_torchscript warns.
   bool traced_in_training_mode() const;

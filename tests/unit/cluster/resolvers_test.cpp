@@ -200,6 +200,30 @@ TEST(Resolvers, LocalWorldSize) {
   EXPECT_THROW(local_world_size(env({{"LOCAL_WORLD_SIZE", "-1"}})), ConfigError);
 }
 
+// Workers started by hand from one TF_CONFIG: those at the same address share its host (loopback
+// by any name is one host), so they divide its cores; LOCAL_WORLD_SIZE, where set, wins.
+TEST(Resolvers, LocalWorkersFromTfConfigAddresses) {
+  const auto tf_config = [](const std::string& type, int index) {
+    return R"({"cluster": {"chief": ["127.0.0.1:2222"], "worker": ["localhost:2223", )"
+           R"("198.18.0.5:2224", "127.0.0.2:2225"]}, "task": {"type": ")" +
+           type + R"(", "index": )" + std::to_string(index) + "}}";
+  };
+  const LocalWorkers chief = local_workers(env({{"TF_CONFIG", tf_config("chief", 0)}}));
+  EXPECT_EQ(chief.count, 3);
+  EXPECT_EQ(chief.source, "TF_CONFIG's tasks at this task's address");
+  EXPECT_EQ(local_rank(env({{"TF_CONFIG", tf_config("chief", 0)}})), 0);
+  EXPECT_EQ(local_rank(env({{"TF_CONFIG", tf_config("worker", 0)}})), 1);
+  EXPECT_EQ(local_rank(env({{"TF_CONFIG", tf_config("worker", 2)}})), 2);
+  EXPECT_EQ(local_world_size(env({{"TF_CONFIG", tf_config("worker", 1)}})), 1);
+  EXPECT_EQ(local_rank(env({{"TF_CONFIG", tf_config("worker", 1)}})), 0);
+  const auto launched = env({{"TF_CONFIG", tf_config("worker", 0)}, {"LOCAL_WORLD_SIZE", "2"},
+                             {"LOCAL_RANK", "1"}});
+  EXPECT_EQ(local_workers(launched).count, 2);
+  EXPECT_EQ(local_workers(launched).source, "LOCAL_WORLD_SIZE");
+  EXPECT_EQ(local_rank(launched), 1);
+  EXPECT_EQ(local_workers(env({})).count, 1);
+}
+
 // ---- Slurm -------------------------------------------------------------------------------------
 
 std::vector<std::string> hosts(const std::string& text) {

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include "flotilla/error.h"
+#include "flotilla/kernels/choice.h"
+#include "flotilla/kernels/compile.h"
 #include "flotilla/profile/compute.h"
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/sync_batchnorm.h"
@@ -101,15 +103,36 @@ TEST(Zoo, TheResNetsConvertToSyncBatchNormWithTheirNamesAndValues) {
   EXPECT_TRUE(torch::equal(sync->forward(x), before));
 }
 
-// The ResNets (and they alone) hold residual blocks, with SyncBatchNorm too: flotilla train's
-// recipe line on their convolutions (winograd.h) depends on it.
-TEST(Zoo, TheResNetsAloneHaveResidualBlocksBeforeAndAfterSyncBatchNorm) {
-  for (const auto& name : model_names()) {
+// The zoo is plain torch::nn: its speed comes from the compile step, as a user's model's does.
+// What the step rewrites in each model and what it leaves, with SyncBatchNorm's left alone.
+TEST(Zoo, TheCompileStepRewritesEachModelsLayers) {
+  using Counts = std::map<std::string, int>;
+  const std::map<std::string, std::pair<Counts, Counts>> expected = {
+      {"mlp", {{}, {}}},
+      {"cnn",
+       {{{"first layers (Conv2d, ReLU, MaxPool2d)", 1}, {"ReLU+MaxPool2d", 1}},
+        {{"Conv2d (with a bias)", 1}}}},
+      // 18 3x3 convolutions in the blocks, 2 of stride 2; the stem's and each block's first
+      // "BatchNorm, ReLU"; each block's last BatchNorm (before the sum) and the shortcuts'.
+      {"resnet20",
+       {{{"3x3 convolutions", 16}, {"BatchNorm+ReLU", 10}},
+        {{"Conv2d (channels not multiples of 16 up to 512)", 1},
+         {"Conv2d (stride 2)", 2},
+         {"Conv2d (not 3x3)", 2},
+         {"BatchNorm2d (not followed by ReLU)", 11}}}},
+      {"vit-tiny",
+       {{{"GELU+Dropout", 6}, {"Dropout", 13}}, {{"Conv2d (outside a Sequential)", 1}}}},
+  };
+  for (const auto& [name, counts] : expected) {
     auto m = make_model(name);
-    const bool resnet = name == "resnet20" || name == "resnet18";
-    EXPECT_EQ(has_residual_blocks(*m), resnet) << name;
-    if (resnet) EXPECT_TRUE(has_residual_blocks(*train::convert_sync_batchnorm(m))) << name;
+    const kernels::CompileReport report = kernels::compile(*m);
+    EXPECT_EQ(report.rewritten, counts.first) << name << ": " << report.summary();
+    EXPECT_EQ(report.left, counts.second) << name << ": " << report.summary();
   }
+  auto synced = train::convert_sync_batchnorm(make_model("resnet20"));
+  const kernels::CompileReport report = kernels::compile(*synced);
+  EXPECT_EQ(report.rewritten.count("BatchNorm+ReLU"), 0u) << report.summary();
+  EXPECT_EQ(report.rewritten.at("3x3 convolutions"), 16) << report.summary();
 }
 
 TEST(Zoo, UnknownModelListsTheKnownOnes) {

@@ -208,8 +208,8 @@ TEST(Doctor, CompiledStepSaysPlainlyThatTheCpuHasNone) {
   run.recipe.jit_compile = true;
   Finding f = item(run, "compiled step");
   EXPECT_EQ(f.status, Status::kUnknown);
-  EXPECT_TRUE(contains(f.evidence, "on the CPU the step is compiled C++ already")) << f.evidence;
-  EXPECT_TRUE(contains(f.evidence, "no effect")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "the CUDA-graph step is for CUDA replicas")) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "on the CPU jit_compile is the compile step")) << f.evidence;
 
   run.recipe.device = "cuda:0";
   run.recipe.compiled_step_available = true;

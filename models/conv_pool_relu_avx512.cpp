@@ -1,5 +1,0 @@
-// ConvMaxPool2ReLU's kernels for AVX-512 (x86-64-v4); see conv_pool_relu_kernel.inc.
-#define KERNEL_NAMESPACE avx512
-#define KERNEL kAvx512
-#define KERNEL_LANES 16
-#include "models/conv_pool_relu_kernel.inc"

@@ -1,5 +1,0 @@
-// models::dropout's kernel for AVX-512 (x86-64-v4); see dropout_kernel.inc.
-#define KERNEL_NAMESPACE avx512
-#define KERNEL kAvx512
-#define KERNEL_LANES 16
-#include "models/dropout_kernel.inc"

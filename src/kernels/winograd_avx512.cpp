@@ -1,0 +1,5 @@
+// The Winograd convolution's kernels for AVX-512 (x86-64-v4); see winograd_kernel.inc.
+#define KERNEL_NAMESPACE avx512
+#define KERNEL kAvx512
+#define KERNEL_LANES 16
+#include "kernels/winograd_kernel.inc"
