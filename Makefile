@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-max-pool-relu bench-batch-norm-relu bench-winograd bench-dropout bench-attention bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-chaos bench-gpu package-deb clean
+.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-max-pool-relu bench-batch-norm-relu bench-winograd bench-kernel-choice bench-dropout bench-attention bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-chaos bench-gpu package-deb clean
 
 all: build
 
@@ -63,6 +63,11 @@ bench-batch-norm-relu: build
 
 bench-winograd: build
 	$(BUILD_DIR)/bench_winograd | bench/machine.sh --tag
+
+# What measuring flotilla's kernels against ATen's costs a run: the first epoch with an empty
+# kernel cache against the next run's, which reads it (JSON lines; docs/benchmarks.md).
+bench-kernel-choice: build
+	bench/kernel_choice.sh
 
 bench-dropout: build
 	$(BUILD_DIR)/bench_dropout | bench/machine.sh --tag

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernels/batch_norm_relu_kernel.h"
@@ -160,13 +161,19 @@ const float* row(const torch::Tensor& channels, int which) {
   return channels.const_data_ptr<float>() + which * channels.size(1);
 }
 
-// relu(x * scale + shift (+ residual, where `add`)).
+// ReLU's ceiling: none (infinity), or ReLU6's 6.
+float ceiling_of(const std::optional<double>& ceiling) {
+  return ceiling ? static_cast<float>(*ceiling) : std::numeric_limits<float>::infinity();
+}
+
+// min(relu(x * scale + shift (+ residual, where `add`)), ceiling).
 torch::Tensor normalized(const kernel::Kernel& k, const torch::Tensor& x,
-                         const torch::Tensor& residual, bool add, const torch::Tensor& channels) {
+                         const torch::Tensor& residual, bool add, const torch::Tensor& channels,
+                         float ceiling) {
   torch::Tensor y = torch::empty_like(x); // x's channels-last strides
   for_each_block(rows_in(x), [&](std::int64_t, std::int64_t begin, std::int64_t end) {
     k.normalize(rows_of(x, begin, end), add ? row_of(residual, begin) : nullptr,
-                row(channels, kScale), row(channels, kShift), row_of(y, begin));
+                row(channels, kScale), row(channels, kShift), ceiling, row_of(y, begin));
   });
   return y;
 }
@@ -175,10 +182,11 @@ torch::Tensor normalized(const kernel::Kernel& k, const torch::Tensor& x,
 // which carry no gradient; the residual (as x) or null.
 torch::Tensor forward_saving(AutogradContext* ctx, const torch::Tensor& x,
                              const torch::Tensor& weight, const torch::Tensor& channels,
-                             const torch::Tensor* residual) {
-  const torch::Tensor y =
-      normalized(*choice().kernel(), x, residual ? *residual : x, residual != nullptr, channels);
+                             const torch::Tensor* residual, double ceiling) {
+  const torch::Tensor y = normalized(*choice().kernel(), x, residual ? *residual : x,
+                                     residual != nullptr, channels, static_cast<float>(ceiling));
   ctx->save_for_backward({x, y, weight, channels});
+  ctx->saved_data["ceiling"] = ceiling;
   return y;
 }
 
@@ -188,13 +196,15 @@ variable_list backward_of(AutogradContext* ctx, const variable_list& grads, bool
   const auto saved = ctx->get_saved_variables();
   const torch::Tensor &x = saved[0], &y = saved[1], &weight = saved[2], &channels = saved[3];
   const kernel::Kernel& k = choice().kernel_for_backward();
+  const float ceiling = static_cast<float>(ctx->saved_data["ceiling"].toDouble());
   const torch::Tensor gy =
       grads[0].to(x.scalar_type()).contiguous(torch::MemoryFormat::ChannelsLast);
   const std::int64_t c = x.size(1), rows = rows_in(x);
   const float* mean = row(channels, kMean);
   auto [sum_g, sum_gx] =
       block_sums(rows, c, [&](std::int64_t begin, std::int64_t end, double* s, double* q) {
-        k.backward_sums(rows_of(x, begin, end), row_of(y, begin), row_of(gy, begin), mean, s, q);
+        k.backward_sums(rows_of(x, begin, end), row_of(y, begin), row_of(gy, begin), mean,
+                        ceiling, s, q);
       });
   // gx = w * invstd * (g - mean(g) - (x - mean) * invstd^2 * mean(g * (x - mean))):
   // g * scale + (x - mean) * slope + offset. Then the weight's and bias's gradients.
@@ -216,7 +226,8 @@ variable_list backward_of(AutogradContext* ctx, const variable_list& grads, bool
   torch::Tensor g_residual = residual ? torch::empty_like(x) : torch::Tensor();
   for_each_block(rows, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
     k.backward_input(rows_of(x, begin, end), row_of(y, begin), row_of(gy, begin), mean, f, f + c,
-                     f + 2 * c, row_of(gx, begin), residual ? row_of(g_residual, begin) : nullptr);
+                     f + 2 * c, ceiling, row_of(gx, begin),
+                     residual ? row_of(g_residual, begin) : nullptr);
   });
   variable_list result = {gx, parameter_grads[0].to(weight.scalar_type()),
                           parameter_grads[1].to(weight.scalar_type()), torch::Tensor()};
@@ -230,11 +241,13 @@ class BatchNormReLUFunction : public torch::autograd::Function<BatchNormReLUFunc
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& channels) {
-    return forward_saving(ctx, x, weight, channels, nullptr);
+                               const torch::Tensor& channels, double ceiling) {
+    return forward_saving(ctx, x, weight, channels, nullptr, ceiling);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return backward_of(ctx, grads, false);
+    auto g = backward_of(ctx, grads, false);
+    g.push_back(torch::Tensor()); // the ceiling's
+    return g;
   }
 };
 
@@ -242,11 +255,14 @@ class BatchNormAddReLUFunction : public torch::autograd::Function<BatchNormAddRe
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& channels, const torch::Tensor& residual) {
-    return forward_saving(ctx, x, weight, channels, &residual);
+                               const torch::Tensor& channels, const torch::Tensor& residual,
+                               double ceiling) {
+    return forward_saving(ctx, x, weight, channels, &residual, ceiling);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return backward_of(ctx, grads, true);
+    auto g = backward_of(ctx, grads, true);
+    g.push_back(torch::Tensor()); // the ceiling's
+    return g;
   }
 };
 
@@ -271,10 +287,12 @@ bool kernel_applies(const torch::Tensor& x, const torch::Tensor& weight, const t
 torch::Tensor aten_batch_norm_relu(const torch::Tensor& x, const torch::Tensor& weight,
                                    const torch::Tensor& bias, const torch::Tensor& running_mean,
                                    const torch::Tensor& running_var, bool training,
-                                   double momentum, double eps, const torch::Tensor& residual) {
+                                   double momentum, double eps, const torch::Tensor& residual,
+                                   const std::optional<double>& ceiling) {
   const torch::Tensor y = at::batch_norm(x, weight, bias, running_mean, running_var, training,
                                          momentum, eps, /*cudnn_enabled=*/true);
-  return torch::relu(residual.defined() ? y + residual : y);
+  const torch::Tensor sum = residual.defined() ? y + residual : y;
+  return ceiling ? torch::hardtanh(sum, 0, *ceiling) : torch::relu(sum);
 }
 
 // flotilla's kernels, where kernel_applies and the statistics are the batch's or no gradient is
@@ -283,7 +301,7 @@ torch::Tensor kernel_batch_norm_relu(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& bias, const torch::Tensor& running_mean,
                                      const torch::Tensor& running_var, bool training,
                                      double momentum, double eps, const torch::Tensor& residual,
-                                     bool needs_grad) {
+                                     const std::optional<double>& ceiling, bool needs_grad) {
   RECORD_FUNCTION("flotilla::batch_norm_relu", std::vector<c10::IValue>({x}));
   const kernel::Kernel& k = *choice().kernel();
   Moments moments;
@@ -294,17 +312,18 @@ torch::Tensor kernel_batch_norm_relu(const torch::Tensor& x, const torch::Tensor
     moments = {values_of(running_mean), values_of(running_var)};
   }
   const torch::Tensor channels = per_channel(weight, bias, eps, moments);
+  const float cap = ceiling_of(ceiling);
   if (needs_grad) {
     return residual.defined()
-               ? BatchNormAddReLUFunction::apply(x, weight, bias, channels, residual)
-               : BatchNormReLUFunction::apply(x, weight, bias, channels);
+               ? BatchNormAddReLUFunction::apply(x, weight, bias, channels, residual, cap)
+               : BatchNormReLUFunction::apply(x, weight, bias, channels, cap);
   }
-  return normalized(k, x, residual, residual.defined(), channels);
+  return normalized(k, x, residual, residual.defined(), channels, cap);
 }
 
 // Both candidates on inputs of x's shape, type and layout, with the site's residual or none.
 detail::Candidates candidates(const torch::Tensor& x, bool with_residual, bool training_mode,
-                              double eps, bool needs_grad) {
+                              double eps, const std::optional<double>& ceiling, bool needs_grad) {
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(0x5eed);
   const std::int64_t c = x.size(1);
   const auto grad = [&](torch::Tensor t) { return t.requires_grad_(needs_grad); };
@@ -328,11 +347,11 @@ detail::Candidates candidates(const torch::Tensor& x, bool with_residual, bool t
   };
   return {[=] {
             run(kernel_batch_norm_relu(xs, weight, bias, mean, var, training_mode, 0.1, eps,
-                                       residual, needs_grad));
+                                       residual, ceiling, needs_grad));
           },
           [=] {
             run(aten_batch_norm_relu(xs, weight, bias, mean, var, training_mode, 0.1, eps,
-                                     residual));
+                                     residual, ceiling));
           }};
 }
 
@@ -348,7 +367,8 @@ torch::Tensor batch_norm_relu(const torch::Tensor& x, const std::optional<torch:
                               const std::optional<torch::Tensor>& running_mean,
                               const std::optional<torch::Tensor>& running_var, bool training,
                               double momentum, double eps,
-                              const std::optional<torch::Tensor>& residual_) {
+                              const std::optional<torch::Tensor>& residual_,
+                              const std::optional<double>& ceiling) {
   const torch::Tensor w = defined_or_empty(weight), b = defined_or_empty(bias),
                       mean = defined_or_empty(running_mean), var = defined_or_empty(running_var),
                       residual = defined_or_empty(residual_);
@@ -364,20 +384,23 @@ torch::Tensor batch_norm_relu(const torch::Tensor& x, const std::optional<torch:
     const std::string key = detail::shape_text(x.sizes().vec()) +
                             (x.scalar_type() == torch::kBFloat16 ? " bf16" : " f32") +
                             (residual.defined() ? " +residual" : "") +
+                            (ceiling ? " ceiling " + c10::str(*ceiling) : "") +
                             (training ? "" : " running-statistics");
     if (detail::use_flotilla(residual.defined() ? "batch_norm_add_relu" : "batch_norm_relu", key,
                              needs_grad, [&] {
-                               return candidates(x, residual.defined(), training, eps, needs_grad);
+                               return candidates(x, residual.defined(), training, eps, ceiling,
+                                                 needs_grad);
                              })) {
       return kernel_batch_norm_relu(x, w, b, mean, var, training, momentum, eps, residual,
-                                    needs_grad);
+                                    ceiling, needs_grad);
     }
   }
-  return aten_batch_norm_relu(x, w, b, mean, var, training, momentum, eps, residual);
+  return aten_batch_norm_relu(x, w, b, mean, var, training, momentum, eps, residual, ceiling);
 }
 
 torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
-                              const torch::Tensor& residual) {
+                              const torch::Tensor& residual,
+                              const std::optional<double>& ceiling) {
   // BatchNormImplBase::forward's bookkeeping: the batches counted, and momentum's factor (a
   // cumulative average where momentum is unset).
   double factor = bn.options.momentum().value_or(0.0);
@@ -390,7 +413,8 @@ torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tenso
   return batch_norm_relu(x, bn.weight, bn.bias, track ? bn.running_mean : torch::Tensor(),
                          track ? bn.running_var : torch::Tensor(), bn.is_training() || !track,
                          factor, bn.options.eps(),
-                         residual.defined() ? std::optional<torch::Tensor>(residual) : std::nullopt);
+                         residual.defined() ? std::optional<torch::Tensor>(residual) : std::nullopt,
+                         ceiling);
 }
 
 const char* batch_norm_relu_kernel() {

@@ -16,19 +16,21 @@ struct Rows {
 
 // Adds, per channel, the sum of (x - origin) and of its square into `sum` and `squares`.
 using Statistics = void (*)(const Rows& x, const float* origin, double* sum, double* squares);
-// y = max(x * scale + shift (+ residual), 0) per channel, NaN kept; with bfloat16 the normalized
-// value is rounded before the residual is added and the sum after, as the separate operations
-// round. `residual` (rows like x) may be null.
+// y = min(max(x * scale + shift (+ residual), 0), ceiling) per channel, NaN kept (ceiling:
+// infinity for ReLU, 6 for ReLU6); with bfloat16 the normalized value is rounded before the
+// residual is added and the sum after, as the separate operations round. `residual` (rows like
+// x) may be null.
 using Normalize = void (*)(const Rows& x, const void* residual, const float* scale,
-                           const float* shift, void* y);
-// With g = gy where y > 0, else 0: adds, per channel, the sum of g and of g * (x - mean).
+                           const float* shift, float ceiling, void* y);
+// With g = gy where 0 < y < ceiling, else 0: adds, per channel, the sum of g and of
+// g * (x - mean).
 using BackwardSums = void (*)(const Rows& x, const void* y, const void* gy, const float* mean,
-                              double* sum_g, double* sum_gx);
+                              float ceiling, double* sum_g, double* sum_gx);
 // gx = g * scale + (x - mean) * slope + offset per channel; where `g_residual` is not null, g
 // itself is written there too (the residual's gradient).
 using BackwardInput = void (*)(const Rows& x, const void* y, const void* gy, const float* mean,
                                const float* scale, const float* slope, const float* offset,
-                               void* gx, void* g_residual);
+                               float ceiling, void* gx, void* g_residual);
 
 struct Kernel {
   Statistics statistics;

@@ -14,6 +14,7 @@
 #include <torch/nn/modules/pooling.h>
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 
 #include "flotilla/kernels/batch_norm_relu.h"
@@ -43,9 +44,10 @@ at::Tensor script_batch_norm_relu(const at::Tensor& input, const std::optional<a
                                   const std::optional<at::Tensor>& running_mean,
                                   const std::optional<at::Tensor>& running_var, bool training,
                                   double momentum, double eps,
-                                  const std::optional<at::Tensor>& residual) {
+                                  const std::optional<at::Tensor>& residual,
+                                  std::optional<double> ceiling) {
   return batch_norm_relu(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                         residual);
+                         residual, ceiling);
 }
 
 } // namespace
@@ -56,8 +58,8 @@ TORCH_LIBRARY_FRAGMENT(flotilla, m) {
   m.def("conv2d(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, "
         "int[2] dilation, int groups) -> Tensor");
   m.def("batch_norm_relu(Tensor input, Tensor? weight, Tensor? bias, Tensor? running_mean, "
-        "Tensor? running_var, bool training, float momentum, float eps, Tensor? residual) -> "
-        "Tensor");
+        "Tensor? running_var, bool training, float momentum, float eps, Tensor? residual, "
+        "float? ceiling=None) -> Tensor");
 }
 // Above autograd: each computes its own gradients (torch::autograd::Function) or calls ATen's.
 TORCH_LIBRARY_IMPL(flotilla, CompositeImplicitAutograd, m) {
@@ -132,6 +134,10 @@ bool relu(const std::shared_ptr<nn::Module>& m) {
   return as<nn::ReLUImpl>(m) != nullptr;
 }
 
+bool relu6(const std::shared_ptr<nn::Module>& m) {
+  return as<nn::ReLU6Impl>(m) != nullptr;
+}
+
 class SequentialRewriter {
  public:
   SequentialRewriter(nn::SequentialImpl& seq, CompileReport& report)
@@ -157,9 +163,12 @@ class SequentialRewriter {
           ++report_.left["Conv2d (" + why + ")"];
         }
       } else if (auto* bn = as<nn::BatchNorm2dImpl>(m)) {
+        const nn::BatchNorm2d held(std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(m));
         if (relu(next(1)) && bn->options.affine()) {
-          swap(i, BatchNormReLU(nn::BatchNorm2d(std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(m))).ptr(),
-               "BatchNorm+ReLU", 2);
+          swap(i, BatchNormReLU(held).ptr(), "BatchNorm+ReLU", 2);
+          ++i;
+        } else if (relu6(next(1)) && bn->options.affine()) {
+          swap(i, BatchNormReLU(held, 6.0).ptr(), "BatchNorm+ReLU6", 2);
           ++i;
         } else {
           ++report_.left[std::string("BatchNorm2d (") +
@@ -230,6 +239,8 @@ const c10::Symbol kConvolution = c10::Symbol::fromQualString("aten::_convolution
 const c10::Symbol kBatchNorm = c10::Symbol::fromQualString("aten::batch_norm");
 const c10::Symbol kRelu = c10::Symbol::fromQualString("aten::relu");
 const c10::Symbol kReluInPlace = c10::Symbol::fromQualString("aten::relu_");
+const c10::Symbol kHardtanh = c10::Symbol::fromQualString("aten::hardtanh");
+const c10::Symbol kHardtanhInPlace = c10::Symbol::fromQualString("aten::hardtanh_");
 const c10::Symbol kAdd = c10::Symbol::fromQualString("aten::add");
 const c10::Symbol kAddInPlace = c10::Symbol::fromQualString("aten::add_");
 const c10::Symbol kOurConv2d = c10::Symbol::fromQualString("flotilla::conv2d");
@@ -293,37 +304,71 @@ std::vector<jit::Node*> nodes_of(jit::Block* block, const std::vector<c10::Symbo
 // aten::conv2d(input, weight, bias, stride, padding, dilation, groups), or a trace's
 // aten::_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
 // groups, ...) of two dimensions, to flotilla::conv2d where the options are Winograd's.
-void rewrite_convolution(jit::Node* node, const jit::Module& module, CompileReport& report) {
+// Counts one layer in `counts` under `what`: once per layer, however many places the graph calls
+// it from (a branch on a module's flag, inlined, holds its layers' calls twice). `layer`: the
+// layer's parameter a chain of prim::GetAttr names ("features.3.conv.1.weight"), "" where none
+// does (then each call counts).
+class LayerCounter {
+ public:
+  explicit LayerCounter(CompileReport& report) : report_(report) {}
+  void count(bool rewritten, const std::string& what, const std::string& layer) {
+    if (!layer.empty() && !seen_.insert(what + " " + layer).second) return;
+    ++(rewritten ? report_.rewritten : report_.left)[what];
+  }
+
+ private:
+  CompileReport& report_;
+  std::set<std::string> seen_;
+};
+
+// The attribute path of a chain of prim::GetAttr from the graph's `self`, or "".
+std::string attribute_path(jit::Value* v) {
+  std::string path;
+  while (v->node()->kind() == jit::prim::GetAttr) {
+    path = v->node()->s(jit::attr::name) + (path.empty() ? "" : ".") + path;
+    v = v->node()->input();
+  }
+  return v->node()->kind() == jit::prim::Param && v->offset() == 0 ? path : "";
+}
+
+// aten::conv2d(input, weight, bias, stride, padding, dilation, groups), or a trace's
+// aten::_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+// groups, ...) of two dimensions, to flotilla::conv2d where the options are Winograd's.
+void rewrite_convolution(jit::Node* node, const jit::Module& module, LayerCounter& counter) {
   const bool conv2d = node->kind() == kConv2d && node->inputs().size() == 7;
   const bool convolution = node->kind() == kConvolution && node->inputs().size() >= 9;
   if (!conv2d && !convolution) return;
   jit::Value* groups = node->input(conv2d ? 6 : 8);
+  const auto w = attribute(node->input(1), module);
+  const bool known = w && w->isTensor();
+  const auto stride = constant(node->input(3));
   std::string why;
   if (convolution && (!constant(node->input(6)) || constant(node->input(6))->toBool())) {
     why = "transposed";
+  } else if (stride && stride->isIntList() && stride->toIntVector().size() != 2) {
+    why = "not 2-D";
+  } else if (known && (w->toTensor().dim() != 4 || w->toTensor().size(2) != 3 ||
+                       w->toTensor().size(3) != 3)) {
+    why = "not 3x3";
+  } else if (!constant(groups) || constant(groups)->toInt() != 1) {
+    why = "grouped";
   } else if (!int_list_is(node->input(3), 1)) {
-    const auto stride = constant(node->input(3));
-    why = stride && stride->isIntList() && stride->toIntVector().size() != 2
-              ? "not 2-D"
-              : "stride not 1";
+    why = "stride not 1";
   } else if (!int_list_is(node->input(4), 1)) {
     why = "padding not 1";
   } else if (!int_list_is(node->input(5), 1)) {
     why = "dilated";
-  } else if (!constant(groups) || constant(groups)->toInt() != 1) {
-    why = "grouped";
   } else if (!is_none(node->input(2), module)) {
     why = "with a bias";
-  } else if (const auto w = attribute(node->input(1), module); w && w->isTensor()) {
+  } else if (known) {
     const at::Tensor& t = w->toTensor();
-    if (t.dim() != 4 || t.size(2) != 3 || t.size(3) != 3) {
-      why = "not 3x3";
-    } else if (t.size(0) % 16 || t.size(1) % 16 || t.size(0) > 512 || t.size(1) > 512) {
+    if (t.size(0) % 16 || t.size(1) % 16 || t.size(0) > 512 || t.size(1) > 512) {
       why = "channels not multiples of 16 up to 512";
     }
   }
+  const std::string layer = attribute_path(node->input(1));
   if (!why.empty()) {
-    ++report.left["convolutions (" + why + ")"];
+    counter.count(false, "convolutions (" + why + ")", layer);
     return;
   }
   jit::Graph& graph = *node->owningGraph();
@@ -335,11 +380,24 @@ void rewrite_convolution(jit::Node* node, const jit::Module& module, CompileRepo
   ours->output()->setType(node->output()->type());
   node->output()->replaceAllUsesWith(ours->output());
   node->destroy();
-  ++report.rewritten["3x3 convolutions"];
+  counter.count(true, "3x3 convolutions", layer);
 }
 
-bool is_relu(jit::Node* n) {
-  return n->kind() == kRelu || n->kind() == kReluInPlace;
+// A ReLU: relu or relu_ (nullopt ceiling), or hardtanh(0, c) as ReLU6 makes (ceiling c); false
+// for anything else.
+bool is_relu(jit::Node* n, std::optional<double>& ceiling) {
+  ceiling.reset();
+  if (n->kind() == kRelu || n->kind() == kReluInPlace) return true;
+  if ((n->kind() != kHardtanh && n->kind() != kHardtanhInPlace) || n->inputs().size() != 3) {
+    return false;
+  }
+  const auto low = constant(n->input(1)), high = constant(n->input(2));
+  if (!low || !high || !low->isScalar() || !high->isScalar() || low->toScalar().toDouble() != 0 ||
+      !(high->toScalar().toDouble() > 0)) {
+    return false;
+  }
+  ceiling = high->toScalar().toDouble();
+  return true;
 }
 
 // The one node that uses v, where exactly one does.
@@ -348,13 +406,15 @@ jit::Node* only_user(jit::Value* v) {
 }
 
 // aten::batch_norm then relu, or then add and relu, to flotilla::batch_norm_relu.
-void rewrite_batch_norm(jit::Node* node, CompileReport& report) {
+void rewrite_batch_norm(jit::Node* node, LayerCounter& counter) {
   if (node->kind() != kBatchNorm || node->inputs().size() != 9) return;
+  const std::string layer = attribute_path(node->input(3)); // its running mean
   jit::Value* out = node->output();
   jit::Node* user = only_user(out);
   jit::Node* last = nullptr;
   jit::Value* residual = nullptr;
-  if (user && is_relu(user) && user->owningBlock() == node->owningBlock()) {
+  std::optional<double> ceiling;
+  if (user && is_relu(user, ceiling) && user->owningBlock() == node->owningBlock()) {
     last = user;
   } else if (user && (user->kind() == kAdd || user->kind() == kAddInPlace) &&
              user->inputs().size() == 3 && user->owningBlock() == node->owningBlock()) {
@@ -365,13 +425,13 @@ void rewrite_batch_norm(jit::Node* node, CompileReport& report) {
     jit::Node* then = only_user(user->output());
     const bool tensor = user->input(first ? 1 : 0)->type()->cast<c10::TensorType>() != nullptr;
     if (alpha && alpha->isInt() && alpha->toInt() == 1 && (first || second) && tensor && then &&
-        is_relu(then) && then->owningBlock() == node->owningBlock()) {
+        is_relu(then, ceiling) && then->owningBlock() == node->owningBlock()) {
       last = then;
       residual = user->input(first ? 1 : 0);
     }
   }
   if (last == nullptr) {
-    ++report.left["batch_norm (not followed by relu)"];
+    counter.count(false, "batch_norm (not followed by relu or relu6)", layer);
     return;
   }
   jit::Graph& graph = *node->owningGraph();
@@ -379,6 +439,7 @@ void rewrite_batch_norm(jit::Node* node, CompileReport& report) {
   jit::Value* none = residual ? residual : graph.insertConstant(c10::IValue());
   std::vector<jit::Value*> inputs(node->inputs().begin(), node->inputs().begin() + 8);
   inputs.push_back(none);
+  inputs.push_back(graph.insertConstant(ceiling ? c10::IValue(*ceiling) : c10::IValue()));
   jit::Node* ours = graph.insertNode(graph.create(kOurBatchNormRelu, inputs, 1));
   ours->output()->setType(last->output()->type());
   last->output()->replaceAllUsesWith(ours->output());
@@ -386,7 +447,10 @@ void rewrite_batch_norm(jit::Node* node, CompileReport& report) {
   last->destroy();
   if (add) add->destroy();
   node->destroy();
-  ++report.rewritten[residual ? "batch_norm+add+relu" : "batch_norm+relu"];
+  counter.count(true,
+                std::string(residual ? "batch_norm+add+" : "batch_norm+") +
+                    (!ceiling ? "relu" : *ceiling == 6 ? "relu6" : "hardtanh"),
+                layer);
 }
 
 } // namespace
@@ -400,10 +464,11 @@ jit::Module compile(const jit::Module& module, CompileReport& report) {
   // Folds the branches on the layers' constants (F.relu's inplace, Conv2d's padding mode), so a
   // batch_norm meets the relu after it.
   jit::ConstantPropagation(graph);
+  LayerCounter counter(report);
   for (jit::Node* n : nodes_of(graph->block(), {kConv2d, kConvolution})) {
-    rewrite_convolution(n, copy, report);
+    rewrite_convolution(n, copy, counter);
   }
-  for (jit::Node* n : nodes_of(graph->block(), {kBatchNorm})) rewrite_batch_norm(n, report);
+  for (jit::Node* n : nodes_of(graph->block(), {kBatchNorm})) rewrite_batch_norm(n, counter);
   jit::EliminateDeadCode(graph);
   return copy;
 }

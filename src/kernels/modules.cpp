@@ -41,8 +41,9 @@ void Conv2dImpl::pretty_print(std::ostream& stream) const {
   conv_->pretty_print(stream);
 }
 
-BatchNormReLUImpl::BatchNormReLUImpl(const torch::nn::BatchNorm2d& bn)
-    : options(bn->options), bn_(bn) {
+BatchNormReLUImpl::BatchNormReLUImpl(const torch::nn::BatchNorm2d& bn,
+                                     std::optional<double> ceiling)
+    : options(bn->options), ceiling(ceiling), bn_(bn) {
   adopt();
 }
 
@@ -63,12 +64,12 @@ void BatchNormReLUImpl::reset() {
 torch::Tensor BatchNormReLUImpl::forward(const torch::Tensor& x) {
   // The mode is this module's (train() reaches registered modules only).
   if (bn_->is_training() != is_training()) bn_->train(is_training());
-  return batch_norm_relu(*bn_, x);
+  return batch_norm_relu(*bn_, x, {}, ceiling);
 }
 
 void BatchNormReLUImpl::pretty_print(std::ostream& stream) const {
-  stream << "flotilla::kernels::BatchNormReLU(" << options.num_features()
-         << ", eps=" << options.eps() << ")";
+  stream << "flotilla::kernels::BatchNormReLU" << (ceiling ? "6" : "") << "("
+         << options.num_features() << ", eps=" << options.eps() << ")";
 }
 
 } // namespace flotilla::kernels

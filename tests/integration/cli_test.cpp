@@ -169,6 +169,58 @@ TEST(TrainCommand, ValidationIsHeldOutOfTheTrainingSetNeverTheTestSplit) {
   EXPECT_NE(folder.err.find("would report the same images twice"), std::string::npos) << folder.err;
 }
 
+// Two workers started by hand from one TF_CONFIG, both at 127.0.0.1 (no launcher, no
+// LOCAL_WORLD_SIZE): they divide the host's cores and say so. The compile step rewrites the
+// zoo's ResNet-20 and, after the first step, the recipe says what ran for each kind of layer;
+// without it (--no-jit-compile) the model runs as written.
+TEST(TrainCommand, HandStartedWorkersShareTheCoresAndTheRecipeSaysWhichKernelsRan) {
+  if (!testing::fashion_mnist_present()) GTEST_SKIP() << "no Fashion-MNIST";
+  const auto ports = testing::free_ports(2);
+  const std::string cluster = R"({"cluster": {"worker": ["127.0.0.1:)" + std::to_string(ports[0]) +
+                              R"(", "localhost:)" + std::to_string(ports[1]) + R"("]}, )";
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int index = 0; index < 2; ++index) {
+    workers.push_back(std::make_unique<testing::Process>(
+        std::vector<std::string>{kCli, "train", "--model", "resnet20", "--epochs", "1",
+                                 "--steps-per-epoch", "2", "--batch-per-replica", "8",
+                                 "--kernels", "fixed", "--verbose", "0", "--no-doctor"},
+        std::map<std::string, std::string>{
+            {"TF_CONFIG", cluster + R"("task": {"type": "worker", "index": )" +
+                              std::to_string(index) + "}}"},
+            {"LOCAL_WORLD_SIZE", ""}}));
+  }
+  std::string all;
+  for (auto& w : workers) {
+    const auto r = w->wait(std::chrono::seconds(120));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    all += r.out + r.err;
+  }
+  EXPECT_NE(all.find("/ 2 worker(s) on this host, from TF_CONFIG's tasks at this task's address"),
+            std::string::npos)
+      << all;
+  EXPECT_NE(all.find("recipe: compile step: rewrote 16 3x3 convolutions, 10 BatchNorm+ReLU; left "
+                     "to ATen: "),
+            std::string::npos)
+      << all;
+  EXPECT_NE(all.find("recipe: kernels: fixed (--kernels fixed)"), std::string::npos) << all;
+  EXPECT_NE(all.find("recipe: 3x3 convolutions (Winograd's): flotilla's at 3 of 3 shape(s)"),
+            std::string::npos)
+      << all;
+
+  const auto plain = run_process({kCli, "train", "--model", "resnet20", "--epochs", "1",
+                                  "--steps-per-epoch", "1", "--batch-per-replica", "8",
+                                  "--no-jit-compile", "--verbose", "0", "--no-doctor"},
+                                 {{"TF_CONFIG", ""}});
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const std::string said = plain.out + plain.err;
+  EXPECT_NE(said.find("recipe: compiled step: off: the model runs as written"), std::string::npos)
+      << said;
+  EXPECT_EQ(said.find("recipe: compile step:"), std::string::npos) << said;
+  EXPECT_NE(said.find("recipe: kernels: measure (--kernels measure): 0 shape(s)"),
+            std::string::npos)
+      << said;
+}
+
 // Kubeflow Trainer v2's PET_* variables, as its torch runtime sets them on each node, read by
 // flotilla train run directly (one worker per node): two "nodes" on loopback train together.
 TEST(TrainCommand, TwoNodesTrainFromKubeflowTrainersPetVariables) {

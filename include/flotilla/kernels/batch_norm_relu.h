@@ -1,5 +1,6 @@
 // relu(batch_norm(x)) and relu(batch_norm(x) + residual) as one operation: what a ResNet's
-// "BatchNorm, ReLU" and its block's "BatchNorm, add the shortcut, ReLU" compute. On a CPU with
+// "BatchNorm, ReLU" and its block's "BatchNorm, add the shortcut, ReLU" compute; and with ReLU6
+// (MobileNet's "BatchNorm, ReLU6") in place of the ReLU. On a CPU with
 // AVX-512 or AVX2, for channels-last float32 or bfloat16 input (channels a multiple of 16), in
 // training, forward makes two passes (the batch statistics; then normalize, add, ReLU) and
 // backward two (the sums; then the input's and the residual's gradients). Counted in
@@ -23,18 +24,21 @@
 namespace flotilla::kernels {
 
 // relu(at::batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
-// [+ residual]). `residual`, where given, has x's shape and type.
+// [+ residual]). `residual`, where given, has x's shape and type. `ceiling`: ReLU6's (6), or
+// any hardtanh(0, ceiling), in place of the ReLU.
 torch::Tensor batch_norm_relu(const torch::Tensor& x, const std::optional<torch::Tensor>& weight,
                               const std::optional<torch::Tensor>& bias,
                               const std::optional<torch::Tensor>& running_mean,
                               const std::optional<torch::Tensor>& running_var, bool training,
                               double momentum, double eps,
-                              const std::optional<torch::Tensor>& residual = std::nullopt);
+                              const std::optional<torch::Tensor>& residual = std::nullopt,
+                              const std::optional<double>& ceiling = std::nullopt);
 
 // relu(bn.forward(x) [+ residual]): `bn`'s weights, options and running statistics, and its
 // forward's bookkeeping (num_batches_tracked, a cumulative average where momentum is unset).
 torch::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const torch::Tensor& x,
-                              const torch::Tensor& residual = {});
+                              const torch::Tensor& residual = {},
+                              const std::optional<double>& ceiling = std::nullopt);
 
 // Whether flotilla's kernel can run it (it may still lose the measurement).
 bool batch_norm_relu_applies(const torch::Tensor& x, const torch::Tensor& weight,

@@ -8,7 +8,7 @@
 // (a module's own forward calls its members directly, so only a Sequential's layers can be
 // swapped; what was left and why is in the report):
 //   Conv2d 3x3, stride 1, padding 1, no bias            -> Conv2d by conv2d(): Winograd's F(4x4, 3x3)
-//   BatchNorm2d, ReLU                                     -> BatchNormReLU (one pass less each way)
+//   BatchNorm2d, ReLU (or ReLU6)                          -> BatchNormReLU (one pass less each way)
 //   Conv2d 1->C 3x3 padding 1, ReLU, MaxPool2d(2)         -> ConvMaxPool2ReLU (the first layer of a
 //                                                            grayscale CNN in one kernel)
 //   ReLU, MaxPool2d(2)                                    -> MaxPool2ReLU
@@ -20,7 +20,8 @@
 // method and function it calls inlined, where
 //   aten::conv2d (or a trace's aten::_convolution) of stride 1, padding 1, dilation 1, one group
 //     and no bias                                          -> flotilla::conv2d
-//   aten::batch_norm then relu (or relu_)                  -> flotilla::batch_norm_relu
+//   aten::batch_norm then relu (or relu_, or ReLU6's
+//     hardtanh(0, 6))                                      -> flotilla::batch_norm_relu
 //   aten::batch_norm then add (or add_) then relu          -> flotilla::batch_norm_relu with the
 //                                                             added tensor as its residual
 // The operations are registered with TORCH_LIBRARY (schemas like aten's) and compute their own

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/pimpl.h>
 
+#include <optional>
 #include <ostream>
 
 namespace flotilla::kernels {
@@ -32,17 +33,20 @@ class Conv2dImpl : public torch::nn::Cloneable<Conv2dImpl> {
 };
 TORCH_MODULE(Conv2d);
 
-// A torch::nn::BatchNorm2d followed by ReLU, as batch_norm_relu(). Parameters "weight" and
-// "bias", buffers "running_mean", "running_var" and "num_batches_tracked", as BatchNorm2d's.
+// A torch::nn::BatchNorm2d followed by ReLU (or ReLU6: `ceiling` 6), as batch_norm_relu().
+// Parameters "weight" and "bias", buffers "running_mean", "running_var" and
+// "num_batches_tracked", as BatchNorm2d's.
 class BatchNormReLUImpl : public torch::nn::Cloneable<BatchNormReLUImpl> {
  public:
   // `bn`'s own parameters and buffers (the same tensors).
-  explicit BatchNormReLUImpl(const torch::nn::BatchNorm2d& bn);
+  explicit BatchNormReLUImpl(const torch::nn::BatchNorm2d& bn,
+                             std::optional<double> ceiling = std::nullopt);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::BatchNormOptions options;
+  std::optional<double> ceiling;
 
  private:
   void adopt(); // registers bn_'s tensors as this module's

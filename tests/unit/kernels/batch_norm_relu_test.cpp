@@ -4,17 +4,18 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "flotilla/error.h"
 #include "flotilla/train/mixed_precision.h"
-#include "kernel_choice.h"
 #include "flotilla/kernels/batch_norm_relu.h"
+#include "flotilla/kernels/compile.h"
+#include "flotilla/kernels/winograd.h"
+#include "kernel_choice.h"
 #include "kernels/batch_norm_relu_kernel.h"
 #include "kernels/cpu.h"
-#include "flotilla/kernels/winograd.h"
-#include "flotilla/kernels/compile.h"
 #include "models/zoo.h"
 
 namespace flotilla::kernels {
@@ -36,15 +37,18 @@ struct Result {
 // One training step of relu(bn(x) [+ r]) from `bn`'s state: fused, or as the module's forward,
 // the add and torch::relu.
 Result step(const nn::BatchNorm2d& bn, const torch::Tensor& input, const torch::Tensor& res,
-            bool fused, const torch::Tensor& seed, bool training = true) {
+            bool fused, const torch::Tensor& seed, bool training = true,
+            std::optional<double> ceiling = std::nullopt) {
   auto copy = std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(bn->clone());
   copy->train(training);
   const torch::Tensor x = input.detach().clone(kChannelsLast).requires_grad_();
   torch::Tensor r;
   if (res.defined()) r = res.detach().clone(kChannelsLast).requires_grad_();
-  const torch::Tensor y = fused
-                              ? batch_norm_relu(*copy, x, r)
-                              : torch::relu(r.defined() ? copy->forward(x) + r : copy->forward(x));
+  const auto activation = [&](const torch::Tensor& v) {
+    return ceiling ? torch::hardtanh(v, 0, *ceiling) : torch::relu(v);
+  };
+  const torch::Tensor y = fused ? batch_norm_relu(*copy, x, r, ceiling)
+                                : activation(r.defined() ? copy->forward(x) + r : copy->forward(x));
   (y.to(torch::kFloat) * seed).sum().backward();
   return {y.detach(),
           x.grad(),
@@ -112,6 +116,46 @@ TEST(BatchNormReLU, MatchesBatchNormAddReLUForwardBackwardAndRunningStatistics) 
 }
 
 // Cumulative averages (momentum None), and evaluation with the running statistics.
+// ReLU6 (MobileNet's "BatchNorm, ReLU6", hardtanh(0, 6)) in place of the ReLU: the values and
+// gradients of BatchNorm then hardtanh, with outputs at the ceiling (whose gradient is zero) and
+// below it, with and without a residual.
+TEST(BatchNormReLU, WithACeilingItIsBatchNormThenReLU6) {
+  if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: ATen's ops run";
+  for (const std::string& kernel : kernels()) {
+    Choose choose(kernel);
+    torch::manual_seed(12);
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      for (const bool with_residual : {false, true}) {
+        const std::string what = kernel + " " + std::string(c10::toString(type)) +
+                                 (with_residual ? " residual" : "");
+        nn::BatchNorm2d bn = layer(32);
+        {
+          torch::NoGradGuard no_grad;
+          bn->weight.uniform_(2, 4); // a good share of the outputs past 6
+        }
+        const std::vector<std::int64_t> shape = {4, 32, 6, 7};
+        const torch::Tensor x = torch::randn(shape).to(type);
+        const torch::Tensor r = with_residual ? torch::randn(shape).to(type) : torch::Tensor();
+        const torch::Tensor seed = torch::randn(shape);
+        const Result fused = step(bn, x, r, true, seed, true, 6.0);
+        const Result plain = step(bn, x, r, false, seed, true, 6.0);
+        const double at_ceiling = (plain.y == 6).to(torch::kDouble).mean().item<double>();
+        EXPECT_GT(at_ceiling, 0.01) << what; // 2-4% measured: over a hundred elements
+        EXPECT_LT(at_ceiling, 0.5) << what;
+        const bool bf16 = type == torch::kBFloat16;
+        EXPECT_EQ(fused.y.max().item<double>(), 6.0) << what;
+        EXPECT_LT(relative_difference(fused.y, plain.y), bf16 ? 1e-2 : 1e-5) << what;
+        EXPECT_LT(relative_difference(fused.gx, plain.gx), bf16 ? 2e-2 : 1e-4) << what;
+        EXPECT_LT(relative_difference(fused.gw, plain.gw), bf16 ? 2e-2 : 1e-4) << what;
+        EXPECT_LT(relative_difference(fused.gb, plain.gb), bf16 ? 2e-2 : 1e-5) << what;
+        if (with_residual) {
+          EXPECT_LT(relative_difference(fused.gr, plain.gr), bf16 ? 1e-2 : 1e-6) << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(BatchNormReLU, CumulativeAveragesAndEvaluationMatchTheModule) {
   if (kernels().empty()) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2: ATen's ops run";
   torch::manual_seed(12);
@@ -180,10 +224,13 @@ TEST(BatchNormReLU, TheAvx512BuildsRoundAlikeButTheInstructionTakesDenormalsForZ
     const kernel::Rows rows_of_x{in.const_data_ptr(), rows, c, true};
     std::vector<torch::Tensor> out(4);
     for (auto& t : out) t = torch::empty({rows, c}, torch::kBFloat16);
-    k.normalize(rows_of_x, nullptr, f(sc), f(sh), out[0].mutable_data_ptr());
-    k.normalize(rows_of_x, residual.const_data_ptr(), f(sc), f(sh), out[1].mutable_data_ptr());
+    const float no_ceiling = std::numeric_limits<float>::infinity();
+    k.normalize(rows_of_x, nullptr, f(sc), f(sh), no_ceiling, out[0].mutable_data_ptr());
+    k.normalize(rows_of_x, residual.const_data_ptr(), f(sc), f(sh), no_ceiling,
+                out[1].mutable_data_ptr());
     k.backward_input(rows_of_x, out[1].const_data_ptr(), gy.const_data_ptr(), f(mean), f(sc),
-                     f(slope), f(offset), out[2].mutable_data_ptr(), out[3].mutable_data_ptr());
+                     f(slope), f(offset), no_ceiling, out[2].mutable_data_ptr(),
+                     out[3].mutable_data_ptr());
     return out;
   };
   const auto plain = run(kernel::kAvx512, x, scale, shift);

@@ -54,7 +54,7 @@ TORCH_MODULE(Block);
 nn::Sequential net() {
   torch::manual_seed(3);
   nn::Sequential body(nn::Conv2d(nn::Conv2dOptions(16, 32, 3).padding(1).bias(false)),
-                      nn::BatchNorm2d(32), nn::ReLU(), Members(),
+                      nn::BatchNorm2d(32), nn::ReLU(), Members(), nn::BatchNorm2d(32), nn::ReLU6(),
                       nn::Conv2d(nn::Conv2dOptions(32, 32, 3).padding(1).stride(2).bias(false)),
                       nn::BatchNorm2d(32));
   return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 16, 3).padding(1)), nn::ReLU(),
@@ -85,6 +85,7 @@ TEST(Compile, SwapsASequentialsLayersAndKeepsTheModelsTensorsAndNames) {
   EXPECT_EQ(report.rewritten.at("first layers (Conv2d, ReLU, MaxPool2d)"), 1);
   EXPECT_EQ(report.rewritten.at("3x3 convolutions"), 1);
   EXPECT_EQ(report.rewritten.at("BatchNorm+ReLU"), 1);
+  EXPECT_EQ(report.rewritten.at("BatchNorm+ReLU6"), 1);
   EXPECT_EQ(report.rewritten.at("ReLU+MaxPool2d"), 1);
   EXPECT_EQ(report.rewritten.at("GELU+Dropout"), 1);
   EXPECT_EQ(report.rewritten.at("Dropout"), 1);
@@ -102,7 +103,8 @@ TEST(Compile, SwapsASequentialsLayersAndKeepsTheModelsTensorsAndNames) {
   EXPECT_TRUE(is<Conv2dImpl>(body->ptr(0)));
   EXPECT_TRUE(is<BatchNormReLUImpl>(body->ptr(1)));
   EXPECT_TRUE(is<nn::IdentityImpl>(body->ptr(2)));
-  EXPECT_TRUE(is<nn::Conv2dImpl>(body->ptr(4)));
+  EXPECT_TRUE(is<BatchNormReLUImpl>(body->ptr(4)));
+  EXPECT_TRUE(is<nn::Conv2dImpl>(body->ptr(6)));
   EXPECT_TRUE(is<MaxPool2ReLUImpl>(model->ptr(4)));
   EXPECT_TRUE(is<GeluDropoutImpl>(model->ptr(8)));
   EXPECT_TRUE(is<DropoutImpl>(model->ptr(11)));
@@ -239,6 +241,34 @@ TEST_F(CompileScript, TheRewrittenBlockTrainsAsTheOriginal) {
     results.push_back(r);
   }
   EXPECT_FALSE(torch::equal(results[1]["y"], results[0]["y"]));
+  for (const auto& [name, value] : results[0]) {
+    EXPECT_LT(relative_difference(results[1].at(name), value), 1e-4) << name;
+  }
+}
+
+// MobileNetV2's inverted residual: each "BatchNorm, ReLU6" as flotilla::batch_norm_relu with a
+// ceiling of 6, the rest left and said why; and it trains as the original.
+TEST_F(CompileScript, RewritesMobileNetsBatchNormAndReLU6) {
+  KernelMode fixed(Mode::kFixed);
+  torch::jit::Module original = load("inverted.pt");
+  CompileReport report;
+  torch::jit::Module compiled = compile(original, report);
+  EXPECT_EQ(report.rewritten.at("batch_norm+relu6"), 2) << report.summary();
+  EXPECT_EQ(report.left.at("convolutions (grouped)"), 1) << report.summary();
+  EXPECT_EQ(report.left.at("batch_norm (not followed by relu or relu6)"), 1) << report.summary();
+  const torch::Tensor x = torch::randn({4, 1, 10, 10}).contiguous(kChannelsLast) * 3;
+  std::vector<std::map<std::string, torch::Tensor>> results;
+  for (auto* m : {&original, &compiled}) {
+    m->train();
+    const torch::Tensor y = m->forward({x}).toTensor();
+    y.square().sum().backward();
+    std::map<std::string, torch::Tensor> r = {{"y", y.detach()}};
+    for (const auto& p : m->named_parameters()) {
+      r["grad " + p.name] = p.value.grad().clone();
+      p.value.mutable_grad().reset();
+    }
+    results.push_back(r);
+  }
   for (const auto& [name, value] : results[0]) {
     EXPECT_LT(relative_difference(results[1].at(name), value), 1e-4) << name;
   }
