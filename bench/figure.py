@@ -69,11 +69,12 @@ def svg(groups):
             y += BAR + GAP
         y += 10
     height = y + 10
-    for mark, style in ((1.0, "#888"), (1.2, "#c00")):
+    for mark, style, anchor, dx in ((1.0, "#888", "end", -3), (1.2, "#c00", "start", 3)):
         x = LEFT + mark * scale
         parts.append(f'<line x1="{x:.1f}" y1="22" x2="{x:.1f}" y2="{height - 10}" stroke="{style}" '
                      'stroke-dasharray="4,3"/>')
-        parts.append(f'<text x="{x + 3:.1f}" y="16" fill="{style}">{mark:.1f}x</text>')
+        parts.append(f'<text x="{x + dx:.1f}" y="16" fill="{style}" text-anchor="{anchor}">'
+                     f'{mark:.1f}x{" (goal)" if mark > 1 else ""}</text>')
     title = ("flotilla's training samples/s over PyTorch DDP at its best, same model, batch, "
              "precision and machine (docs/benchmarks.md)")
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '

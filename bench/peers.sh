@@ -212,7 +212,7 @@ run_flotilla() {  # model, global batch, steps, run, precision[, binary[, name, 
   # (its "recipe: <layer>: flotilla's at N of M shape(s) ..." lines), joined by "; ".
   { sed -n "s/.*recipe: compile step: \(.*\)$/compile step: \1/p" "$log"
     sed -n "s/.*recipe: \([^:]*\): flotilla's at \(.*\)$/\1: flotilla's at \2/p" "$log"
-  } | paste -sd '|' | sed 's/|/; /g' >"$tmp/kernels-$name-$model"
+  } | paste -sd '|' | sed 's/|/; /g' >"$tmp/kernels-$name-$model-$precision"
   # How its gradients crossed the workers (builds before shared memory name none).
   sed -n 's/.*gradients: .*, all-reduce over \(.*\)$/\1/p' "$log" | head -n 1 >"$tmp/allreduce-$name-$model"
   if grep -q 'recipe: memory format: channels-last' "$log"; then
@@ -364,7 +364,7 @@ settings_of() {  # system, model, precision -> JSON fields
       local over
       over=$(cat "$tmp/allreduce-$1-$2" 2>/dev/null || true)
       printf ',"all_reduce":"%s","kernels":"%s"' "${over:-gloo}" \
-        "$(cat "$tmp/kernels-$1-$2" 2>/dev/null || true)" ;;
+        "$(cat "$tmp/kernels-$1-$2-$3" 2>/dev/null || true)" ;;
     pytorch-ddp) printf '"precision":"%s","memory_format":"nchw","optimizer":"SGD (default loop)","all_reduce":"gloo"' "$3" ;;
     pytorch-ddp-compile) printf '"precision":"%s","memory_format":"channels_last","optimizer":"SGD fused","freed_memory":"kept","all_reduce":"gloo","torch_compile":"inductor","compile_seconds_in_warmup":%s' "$3" \
         "$(median "$tmp/warmup-$2-$batch-$3-inductor")" ;;
