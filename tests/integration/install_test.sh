@@ -74,6 +74,33 @@ got_version=$(env -u LD_LIBRARY_PATH "$prefix/bin/flotilla" --version) ||
 [ "$got_version" = "$want_version" ] ||
   fail "installed CLI says '$got_version', the built one '$want_version'"
 
+# Nothing in the prefix names this machine's paths: not the checkout, not its build tree or
+# .venv (flotilla's exported targets once linked the venv's libc10.so by its absolute path), and
+# flotilla's own files not the CUDA toolkit found at configure time either (LibTorch's own CMake
+# files list /usr/local/cuda among their search paths, as the wheel ships them).
+checkout=$(cd "$consumer_src/../.." && pwd)
+build_abs=$(cd "$build_dir" && pwd)
+named=$(grep -rIl -F -e "$checkout" -e "$build_abs" "$prefix" || true)
+[ -z "$named" ] || fail "these installed files name the checkout or the build tree: $named"
+cuda_root=$(sed -n 's/^CUDA_TOOLKIT_ROOT_DIR:PATH=//p' "$build_dir/CMakeCache.txt")
+if [ -n "$cuda_root" ]; then
+  named=$(grep -rIl -F -e "$cuda_root" "$prefix/lib/cmake/flotilla" "$prefix/include/flotilla" || true)
+  [ -z "$named" ] || fail "flotilla's installed files name the CUDA toolkit $cuda_root: $named"
+fi
+
+# From here on the checkout (with its build tree and .venv) is hidden where we can hide it: a
+# mount namespace with an empty tmpfs over it. The consumer is configured and built, and it and
+# a 2-worker job of the installed CLI run, from the prefix alone, as on a machine that never
+# had the checkout.
+hide=()
+if [ "$(id -u)" -eq 0 ] && unshare -m true 2>/dev/null; then
+  hide=(unshare -m sh -c 'mount -t tmpfs none "$0" && exec "$@"' "$checkout")
+  echo "install_test: building and running against the prefix with $checkout hidden"
+else
+  echo "install_test: cannot hide $checkout here (needs root and unshare -m); running with it"
+fi
+# The consumer's source, copied out of the checkout first.
+cp -r "$consumer_src" "$tmp/consumer"
 launcher=()
 if command -v ccache >/dev/null; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
@@ -82,26 +109,21 @@ if command -v ccache >/dev/null; then
 fi
 # LibTorch's package otherwise compiles and runs a GPU probe (the consumer has no CUDA code).
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-cmake -S "$consumer_src" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+"${hide[@]}" cmake -S "$tmp/consumer" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" "${launcher[@]}" \
   >"$tmp/configure.log" 2>&1 || { cat "$tmp/configure.log"; fail "configuring the consumer failed"; }
-cmake --build "$tmp/build" -j 2 >"$tmp/build.log" 2>&1 ||
+"${hide[@]}" cmake --build "$tmp/build" -j 2 >"$tmp/build.log" 2>&1 ||
   { cat "$tmp/build.log"; fail "building the consumer failed"; }
 
 grep -q "^Torch_DIR:PATH=$bundled/" "$tmp/build/CMakeCache.txt" ||
   fail "the consumer found another LibTorch: $(grep '^Torch_DIR' "$tmp/build/CMakeCache.txt")"
+# What it links, it links from the prefix or the system's directories, or from this machine's
+# CUDA toolkit where LibTorch's package finds one (it links its libcudart; a machine without
+# one links none).
+outside=$(grep -o -E '(/[^ ;"$]+)+\.(so|a)(\.[0-9]+)*' "$tmp/build/build.ninja" |
+  grep -v -e "^$prefix/" -e '^/lib/' -e '^/usr/lib/' ${cuda_root:+-e "^$cuda_root/"} | sort -u || true)
+[ -z "$outside" ] || fail "the consumer links libraries from outside the prefix: $outside"
 
-# From here on the checkout (with its build tree and .venv) is hidden where we can hide it: a
-# mount namespace with an empty tmpfs over it. The consumer and a 2-worker job of the installed
-# CLI must run from the prefix alone.
-checkout=$(cd "$consumer_src/../.." && pwd)
-hide=()
-if [ "$(id -u)" -eq 0 ] && unshare -m true 2>/dev/null; then
-  hide=(unshare -m sh -c 'mount -t tmpfs none "$0" && exec "$@"' "$checkout")
-  echo "install_test: running the installed programs with $checkout hidden"
-else
-  echo "install_test: cannot hide $checkout here (needs root and unshare -m); running with it"
-fi
 job=$(cd "$tmp" && env -u LD_LIBRARY_PATH "${hide[@]}" "$prefix/bin/flotilla" launch --workers 2 -- \
   "$prefix/bin/flotilla" train --model mlp --epochs 1 --steps-per-epoch 10 \
   --batch-per-replica 32 2>&1) || { echo "$job" | tail -n 20; fail "the installed CLI's 2-worker job failed"; }

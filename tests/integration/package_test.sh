@@ -3,7 +3,9 @@
 # from the build tree; mmdebstrap makes a fresh Debian 12 root from Debian's archive; apt
 # installs the .deb there with whatever its Depends pull in (and nothing else but the
 # Fashion-MNIST dataset it recommends); the installed flotilla runs the 2-worker job in that
-# root; apt removes it and nothing of it is left. Root; exit 77 (skipped) without mmdebstrap or
+# root, and examples/consumer is configured, built and run there against the installed package
+# with Debian's compiler and CMake (and the -dev packages the package's CMake config finds);
+# apt removes it and nothing of it is left. Root; exit 77 (skipped) without mmdebstrap or
 # without the Debian archive.
 #   package_test.sh BUILD_DIR
 set -euo pipefail
@@ -46,13 +48,21 @@ echo "package_test: $(basename "$deb"), $(du -m "$deb" | cut -f1) MiB; Depends: 
 # is linked into the root, not copied (the root is in $tmp too), and dpkg skips its fsyncs
 # (force-unsafe-io): what is installed is the same, written sooner.
 job='cd /tmp && flotilla launch --workers 2 -- flotilla train --model mlp --epochs 1 --steps-per-epoch 10 --batch-per-replica 32'
+# What a C++ program needs to build against the package: a compiler, CMake, and the -dev
+# packages of what libflotilla's static libraries link (the package Suggests them).
+build_deps=g++,cmake,ninja-build,libprotobuf-dev,nlohmann-json3-dev,zlib1g-dev,libjpeg62-turbo-dev,libpng-dev,libssl-dev
+consumer='cmake -S /tmp/consumer -B /tmp/consumer-build -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build /tmp/consumer-build -j 2 && /tmp/consumer-build/consumer'
 left='test ! -e /usr/bin/flotilla && test ! -e /usr/lib/flotilla && test ! -e /usr/include/flotilla'
 status=0
-export FLOTILLA_TEST_DEB=$deb # read by the first hook, whatever the path holds
-mmdebstrap --variant=apt --include=dataset-fashion-mnist --dpkgopt=force-unsafe-io \
+export FLOTILLA_TEST_DEB=$deb # read by the first hooks, whatever the paths hold
+FLOTILLA_TEST_CONSUMER=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build_dir/CMakeCache.txt")/examples/consumer
+export FLOTILLA_TEST_CONSUMER
+mmdebstrap --variant=apt --include=dataset-fashion-mnist,$build_deps --dpkgopt=force-unsafe-io \
   --customize-hook='ln "$FLOTILLA_TEST_DEB" "$1/tmp/flotilla.deb" || cp "$FLOTILLA_TEST_DEB" "$1/tmp/flotilla.deb"' \
+  --customize-hook='cp -r "$FLOTILLA_TEST_CONSUMER" "$1/tmp/consumer"' \
   --customize-hook='chroot "$1" apt-get install -y -q /tmp/flotilla.deb' \
   --customize-hook="chroot \"\$1\" sh -c '$job'" \
+  --customize-hook="chroot \"\$1\" sh -c '$consumer'" \
   --customize-hook='chroot "$1" apt-get remove -y -q flotilla' \
   --customize-hook="chroot \"\$1\" sh -c '$left'" \
   bookworm "$tmp/root" "$mirror" >"$tmp/mmdebstrap.log" 2>&1 || status=$?
@@ -68,4 +78,9 @@ grep -q "Setting up flotilla ($version)" "$tmp/mmdebstrap.log" || fail "apt did 
 grep -q "Test: loss: " "$tmp/mmdebstrap.log" || { tail -n 30 "$tmp/mmdebstrap.log"; fail "the job gave no test result"; }
 grep -q "Removing flotilla ($version)" "$tmp/mmdebstrap.log" || fail "apt did not remove flotilla"
 echo "package_test: in a fresh Debian root, 2 workers: $(grep -o 'Test: .*' "$tmp/mmdebstrap.log" | head -n 1)"
+version_line=$("$build_dir/flotilla" --version)
+accuracy=$(sed -n "s/^$version_line accuracy //p" "$tmp/mmdebstrap.log" | head -n 1)
+awk -v a="$accuracy" 'BEGIN { exit !(a + 0 > 0.9 && a + 0 <= 1) }' ||
+  { tail -n 30 "$tmp/mmdebstrap.log"; fail "examples/consumer, built in the root against the package, gave accuracy '$accuracy', not in (0.9, 1]"; }
+echo "package_test: examples/consumer built there with Debian's g++ and CMake against the package: accuracy $accuracy"
 echo "package_test: OK"
