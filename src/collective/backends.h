@@ -18,6 +18,11 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     const std::string& local_host,
                                                     std::chrono::milliseconds timeout);
 
+// Resets every connection of a backend make_gloo_backend made (nothing for another backend):
+// its peers' operations on them fail at once, and its own pending ones later (they were
+// abandoned). Safe while its threads run.
+void close_gloo_connections(c10d::Backend& backend);
+
 // Whether `e` is one of Gloo's transport errors (gloo::IoException): what ProcessGroupGloo's
 // work rethrows, unwrapped, for a timeout and for a closed or failed connection alike.
 bool is_gloo_transport_error(const std::exception& e);

@@ -724,6 +724,10 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   }
 }
 
+void detail::sever_group(Communicator& group) {
+  if (group.impl_ && group.impl_->ring) close_gloo_connections(*group.impl_->ring);
+}
+
 Communicator detail::make_group(int rank, int size, const CommunicationOptions& options,
                                 c10::intrusive_ptr<c10d::Store> store,
                                 const std::string& local_host, std::vector<std::string> names,

@@ -261,6 +261,14 @@ struct MembershipState {
     }
   }
 
+  // The current generation's collectives can no longer complete anywhere (detail::sever_group):
+  // called once this worker gave the generation up, before the next one forms, so that a member
+  // stopped inside one of its collectives cannot finish it, woken, against what this worker
+  // abandoned. Idempotent.
+  void sever() {
+    if (communicator) detail::sever_group(*communicator);
+  }
+
   // adopt() after a departure or at joining. A group that cannot connect lost another member
   // while it formed: false, and the next generation is the one to join. Not being a member, or
   // a refusal, throws.
@@ -294,6 +302,7 @@ struct MembershipState {
       health = fresh;
       generation = g;
     }
+    if (abandon) sever();
     std::vector<std::string> names;
     for (int slot : record.slots) {
       const std::string name = config.name(slot);
@@ -458,6 +467,9 @@ void RendezvousGroup::training_finished() {
 
 void RendezvousGroup::regroup() {
   auto& impl = *impl_;
+  // A collective of this generation failed: it is over for every member, so it is cut off now,
+  // not when the next one has formed (a heartbeat timeout or more later).
+  impl.sever();
   for (;;) {
     if (const std::string lost = impl.lost_text(); !lost.empty()) {
       throw CommError(lost + "; this worker cannot regroup");

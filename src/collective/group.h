@@ -27,6 +27,12 @@ Communicator make_group(int rank, int size, const CommunicationOptions& options,
                         c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
                         std::vector<std::string> names, std::shared_ptr<Health> health);
 
+// Fencing: a generation being replaced is cut off before the next forms. Its Gloo connections
+// are reset, so no collective of it can complete any more, neither here nor on a member that
+// was stopped and wakes to finish one against the work this process abandoned. Call it on the
+// thread that issued the group's operations, after it stopped issuing them.
+void sever_group(Communicator& group);
+
 std::shared_ptr<Health> new_health();
 // The sequence number of the newest operation started on the group watching `health` (for the
 // heartbeat's pings: Standing::reached).

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "collective/group.h"
 #include "collective/shared_memory.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/error.h"
@@ -315,6 +316,49 @@ TEST(Collectives, APeerThatLeavesFailsTheCollectiveWithCommError) {
         << message;
     EXPECT_NE(message.find("a peer probably exited"), std::string::npos) << message;
   }
+}
+
+// Fencing (detail::sever_group): ranks 0 and 1 are inside an all-reduce that rank 2 has not
+// joined, and give the group up as an elastic generation is given up. Rank 2, late (a member that
+// was stopped, woken), must not complete that all-reduce against their abandoned work: it fails
+// on the reset pairs. Without the reset, their Gloo threads were still waiting for its data and
+// the all-reduce completed on rank 2 with the sum 6.
+TEST(Collectives, ALateRanksAllReduceFailsOnceTheOthersSeveredTheGroup) {
+  CommunicationOptions options;
+  options.shared_memory = false;
+  options.timeout = std::chrono::seconds(2);
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::optional<Communicator>> groups(3);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {
+      threads.emplace_back([&, r] {
+        groups[r] = detail::make_group(r, 3, options, store, "127.0.0.1",
+                                       {"rank 0", "rank 1", "rank 2"}, detail::new_health());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  std::vector<at::Tensor> values;
+  std::vector<Work> works;
+  for (int r = 0; r < 2; ++r) {
+    values.push_back(torch::full({1000}, static_cast<float>(r + 1)));
+    works.push_back(groups[r]->all_reduce(values.back()));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300)); // theirs are sent and waiting
+  detail::sever_group(*groups[0]);
+  detail::sever_group(*groups[1]);
+  auto late = torch::full({1000}, 3.0f);
+  try {
+    groups[2]->all_reduce(late).wait();
+    FAIL() << "the late rank completed an all-reduce the others had given up: sum "
+           << late[0].item<float>();
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("Connection reset by peer"), std::string::npos)
+        << e.what();
+  }
+  // Theirs fail too (by their timeout: nothing wakes a wait this process abandoned).
+  for (auto& work : works) EXPECT_THROW(work.wait(), CommError);
 }
 
 TEST(Communication, ABadHeartbeatOrAnEmptyTokenIsRefusedNamingTheField) {

@@ -125,6 +125,11 @@ class Work {
   friend class Communicator;
 };
 
+class Communicator;
+namespace detail {
+void sever_group(Communicator& group); // src/collective/group.h: an elastic generation's end
+} // namespace detail
+
 class Communicator {
  public:
   // Joins the training group `spec` describes: rank 0 hosts the rendezvous store at
@@ -165,6 +170,7 @@ class Communicator {
 
  private:
   std::shared_ptr<Impl> impl_;
+  friend void detail::sever_group(Communicator& group);
 };
 
 } // namespace flotilla::collective

@@ -1,5 +1,6 @@
 // The only translation unit that includes Gloo: c10d's ProcessGroupGloo over Gloo's TCP pairs.
 #include <gloo/common/error.h>
+#include <gloo/context.h>
 #include <signal.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -27,7 +28,24 @@ void ignore_sigpipe() {
   });
 }
 
+// ProcessGroupGloo with a way to close its connections while its threads may still wait on
+// them: the pairs are reset (SO_LINGER 0, then closed), so a peer's operation on them fails at
+// once with a transport error instead of completing against work this process abandoned.
+class FencedGloo final : public c10d::ProcessGroupGloo {
+ public:
+  using ProcessGroupGloo::ProcessGroupGloo;
+  void close_connections() {
+    for (auto& context : contexts_) {
+      if (context) context->closeConnections();
+    }
+  }
+};
+
 } // namespace
+
+void close_gloo_connections(c10d::Backend& backend) {
+  if (auto* gloo = dynamic_cast<FencedGloo*>(&backend)) gloo->close_connections();
+}
 
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
@@ -38,7 +56,7 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
   options->devices.push_back(local_host.empty()
                                  ? c10d::ProcessGroupGloo::createDefaultDevice()
                                  : c10d::ProcessGroupGloo::createDeviceForHostname(local_host));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  return c10::make_intrusive<FencedGloo>(store, rank, size, options);
 }
 
 bool is_gloo_transport_error(const std::exception& e) {
