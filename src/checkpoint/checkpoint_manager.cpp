@@ -1,6 +1,7 @@
 #include "flotilla/checkpoint/checkpoint_manager.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <torch/version.h>
@@ -155,6 +156,7 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
       {"files", files},
       {"state", ordered_json::parse(data.state.dump())},
   };
+  if (data.generation >= 0) manifest["generation"] = data.generation;
   const std::string manifest_text = manifest.dump(2) + "\n";
   base::write_file_atomic(dir / kManifestFile, manifest_text);
   // The manifest holds the training state (epoch, position, ...): it is checked like the rest.
@@ -189,6 +191,65 @@ struct Commit {
   std::vector<std::string> to_delete;
   std::string warning;
 };
+
+// An exclusive flock on a checkpoint directory, held while a fenced save compares its token
+// with the disk's and moves the pointer (two writers cannot both pass the check). Where the
+// file system refuses locks on directories, the check runs unlocked.
+class DirectoryFlock {
+ public:
+  explicit DirectoryFlock(const fs::path& dir) {
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd_ >= 0) {
+      while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+      }
+    }
+  }
+  ~DirectoryFlock() {
+    if (fd_ >= 0) ::close(fd_); // releases the lock
+  }
+  DirectoryFlock(const DirectoryFlock&) = delete;
+  DirectoryFlock& operator=(const DirectoryFlock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// Fencing: CheckpointError when the newest checkpoint the pointer of `dir` names was decided by
+// a newer generation than `data`'s, or holds more updates. A newest checkpoint that cannot be
+// read fences nothing (restore_latest passes it over too).
+void check_fence(const fs::path& dir, const CheckpointData& data, const std::string& name) {
+  if (data.generation < 0) return;
+  detail::Manifest newest;
+  fs::path newest_path;
+  try {
+    const auto pointer = read_pointer(dir);
+    if (!pointer) return;
+    newest_path = resolve(dir, pointer->model_checkpoint_path);
+    if (newest_path.filename() == name) return; // a re-save of this number: replaced as before
+    newest = detail::parse_manifest(read_text(newest_path / kManifestFile),
+                                    newest_path / kManifestFile,
+                                    {kCheckpointFormat, kCheckpointFormatVersion, {}});
+  } catch (const std::exception&) {
+    return;
+  }
+  const std::string ours = "generation " + std::to_string(data.generation) + ", update " +
+                           std::to_string(data.step);
+  const std::string theirs = newest_path.string() + " (generation " +
+                             std::to_string(newest.generation) + ", update " +
+                             std::to_string(newest.step) + ")";
+  if (newest.generation > data.generation) {
+    throw CheckpointError("refused (fencing): this writer's state is of " + ours +
+                          ", and the newest checkpoint there, " + theirs +
+                          ", was decided by a newer generation of the group: this process was "
+                          "replaced (stopped or cut off, then expelled) and must not overwrite "
+                          "its successor's work");
+  }
+  if (newest.step > data.step) {
+    throw CheckpointError("refused (fencing): this writer's state is of " + ours +
+                          ", older than the newest checkpoint there, " + theirs +
+                          "; a resume from it would repeat the updates in between");
+  }
+}
 
 // Moves a staged checkpoint to `dir`/`name`, then points the pointer file at it. On failure,
 // everything is as it was before. Returns the checkpoints now beyond max_to_keep.
@@ -376,6 +437,9 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
   // Phase 2, the chief: move it into place, then the pointer, then delete beyond max_to_keep.
   if (chief) {
     try {
+      std::optional<DirectoryFlock> fence_lock;
+      if (data.generation >= 0) fence_lock.emplace(directory_);
+      check_fence(directory_, data, name);
       const Commit done = commit(*staged, directory_, name, max_to_keep_);
       if (!done.warning.empty()) log.warn(done.warning);
       delete_old(directory_, done.to_delete, log);
@@ -463,6 +527,7 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
   data.epoch = manifest.epoch;
   data.step = manifest.step;
   data.policy = manifest.policy;
+  data.generation = manifest.generation;
   data.state = manifest.state;
   for (const auto& entry : manifest.files) {
     const fs::path path = checkpoint_dir / entry.name;

@@ -74,6 +74,14 @@ Manifest parse_manifest(std::string_view text, const fs::path& path, const Manif
   out.epoch = field<std::int64_t>(manifest, "epoch", path);
   out.step = field<std::int64_t>(manifest, "step", path);
   out.policy = field<std::string>(manifest, "policy", path);
+  if (manifest.contains("generation")) {
+    out.generation = field<std::int64_t>(manifest, "generation", path);
+    if (out.generation < 0) {
+      throw CheckpointError(path.string() + ": generation " + std::to_string(out.generation) +
+                            " is negative; the manifest is damaged. " +
+                            restore_advice(checkpoint_dir));
+    }
+  }
   if (manifest.contains("state")) out.state = manifest["state"];
 
   const auto files = manifest.find("files");

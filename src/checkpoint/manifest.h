@@ -25,6 +25,7 @@ struct Manifest {
   std::int64_t epoch = 0;
   std::int64_t step = 0;
   std::string policy;
+  std::int64_t generation = -1; // the fencing token; -1 when the manifest has none
   nlohmann::json state = nlohmann::json::object();
   std::vector<ManifestEntry> files;
 };

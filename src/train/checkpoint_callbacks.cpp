@@ -10,6 +10,7 @@
 #include "flotilla/checkpoint/directory.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/collective/agreement.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "train/monitor.h"
@@ -334,6 +335,12 @@ std::optional<TrainingState> BackupAndRestore::restore() {
               " (their parameters' names and shapes differ). " + start_afresh(dir));
         }
         state = load_checkpoint_data(model(), data, path);
+        // This run's backups must fence out the run that wrote this one, whose generations
+        // were counted by another rendezvous from 0 too: its tokens start above this one's.
+        const std::int64_t generation =
+            strategy.elastic() ? static_cast<std::int64_t>(strategy.elastic()->generation()) : 0;
+        state->generation_base = std::max<std::int64_t>(
+            state->generation_base, data.generation + 1 - generation);
       });
   if (strategy.is_chief()) {
     for (const auto& reason : skipped) strategy.log().warn("BackupAndRestore: " + reason);
@@ -401,6 +408,10 @@ bool BackupAndRestore::backup() {
   if (strategy.elastic()) number_ = std::max(number_, newest_number(manager));
   checkpoint::CheckpointData data = checkpoint_data(model());
   data.state["backup_number"] = ++number_;
+  // The fencing token: the generation that decided this state, counted over the training's runs.
+  data.generation =
+      data.state.value("generation_base", std::int64_t{0}) +
+      (strategy.elastic() ? static_cast<std::int64_t>(strategy.elastic()->generation()) : 0);
   manager.save(*group, strategy.log(), data, number_);
   return true;
 }

@@ -259,6 +259,7 @@ TrainingState TrainStep::counters() const {
   TrainingState state;
   state.iterations = iterations_;
   state.trained_rows = trained_rows_;
+  state.generation_base = generation_base_;
   if (loss_scale_) {
     state.loss_scale = loss_scale_->scale();
     state.loss_scale_good_steps = loss_scale_->good_steps();
@@ -269,6 +270,7 @@ TrainingState TrainStep::counters() const {
 void TrainStep::restore_counters(const TrainingState& state) {
   iterations_ = state.iterations;
   trained_rows_ = state.trained_rows; // -1 from an older checkpoint: counted at the next fit
+  generation_base_ = state.generation_base;
   if (loss_scale_ && state.loss_scale > 0) {
     loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
   }

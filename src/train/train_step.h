@@ -135,6 +135,7 @@ class TrainStep {
   bool channels_last_ = false;
   std::optional<LossScale> loss_scale_;
   std::int64_t iterations_ = 0;
+  std::int64_t generation_base_ = 0; // TrainingState::generation_base
   std::int64_t trained_rows_ = 0; // rows of the global batches of those updates (-1: unknown)
   std::int64_t update_rows_ = 0;  // rows of the update being accumulated
   std::int64_t lr_global_rows_ = 0;

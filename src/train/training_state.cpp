@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+
 #include "flotilla/base/hashes.h"
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
@@ -47,6 +49,7 @@ json to_json(const TrainingState& s) {
             {"loss_scale", s.loss_scale},
             {"loss_scale_good_steps", s.loss_scale_good_steps}};
   if (s.trained_rows >= 0) j["trained_rows"] = s.trained_rows;
+  if (s.generation_base > 0) j["generation_base"] = s.generation_base;
   if (s.iterator) {
     j["iterator"] = {{"iteration", s.iterator->iteration},
                      {"produced", s.iterator->produced},
@@ -72,6 +75,7 @@ TrainingState training_state_from_json(const json& j, const fs::path& where) {
                                        it.value("in_rows", false)};
     }
     s.trained_rows = j.value("trained_rows", std::int64_t{-1});
+    s.generation_base = std::max<std::int64_t>(0, j.value("generation_base", std::int64_t{0}));
     return s;
   } catch (const json::exception& e) {
     throw CheckpointError(where.string() + ": the training state in its manifest is incomplete (" +

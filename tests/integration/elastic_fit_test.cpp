@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
@@ -369,6 +370,57 @@ TEST(ElasticFit, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
   EXPECT_NE(r.err.find("[launch] worker 2 exited with code 3; restarting it alone"),
             std::string::npos);
   EXPECT_NE(r.err.find("with 3 workers (admitted slot 2); going on from epoch"), std::string::npos);
+  fit.expect_one_workers_result(4);
+}
+
+// Fencing in storage: the chief (slot 0) stops itself (SIGSTOP) in its callbacks at epoch 2's
+// end, before its BackupAndRestore there. The others expel it and go on in generation 1, where
+// slot 1 is the chief and backs up every 4 updates. Woken once such a backup exists, the old
+// chief goes on to its own epoch-end backup, alone (a backup in an elastic fit is no
+// collective) and with generation 0's state and fewer updates: the directory refuses it (before
+// fencing it became the newest backup, and a resume from it would have repeated the updates in
+// between). It exits, launch restarts it, it rejoins, and the result is the one-worker run's.
+TEST(ElasticFit, AFrozenChiefsStaleBackupIsRefusedOnceItsSuccessorSaved) {
+  ElasticFit fit;
+  fit.epochs = 6;
+  const std::string backup = fit.dir.path() + "/backup";
+  testing::Process launch(fit.launch(
+      "KILL", "200", {"--max-restarts", "1"},
+      {"--signal-at", "-1", "--fault", "0:callbacks-stop:2", "--backup-dir", backup}));
+  const std::string announced = "[worker 0] slot 0 pid ";
+  ASSERT_TRUE(launch.wait_for_output(announced)) << launch.output_so_far();
+  const std::string out = launch.output_so_far();
+  const pid_t frozen = std::stoi(out.substr(out.find(announced) + announced.size()));
+  ASSERT_TRUE(launch.wait_for_errors(
+      "elastic: generation 1 with 2 workers (slot 0 stopped sending heartbeats"))
+      << launch.errors_so_far();
+  // The newest backup is generation 1's (the successor's) before the old chief wakes.
+  const auto newest_generation = [&]() -> std::int64_t {
+    try {
+      const auto path = checkpoint::CheckpointManager(backup, 2, "backup").latest();
+      return path ? checkpoint::read_checkpoint(*path).generation : -1;
+    } catch (const std::exception&) {
+      return -1; // being written
+    }
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (newest_generation() < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(newest_generation(), 1) << launch.errors_so_far();
+  ::kill(frozen, SIGCONT);
+  const auto r = launch.wait(std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  EXPECT_NE(r.err.find("refused (fencing): this writer's state is of generation 0, update 20, and "
+                       "the newest checkpoint there, " + backup + "/backup-"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("was decided by a newer generation of the group: this process was "
+                       "replaced"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("[launch] worker 0 exited with code 4; restarting it alone"),
+            std::string::npos);
   fit.expect_one_workers_result(4);
 }
 

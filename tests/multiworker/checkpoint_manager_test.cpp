@@ -726,6 +726,52 @@ void expect_unchanged(const Snapshot& before, const fs::path& root, const fs::pa
   EXPECT_EQ(checkpoint::read_checkpoint(dir / "ckpt-1").epoch, 1);
 }
 
+// Fencing (CheckpointData::generation): a writer of an older generation, or of fewer updates,
+// than the newest checkpoint on disk is refused and changes nothing; the same or newer goes
+// through; an unfenced save (generation -1) is never refused. Before fencing, each of the
+// refused saves below moved the pointer to an older state.
+TEST(CheckpointManager, AFencedSaveOfAnOlderGenerationOrUpdateIsRefusedAndChangesNothing) {
+  TempDir root;
+  const fs::path dir = fs::path(root.path()) / "backups";
+  const auto fenced = [](std::int64_t epoch, std::int64_t generation) {
+    CheckpointData data = sample(epoch);
+    data.generation = generation;
+    return data;
+  };
+  const auto refusal = [&](const CheckpointData& data, std::int64_t number) {
+    try {
+      save_one(dir, data, number);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  save_one(dir, fenced(1, 0), 1);             // generation 0, update 100
+  save_one(dir, fenced(2, 1), 2);             // generation 1, update 200: the group moved on
+  EXPECT_EQ(manifest_of(dir / "ckpt-2")["generation"], 1);
+  const Snapshot before = snapshot(root.path(), dir);
+  // The replaced chief, woken: generation 0 (even with more updates).
+  const std::string stale = refusal(fenced(3, 0), 3);
+  EXPECT_NE(stale.find("refused (fencing): this writer's state is of generation 0, update 300, "
+                       "and the newest checkpoint there, " +
+                       (dir / "ckpt-2").string() + " (generation 1, update 200), was decided by "
+                       "a newer generation"),
+            std::string::npos)
+      << stale;
+  EXPECT_NE(stale.find("The previous checkpoints in " + dir.string()), std::string::npos) << stale;
+  // The same generation with fewer updates.
+  const std::string older = refusal(fenced(1, 1), 3);
+  EXPECT_NE(older.find("update 100, older than the newest checkpoint there"), std::string::npos)
+      << older;
+  expect_unchanged(before, root.path(), dir);
+  EXPECT_EQ(checkpoint::read_checkpoint(dir / "ckpt-2").generation, 1);
+  // The same state again, a newer generation, and an unfenced save all go through.
+  EXPECT_EQ(refusal(fenced(2, 1), 3), "");
+  EXPECT_EQ(refusal(fenced(2, 4), 4), "");
+  EXPECT_EQ(refusal(sample(1), 5), "");
+  EXPECT_FALSE(manifest_of(dir / "ckpt-5").contains("generation"));
+}
+
 TEST(CheckpointManager, AFailureOnOneWorkerFailsTheSaveEverywhereAndKeepsThePrevious) {
   for (int failing : {1, 0}) {
     SCOPED_TRACE("failing rank " + std::to_string(failing));

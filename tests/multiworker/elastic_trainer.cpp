@@ -12,7 +12,7 @@
 // slot S SIGKILLs itself once at epoch E's end (1-based), WHERE gather: after its last step, the
 // others waiting in the epoch's gather; validation: in its validation, the others waiting in
 // validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
-// vote); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
+// vote; WHERE callbacks-stop: SIGSTOPs itself there instead); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
 // BatchNorm1d after the first layer); --evaluate (after the fit and its files, evaluate() on the
 // validation data, its loss to <out>/eval-<slot>.txt, then predict() on it, the outputs to
 // <out>/predict-<slot>.safetensors; --fault S:validation:E kills slot S in the evaluation with
@@ -57,7 +57,9 @@ struct Faults {
   int epoch = -1; // the epoch in progress, 0-based
   void at(const std::string& where) const {
     for (std::size_t i = 0; i < armed.size(); ++i) {
-      if (armed[i] == where && epoch_of[i] == epoch + 1) ::raise(SIGKILL);
+      if (epoch_of[i] != epoch + 1) continue;
+      if (armed[i] == where) ::raise(SIGKILL);
+      if (armed[i] == where + "-stop") ::raise(SIGSTOP);
     }
   }
 };

@@ -54,6 +54,10 @@ struct CheckpointData {
   std::int64_t step = 0;  // optimizer updates applied (the global step)
   std::string policy = "float32";
   nlohmann::json state = nlohmann::json::object(); // anything else to resume exactly
+  // A fencing token (the manifest's "generation"): the elastic generation that decided this
+  // state, counted over the training's runs (BackupAndRestore). -1: none, and save() fences
+  // nothing. With one, save() refuses to move the pointer past a newer token or update on disk.
+  std::int64_t generation = -1;
 };
 
 class CheckpointManager {
@@ -69,6 +73,11 @@ class CheckpointManager {
   // directory, "<directory>/<prefix>-<number>". Saving a number that exists replaces it. When
   // it fails on any worker it throws CheckpointError on every worker, and the previous
   // checkpoints and pointer are as they were.
+  // Fencing, when data.generation >= 0: the chief refuses (CheckpointError, nothing changed) to
+  // commit a checkpoint whose generation is older than that of the newest checkpoint the
+  // pointer names, or whose update count (data.step) is lower: a writer the group replaced (a
+  // chief stopped and woken after its successor saved) cannot put an older state over a newer
+  // one. The check and the pointer's move hold an exclusive flock on the directory.
   // `workers` are the training group (rank 0 is the chief); `log` tells of old checkpoints
   // that could not be removed.
   std::filesystem::path save(collective::Communicator& workers, const Logger& log,

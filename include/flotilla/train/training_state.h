@@ -31,6 +31,11 @@ struct TrainingState {
   std::optional<data::IteratorState> iterator; // the training input's position
   double loss_scale = 0;                       // 0: no loss scaling
   std::int64_t loss_scale_good_steps = 0;
+  // Fencing (BackupAndRestore): what this run adds to its elastic generation to make the
+  // backups' token, so that tokens grow over the runs of one training (each run's rendezvous
+  // counts generations from 0). Set when a run resumes from a backup; a joiner gets it with the
+  // rest of the state.
+  std::int64_t generation_base = 0;
 };
 
 // The manifest's "state" object, and back (CheckpointError naming `where` when incomplete).
