@@ -334,7 +334,7 @@ def ledger(run):
     for path in glob.glob(f"{tmp}/{run}/ledger/ledger-*.txt"):
         kept = []
         for line in open(path):
-            u, e, s, w, t, read, rows = map(int, line.split())
+            u, e, s, w, t, read, rows = list(map(int, line.split()))[:7]
             while kept and kept[-1][0] >= u:  # rolled back by a heal: redone below
                 kept.pop()
             # Per-replica: where the pass stood after the update and the rows trained so far.

@@ -17,6 +17,7 @@
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/collective/agreement.h"
+#include "flotilla/collective/elastic.h"
 #include "flotilla/data/distribute.h"
 #include "flotilla/data/fashion_mnist.h"
 #include "flotilla/data/image.h"
@@ -582,7 +583,8 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
 
 // --step-ledger: every process, chief or not, appends one line per optimizer update it
 // committed, "<update> <epoch> <step in epoch> <workers> <unix time in ms> <rows of the pass
-// read> <rows trained>", flushed at once so a killed process's lines stay. Across all processes
+// read> <rows trained> <generation>", flushed at once so a killed process's lines stay; the
+// generation (elastic; 0 otherwise) is the membership that decided the update. Across all processes
 // of a run (restarted ones too), the lines say which global batch each update trained on, and
 // when: bench/chaos.sh counts global batches lost or trained twice, and times each epoch. With
 // --elastic-batch per-replica (`rows`) an update trains on a varying number of rows: the input's
@@ -606,9 +608,10 @@ std::shared_ptr<train::Callback> step_ledger(const std::string& dir, train::Mode
       if (state.iterator) read = state.iterator->produced; // in rows in this mode
       trained = state.trained_rows;
     }
+    const auto* group = model.strategy().elastic();
     *out << model.iterations() << ' ' << model.current_epoch() << ' ' << batch << ' '
          << model.strategy().num_workers() << ' ' << now.count() << ' ' << read << ' ' << trained
-         << std::endl;
+         << ' ' << (group ? group->generation() : 0) << std::endl;
   };
   return ledger;
 }
