@@ -71,6 +71,30 @@ TEST(TrainCommand, BadFlagsAreOneLineAndExitCode2) {
   }
 }
 
+// Every numeric flag has both bounds, named in its one-line error (the hostile probe's values:
+// a batch of 10^8 grew to std::bad_alloc, exit 1; --lr 1e300 overflowed naming no flag; --seed
+// -1 became 2^64 - 1; a rendezvous with a heartbeat timeout of 1e-9 s expelled every worker).
+TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"train", "--batch-per-replica", "100000000"},
+       "--batch-per-replica: takes a finite number above 0 and at most 1048576; saw 100000000"},
+      {{"train", "--batch-per-replica", "4294967296"},
+       "--batch-per-replica: takes a finite number above 0 and at most 1048576; saw 4294967296"},
+      {{"train", "--lr", "1e300"}, "--lr: takes a finite number above 0 and at most 1000; saw 1e300"},
+      {{"train", "--seed", "-1"}, "--seed: takes a finite number from 0 to 9.00719925474e+15; saw -1"},
+      {{"rendezvous", "--listen", "127.0.0.1:0", "--workers", "2", "--heartbeat-timeout", "1e-9"},
+       "--heartbeat-timeout: takes a finite number from 0.1 to 3600; saw 1e-9"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = {kCli};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = run_process(argv);
+    EXPECT_EQ(r.exit_code, kExitBadInput) << args[1] << " " << r.err;
+    EXPECT_EQ(line_count(r.err), 1u) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
 TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
   const auto r = run_process({kCli, "train", "--steps-per-epoch", "1"},
                              {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},

@@ -220,12 +220,20 @@ template <class Ok> CLI::Validator finite_number(const std::string& rule, Ok ok)
 }
 } // namespace
 
-CLI::Validator positive_number() {
-  return finite_number("above 0", [](double v) { return v > 0; });
+namespace {
+std::string at_most(double max) {
+  std::ostringstream rule;
+  rule << std::setprecision(12) << " and at most " << max;
+  return rule.str();
+}
+} // namespace
+
+CLI::Validator positive_number(double max) {
+  return finite_number("above 0" + at_most(max), [max](double v) { return v > 0 && v <= max; });
 }
 
-CLI::Validator non_negative_number() {
-  return finite_number("at least 0", [](double v) { return v >= 0; });
+CLI::Validator non_negative_number(double max) {
+  return finite_number("at least 0" + at_most(max), [max](double v) { return v >= 0 && v <= max; });
 }
 
 CLI::Validator number_in(double lo, double hi) {

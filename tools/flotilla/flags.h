@@ -51,10 +51,11 @@ std::string setting_as_flag(const profile::Setting& setting, std::int64_t update
 std::chrono::milliseconds seconds_flag(double seconds, const std::string& flag);
 
 // Checks for numeric flags. CLI11's PositiveNumber, NonNegativeNumber and Range let NaN through
-// (every comparison with NaN is false), so `--lr nan` trained; these take finite numbers only
-// and say so: "--lr: takes a finite number above 0; saw nan".
-CLI::Validator positive_number();
-CLI::Validator non_negative_number();
+// (every comparison with NaN is false), so `--lr nan` trained; these take finite numbers only,
+// each with an upper bound too (a huge batch grew to std::bad_alloc, a huge rate overflowed with
+// no flag named), and say so: "--lr: takes a finite number above 0 and at most 1000; saw 1e300".
+CLI::Validator positive_number(double max);
+CLI::Validator non_negative_number(double max);
 CLI::Validator number_in(double lo, double hi); // lo <= x <= hi
 
 // The doctor's findings as the CLI shows them: settings as flags, the API names in the advice

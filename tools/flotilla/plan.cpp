@@ -159,7 +159,7 @@ Command add_plan(CLI::App& parent) {
       ->required();
   app->add_option("--workers", args->workers, "Worker counts to predict, comma-separated")
       ->delimiter(',')
-      ->check(positive_number())
+      ->check(positive_number(65536))
       ->capture_default_str();
   app->add_option("--link", args->link,
                   "Bandwidth a connection achieves between two workers: 25Gbit, 100Mbit, "

@@ -103,6 +103,7 @@ Command add_rendezvous(CLI::App& parent) {
       ->check(number_in(1, 65536));
   app->add_option("--heartbeat-timeout", args->heartbeat_timeout_s,
                   "Seconds of silence after which a worker is expelled")
+      ->check(number_in(0.1, 3600.0)) // below its members' heartbeats, everyone is expelled
       ->capture_default_str();
   app->add_flag("--fixed", args->fixed,
                 "A fixed group (any failure ends the job), as when the chief hosts it");

@@ -914,7 +914,7 @@ void add_data_flags(CLI::App* app, TrainArgs& args) {
   app->add_option("--image-size", args.image_size,
                   "image-folder: HEIGHT [WIDTH] every image is resized to (bilinear)")
       ->expected(1, 2)
-      ->check(positive_number())
+      ->check(positive_number(16384))
       ->capture_default_str();
   app->add_option("--color-mode", args.color_mode, "image-folder: grayscale or rgb")
       ->check(CLI::IsMember({"grayscale", "rgb"}))
@@ -924,7 +924,7 @@ void add_data_flags(CLI::App* app, TrainArgs& args) {
                 "evaluate on them after each epoch (val_loss, val_accuracy); the test split is "
                 "kept for the end");
   app->add_option("--shuffle-buffer", args.shuffle_buffer, "Elements in the shuffle buffer")
-      ->check(positive_number())
+      ->check(positive_number(1 << 26))
       ->capture_default_str();
   app->add_option("--cache", args.cache,
                   "Cache the decoded training set: none, memory, or a file path prefix")
@@ -936,24 +936,24 @@ void add_data_flags(CLI::App* app, TrainArgs& args) {
 // How long and how: batch, optimizer, learning-rate schedule, loss, seed.
 void add_recipe_flags(CLI::App* app, TrainArgs& args) {
   app->add_option("--epochs", args.recipe.epochs, "Epochs to train")
-      ->check(positive_number())
+      ->check(positive_number(1e6))
       ->capture_default_str();
   app->add_option("--steps-per-epoch", args.steps_per_epoch,
                   "Steps per epoch (0: the whole dataset)")
-      ->check(non_negative_number())
+      ->check(non_negative_number(1e12))
       ->capture_default_str();
   app->add_option("--batch-per-replica", args.batch_per_replica,
                   "Batch per replica; global batch = this x replicas in sync")
-      ->check(positive_number())
+      ->check(positive_number(1 << 20))
       ->capture_default_str();
   app->add_option("--optimizer", args.recipe.optimizer, "sgd (momentum), adam or adamw")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->capture_default_str();
   app->add_option("--base-lr", args.recipe.base_lr, "Learning rate per --base-batch examples")
-      ->check(positive_number())
+      ->check(positive_number(1000))
       ->capture_default_str();
   app->add_option("--base-batch", args.recipe.base_batch, "The batch --base-lr is meant for")
-      ->check(positive_number())
+      ->check(positive_number(1 << 30))
       ->capture_default_str();
   app->add_option("--lr-scaling", args.recipe.lr_scaling,
                   "linear: peak rate = base-lr x global batch / base-batch; none: base-lr")
@@ -961,14 +961,14 @@ void add_recipe_flags(CLI::App* app, TrainArgs& args) {
       ->capture_default_str();
   app->add_option("--lr", args.recipe.lr,
                   "Peak learning rate as given (overrides --base-lr scaling)")
-      ->check(positive_number());
+      ->check(positive_number(1000));
   app->add_option("--schedule", args.recipe.schedule,
                   "cosine (warmup, then cosine decay) or constant")
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app->add_option("--warmup-epochs", args.recipe.warmup_epochs,
                   "Linear warmup from 0 to the peak rate (default: 1 when epochs > 1, else 0)")
-      ->check(non_negative_number());
+      ->check(non_negative_number(1e6));
   app->add_option("--momentum", args.recipe.momentum, "SGD momentum")
       ->check(number_in(0.0, 0.999))
       ->capture_default_str();
@@ -978,7 +978,7 @@ void add_recipe_flags(CLI::App* app, TrainArgs& args) {
   app->add_option("--global-clipnorm", args.recipe.global_clipnorm,
                   "Clip the gradients to this global L2 norm before each update, after the "
                   "all-reduce (Keras's global_clipnorm, PyTorch's clip_grad_norm_); 0: off")
-      ->check(non_negative_number())
+      ->check(non_negative_number(1e9))
       ->capture_default_str();
   app->add_option("--label-smoothing", args.label_smoothing, "Cross-entropy label smoothing")
       ->check(number_in(0.0, 1.0))
@@ -988,6 +988,7 @@ void add_recipe_flags(CLI::App* app, TrainArgs& args) {
       ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   app->add_option("--seed", args.seed, "Seed for initialisation and shuffling")
+      ->check(number_in(0, 9007199254740992.0)) // 2^53: every such seed reads back exactly
       ->capture_default_str();
 }
 
@@ -1034,7 +1035,7 @@ void add_performance_flags(CLI::App* app, TrainArgs& args) {
       ->capture_default_str();
   app->add_option("--threads", args.threads,
                   "Intra-op threads per worker (0: cores / workers on this machine)")
-      ->check(non_negative_number())
+      ->check(non_negative_number(4096))
       ->capture_default_str();
   app->add_option("--replicas-per-worker", args.replicas_per_worker,
                   "Model replicas per worker, reduced locally before the all-reduce: the first N "
@@ -1059,7 +1060,7 @@ void add_output_flags(CLI::App* app, TrainArgs& args) {
                   "BackupAndRestore: resume an interrupted run from here; removed when done");
   app->add_option("--backup-freq", args.backup_freq,
                   "Also back up every N optimizer updates (0: at epoch ends only)")
-      ->check(non_negative_number())
+      ->check(non_negative_number(1e12))
       ->capture_default_str();
   app->add_option("--preemption-check-ms", args.preemption_check_ms,
                   "With --backup-dir, SIGTERM to any worker makes all save a backup at one step "
@@ -1124,7 +1125,7 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
       ->check(CLI::IsMember({"auto", "ring", "nccl"}, CLI::ignore_case))
       ->capture_default_str();
   app->add_option("--bytes-per-pack", args.bytes_per_pack, "Gradient bucket size in bytes")
-      ->check(positive_number())
+      ->check(positive_number(1 << 30))
       ->capture_default_str();
   app->add_flag("--no-overlap", args.no_overlap,
                 "Start the gradient all-reduces after backward instead of during it");

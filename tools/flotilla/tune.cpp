@@ -189,27 +189,27 @@ Command add_tune(CLI::App& parent) {
                   "data set and the input pipeline)")
       ->capture_default_str();
   app->add_option("--start", args->start, "First batch tried")
-      ->check(positive_number())
+      ->check(positive_number(1 << 20))
       ->capture_default_str();
   app->add_option("--max", args->max, "Largest batch tried")
-      ->check(positive_number())
+      ->check(positive_number(1 << 20))
       ->capture_default_str();
   app->add_option("--resolution", args->resolution, "The answer is a multiple of this")
-      ->check(positive_number())
+      ->check(positive_number(1 << 20))
       ->capture_default_str();
   app->add_option("--max-probes", args->max_probes, "Training steps tried at most")
       ->check(number_in(1, 1000))
       ->capture_default_str();
   app->add_option("--threads", args->threads,
                   "Intra-op threads (0: cores / --workers-per-machine, as flotilla train)")
-      ->check(non_negative_number())
+      ->check(non_negative_number(4096))
       ->capture_default_str();
   app->add_option("--base-lr", args->base_lr, "For the suggestion: rate per --base-batch examples")
-      ->check(positive_number())
+      ->check(positive_number(1000))
       ->capture_default_str();
   app->add_option("--base-batch", args->base_batch,
                   "For the suggestion: the batch --base-lr is for")
-      ->check(positive_number())
+      ->check(positive_number(1 << 30))
       ->capture_default_str();
   app->add_flag("--json", args->json, "One JSON line instead of the text report");
   app->footer("Example: flotilla tune --max-batch --model cnn --memory-budget 4GiB");

@@ -194,12 +194,19 @@ TEST(Flags, NumericFlagsTakeFiniteNumbersOnly) {
     }
     return std::string("accepted");
   };
-  EXPECT_EQ(parse(positive_number(), "nan"), "--x: takes a finite number above 0; saw nan");
-  EXPECT_EQ(parse(positive_number(), "inf"), "--x: takes a finite number above 0; saw inf");
-  EXPECT_EQ(parse(positive_number(), "0"), "--x: takes a finite number above 0; saw 0");
-  EXPECT_EQ(parse(positive_number(), "1e-3"), "accepted");
-  EXPECT_EQ(parse(non_negative_number(), "-1"), "--x: takes a finite number at least 0; saw -1");
-  EXPECT_EQ(parse(non_negative_number(), "0"), "accepted");
+  EXPECT_EQ(parse(positive_number(10), "nan"),
+            "--x: takes a finite number above 0 and at most 10; saw nan");
+  EXPECT_EQ(parse(positive_number(10), "inf"),
+            "--x: takes a finite number above 0 and at most 10; saw inf");
+  EXPECT_EQ(parse(positive_number(10), "0"),
+            "--x: takes a finite number above 0 and at most 10; saw 0");
+  EXPECT_EQ(parse(positive_number(10), "1e-3"), "accepted");
+  EXPECT_EQ(parse(positive_number(10), "10"), "accepted");
+  EXPECT_EQ(parse(positive_number(10), "10.5"),
+            "--x: takes a finite number above 0 and at most 10; saw 10.5");
+  EXPECT_EQ(parse(non_negative_number(10), "-1"),
+            "--x: takes a finite number at least 0 and at most 10; saw -1");
+  EXPECT_EQ(parse(non_negative_number(10), "0"), "accepted");
   EXPECT_EQ(parse(number_in(0, 0.999), "NaN"),
             "--x: takes a finite number from 0 to 0.999; saw NaN");
   EXPECT_EQ(parse(number_in(1, 1 << 20), "2000000"),
