@@ -264,7 +264,16 @@ std::string BackupAndRestore::claim_directory(bool elastic_takeover) {
     }
   }
   if (!elastic_takeover) {
-    const auto foreign = checkpoint::foreign_entries(dir, "backup", {checkpoint::kLockFile});
+    std::vector<std::string> ours = {checkpoint::kLockFile};
+    const fs::path here = fs::weakly_canonical(dir, ec);
+    for (const auto& output : options_.own_outputs) {
+      std::error_code ignored;
+      const fs::path path = fs::weakly_canonical(output, ignored);
+      if (!ignored && !here.empty() && path.parent_path() == here) {
+        ours.push_back(path.filename().string());
+      }
+    }
+    const auto foreign = checkpoint::foreign_entries(dir, "backup", ours);
     if (!foreign.empty()) {
       std::string names;
       for (std::size_t i = 0; i < foreign.size() && i < 5; ++i) {

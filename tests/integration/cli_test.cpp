@@ -150,6 +150,14 @@ TEST(TrainCommand, ABackupDirHoldingTheCheckpointDirOrOtherFilesIsRefusedAndKept
   EXPECT_EQ(testing::entries(run + "/ckpt"),
             (std::vector<std::string>{"checkpoint", "ckpt-1", "ckpt-2"}));
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/backup")); // flotilla made it
+
+  // flotilla's own outputs in it are not foreign (the probe's case: --metrics-json there was
+  // created, then the directory refused for holding it), and they stay when the backups go.
+  const std::string own = dir.path() + "/own";
+  std::filesystem::create_directories(own);
+  r = with({"--backup-dir", own, "--metrics-json", own + "/metrics.jsonl"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(testing::entries(own), std::vector<std::string>{"metrics.jsonl"});
 }
 
 TEST(TrainCommand, MissingDataIsOneLineAndExitCode2) {

@@ -564,6 +564,10 @@ std::vector<std::shared_ptr<train::Callback>> callbacks(const TrainArgs& a) {
     train::BackupOptions backup{a.backup_dir, a.backup_freq, true};
     backup.preemption_check_interval =
         std::chrono::milliseconds(static_cast<std::int64_t>(a.preemption_check_ms));
+    for (const std::string& output :
+         {a.metrics_json, a.csv_log, a.profile_json, a.trace, a.report, a.step_ledger}) {
+      if (!output.empty()) backup.own_outputs.push_back(output);
+    }
     out.push_back(std::make_shared<train::BackupAndRestore>(backup));
   }
   if (!a.checkpoint_dir.empty()) {

@@ -87,6 +87,9 @@ struct BackupOptions {
   // number of steps the chief derives from its step time and sends with each vote (so every
   // worker uses the same number). A request is acted on within about twice this. 0: every step.
   std::chrono::milliseconds preemption_check_interval{500};
+  // Files the program itself writes that may lie in backup_dir (a metrics or CSV log, say): they
+  // do not count as what flotilla did not write, and they stay when the backups are deleted.
+  std::vector<std::filesystem::path> own_outputs;
 };
 
 // Keras's BackupAndRestore: a fit that starts with a backup present continues from it: weights,
