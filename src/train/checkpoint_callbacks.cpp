@@ -196,6 +196,7 @@ void BackupAndRestore::on_train_begin() {
   if (requested_.exchange(false)) model().request_preemption();
   number_ = 0;
   claimed_ = false;
+  nothing_left_ = false;
   if (model().strategy().joining()) {
     // Joining an elastic group mid-fit: the state comes from a live peer, not from here, and
     // the others are past this agreement. Backups are counted from this worker's first step.
@@ -212,6 +213,17 @@ void BackupAndRestore::on_train_begin() {
   if (state) {
     model().restore_training_state(*state);
     restored_ = state;
+    // A resume at or past the fit's last epoch (a preempted job restarted with fewer --epochs,
+    // say) trains nothing; its backups are all there is of that training, so they stay.
+    nothing_left_ = state->epoch >= params().epochs;
+    if (nothing_left_ && strategy.is_chief()) {
+      strategy.log().warn(
+          "BackupAndRestore: the backup in " + options_.backup_dir.string() + " has " +
+          std::to_string(state->epoch) + " epoch(s) done (" + std::to_string(state->iterations) +
+          " updates), and this fit asks for " + std::to_string(params().epochs) +
+          ": nothing is left to train, and the backups are kept. Ask for more epochs to go on "
+          "from it, or move the directory away to start afresh");
+    }
   }
 }
 
@@ -446,8 +458,9 @@ void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) {
 }
 
 void BackupAndRestore::on_train_end() {
-  // Only a fit that ran to its end deletes the backups (one that stopped early was asked to).
-  if (!options_.delete_checkpoint) {
+  // Only a fit that ran to its end deletes the backups (one that stopped early was asked to),
+  // and only when it trained: one that found nothing left keeps them.
+  if (!options_.delete_checkpoint || nothing_left_) {
     lock_ = {};
     return;
   }

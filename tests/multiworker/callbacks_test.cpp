@@ -352,6 +352,47 @@ TEST(Callbacks, AFitThatEndsDeletesOnlyTheBackupsOwnFiles) {
 }
 
 // A backup of another model was a hard stop deep in the restore with no way out named.
+// The probe's case: a preempted job restarted with fewer epochs than its backup has done. The
+// fit trains nothing, says so, and keeps the backups (they were deleted without a word).
+TEST(Callbacks, AResumeWithNothingLeftToTrainSaysSoAndKeepsTheBackups) {
+  testing::TempDir dir;
+  const fs::path backup = fs::path(dir.path()) / "backup";
+  const Data data;
+  ::testing::internal::CaptureStderr();
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    for (const int epochs : {3, 2}) {
+      auto net = make_net();
+      train::Model model(s, net);
+      compile_locked(model);
+      auto counter = std::make_shared<CountingCallback>();
+      counter->crash_after = epochs == 3 ? 14 : -1; // in epoch 3, after epoch 2's backup
+      train::FitOptions fit;
+      fit.epochs = epochs;
+      fit.verbose = train::Verbosity::kSilent;
+      auto restore = std::make_shared<train::BackupAndRestore>(train::BackupOptions{backup});
+      fit.callbacks = {restore, counter};
+      if (epochs == 3) {
+        EXPECT_THROW(model.fit(data.batches(), fit), Crash);
+        continue;
+      }
+      const auto history = model.fit(data.batches(), fit);
+      EXPECT_TRUE(history.epochs.empty());
+      EXPECT_EQ(counter->batches, 0);
+      ASSERT_TRUE(restore->restored().has_value());
+      EXPECT_EQ(restore->restored()->epoch, 2);
+    }
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("BackupAndRestore: the backup in " + backup.string() +
+                     " has 2 epoch(s) done (12 updates), and this fit asks for 2: nothing is left "
+                     "to train, and the backups are kept"),
+            std::string::npos)
+      << err;
+  const auto kept = testing::entries(backup);
+  EXPECT_NE(std::find(kept.begin(), kept.end(), "checkpoint"), kept.end()) << kept.size();
+}
+
 TEST(Callbacks, ABackupOfAnotherModelIsRefusedSayingHowToStartAfresh) {
   testing::TempDir dir;
   const fs::path backup = fs::path(dir.path()) / "backup";

@@ -133,6 +133,8 @@ class BackupAndRestore : public Callback {
   BackupOptions options_;
   checkpoint::DirectoryLock lock_;
   bool claimed_ = false; // this process has claimed the directory for the current fit
+  // The backup resumed is at or past the fit's epochs: nothing was trained, so the backups stay.
+  bool nothing_left_ = false;
   std::optional<TrainingState> restored_;
   detail::SaveCadence cadence_;
   std::int64_t number_ = 0;
