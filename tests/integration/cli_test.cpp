@@ -95,6 +95,25 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
   }
 }
 
+// Connections are descriptors: the CLI raises its soft limit on open files to the hard one at
+// start-up (under 1024, waves of stray connections to the Gloo ports aborted the workers).
+TEST(TrainCommand, TheSoftLimitOnOpenFilesIsRaisedToTheHardOne) {
+  testing::Process train({"prlimit", "--nofile=256:4096", kCli, "train", "--model", "mlp",
+                          "--epochs", "1", "--batch-per-replica", "8", "--threads", "1"});
+  ASSERT_TRUE(train.wait_for_errors("recipe:")) << train.errors_so_far();
+  std::ifstream limits("/proc/" + std::to_string(train.pid()) + "/limits");
+  std::string line, found;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) == 0) found = line;
+  }
+  train.signal(SIGKILL);
+  std::istringstream fields(found.substr(std::string("Max open files").size()));
+  std::string soft, hard;
+  fields >> soft >> hard;
+  EXPECT_EQ(soft, "4096") << found;
+  EXPECT_EQ(hard, "4096") << found;
+}
+
 TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
   const auto r = run_process({kCli, "train", "--steps-per-epoch", "1"},
                              {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},

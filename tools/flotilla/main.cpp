@@ -4,6 +4,7 @@
 
 #include <iostream>
 
+#include "flotilla/base/system.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 #include "tools/flotilla/commands.h"
@@ -11,6 +12,7 @@
 
 int main(int argc, char** argv) {
   using namespace flotilla;
+  base::raise_open_file_limit(); // connections are descriptors (base/system.h)
   // The library's messages name API fields; a CLI user is told the flag beside each.
   set_log_rewrite(tools::with_flags);
   CLI::App app{"flotilla: synchronous data-parallel training for LibTorch models, configured by "

@@ -18,6 +18,13 @@ int available_cores();
 // call it before training. False where the C library is not glibc, or refused the settings.
 bool keep_freed_memory();
 
+// Raises this process's soft limit on open files to its hard limit (as systemd does for its
+// services): every Gloo pair, rendezvous and probe connection is a descriptor, and so is each
+// connection a stranger opens to a listening port until it is closed. Under a soft limit of 1024,
+// waves of stray connections to the Gloo ports exhausted it and aborted the workers (exit 134,
+// "accept: Too many open files"). Returns the soft limit now in force (0: unknown).
+long raise_open_file_limit();
+
 // Every duration flotilla measures (step phases, epochs, votes, timeouts) is on this clock.
 using Clock = std::chrono::steady_clock;
 
