@@ -71,6 +71,7 @@ inline constexpr int kExitFailure = 1;    // anything unexpected
 inline constexpr int kExitBadInput = 2;   // ConfigError, DataError, bad flags
 inline constexpr int kExitComm = 3;       // CommError, TimeoutError
 inline constexpr int kExitCheckpoint = 4; // CheckpointError
+inline constexpr int kExitDiverged = 5;   // training stopped on non-finite values (TerminateOnNaN)
 // Preempted. sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry"): a
 // scheduler or `flotilla launch` that sees it starts the job again, which resumes from the
 // backup; and 75 is not 128 + a signal, so it cannot be mistaken for a worker killed outright.

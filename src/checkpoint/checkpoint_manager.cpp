@@ -404,6 +404,11 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
                               " is in the way: the checkpoint pointer file must be a file; "
                               "move it away");
       }
+      if (const std::string bad = first_non_finite(data.model); !bad.empty()) {
+        throw CheckpointError("the model's " + bad +
+                              " holds non-finite values (NaN or infinity): the training diverged, "
+                              "and a checkpoint of it would be the newest one to resume from");
+      }
       staged.emplace(location->dir(), name);
       write_files(staged->path(), data, number, workers.size());
       if (!chief) {

@@ -39,6 +39,15 @@ WriteLocation::~WriteLocation() {
   }
 }
 
+std::string first_non_finite(const NamedTensors& tensors) {
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor.defined() && tensor.is_floating_point() && !tensor.isfinite().all().item<bool>()) {
+      return name;
+    }
+  }
+  return "";
+}
+
 NamedTensors model_state(const torch::nn::Module& module) {
   NamedTensors tensors;
   for (const auto& item : module.named_parameters()) {

@@ -19,6 +19,20 @@ namespace flotilla::train {
 namespace fs = std::filesystem;
 namespace {
 
+// False, with the chief's warning, when the model's weights hold non-finite values (the
+// training diverged): no checkpoint of them is written, so the newest stays the last finite one.
+// Every worker sees the same weights (mirrored), so all skip together.
+bool finite_or_warn(Model& model, const std::string& who) {
+  const std::string bad = checkpoint::first_non_finite(checkpoint::model_state(model.module()));
+  if (bad.empty()) return true;
+  if (model.strategy().is_chief()) {
+    model.strategy().log().warn(who + ": not saving: the model's " + bad +
+                                " holds non-finite values (the training diverged); the newest "
+                                "checkpoint stays the last one with finite weights");
+  }
+  return false;
+}
+
 // The number in the name of the newest checkpoint the pointer names (0 without one): a chief
 // that took over mid-fit goes on from its predecessor's numbering.
 std::int64_t newest_number(const checkpoint::CheckpointManager& manager) {
@@ -136,6 +150,7 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
   auto& strategy = model().strategy();
   collective::Communicator* const group = strategy.saving_group();
   if (!group) return;
+  if (!finite_or_warn(model(), "ModelCheckpoint")) return;
   if (options_.save_weights_only) {
     // Every worker saves together (the buffers' mirror is a collective). Elastic: the chief alone,
     // with the buffers it has (mirrored at each epoch's end).
@@ -425,6 +440,7 @@ bool BackupAndRestore::backup() {
     const std::string refusal = claim_directory(/*elastic_takeover=*/true);
     if (!refusal.empty()) throw ConfigError(refusal);
   }
+  if (!finite_or_warn(model(), "BackupAndRestore")) return true; // the last finite one stays
   checkpoint::CheckpointManager manager(options_.backup_dir, /*max_to_keep=*/2, "backup");
   if (strategy.elastic()) number_ = std::max(number_, newest_number(manager));
   checkpoint::CheckpointData data = checkpoint_data(model());
@@ -459,8 +475,11 @@ void BackupAndRestore::on_epoch_end(int epoch, EpochLogs& logs) {
 
 void BackupAndRestore::on_train_end() {
   // Only a fit that ran to its end deletes the backups (one that stopped early was asked to),
-  // and only when it trained: one that found nothing left keeps them.
-  if (!options_.delete_checkpoint || nothing_left_) {
+  // and only when it trained: one that found nothing left keeps them, and so does one that
+  // diverged (its last finite backup is where a run with a lower rate goes on from).
+  const bool diverged =
+      !checkpoint::first_non_finite(checkpoint::model_state(model().module())).empty();
+  if (!options_.delete_checkpoint || nothing_left_ || diverged) {
     lock_ = {};
     return;
   }

@@ -75,6 +75,7 @@ void EarlyStopping::on_train_end() {
 
 void TerminateOnNaN::on_train_batch_end(std::int64_t batch, const Logs& logs) {
   if (model().last_step_finite()) return;
+  terminated_ = "batch " + std::to_string(batch) + ": non-finite gradients (invalid loss)";
   if (is_chief()) {
     model().strategy().log().warn("Batch " + std::to_string(batch) +
                                   ": non-finite gradients (invalid loss), terminating training");
@@ -90,6 +91,7 @@ CallbackNeeds TerminateOnNaN::needs() const {
 
 void TerminateOnNaN::on_epoch_end(int epoch, EpochLogs& logs) {
   if (std::isfinite(logs.values.at("loss"))) return;
+  if (terminated_.empty()) terminated_ = "epoch " + std::to_string(epoch + 1) + ": invalid loss";
   if (is_chief()) {
     model().strategy().log().warn("Epoch " + std::to_string(epoch + 1) +
                                   ": invalid loss, terminating training");

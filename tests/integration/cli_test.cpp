@@ -9,6 +9,8 @@
 #include <sstream>
 #include <thread>
 
+#include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
 #include "support/paths.h"
@@ -112,6 +114,29 @@ TEST(TrainCommand, TheSoftLimitOnOpenFilesIsRaisedToTheHardOne) {
   fields >> soft >> hard;
   EXPECT_EQ(soft, "4096") << found;
   EXPECT_EQ(hard, "4096") << found;
+}
+
+// The probe's case: a run that diverges exited 0 and saved a checkpoint with NaN weights. Now it
+// exits 5 (kExitDiverged) saying so, no checkpoint of non-finite weights is written (the newest
+// is the last finite one, if any), and the backups stay for a run with a lower rate.
+TEST(TrainCommand, ADivergedRunExits5AndLeavesNoNonFiniteCheckpoint) {
+  testing::TempDir dir;
+  const std::string checkpoints = dir.path() + "/ckpt", backups = dir.path() + "/backup";
+  const auto r = run_process({kCli, "train", "--model", "mlp", "--epochs", "3",
+                              "--steps-per-epoch", "8", "--batch-per-replica", "32", "--lr", "1000",
+                              "--threads", "1", "--checkpoint-dir", checkpoints, "--backup-dir",
+                              backups, "--backup-freq", "2"});
+  EXPECT_EQ(r.exit_code, kExitDiverged) << r.err;
+  EXPECT_NE(r.err.find("the training diverged (batch "), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("Test: loss"), std::string::npos) << r.err;
+  for (const std::string& d : {checkpoints, backups}) {
+    if (!std::filesystem::exists(d)) continue;
+    for (const auto& entry : std::filesystem::directory_iterator(d)) {
+      if (!std::filesystem::exists(entry.path() / "manifest.json")) continue;
+      const auto data = checkpoint::read_checkpoint(entry.path());
+      EXPECT_EQ(checkpoint::first_non_finite(data.model), "") << entry.path();
+    }
+  }
 }
 
 TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {

@@ -890,6 +890,17 @@ int run(const TrainArgs& a) {
   }
   fit.callbacks.push_back(std::make_shared<profile::Profiler>(profiling));
   model.fit(input.train, fit);
+  for (const auto& callback : fit.callbacks) {
+    const auto* nan = dynamic_cast<const train::TerminateOnNaN*>(callback.get());
+    if (nan && !nan->terminated().empty()) {
+      // No test result of a diverged model, and no exit 0: a scheduler must see it failed.
+      strategy.log().error("the training diverged (" + nan->terminated() +
+                "): it stopped there, and no checkpoint or backup of the non-finite weights was "
+                "written. Lower --lr (or use --global-clipnorm, --warmup-epochs), then resume "
+                "from the last backup or start again");
+      return kExitDiverged;
+    }
+  }
   evaluate_on_test(model, input.test, metrics_json);
   return kExitOk;
 }

@@ -36,6 +36,10 @@ class WriteLocation {
 // names PyTorch's state_dict() gives the same module. The tensors are detached views of the
 // module's own (no copy): clone them to keep a snapshot while training goes on.
 NamedTensors model_state(const torch::nn::Module& module);
+// The name of the first floating-point tensor holding a NaN or an infinity; "" when none does.
+// A diverged model's state: no checkpoint of it becomes the newest (CheckpointManager::save
+// refuses it, the callbacks skip it).
+std::string first_non_finite(const NamedTensors& tensors);
 
 // Copies `state` into the module's parameters and buffers (each keeps its device and dtype).
 // Everything is checked before anything is copied: a name the module has and `state` lacks, or

@@ -44,9 +44,16 @@ class EarlyStopping : public Callback {
 // every worker), or at an epoch whose global loss is NaN or infinite.
 class TerminateOnNaN : public Callback {
  public:
+  void on_train_begin() override { terminated_.clear(); }
   void on_train_batch_end(std::int64_t batch, const Logs& logs) override;
   void on_epoch_end(int epoch, EpochLogs& logs) override;
   CallbackNeeds needs() const override;
+  // Why the last fit was stopped ("batch 7: non-finite gradients (invalid loss)"); "" when it
+  // was not. The CLI then exits with kExitDiverged.
+  const std::string& terminated() const { return terminated_; }
+
+ private:
+  std::string terminated_;
 };
 
 // Keras's LearningRateScheduler: at each epoch's start, rate = schedule(epoch (0-based), rate).
