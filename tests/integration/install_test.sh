@@ -82,10 +82,13 @@ checkout=$(cd "$consumer_src/../.." && pwd)
 build_abs=$(cd "$build_dir" && pwd)
 named=$(grep -rIl -F -e "$checkout" -e "$build_abs" "$prefix" || true)
 [ -z "$named" ] || fail "these installed files name the checkout or the build tree: $named"
+# (Its libraries, that is: flotillaConfig.cmake looks for nvcc in /usr/local/cuda/bin, as
+# LibTorch's package does, wherever it is installed.)
 cuda_root=$(sed -n 's/^CUDA_TOOLKIT_ROOT_DIR:PATH=//p' "$build_dir/CMakeCache.txt")
 if [ -n "$cuda_root" ]; then
-  named=$(grep -rIl -F -e "$cuda_root" "$prefix/lib/cmake/flotilla" "$prefix/include/flotilla" || true)
-  [ -z "$named" ] || fail "flotilla's installed files name the CUDA toolkit $cuda_root: $named"
+  named=$(grep -rIl -F -e "$cuda_root/lib" -e "$(readlink -f "$cuda_root")" \
+    "$prefix/lib/cmake/flotilla" "$prefix/include/flotilla" || true)
+  [ -z "$named" ] || fail "flotilla's installed files name the CUDA toolkit's libraries ($cuda_root): $named"
 fi
 
 # From here on the checkout (with its build tree and .venv) is hidden where we can hide it: a

@@ -150,9 +150,13 @@ TEST(Rendezvous, AChiefWithoutTheTokenCannotPassForTheRealOne) {
 
 TEST(Rendezvous, ASecondProcessClaimingATakenRankIsRefused) {
   const auto ports = testing::free_ports(2);
-  auto chief = start(ports, 0, {"--timeout-ms", "60000"});
+  // Both claimants first (they retry until the chief listens), so neither can start after the
+  // chief has finished with the other: once seen under make test's load, the late one found no
+  // rendezvous at all (exit 3, "could not reach the chief's rendezvous").
   auto first = start(ports, 1, {"--timeout-ms", "60000"});
   auto second = start(ports, 1, {"--timeout-ms", "60000"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto chief = start(ports, 0, {"--timeout-ms", "60000"});
   std::vector<ProcessResult> claimants = {first->wait(std::chrono::seconds(120)),
                                           second->wait(std::chrono::seconds(120))};
   const auto chief_result = chief->wait(std::chrono::seconds(120));
