@@ -262,9 +262,9 @@ struct MembershipState {
   }
 
   // The current generation's collectives can no longer complete anywhere (detail::sever_group):
-  // called once this worker gave the generation up, before the next one forms, so that a member
-  // stopped inside one of its collectives cannot finish it, woken, against what this worker
-  // abandoned. Idempotent.
+  // regroup() calls it once this worker gave the generation up, before the next one forms, so
+  // that a member stopped inside one of its collectives cannot finish it, woken, against what
+  // this worker abandoned (a generation that fails to connect leaves the severed one current).
   void sever() {
     if (communicator) detail::sever_group(*communicator);
   }
@@ -302,7 +302,6 @@ struct MembershipState {
       health = fresh;
       generation = g;
     }
-    if (abandon) sever();
     std::vector<std::string> names;
     for (int slot : record.slots) {
       const std::string name = config.name(slot);

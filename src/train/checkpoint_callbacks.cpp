@@ -211,7 +211,6 @@ void BackupAndRestore::on_train_begin() {
   if (requested_.exchange(false)) model().request_preemption();
   number_ = 0;
   claimed_ = false;
-  nothing_left_ = false;
   if (model().strategy().joining()) {
     // Joining an elastic group mid-fit: the state comes from a live peer, not from here, and
     // the others are past this agreement. Backups are counted from this worker's first step.
@@ -230,8 +229,7 @@ void BackupAndRestore::on_train_begin() {
     restored_ = state;
     // A resume at or past the fit's last epoch (a preempted job restarted with fewer --epochs,
     // say) trains nothing; its backups are all there is of that training, so they stay.
-    nothing_left_ = state->epoch >= params().epochs;
-    if (nothing_left_ && strategy.is_chief()) {
+    if (nothing_left() && strategy.is_chief()) {
       strategy.log().warn(
           "BackupAndRestore: the backup in " + options_.backup_dir.string() + " has " +
           std::to_string(state->epoch) + " epoch(s) done (" + std::to_string(state->iterations) +
@@ -479,7 +477,7 @@ void BackupAndRestore::on_train_end() {
   // diverged (its last finite backup is where a run with a lower rate goes on from).
   const bool diverged =
       !checkpoint::first_non_finite(checkpoint::model_state(model().module())).empty();
-  if (!options_.delete_checkpoint || nothing_left_ || diverged) {
+  if (!options_.delete_checkpoint || nothing_left() || diverged) {
     lock_ = {};
     return;
   }

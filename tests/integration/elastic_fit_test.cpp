@@ -348,19 +348,27 @@ TEST(ElasticFit, AnElasticFitWithBatchNormSavesWithoutACollective) {
   fit.expect_every_sample_once(4);
 }
 
+// Under `launch`, slot `slot`'s process (its pid in `pid`), stopped by its own signal, once the
+// others have formed generation 1 without it.
+void wait_until_expelled(testing::Process& launch, int slot, pid_t& pid) {
+  const std::string announced =
+      "[worker " + std::to_string(slot) + "] slot " + std::to_string(slot) + " pid ";
+  ASSERT_TRUE(launch.wait_for_output(announced)) << launch.output_so_far();
+  const std::string out = launch.output_so_far();
+  pid = std::stoi(out.substr(out.find(announced) + announced.size()));
+  ASSERT_TRUE(launch.wait_for_errors("elastic: generation 1 with 2 workers (slot " +
+                                     std::to_string(slot) + " stopped sending heartbeats"))
+      << launch.errors_so_far();
+}
+
 // A frozen worker (SIGSTOP at global step 7) is expelled after the heartbeat timeout and the
 // others redo the step without it; woken (SIGCONT), it learns it was expelled and exits 3, launch
 // restarts it and it rejoins. The result is again the one-worker run's.
 TEST(ElasticFit, AnElasticFitExpelsAFrozenWorkerAndItsRestartRejoins) {
   const ElasticFit fit;
   testing::Process launch(fit.launch("STOP", "200"));
-  const std::string announced = "[worker 2] slot 2 pid ";
-  ASSERT_TRUE(launch.wait_for_output(announced)) << launch.output_so_far();
-  const std::string out = launch.output_so_far();
-  const pid_t frozen = std::stoi(out.substr(out.find(announced) + announced.size()));
-  ASSERT_TRUE(launch.wait_for_errors(
-      "elastic: generation 1 with 2 workers (slot 2 stopped sending heartbeats"))
-      << launch.errors_so_far();
+  pid_t frozen = 0;
+  ASSERT_NO_FATAL_FAILURE(wait_until_expelled(launch, 2, frozen));
   ::kill(frozen, SIGCONT);
   const auto r = launch.wait(std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -387,13 +395,8 @@ TEST(ElasticFit, AFrozenChiefsStaleBackupIsRefusedOnceItsSuccessorSaved) {
   testing::Process launch(fit.launch(
       "KILL", "200", {"--max-restarts", "1"},
       {"--signal-at", "-1", "--fault", "0:callbacks-stop:2", "--backup-dir", backup}));
-  const std::string announced = "[worker 0] slot 0 pid ";
-  ASSERT_TRUE(launch.wait_for_output(announced)) << launch.output_so_far();
-  const std::string out = launch.output_so_far();
-  const pid_t frozen = std::stoi(out.substr(out.find(announced) + announced.size()));
-  ASSERT_TRUE(launch.wait_for_errors(
-      "elastic: generation 1 with 2 workers (slot 0 stopped sending heartbeats"))
-      << launch.errors_so_far();
+  pid_t frozen = 0;
+  ASSERT_NO_FATAL_FAILURE(wait_until_expelled(launch, 0, frozen));
   // The newest backup is generation 1's (the successor's) before the old chief wakes.
   const auto newest_generation = [&]() -> std::int64_t {
     try {

@@ -22,8 +22,8 @@ bool keep_freed_memory();
 // services): every Gloo pair, rendezvous and probe connection is a descriptor, and so is each
 // connection a stranger opens to a listening port until it is closed. Under a soft limit of 1024,
 // waves of stray connections to the Gloo ports exhausted it and aborted the workers (exit 134,
-// "accept: Too many open files"). Returns the soft limit now in force (0: unknown).
-long raise_open_file_limit();
+// "accept: Too many open files"). Left as it is where the system refuses.
+void raise_open_file_limit();
 
 // Every duration flotilla measures (step phases, epochs, votes, timeouts) is on this clock.
 using Clock = std::chrono::steady_clock;

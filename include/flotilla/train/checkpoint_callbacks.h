@@ -130,11 +130,11 @@ class BackupAndRestore : public Callback {
   // held (one frozen but alive still holds it: going on, with a warning).
   std::string claim_directory(bool elastic_takeover = false);
   std::optional<TrainingState> restore();
+  // The backup resumed is at or past the fit's epochs: the fit trains nothing.
+  bool nothing_left() const { return restored_ && restored_->epoch >= params().epochs; }
   BackupOptions options_;
   checkpoint::DirectoryLock lock_;
   bool claimed_ = false; // this process has claimed the directory for the current fit
-  // The backup resumed is at or past the fit's epochs: nothing was trained, so the backups stay.
-  bool nothing_left_ = false;
   std::optional<TrainingState> restored_;
   detail::SaveCadence cadence_;
   std::int64_t number_ = 0;
