@@ -82,13 +82,18 @@ checkout=$(cd "$consumer_src/../.." && pwd)
 build_abs=$(cd "$build_dir" && pwd)
 named=$(grep -rIl -F -e "$checkout" -e "$build_abs" "$prefix" || true)
 [ -z "$named" ] || fail "these installed files name the checkout or the build tree: $named"
-# (Its libraries, that is: flotillaConfig.cmake looks for nvcc in /usr/local/cuda/bin, as
-# LibTorch's package does, wherever it is installed.)
+# (Its libraries, that is: the directories CMake found them in, as written and resolved.
+# flotillaConfig.cmake looks for nvcc in /usr/local/cuda/bin, as LibTorch's package does, and
+# a toolkit whose nvcc is /usr/local/bin/nvcc has the root /usr/local, so the root is no test.)
 cuda_root=$(sed -n 's/^CUDA_TOOLKIT_ROOT_DIR:PATH=//p' "$build_dir/CMakeCache.txt")
-if [ -n "$cuda_root" ]; then
-  named=$(grep -rIl -F -e "$cuda_root/lib" -e "$(readlink -f "$cuda_root")" \
-    "$prefix/lib/cmake/flotilla" "$prefix/include/flotilla" || true)
-  [ -z "$named" ] || fail "flotilla's installed files name the CUDA toolkit's libraries ($cuda_root): $named"
+cuda_dirs=()
+while IFS= read -r lib; do
+  dir=$(dirname "$lib")
+  cuda_dirs+=(-e "$dir/" -e "$(readlink -f "$dir")/")
+done < <(sed -n -E 's/^CUDA_[A-Za-z0-9_]+_LIBRARY:FILEPATH=(\/.*)$/\1/p' "$build_dir/CMakeCache.txt" | sort -u)
+if [ ${#cuda_dirs[@]} -gt 0 ]; then
+  named=$(grep -rIl -F "${cuda_dirs[@]}" "$prefix/lib/cmake/flotilla" "$prefix/include/flotilla" || true)
+  [ -z "$named" ] || fail "flotilla's installed files name the CUDA toolkit's library directories: $named"
 fi
 
 # From here on the checkout (with its build tree and .venv) is hidden where we can hide it: a
