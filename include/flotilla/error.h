@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace flotilla {
 
@@ -64,6 +65,15 @@ class Preempted : public Error {
  private:
   std::int64_t iterations_;
 };
+
+// Untrusted input as an error message shows it: in double quotes, with quotes, backslashes and
+// control bytes escaped (\n, \t, \r, \xHH: a NUL cannot end the message and an escape sequence
+// cannot reach the terminal), and cut after `max` bytes, saying how long it was.
+std::string echoed(std::string_view text, std::size_t max = 200);
+
+// A whole message as the CLI prints it: control bytes other than newlines escaped, cut after
+// `max` bytes.
+std::string printable(std::string_view message, std::size_t max = 4000);
 
 // Process exit codes the CLI and launcher use.
 inline constexpr int kExitOk = 0;

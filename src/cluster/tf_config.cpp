@@ -22,10 +22,18 @@ ConfigError error(const std::string& message) {
   return ConfigError("TF_CONFIG " + message);
 }
 
+// A value as JSON, escaped as JSON is and cut as echoed() cuts.
+std::string shown(const json& value) {
+  constexpr std::size_t kMax = 200;
+  const std::string text = value.dump(-1, ' ', true); // non-ASCII as \uXXXX too
+  if (text.size() <= kMax) return text;
+  return text.substr(0, kMax) + "... (cut: " + std::to_string(text.size()) + " bytes)";
+}
+
 std::string type_name(const json& value) {
-  if (value.is_number()) return "the number " + value.dump();
-  if (value.is_string()) return "the string " + value.dump();
-  return std::string(value.type_name()) + " " + value.dump();
+  if (value.is_number()) return "the number " + shown(value);
+  if (value.is_string()) return "the string " + shown(value);
+  return std::string(value.type_name()) + " " + shown(value);
 }
 
 std::vector<Address> parse_job(const json& cluster, const std::string& name) {
@@ -78,13 +86,13 @@ TaskType parse_task_type(const json& task, const json& cluster) {
   } else if (name == "master") {
     type = TaskType::kChief; // the seed's and AI Platform's name of the chief
   } else {
-    throw error("task.type \"" + name +
-                "\" is not a task type; use \"chief\", \"worker\" or \"evaluator\"");
+    throw error("task.type " + echoed(name) +
+                " is not a task type; use \"chief\", \"worker\" or \"evaluator\"");
   }
   if (!cluster.contains(name) || cluster[name].empty()) {
     std::string listed;
     for (const auto& [job, addresses] : cluster.items()) {
-      if (!addresses.empty()) listed += (listed.empty() ? "\"" : ", \"") + job + "\"";
+      if (!addresses.empty()) listed += (listed.empty() ? "" : ", ") + echoed(job, 40);
     }
     throw error("task.type is \"" + name + "\" but cluster has no \"" + name +
                 "\" addresses; add them to cluster or use a type it lists (" + listed + ")");
@@ -137,7 +145,9 @@ ClusterSpec parse_tf_config(std::string_view text) {
     // out_of_range.406 for a number beyond double's range (1e999): both are bad JSON to us.
     std::string what = e.what();
     const auto pos = what.find("] ");
-    throw error("is not valid JSON (" + (pos == std::string::npos ? what : what.substr(pos + 2)) +
+    // Its "last read: '...'" can hold a whole unterminated string: cut and escaped.
+    throw error("is not valid JSON (" +
+                printable(pos == std::string::npos ? what : what.substr(pos + 2), 300) +
                 "); " + kExample);
   }
   if (!doc.is_object()) {
@@ -176,8 +186,8 @@ ClusterSpec parse_tf_config(std::string_view text) {
     if (name == "ps") {
       if (!value.empty()) throw error("cluster has \"ps\" tasks: " + std::string(kNoPs));
     } else if (name != "chief" && name != "worker" && name != "evaluator") {
-      throw error("cluster has unknown task type \"" + name +
-                  "\"; use \"chief\", \"worker\" and \"evaluator\"");
+      throw error("cluster has unknown task type " + echoed(name) +
+                  "; use \"chief\", \"worker\" and \"evaluator\"");
     }
   }
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/checkpoint/model_checkpoint.h"
@@ -94,6 +95,34 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
     EXPECT_EQ(r.exit_code, kExitBadInput) << args[1] << " " << r.err;
     EXPECT_EQ(line_count(r.err), 1u) << r.err;
     EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
+// Untrusted input in an error line is escaped and cut (the probe's: TF_CONFIG errors of 200 KB on
+// one line, a NUL that ended the message where it stood, escape sequences sent to the terminal).
+TEST(TrainCommand, EchoedInputIsEscapedAndCut) {
+  const std::string big(100000, 'x');
+  const std::string tf_config = R"({"cluster":{"worker":["h:1"]},"task":{"type":"wor\u0000ker\u001b[31m)" +
+                                big + R"(","index":0}})";
+  const std::vector<std::tuple<std::vector<std::string>, std::map<std::string, std::string>,
+                               std::string>>
+      cases = {
+          {{"train", "--model", "mlp"}, {{"TF_CONFIG", tf_config}},
+           R"(TF_CONFIG task.type "wor\x00ker\x1b[31mxxx)"},
+          {{"train", "--model", "mlp"}, {{"FLOTILLA_RENDEZVOUS", "\x1b[2J" + big + ":1"}},
+           R"(FLOTILLA_RENDEZVOUS: the host in "\x1b[2Jxxx)"},
+          {{"train", "--model", "\x1b[2J" + big}, {}, "\\x1b[2Jxxx"},
+      };
+  for (const auto& [args, env, message] : cases) {
+    std::vector<std::string> argv = {kCli};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = run_process(argv, env);
+    EXPECT_EQ(r.exit_code, kExitBadInput) << r.err.substr(0, 2000);
+    EXPECT_EQ(line_count(r.err), 1u) << r.err.substr(0, 2000);
+    EXPECT_LT(r.err.size(), 1500u) << r.err.substr(0, 2000);
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err.substr(0, 2000);
+    EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err.substr(0, 2000);
+    EXPECT_NE(r.err.find("(cut: "), std::string::npos) << r.err.substr(0, 2000);
   }
 }
 

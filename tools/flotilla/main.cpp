@@ -32,7 +32,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string where = "flotilla";
     for (const auto* sub : app.get_subcommands()) where += " " + sub->get_name();
-    std::cerr << where << ": error: " << e.what() << " (see " << where << " --help)\n";
+    // CLI11's messages echo the value given: escaped and cut as every error line is.
+    std::cerr << where << ": error: " << printable(e.what(), 1000) << " (see " << where
+              << " --help)\n";
     return kExitBadInput;
   }
   for (const auto& command : commands) {
@@ -40,16 +42,16 @@ int main(int argc, char** argv) {
     try {
       return command.run();
     } catch (const Preempted& e) { // not an error: the job is to be started again
-      std::cerr << "flotilla " << command.app->get_name() << ": " << tools::with_flags(e.what())
-                << "\n";
+      std::cerr << "flotilla " << command.app->get_name() << ": "
+                << printable(tools::with_flags(e.what())) << "\n";
       return kExitPreempted;
     } catch (const c10::Error& e) { // LibTorch's own: its message, not its backtrace
       std::cerr << "flotilla " << command.app->get_name()
-                << ": error: " << e.what_without_backtrace() << "\n";
+                << ": error: " << printable(e.what_without_backtrace()) << "\n";
       return kExitFailure;
     } catch (const std::exception& e) {
       std::cerr << "flotilla " << command.app->get_name()
-                << ": error: " << tools::with_flags(e.what()) << "\n";
+                << ": error: " << printable(tools::with_flags(e.what())) << "\n";
       return exit_code(e);
     }
   }
