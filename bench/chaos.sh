@@ -17,9 +17,9 @@
 #         join the new one, which takes the membership up from them; no regroup is expected
 #   etcd  (RENDEZVOUS=etcd) an etcd member SIGKILLed (each round, the leader first), and started
 #         again after --heartbeat-timeout + 3 s: nothing is expected to happen
-# RENDEZVOUS=etcd: both runs meet through the rendezvous replicated in a real etcd cluster
-# (FLOTILLA_RENDEZVOUS=etcd://...): etcd members on three more hosts (.5-.7), replicas of
-# `flotilla rendezvous --etcd` on the first two; a `rendezvous` fault kills the serving replica
+# RENDEZVOUS=etcd: both runs meet through the rendezvous replicated in a real etcd cluster over
+# TLS with client certificates (FLOTILLA_RENDEZVOUS=etcds://...): etcd members on three more
+# hosts (.5-.7), replicas of `flotilla rendezvous --etcd` on the first two; a `rendezvous` fault kills the serving replica
 # and starts it again (as the standby) after --heartbeat-timeout + 3 s. FAULTS defaults to
 # "kill stop cut rendezvous etcd" there.
 # Each run's processes append a step ledger (flotilla train --step-ledger): per committed
@@ -83,10 +83,11 @@ train_args=(--elastic --heartbeat-timeout "$HB" --timeout 120 --model "$MODEL" -
 if [[ $RENDEZVOUS == etcd ]]; then netns_add_hosts 7; else netns_add_hosts 5; fi
 etcd_endpoints=""
 etcd_members=""
-for h in "${ETCD_HOSTS[@]}"; do
-  etcd_endpoints+="${etcd_endpoints:+,}$(host_ip "$h"):2379"
-  etcd_members+="${etcd_members:+,}e$h=http://$(host_ip "$h"):2380"
-done
+if [[ $RENDEZVOUS == etcd ]]; then # over TLS with client certificates, as production runs it
+  etcd_tls "$tmp/certs" "${ETCD_HOSTS[@]}"
+  etcd_endpoints=$(etcd_endpoints "${ETCD_HOSTS[@]}")
+  etcd_members=$(etcd_members "${ETCD_HOSTS[@]}")
+fi
 
 alive() {
   local p
@@ -98,13 +99,12 @@ alive() {
 run() {
   local name=$1 port=$2 faults=$3 host
   local rdzv="$(host_ip "$RDZV_HOST"):$port"
-  [[ $RENDEZVOUS == builtin ]] || rdzv="etcd://$etcd_endpoints/$name"
+  [[ $RENDEZVOUS == builtin ]] || rdzv="etcds://$etcd_endpoints/$name"
   mkdir -p "$tmp/$name/ledger"
   if [[ $RENDEZVOUS == etcd ]]; then
     local h
     for h in "${ETCD_HOSTS[@]}"; do etcd_start "$h" "$tmp/$name" "$etcd_members" "$prefix-$name"; done
-    until ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$etcd_endpoints" \
-      endpoint health >/dev/null 2>&1; do sleep 0.2; done
+    until etcd_ctl "$etcd_endpoints" endpoint health >/dev/null 2>&1; do sleep 0.2; done
     for h in 4 5; do start_replica "$name" "$h" "$port"; done
   else
     start_rendezvous "$name" "$rdzv"
@@ -152,7 +152,7 @@ start_rendezvous() {
 start_replica() {
   ip netns exec "$(host_ns "$2")" env FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
     "$bin" rendezvous --listen "$(host_ip "$2"):$3" --workers "$HOSTS" --heartbeat-timeout "$HB" \
-    --etcd "etcd://$etcd_endpoints/$1" >>"$tmp/$1/replica$2.log" 2>&1 &
+    --etcd "etcds://$etcd_endpoints/$1" >>"$tmp/$1/replica$2.log" 2>&1 &
   echo $! >"$tmp/$1/replica-pid-$2"
   pids+=($!)
 }
@@ -241,8 +241,8 @@ inject() {
         etcd_start "$victim" "$tmp/$name" "$etcd_members" "$prefix-$name"
       elif [[ $RENDEZVOUS == etcd ]]; then
         local serving
-        serving=$(ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints \
-          "$etcd_endpoints" get --print-value-only "/flotilla/$name/rendezvous" 2>/dev/null || true)
+        serving=$(etcd_ctl "$etcd_endpoints" get --print-value-only "/flotilla/$name/rendezvous" \
+          2>/dev/null || true)
         victim=4
         [[ $serving == "$(host_ip 5):"* ]] && victim=5
         what="the serving replica ($serving)"

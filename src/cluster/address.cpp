@@ -1,5 +1,6 @@
 #include "flotilla/cluster/cluster_spec.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "flotilla/error.h"
@@ -12,7 +13,7 @@ std::string Address::to_string() const {
 }
 
 Address parse_address(std::string_view text, const std::string& what) {
-  const std::string seen = "\"" + std::string(text) + "\"";
+  const std::string seen = echoed(text);
   const std::string form = "; write \"host:port\", e.g. \"10.0.0.2:2222\"";
   std::string host;
   std::string_view port_text;
@@ -40,6 +41,19 @@ Address parse_address(std::string_view text, const std::string& what) {
     }
   }
   if (host.empty()) throw ConfigError(what + ": " + seen + " has an empty host" + form);
+  // A DNS name has at most 253 characters, none of them blank or a control byte; so an address
+  // flotilla echoes later stays short and printable.
+  const bool printable_host =
+      std::none_of(host.begin(), host.end(), [](char c) {
+        const auto u = static_cast<unsigned char>(c);
+        return u <= 0x20 || u == 0x7f;
+      });
+  if (host.size() > 253 || !printable_host) {
+    throw ConfigError(what + ": the host in " + seen +
+                      (host.size() > 253 ? " is longer than a DNS name's 253 characters"
+                                         : " holds a blank or a control character") +
+                      form);
+  }
   if (port_text.empty()) throw ConfigError(what + ": " + seen + " has no port" + form);
   long port = 0;
   for (char c : port_text) {
@@ -50,7 +64,7 @@ Address parse_address(std::string_view text, const std::string& what) {
     port = port * 10 + (c - '0');
   }
   if (port < 1 || port > 65535) {
-    throw ConfigError(what + ": port \"" + std::string(port_text) + "\" in " + seen +
+    throw ConfigError(what + ": port " + echoed(port_text, 20) + " in " + seen +
                       " is not a valid port; use a number from 1 to 65535");
   }
   return Address{host, static_cast<int>(port)};
@@ -74,16 +88,26 @@ std::vector<Address> ClusterSpec::training_addresses() const {
   return out;
 }
 
+std::string EtcdRendezvous::url() const {
+  std::string out = tls ? "etcds://" : "etcd://";
+  for (std::size_t i = 0; i < endpoints.size(); ++i) out += (i ? "," : "") + endpoints[i].to_string();
+  return out + "/" + job;
+}
+
 EtcdRendezvous parse_etcd_rendezvous(std::string_view text, const std::string& what) {
-  const std::string seen = "\"" + std::string(text) + "\"";
-  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB], e.g. "
-                           "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
-  constexpr std::string_view scheme = "etcd://";
-  if (text.substr(0, scheme.size()) != scheme) {
-    throw ConfigError(what + ": " + seen + " does not start with etcd://" + form);
+  const std::string seen = echoed(text);
+  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB] (etcds:// for TLS), e.g. "
+                           "etcds://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
+  constexpr std::string_view plain = "etcd://", secure = "etcds://";
+  EtcdRendezvous out;
+  std::string_view scheme = plain;
+  if (text.substr(0, secure.size()) == secure) {
+    scheme = secure;
+    out.tls = true;
+  } else if (text.substr(0, plain.size()) != plain) {
+    throw ConfigError(what + ": " + seen + " does not start with etcd:// or etcds://" + form);
   }
   std::string_view rest = text.substr(scheme.size());
-  EtcdRendezvous out;
   out.job = "flotilla";
   if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
     out.job = std::string(rest.substr(slash + 1));
@@ -92,7 +116,7 @@ EtcdRendezvous parse_etcd_rendezvous(std::string_view text, const std::string& w
                        out.job.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW"
                                                  "XYZ0123456789._-") == std::string::npos;
     if (!valid) {
-      throw ConfigError(what + ": the job \"" + out.job + "\" in " + seen +
+      throw ConfigError(what + ": the job " + echoed(out.job, 80) + " in " + seen +
                         " must be 1 to 64 letters, digits, '.', '_' or '-'" + form);
     }
   }

@@ -9,6 +9,9 @@ Environment Environment::from_process() {
       "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
       "LOCAL_WORLD_SIZE", "FLOTILLA_TERMINAL", "FLOTILLA_CLUSTER_TOKEN",
       "FLOTILLA_CLUSTER_TOKEN_FILE", "FLOTILLA_RENDEZVOUS",
+      // A secured etcd's, read by complete_etcd_security.
+      "FLOTILLA_ETCD_CACERT", "FLOTILLA_ETCD_CERT", "FLOTILLA_ETCD_KEY", "FLOTILLA_ETCD_USER",
+      "FLOTILLA_ETCD_PASSWORD",
       // torchrun's agent, read by from_torchrun_env.
       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
       // Kubeflow Trainer v2's torch runtime, read by from_kubeflow_env.

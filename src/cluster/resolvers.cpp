@@ -1,6 +1,11 @@
 #include "flotilla/cluster/resolvers.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cctype>
 #include <optional>
 
@@ -34,12 +39,9 @@ const char* const kSlurmFix = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURMD_NODE
                               "SLURM_STEP_NODELIST for every task: start flotilla with srun "
                               "(docs/deploy.md), or unset SLURM_PROCID to train alone";
 
+// Bounded and escaped, so that a corrupt value cannot make a megabyte-long message.
 std::string shown(std::string_view text) {
-  // Bounded so that a corrupt value cannot make a megabyte-long message.
-  constexpr std::size_t kShown = 200;
-  if (text.size() <= kShown) return "\"" + std::string(text) + "\"";
-  return "\"" + std::string(text.substr(0, kShown)) + "...\" (" + std::to_string(text.size()) +
-         " characters)";
+  return echoed(text);
 }
 
 bool host_char(char c) {
@@ -377,11 +379,70 @@ ClusterSpec resolve_cluster_only(const Environment& env) {
 }
 } // namespace
 
+void complete_etcd_security(EtcdRendezvous& etcd, const Environment& env) {
+  // Each field: what names it (the flag set it, or the variable), filled from the variable.
+  struct Field {
+    std::string& value;
+    const char* flag;
+    const char* variable;
+  };
+  const Field fields[] = {{etcd.ca_file, "--etcd-cacert", "FLOTILLA_ETCD_CACERT"},
+                          {etcd.cert_file, "--etcd-cert", "FLOTILLA_ETCD_CERT"},
+                          {etcd.key_file, "--etcd-key", "FLOTILLA_ETCD_KEY"},
+                          {etcd.user, "--etcd-user", "FLOTILLA_ETCD_USER"},
+                          {etcd.password, "", "FLOTILLA_ETCD_PASSWORD"}};
+  std::string source[5];
+  for (int i = 0; i < 5; ++i) {
+    const Field& f = fields[i];
+    source[i] = f.flag;
+    if (f.value.empty()) {
+      if (const auto v = env.get(f.variable)) f.value = *v;
+      source[i] = f.variable;
+    }
+  }
+  const auto file = [&](int i, const char* holding) {
+    const std::string& path = fields[i].value;
+    if (path.empty()) return;
+    struct stat info {};
+    const std::string named = source[i] + " (" + holding + ") \"" + path + "\"";
+    if (::stat(path.c_str(), &info) != 0) {
+      throw ConfigError(named + ": " + std::strerror(errno) + "; name the PEM file");
+    }
+    if (!S_ISREG(info.st_mode) || ::access(path.c_str(), R_OK) != 0) {
+      throw ConfigError(named + " is not a file this process can read; name the PEM file");
+    }
+    etcd.tls = true;
+  };
+  file(0, "the CA that signed etcd's certificate");
+  file(1, "this client's certificate");
+  file(2, "this client's private key");
+  if (etcd.cert_file.empty() != etcd.key_file.empty()) {
+    throw ConfigError(etcd.cert_file.empty()
+                          ? source[2] + " names a private key without its certificate; give " +
+                                "--etcd-cert or FLOTILLA_ETCD_CERT too"
+                          : source[1] + " names a certificate without its private key; give " +
+                                "--etcd-key or FLOTILLA_ETCD_KEY too");
+  }
+  if (etcd.user.empty() != etcd.password.empty()) {
+    throw ConfigError(etcd.user.empty()
+                          ? "FLOTILLA_ETCD_PASSWORD is set but no etcd user; give --etcd-user or "
+                            "FLOTILLA_ETCD_USER too"
+                          : source[3] + " names the etcd user \"" + etcd.user +
+                                "\" without a password; set FLOTILLA_ETCD_PASSWORD");
+  }
+  if (!etcd.user.empty() && !etcd.tls) {
+    throw ConfigError("the etcd user \"" + etcd.user + "\" (" + source[3] +
+                      ") would send its password over plain HTTP to " + etcd.url() +
+                      "; write etcds:// (TLS) instead of etcd://");
+  }
+}
+
 ClusterSpec resolve_cluster(const Environment& env) {
   ClusterSpec spec = resolve_cluster_only(env);
   if (const auto external = env.get("FLOTILLA_RENDEZVOUS")) {
-    if (external->rfind("etcd://", 0) == 0) {
+    if (external->rfind("etcd://", 0) == 0 || external->rfind("etcds://", 0) == 0) {
       spec.etcd = parse_etcd_rendezvous(*external, "FLOTILLA_RENDEZVOUS");
+      complete_etcd_security(spec.etcd, env);
       spec.rendezvous = spec.etcd.endpoints.front(); // unused: etcd names the replica
     } else {
       spec.rendezvous = parse_address(*external, "FLOTILLA_RENDEZVOUS");

@@ -657,20 +657,24 @@ detail::RendezvousConfig detail::rendezvous_config(const cluster::ClusterSpec& s
   config.external = spec.external_rendezvous;
   if (!spec.etcd.endpoints.empty()) {
     // The replica etcd names now (etcd_rendezvous.cpp); asked again after each lost connection.
-    auto etcd = std::make_shared<detail::EtcdClient>(spec.etcd.endpoints, std::chrono::seconds(2));
+    auto etcd = std::make_shared<detail::EtcdClient>(spec.etcd, std::chrono::seconds(2));
     config.locate = [etcd, key = spec.etcd.key()]() -> std::optional<cluster::Address> {
+      // A ConfigError from etcd (it refused this client's certificate or user) goes up:
+      // asking again cannot help.
+      std::optional<std::string> value;
       try {
-        const auto value = etcd->get(key);
+        value = etcd->get(key);
+      } catch (const CommError&) {
+        return std::nullopt; // no endpoint answered: none named now; asked again
+      }
+      try {
         if (value) return cluster::parse_address(*value, "etcd key " + key);
-      } catch (const Error&) {
-        // No endpoint answered, or a value that is no address: none named now; asked again.
+      } catch (const ConfigError&) {
+        // A value that is no address: none named now; asked again.
       }
       return std::nullopt;
     };
-    std::string endpoints;
-    for (const auto& e : spec.etcd.endpoints)
-      endpoints += (endpoints.empty() ? "" : ",") + e.to_string();
-    config.locate_name = "etcd://" + endpoints + "/" + spec.etcd.job;
+    config.locate_name = spec.etcd.url();
   }
   return config;
 }

@@ -1,99 +1,82 @@
 #include "collective/etcd.h"
 
-#include <poll.h>
-#include <unistd.h>
+#include <curl/curl.h>
 
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <openssl/evp.h>
 
-#include "collective/sockets.h"
 #include "flotilla/error.h"
 
 namespace flotilla::collective::detail {
+
+struct EtcdClient::Endpoint {
+  cluster::Address address;
+  std::string base; // "https://HOST:PORT"
+  CURL* curl = nullptr;
+  ~Endpoint() {
+    if (curl) curl_easy_cleanup(curl);
+  }
+};
+
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t kMaxResponseBytes = 1 << 20;
 
-bool wait_for(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(left));
-    if (n > 0) return true;
-    if (n < 0 && errno != EINTR) return false;
-  }
+// etcd says the token it issued has expired: authenticate again.
+struct ExpiredToken : CommError {
+  using CommError::CommError;
+};
+
+std::size_t collect(char* data, std::size_t size, std::size_t n, void* to) {
+  auto& out = *static_cast<std::string*>(to);
+  if (out.size() + size * n > kMaxResponseBytes) return 0; // libcurl stops: CURLE_WRITE_ERROR
+  out.append(data, size * n);
+  return size * n;
 }
 
-// The body of a chunked HTTP response.
-std::string unchunk(const std::string& raw) {
-  std::string out;
-  std::size_t at = 0;
-  for (;;) {
-    const auto eol = raw.find("\r\n", at);
-    if (eol == std::string::npos) throw CommError("a chunked response ends early");
-    const std::size_t size = std::stoul(raw.substr(at, eol - at), nullptr, 16);
-    if (size == 0) return out;
-    if (eol + 2 + size > raw.size()) throw CommError("a chunk runs past the response");
-    out.append(raw, eol + 2, size);
-    at = eol + 2 + size + 2;
-  }
+bool contains(const std::string& text, const char* what) {
+  return text.find(what) != std::string::npos;
 }
 
-// One POST of `body` to http://<to><path>; the response's body when its status is 200.
-std::string post(const cluster::Address& to, const std::string& path, const std::string& body,
-                 Clock::time_point deadline) {
-  AddrInfo found;
-  resolve(to, found);
-  const int fd = ::socket(found.list->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw CommError(std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  if (!connect_within(fd, found.list, deadline)) {
-    throw CommError(errno == ETIMEDOUT ? "no connection in time" : std::strerror(errno));
+// What etcd said when it refused a call: ConfigError where the client's credentials are at
+// fault, ExpiredToken for an expired token, CommError otherwise.
+[[noreturn]] void refused(const cluster::EtcdRendezvous& etcd, const std::string& where,
+                          const std::string& message) {
+  const std::string said = where + " answered \"" + message.substr(0, 200) + "\"";
+  if (contains(message, "invalid auth token")) throw ExpiredToken(said);
+  if (contains(message, "permission denied")) {
+    throw ConfigError(said + ": the etcd user \"" + etcd.user +
+                      "\" may not read and write this job's keys; grant its role them, e.g. "
+                      "etcdctl role grant-permission ROLE --prefix=true readwrite /flotilla/" +
+                      etcd.job + "/");
   }
-  const std::string request =
-      "POST " + path + " HTTP/1.1\r\nHost: " + to.to_string() +
-      "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-      "\r\nConnection: close\r\n\r\n" + body;
-  for (std::size_t sent = 0; sent < request.size();) {
-    if (!wait_for(fd, POLLOUT, deadline)) throw CommError("no answer in time");
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n <= 0) throw CommError(std::strerror(errno));
-    sent += static_cast<std::size_t>(n);
+  if (contains(message, "authentication failed")) {
+    throw ConfigError(said + ": check the etcd user (--etcd-user or FLOTILLA_ETCD_USER, \"" +
+                      etcd.user + "\") and its password (FLOTILLA_ETCD_PASSWORD)");
   }
-  std::string raw;
-  char buffer[16384];
-  for (;;) {
-    if (!wait_for(fd, POLLIN, deadline)) throw CommError("no answer in time");
-    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n < 0) throw CommError(std::strerror(errno));
-    if (n == 0) break;
-    raw.append(buffer, static_cast<std::size_t>(n));
-    if (raw.size() > kMaxResponseBytes) throw CommError("an answer over 1 MiB");
+  if (contains(message, "user name is empty")) {
+    throw ConfigError(said + ": this etcd requires authentication; give an etcd user "
+                      "(--etcd-user or FLOTILLA_ETCD_USER) and FLOTILLA_ETCD_PASSWORD");
   }
-  const auto head_end = raw.find("\r\n\r\n");
-  if (raw.rfind("HTTP/1.", 0) != 0 || head_end == std::string::npos) {
-    throw CommError("an answer that is not HTTP");
+  if (contains(message, "CommonName of client")) {
+    throw ConfigError(said + ": with its authentication on, etcd's JSON gateway refuses a client "
+                      "certificate that has a Common Name; give flotilla one without (e.g. "
+                      "openssl req -subj /O=flotilla), its user comes from --etcd-user");
   }
-  const std::string status = raw.substr(9, 3);
-  std::string head = raw.substr(0, head_end);
-  for (auto& c : head) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  std::string content = raw.substr(head_end + 4);
-  if (head.find("transfer-encoding: chunked") != std::string::npos) content = unchunk(content);
-  if (status != "200") {
-    throw CommError("HTTP " + status + ": " + content.substr(0, 200));
+  throw CommError(said);
+}
+
+// The message of a gRPC error as the gateway writes it: {"error": "...", "code": 7, "message":
+// "..."}, or a stream's {"error": {"grpc_code": 7, "message": "..."}}.
+std::string message_of(const json& j) {
+  if (!j.is_object()) return j.dump();
+  const json& e = j.contains("error") && j["error"].is_object() ? j["error"] : j;
+  for (const char* field : {"message", "error"}) {
+    if (e.contains(field) && e[field].is_string()) return e[field].get<std::string>();
   }
-  return content;
+  return j.dump();
 }
 
 json parse(const std::string& text) {
@@ -135,15 +118,181 @@ std::optional<std::string> unbase64(const std::string& text) {
   return out;
 }
 
-EtcdClient::EtcdClient(std::vector<cluster::Address> endpoints, std::chrono::milliseconds timeout)
-    : endpoints_(std::move(endpoints)), timeout_(timeout) {}
+EtcdClient::EtcdClient(const cluster::EtcdRendezvous& etcd, std::chrono::milliseconds timeout)
+    : etcd_(etcd), timeout_(timeout) {
+  static const CURLcode global = curl_global_init(CURL_GLOBAL_DEFAULT); // once, thread-safe
+  if (global != CURLE_OK) throw CommError("libcurl: " + std::string(curl_easy_strerror(global)));
+  for (const auto& address : etcd_.endpoints) {
+    auto e = std::make_unique<Endpoint>();
+    e->address = address;
+    e->base = (etcd_.tls ? "https://" : "http://") + address.to_string();
+    e->curl = curl_easy_init();
+    if (!e->curl) throw CommError("libcurl could not make a handle");
+    endpoints_.push_back(std::move(e));
+  }
+}
+
+EtcdClient::~EtcdClient() = default;
+
+void EtcdClient::use_certificates(void* handle) const {
+  CURL* c = handle;
+  if (!etcd_.ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, etcd_.ca_file.c_str());
+  if (!etcd_.cert_file.empty()) curl_easy_setopt(c, CURLOPT_SSLCERT, etcd_.cert_file.c_str());
+  if (!etcd_.key_file.empty()) curl_easy_setopt(c, CURLOPT_SSLKEY, etcd_.key_file.c_str());
+}
+
+void EtcdClient::diagnose(const Endpoint& to, const std::string& why) const {
+  const std::string where = "etcd at " + to.base;
+  const auto refused_certificate = [](const std::string& said) {
+    for (const char* alert : {"alert bad certificate", "alert certificate required",
+                              "alert unknown ca", "alert certificate unknown",
+                              "alert unsupported certificate", "alert certificate expired",
+                              "alert certificate revoked", "alert access denied"}) {
+      if (contains(said, alert)) return true;
+    }
+    return false;
+  };
+  // A handshake alone, on a connection of its own, says what a broken call may not: under TLS
+  // 1.3 etcd checks the client's certificate after the client's handshake ends, so the call's
+  // own failure reads as a reset or an empty reply. TLS 1.2 reports the alert in the handshake.
+  // Over plain HTTP: whether a TLS handshake (unverified, sending nothing) would succeed there.
+  std::string said = why;
+  if (!refused_certificate(said) && !contains(said, "wrong version number")) {
+    CURL* probe = curl_easy_init();
+    if (!probe) return;
+    struct Cleanup {
+      CURL* c;
+      ~Cleanup() { curl_easy_cleanup(c); }
+    } cleanup{probe};
+    char error[CURL_ERROR_SIZE] = "";
+    const std::string url = "https://" + to.address.to_string() + "/";
+    curl_easy_setopt(probe, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(probe, CURLOPT_CONNECT_ONLY, 1L);
+    curl_easy_setopt(probe, CURLOPT_ERRORBUFFER, error);
+    curl_easy_setopt(probe, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(probe, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
+    if (etcd_.tls) {
+      use_certificates(probe);
+      curl_easy_setopt(probe, CURLOPT_SSLVERSION,
+                       static_cast<long>(CURL_SSLVERSION_DEFAULT | CURL_SSLVERSION_MAX_TLSv1_2));
+    } else {
+      curl_easy_setopt(probe, CURLOPT_SSL_VERIFYPEER, 0L);
+      curl_easy_setopt(probe, CURLOPT_SSL_VERIFYHOST, 0L);
+    }
+    const CURLcode rc = curl_easy_perform(probe);
+    if (!etcd_.tls) {
+      if (rc == CURLE_OK) {
+        throw ConfigError(where + " answered nothing (" + why +
+                          "), and it speaks TLS there; write etcds:// instead of etcd://");
+      }
+      return;
+    }
+    said = error[0] ? error : curl_easy_strerror(rc);
+  }
+  if (contains(said, "wrong version number")) {
+    throw ConfigError(where + ": no TLS there (" + said + "); write etcd:// for plain HTTP");
+  }
+  if (refused_certificate(said)) {
+    throw ConfigError(where + " refused this client in the TLS handshake (" + said +
+                      "); it wants a client certificate signed by a CA it trusts "
+                      "(--etcd-cert and --etcd-key, or FLOTILLA_ETCD_CERT and _KEY)");
+  }
+}
+
+std::string EtcdClient::exchange(Endpoint& to, const std::string& path, const std::string& body,
+                                 const std::string& token) {
+  CURL* c = to.curl;
+  curl_easy_reset(c); // keeps the connection (and TLS session) for the next call
+  const std::string url = to.base + path;
+  std::string answer;
+  char error[CURL_ERROR_SIZE] = "";
+  curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+  if (!token.empty()) headers = curl_slist_append(headers, ("Authorization: " + token).c_str());
+  struct Free {
+    curl_slist* list;
+    ~Free() { curl_slist_free_all(list); }
+  } free_headers{headers};
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
+  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.data());
+  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, collect);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &answer);
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, error);
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
+  if (etcd_.tls) use_certificates(c);
+  const CURLcode rc = curl_easy_perform(c);
+  const std::string where = "etcd at " + to.base;
+  if (rc != CURLE_OK) {
+    const std::string why = error[0] ? error : curl_easy_strerror(rc);
+    switch (rc) {
+    case CURLE_PEER_FAILED_VERIFICATION:
+      throw ConfigError(where + ": its certificate does not verify (" + why +
+                        "); name the CA that signed it (--etcd-cacert or FLOTILLA_ETCD_CACERT) "
+                        "and check that the certificate names this host");
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CERTPROBLEM:
+      throw ConfigError(where + ": cannot use the certificates given (" + why +
+                        "); check --etcd-cacert, --etcd-cert and --etcd-key (or FLOTILLA_ETCD_"
+                        "CACERT, _CERT, _KEY): PEM files, the key the certificate's own");
+    case CURLE_WRITE_ERROR:
+      throw CommError(where + ": an answer over 1 MiB");
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_RECV_ERROR:
+    case CURLE_GOT_NOTHING:
+      diagnose(to, why); // a ConfigError where etcd refused this client's TLS or lack of it
+      break;
+    default:
+      break;
+    }
+    throw CommError(why);
+  }
+  long status = 0;
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
+  if (status != 200) {
+    std::string message = answer;
+    try {
+      message = message_of(json::parse(answer));
+    } catch (const json::exception&) {
+    }
+    refused(etcd_, where + " (HTTP " + std::to_string(status) + ")", message);
+  }
+  return answer;
+}
+
+std::string EtcdClient::post(Endpoint& to, const std::string& path, const std::string& body) {
+  if (etcd_.user.empty()) return exchange(to, path, body, "");
+  const auto authenticate = [&] {
+    const json j = parse(exchange(to, "/v3/auth/authenticate",
+                                  json{{"name", etcd_.user}, {"password", etcd_.password}}.dump(),
+                                  ""));
+    token_ = j.value("token", "");
+    if (token_.empty()) {
+      throw ConfigError("etcd at " + to.base + " issued no token for the user \"" + etcd_.user +
+                        "\": is its authentication enabled (etcdctl auth enable)?");
+    }
+  };
+  if (token_.empty()) authenticate();
+  try {
+    return exchange(to, path, body, token_);
+  } catch (const ExpiredToken&) {
+    authenticate();
+    return exchange(to, path, body, token_);
+  }
+}
 
 nlohmann::json EtcdClient::post_to(std::size_t at, const std::string& path,
                                    const std::string& body) {
-  json j = parse(post(endpoints_[at], path, body, Clock::now() + timeout_));
-  // A gRPC error in JSON (e.g. a member without its cluster's quorum).
+  Endpoint& to = *endpoints_[at];
+  json j = parse(post(to, path, body));
+  // A gRPC error in JSON (e.g. a member without its cluster's quorum; a streaming call's error
+  // comes inside an answer of status 200).
   if (j.contains("error") || (j.contains("code") && !j.contains("header"))) {
-    throw CommError(j.value("message", j.dump()));
+    refused(etcd_, "etcd at " + to.base, message_of(j));
   }
   return j;
 }
@@ -151,17 +300,24 @@ nlohmann::json EtcdClient::post_to(std::size_t at, const std::string& path,
 nlohmann::json EtcdClient::call(const std::string& path, const std::string& body) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string failures;
+  bool refused_us = false; // an endpoint refused this client's credentials
   for (std::size_t i = 0; i < endpoints_.size(); ++i) {
     const std::size_t at = (next_ + i) % endpoints_.size();
     try {
       json answer = post_to(at, path, body);
       next_ = at;
       return answer;
-    } catch (const Error& e) {
-      failures += (failures.empty() ? "" : "; ") + endpoints_[at].to_string() + ": " + e.what();
+    } catch (const ConfigError& e) {
+      refused_us = true;
+      failures += (failures.empty() ? "" : "; ") + std::string(e.what());
+    } catch (const CommError& e) {
+      failures += (failures.empty() ? "" : "; ") + endpoints_[at]->address.to_string() + ": " +
+                  e.what();
     }
   }
   next_ = (next_ + 1) % endpoints_.size();
+  // Where no endpoint answered and one refused: waiting cannot help, so not a CommError.
+  if (refused_us) throw ConfigError("etcd refused " + path + ": " + failures);
   throw CommError("no etcd endpoint answered " + path + " (" + failures + ")");
 }
 

@@ -1,10 +1,12 @@
 // Private: the few calls of etcd's v3 API that the replicated rendezvous needs, over its JSON
 // gateway (HTTP/1.1 POST to /v3/..., keys and values in base64; etcd 3.4 and later serve it on
-// their client URLs). Plain HTTP, one connection per call: a call is rare (a lookup after a lost
-// connection, a lease renewal a second).
+// their client URLs), through libcurl: plain HTTP or TLS with server verification and client
+// certificates, and etcd's authentication token. A call is rare (a lookup after a lost
+// connection, a lease renewal a second); each endpoint keeps its connection between calls.
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <cstdint>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -20,8 +22,12 @@ class EtcdClient {
  public:
   // Each call tries the endpoints in turn, from the last one that answered, each for up to
   // `timeout`; one that cannot answer (down, or cut off from its cluster's quorum) is skipped.
-  // CommError naming every endpoint and why when none answers.
-  EtcdClient(std::vector<cluster::Address> endpoints, std::chrono::milliseconds timeout);
+  // CommError naming every endpoint and why when none answers. ConfigError, at once, where
+  // etcd answered but refused this client for what it was given (a certificate it does not
+  // trust or that does not verify, TLS against plain HTTP or the reverse, a wrong user or
+  // password, no rights to the key): trying again cannot help.
+  EtcdClient(const cluster::EtcdRendezvous& etcd, std::chrono::milliseconds timeout);
+  ~EtcdClient();
 
   std::optional<std::string> get(const std::string& key);
   // A lease of `ttl_s` seconds; its ID.
@@ -39,14 +45,27 @@ class EtcdClient {
   bool holds(const std::string& key, std::int64_t lease);
 
  private:
+  struct Endpoint;
   // The answer, parsed once; CommError for a gRPC error in it.
   nlohmann::json call(const std::string& path, const std::string& body);
   nlohmann::json post_to(std::size_t endpoint, const std::string& path, const std::string& body);
+  // One POST, its body when etcd answered 200; with the authentication token when there is a
+  // user (asked for first, and again once when etcd says it expired).
+  std::string post(Endpoint& to, const std::string& path, const std::string& body);
+  std::string exchange(Endpoint& to, const std::string& path, const std::string& body,
+                       const std::string& token);
+  // After a call broke in or before its TLS handshake: ConfigError where a handshake of its
+  // own shows etcd refusing this client's certificate, or TLS on one side only. `why`: the
+  // call's own error.
+  void diagnose(const Endpoint& to, const std::string& why) const;
+  void use_certificates(void* curl_handle) const;
 
   std::mutex mutex_;
-  std::vector<cluster::Address> endpoints_;
+  cluster::EtcdRendezvous etcd_;
+  std::vector<std::unique_ptr<Endpoint>> endpoints_;
   std::size_t next_ = 0;
   std::chrono::milliseconds timeout_;
+  std::string token_; // etcd's authentication token, "" until asked for
 };
 
 // base64 (RFC 4648, with padding), as the gateway writes bytes.

@@ -128,7 +128,7 @@ void serve_rendezvous_replica(const RendezvousService::Options& options,
   const auto renew_every = ttl / 4;
   const std::string me = options.listen.to_string();
   const std::string key = etcd.key();
-  detail::EtcdClient client(etcd.endpoints, renew_every);
+  detail::EtcdClient client(etcd, renew_every);
   std::string last_said;
   const auto say_once = [&](const std::string& what) {
     if (what != last_said) say(what);
@@ -149,7 +149,7 @@ void serve_rendezvous_replica(const RendezvousService::Options& options,
         pause(renew_every, stopping);
         continue;
       }
-    } catch (const Error& e) {
+    } catch (const CommError& e) { // a ConfigError (etcd refused this client) goes up
       say_once(std::string("cannot campaign: ") + e.what() + "; trying again");
       pause(renew_every, stopping);
       continue;

@@ -50,7 +50,7 @@ echo "package_test: $(basename "$deb"), $(du -m "$deb" | cut -f1) MiB; Depends: 
 job='cd /tmp && flotilla launch --workers 2 -- flotilla train --model mlp --epochs 1 --steps-per-epoch 10 --batch-per-replica 32'
 # What a C++ program needs to build against the package: a compiler, CMake, and the -dev
 # packages of what libflotilla's static libraries link (the package Suggests them).
-build_deps=g++,cmake,ninja-build,libprotobuf-dev,nlohmann-json3-dev,zlib1g-dev,libjpeg62-turbo-dev,libpng-dev,libssl-dev
+build_deps=g++,cmake,ninja-build,libprotobuf-dev,nlohmann-json3-dev,zlib1g-dev,libjpeg62-turbo-dev,libpng-dev,libssl-dev,libcurl4-openssl-dev
 consumer='cmake -S /tmp/consumer -B /tmp/consumer-build -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build /tmp/consumer-build -j 2 && /tmp/consumer-build/consumer'
 left='test ! -e /usr/bin/flotilla && test ! -e /usr/lib/flotilla && test ! -e /usr/include/flotilla'
 status=0

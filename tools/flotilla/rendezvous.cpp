@@ -13,6 +13,7 @@
 
 #include "flotilla/cluster/cluster_token.h"
 #include "flotilla/cluster/environment.h"
+#include "flotilla/cluster/resolvers.h"
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "tools/flotilla/commands.h"
@@ -28,19 +29,34 @@ struct RendezvousArgs {
   bool fixed = false;
   bool insecure = false;
   std::string etcd;
+  std::string etcd_cacert, etcd_cert, etcd_key, etcd_user;
 };
 
 // --etcd: one of several replicas, serving while etcd names it (serve_rendezvous_replica).
 int run_replica(const RendezvousArgs& a, const collective::RendezvousService::Options& options,
                 const sigset_t& stop) {
-  const auto etcd = cluster::parse_etcd_rendezvous(a.etcd, "--etcd");
+  auto etcd = cluster::parse_etcd_rendezvous(a.etcd, "--etcd");
+  etcd.ca_file = a.etcd_cacert;
+  etcd.cert_file = a.etcd_cert;
+  etcd.key_file = a.etcd_key;
+  etcd.user = a.etcd_user;
+  cluster::complete_etcd_security(etcd, cluster::Environment::from_process());
   std::atomic<int> signal{0};
   std::thread waiter([&] {
     int s = 0;
     sigwait(&stop, &s);
     signal = s;
   });
-  std::cout << "flotilla rendezvous: a replica of job \"" << etcd.job << "\" (" << a.etcd
+  // etcd refusing this replica (its certificate, user or rights) ends it with that error; the
+  // waiter would wait for a signal nobody sends.
+  struct Detach {
+    std::thread& t;
+    ~Detach() {
+      if (t.joinable()) t.detach();
+    }
+  } detach{waiter};
+  std::cout << "flotilla rendezvous: a replica of job \"" << etcd.job << "\" (" << etcd.url()
+            << (etcd.tls ? ", TLS" : "") << (etcd.user.empty() ? "" : ", etcd user " + etcd.user)
             << "), for " << (a.fixed ? "a fixed group" : "an elastic group") << " of " << a.workers
             << " workers; set FLOTILLA_RENDEZVOUS=" << a.etcd << " on every task" << std::endl;
   collective::serve_rendezvous_replica(
@@ -78,6 +94,10 @@ int run(const RendezvousArgs& a) {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   if (!a.etcd.empty()) return run_replica(a, options, stop);
+  if (!(a.etcd_cacert + a.etcd_cert + a.etcd_key + a.etcd_user).empty()) {
+    throw ConfigError("--etcd-cacert, --etcd-cert, --etcd-key and --etcd-user are for a replica "
+                      "elected through etcd; give --etcd etcds://HOST:PORT,.../JOB too");
+  }
   collective::RendezvousService service(options);
   std::cout << "flotilla rendezvous: serving " << (a.fixed ? "a fixed group" : "an elastic group")
             << " of " << a.workers << " workers at " << service.address()
@@ -111,7 +131,19 @@ Command add_rendezvous(CLI::App& parent) {
                 "Without a cluster token, listen on an address other hosts reach anyway");
   app->add_option("--etcd", args->etcd,
                   "etcd://HOST:PORT,...[/JOB]: serve as one of several replicas, elected through "
-                  "that etcd cluster; every task gets FLOTILLA_RENDEZVOUS=<the same URL>");
+                  "that etcd cluster; every task gets FLOTILLA_RENDEZVOUS=<the same URL>. "
+                  "etcds://... for TLS");
+  app->add_option("--etcd-cacert", args->etcd_cacert,
+                  "PEM file of the CA that signed etcd's certificates (TLS; default: the "
+                  "system's CAs, or FLOTILLA_ETCD_CACERT)");
+  app->add_option("--etcd-cert", args->etcd_cert,
+                  "PEM file of this client's certificate, for an etcd that asks for one (TLS; "
+                  "or FLOTILLA_ETCD_CERT)");
+  app->add_option("--etcd-key", args->etcd_key,
+                  "PEM file of that certificate's private key (or FLOTILLA_ETCD_KEY)");
+  app->add_option("--etcd-user", args->etcd_user,
+                  "etcd user to authenticate as (or FLOTILLA_ETCD_USER); its password from "
+                  "FLOTILLA_ETCD_PASSWORD, never a flag");
   app->footer("Example: flotilla rendezvous --listen 10.0.0.9:29400 --workers 4, and "
               "FLOTILLA_RENDEZVOUS=10.0.0.9:29400 in every task's environment");
   return {app, [args] { return run(*args); }};

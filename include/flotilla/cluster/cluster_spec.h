@@ -24,16 +24,28 @@ struct Address {
 // "TF_CONFIG cluster.worker[1]" or "MASTER_ADDR/MASTER_PORT".
 Address parse_address(std::string_view text, const std::string& what);
 
-// FLOTILLA_RENDEZVOUS=etcd://HOST:PORT,HOST:PORT,...[/JOB]: an etcd cluster (v3 API, its client
-// URLs over plain HTTP) in which `flotilla rendezvous --etcd` replicas elect the one that serves
-// JOB's rendezvous ("flotilla" when no JOB is given).
+// FLOTILLA_RENDEZVOUS=etcd://HOST:PORT,HOST:PORT,...[/JOB] (plain HTTP) or etcds://... (TLS):
+// an etcd cluster (v3 API, through its client URLs' JSON gateway) in which `flotilla rendezvous
+// --etcd` replicas elect the one that serves JOB's rendezvous ("flotilla" when no JOB is given).
 struct EtcdRendezvous {
   std::vector<Address> endpoints;
   std::string job;
+  // Client TLS (etcds://, or any certificate named): etcd's certificate is verified against
+  // `ca_file` (PEM; the system's CAs when empty) and must name the endpoint's host, and
+  // `cert_file` with `key_file` (PEM) are presented where etcd asks for a client certificate
+  // (its --client-cert-auth).
+  bool tls = false;
+  std::string ca_file, cert_file, key_file;
+  // etcd's own authentication (its `auth enable`): this user's name and password, exchanged for
+  // the token etcd issues, sent with every call. None when `user` is empty.
+  std::string user, password;
   // The key the serving replica holds under its lease; its value is that replica's HOST:PORT.
   std::string key() const { return "/flotilla/" + job + "/rendezvous"; }
+  // "etcd://" or "etcds://", the endpoints and the job, as a user writes it.
+  std::string url() const;
 };
-// Parses "etcd://h1:2379,h2:2379/job"; ConfigError naming `what`, the value and the form.
+// Parses "etcd://h1:2379,h2:2379/job" or "etcds://..."; ConfigError naming `what`, the value
+// and the form.
 EtcdRendezvous parse_etcd_rendezvous(std::string_view text, const std::string& what);
 
 enum class TaskType { kChief, kWorker, kEvaluator };

@@ -19,7 +19,8 @@ class Environment {
   // terminal, so a worker draws a progress bar through the launcher's pipe);
   // FLOTILLA_CLUSTER_TOKEN, or FLOTILLA_CLUSTER_TOKEN_FILE naming a file that holds it (a shared
   // secret for the HMAC-SHA256 rendezvous handshake; never logged); FLOTILLA_RENDEZVOUS (a
-  // rendezvous outside the workers, see resolve_cluster); Slurm's SLURM_PROCID,
+  // rendezvous outside the workers, see resolve_cluster); FLOTILLA_ETCD_CACERT, _CERT, _KEY,
+  // _USER and _PASSWORD (a secured etcd's, see complete_etcd_security); Slurm's SLURM_PROCID,
   // SLURM_LOCALID, SLURM_NTASKS, SLURMD_NODENAME, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST,
   // SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE and SLURM_JOB_ID
   // (set by srun for each task; see from_slurm_env); torchrun's TORCHELASTIC_USE_AGENT_STORE,

@@ -49,8 +49,17 @@ ClusterSpec single_worker();
 // TF_CONFIG when set, else torchrun variables when RANK or WORLD_SIZE is set, else Slurm's when
 // SLURM_PROCID and SLURM_NTASKS are set, else a single worker. FLOTILLA_RENDEZVOUS=host:port
 // then names a rendezvous hosted outside the workers (`flotilla rendezvous`; `flotilla launch
-// --elastic` sets it): spec.rendezvous is that address and spec.external_rendezvous is true.
+// --elastic` sets it): spec.rendezvous is that address and spec.external_rendezvous is true;
+// FLOTILLA_RENDEZVOUS=etcd://... or etcds://... fills spec.etcd (see complete_etcd_security).
 ClusterSpec resolve_cluster(const Environment& env);
+
+// What a client needs to reach a secured etcd, from the environment where `etcd` has none of
+// its own (flags set it first): FLOTILLA_ETCD_CACERT, FLOTILLA_ETCD_CERT and FLOTILLA_ETCD_KEY
+// (PEM files; any of them means TLS), FLOTILLA_ETCD_USER and FLOTILLA_ETCD_PASSWORD. Then
+// checks what it has: a certificate needs its key and a key its certificate, every file must be
+// a readable regular file, a user needs a password (and a password a user), and a password is
+// never sent over plain HTTP. ConfigError naming the flag or variable, the value and what to do.
+void complete_etcd_security(EtcdRendezvous& etcd, const Environment& env);
 
 // Workers started on this machine, and how that was found: LOCAL_WORLD_SIZE (set by `flotilla
 // launch` and torchrun); else, under TF_CONFIG, its training tasks at this task's address (workers

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Scenario 7: the rendezvous replicated through a real 3-member etcd cluster
-# (FLOTILLA_RENDEZVOUS=etcd://...): killing the etcd leader, then the serving rendezvous replica,
+# Scenario 7: the rendezvous replicated through a real 3-member etcd cluster over TLS, with client
+# certificates (FLOTILLA_RENDEZVOUS=etcds://..., FLOTILLA_ETCD_CACERT/_CERT/_KEY): killing the etcd leader, then the serving rendezvous replica,
 # during an elastic fit costs no regroup and no sample.
 #
 # Hosts 3, 4 and 5 each run an etcd member (Debian's etcd-server, v3 API); hosts 3 and 4 also run
@@ -9,7 +9,7 @@
 # once went 4.3 s without one while etcd elected a new leader (with 4 s: a 5 s lease, 3.75 s),
 # and once 4.6 s (with 6 s: a 6 s lease, 4.5 s), and stepped down). Hosts 0-2 run
 # tests/multiworker/elastic_trainer (an elastic group of 3, 8 epochs of 10 global batches of 24
-# rows, 150 ms a step) with FLOTILLA_RENDEZVOUS=etcd://<the three members>/flit. One replica is
+# rows, 150 ms a step) with FLOTILLA_RENDEZVOUS=etcds://<the three members>/flit. One replica is
 # elected (it creates the job's key under its lease) and serves; the other stands by without
 # listening. After 10 committed steps the etcd leader is SIGKILLed: etcd elects another, the
 # serving replica keeps renewing its lease through the others, and nothing else happens. After 30,
@@ -35,21 +35,19 @@ PORT=24300
   die "the one-worker reference run failed: $(tail -n 5 "$tmp/ref.log")"
 
 netns_add_hosts 6
-members="" endpoints=""
-for h in "${ETCD_HOSTS[@]}"; do
-  members+="${members:+,}e$h=http://$(host_ip "$h"):2380"
-  endpoints+="${endpoints:+,}$(host_ip "$h"):2379"
-done
+etcd_tls "$tmp/certs" "${ETCD_HOSTS[@]}"
+members=$(etcd_members "${ETCD_HOSTS[@]}")
+endpoints=$(etcd_endpoints "${ETCD_HOSTS[@]}")
 declare -A replica_pid
 for h in "${ETCD_HOSTS[@]}"; do etcd_start "$h" "$tmp" "$members" "$prefix"; done
-etcdctl() { ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$endpoints" "$@"; }
+etcdctl() { etcd_ctl "$endpoints" "$@"; }
 start=$SECONDS
 until etcdctl endpoint health >/dev/null 2>&1; do
   ((SECONDS - start < 30)) || die "etcd did not become healthy: $(tail -n 3 "$tmp"/etcd*.log)"
   sleep 0.2
 done
-url="etcd://$endpoints/flit"
-log "etcd: 3 members healthy ($endpoints)"
+url="etcds://$endpoints/flit"
+log "etcd: 3 members healthy ($endpoints, TLS with client certificates)"
 
 # start_replica H: a replica of `flotilla rendezvous --etcd` on host H (again, after a kill).
 # Its heartbeat timeout (8 s, above) is also the members': they must be back at a newly elected

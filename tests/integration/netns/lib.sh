@@ -238,34 +238,71 @@ wait_steps() {
     die "the group did not train $n steps within 60 s: $(tail -n 3 "$tmp"/host*.log)"
 }
 
-# etcd (Debian's etcd-server) in the namespaces:
+# etcd (Debian's etcd-server) in the namespaces, as production runs it: TLS between members and
+# to clients, and only clients with a certificate its CA signed (--client-cert-auth):
+#   etcd_tls DIR H...                certificates for the members on hosts H... in DIR
+#                                    (tests/support/etcd_certs.sh); exports FLOTILLA_ETCD_CACERT,
+#                                    _CERT and _KEY for every flotilla process started after it
+#   etcd_members H...                --initial-cluster's list for members on hosts H...
+#   etcd_endpoints H...              their client endpoints, HOST:PORT,...
 #   etcd_start H DIR CLUSTER TOKEN   a member named eH on host H (client port 2379, peer 2380),
 #                                    its data in DIR/etcdH (kept: starting it again rejoins),
 #                                    log DIR/etcdH.log, pid in etcd_pid[H] and in
 #                                    DIR/etcd-pid-H (for a subshell's kill); CLUSTER is
-#                                    --initial-cluster's list, TOKEN the cluster's token
+#                                    etcd_members', TOKEN the cluster's token
+#   etcd_ctl ENDPOINTS ARGS...       etcdctl (v3) from host 0 with the client certificate
 #   etcd_leader H...                 which of these hosts' members leads now (none: empty)
 # The members run at nice -10: a cluster gives etcd hosts of its own, and here it shares two cores
 # with the tests make test runs beside it. Starved, one leader election took over 3.7 s, longer
 # than a serving replica may go without renewing its lease, and the replica stepped down.
 declare -gA etcd_pid=()
+etcd_certs=""
+etcd_tls() {
+  local dir=$1 ips=() h
+  shift
+  for h in "$@"; do ips+=("$(host_ip "$h")"); done
+  "$(dirname "${BASH_SOURCE[0]}")/../../support/etcd_certs.sh" "$dir" "${ips[@]}" ||
+    die "could not make etcd's certificates"
+  etcd_certs=$dir
+  export FLOTILLA_ETCD_CACERT=$dir/ca.pem FLOTILLA_ETCD_CERT=$dir/client.pem \
+    FLOTILLA_ETCD_KEY=$dir/client.key
+}
+etcd_members() {
+  local h out=""
+  for h in "$@"; do out+="${out:+,}e$h=https://$(host_ip "$h"):2380"; done
+  echo "$out"
+}
+etcd_endpoints() {
+  local h out=""
+  for h in "$@"; do out+="${out:+,}$(host_ip "$h"):2379"; done
+  echo "$out"
+}
 etcd_start() {
-  local h=$1 dir=$2 ip
+  local h=$1 dir=$2 ip c=$etcd_certs
+  [[ -n $c ]] || die "etcd_start before etcd_tls"
   ip=$(host_ip "$h")
   ip netns exec "$(host_ns "$h")" nice -n -10 etcd --name "e$h" --data-dir "$dir/etcd$h" \
-    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
-    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+    --listen-client-urls "https://$ip:2379" --advertise-client-urls "https://$ip:2379" \
+    --listen-peer-urls "https://$ip:2380" --initial-advertise-peer-urls "https://$ip:2380" \
     --initial-cluster "$3" --initial-cluster-state new --initial-cluster-token "$4" \
+    --cert-file "$c/server.pem" --key-file "$c/server.key" --trusted-ca-file "$c/ca.pem" \
+    --client-cert-auth --peer-cert-file "$c/server.pem" --peer-key-file "$c/server.key" \
+    --peer-trusted-ca-file "$c/ca.pem" --peer-client-cert-auth \
     >>"$dir/etcd$h.log" 2>&1 &
   etcd_pid[$h]=$!
   echo $! >"$dir/etcd-pid-$h"
   pids+=($!)
 }
+etcd_ctl() {
+  local endpoints=$1
+  shift
+  ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$endpoints" \
+    --cacert "$etcd_certs/ca.pem" --cert "$etcd_certs/client.pem" --key "$etcd_certs/client.key" "$@"
+}
 etcd_leader() {
   local h
   for h in "$@"; do
-    if ip netns exec "$(host_ns 0)" env ETCDCTL_API=3 etcdctl --endpoints "$(host_ip "$h"):2379" \
-      endpoint status -w json 2>/dev/null | "$PYTHON" -c 'import json, sys
+    if etcd_ctl "$(host_ip "$h"):2379" endpoint status -w json 2>/dev/null | "$PYTHON" -c 'import json, sys
 s = json.load(sys.stdin)[0]["Status"]
 sys.exit(s["leader"] != s["header"]["member_id"])' 2>/dev/null; then
       echo "$h"

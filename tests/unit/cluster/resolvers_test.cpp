@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+
 #include "flotilla/cluster/resolvers.h"
 #include "flotilla/error.h"
 
@@ -65,8 +68,8 @@ TEST(Resolvers, AnEtcdRendezvousNamesItsEndpointsAndJob) {
     }
     return std::string("no error");
   };
-  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB], e.g. "
-                           "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
+  const std::string form = "; write etcd://HOST:PORT,HOST:PORT,...[/JOB] (etcds:// for TLS), e.g. "
+                           "etcds://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/resnet";
   EXPECT_EQ(error("etcd://"), "FLOTILLA_RENDEZVOUS: \"etcd://\" names no endpoint" + form);
   EXPECT_EQ(error("etcd://h:1,"), "FLOTILLA_RENDEZVOUS: \"etcd://h:1,\" ends with a comma" + form);
   EXPECT_EQ(error("etcd://h:1/a b"), "FLOTILLA_RENDEZVOUS: the job \"a b\" in \"etcd://h:1/a b\" "
@@ -77,7 +80,73 @@ TEST(Resolvers, AnEtcdRendezvousNamesItsEndpointsAndJob) {
                                       form);
   EXPECT_NE(error("etcd://h/job").find("(an etcd endpoint): \"h\" has no port"), std::string::npos)
       << error("etcd://h/job");
-  EXPECT_NE(error("http://h:1").find("does not start with etcd://"), std::string::npos);
+  EXPECT_NE(error("http://h:1").find("does not start with etcd:// or etcds://"), std::string::npos);
+  EXPECT_FALSE(parse_etcd_rendezvous("etcd://h:1/j", "x").tls);
+  EXPECT_TRUE(parse_etcd_rendezvous("etcds://h:1/j", "x").tls);
+  EXPECT_EQ(parse_etcd_rendezvous("etcds://h:1,[::1]:2/j", "x").url(), "etcds://h:1,[::1]:2/j");
+}
+
+// A secured etcd's files and user, from FLOTILLA_ETCD_* where no flag gave them, each checked
+// before anything connects.
+TEST(Resolvers, AnEtcdRendezvousTakesItsCertificatesAndUserFromTheEnvironmentAndChecksThem) {
+  const std::string pem = ::testing::TempDir() + "/resolvers_test.pem";
+  { std::ofstream(pem) << "-----BEGIN CERTIFICATE-----\n"; }
+  const std::string tf = R"({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                             "task": {"type": "worker", "index": 0}})";
+  auto vars = std::map<std::string, std::string>{{"TF_CONFIG", tf},
+                                                  {"FLOTILLA_RENDEZVOUS", "etcd://h:2379/j"},
+                                                  {"FLOTILLA_ETCD_CACERT", pem},
+                                                  {"FLOTILLA_ETCD_CERT", pem},
+                                                  {"FLOTILLA_ETCD_KEY", pem},
+                                                  {"FLOTILLA_ETCD_USER", "trainer"},
+                                                  {"FLOTILLA_ETCD_PASSWORD", "pw"}};
+  const auto spec = resolve_cluster(env(vars));
+  EXPECT_TRUE(spec.etcd.tls); // a certificate named means TLS, etcd:// or not
+  EXPECT_EQ(spec.etcd.ca_file, pem);
+  EXPECT_EQ(spec.etcd.key_file, pem);
+  EXPECT_EQ(spec.etcd.user, "trainer");
+  EXPECT_EQ(spec.etcd.password, "pw");
+
+  // A flag wins over its variable.
+  EtcdRendezvous flagged = parse_etcd_rendezvous("etcds://h:2379/j", "--etcd");
+  flagged.user = "replica";
+  complete_etcd_security(flagged, env(vars));
+  EXPECT_EQ(flagged.user, "replica");
+  EXPECT_EQ(flagged.password, "pw");
+
+  const auto error = [&](std::map<std::string, std::string> changes) {
+    auto v = vars;
+    for (const auto& [name, value] : changes) {
+      if (value == "-") v.erase(name);
+      else v[name] = value;
+    }
+    try {
+      resolve_cluster(env(v));
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_CACERT", "/nonexistent.pem"}}),
+            "FLOTILLA_ETCD_CACERT (the CA that signed etcd's certificate) \"/nonexistent.pem\": "
+            "No such file or directory; name the PEM file");
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_CERT", "/"}}),
+            "FLOTILLA_ETCD_CERT (this client's certificate) \"/\" is not a file this process can "
+            "read; name the PEM file");
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_KEY", "-"}}),
+            "FLOTILLA_ETCD_CERT names a certificate without its private key; give --etcd-key or "
+            "FLOTILLA_ETCD_KEY too");
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_PASSWORD", "-"}}),
+            "FLOTILLA_ETCD_USER names the etcd user \"trainer\" without a password; set "
+            "FLOTILLA_ETCD_PASSWORD");
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_USER", "-"}}),
+            "FLOTILLA_ETCD_PASSWORD is set but no etcd user; give --etcd-user or "
+            "FLOTILLA_ETCD_USER too");
+  EXPECT_EQ(error({{"FLOTILLA_ETCD_CACERT", "-"}, {"FLOTILLA_ETCD_CERT", "-"},
+                   {"FLOTILLA_ETCD_KEY", "-"}}),
+            "the etcd user \"trainer\" (FLOTILLA_ETCD_USER) would send its password over plain "
+            "HTTP to etcd://h:2379/j; write etcds:// (TLS) instead of etcd://");
+  std::remove(pem.c_str());
 }
 
 // Kubeflow Trainer v2: PET_* read directly when flotilla is the container's command (one process
