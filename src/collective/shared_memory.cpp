@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -272,7 +273,17 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
       struct stat st {};
       if (fd < 0) {
         failure = errno_text("shm_open " + name);
-      } else if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes) {
+      } else if (::fstat(fd, &st) != 0) {
+        failure = errno_text("fstat " + name);
+      } else if (st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600) {
+        // Rank 0 makes it this user's, readable by nobody else: any other segment under that
+        // name (another user's, or one others may write) is never mapped.
+        char mode[8];
+        std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+        failure = "the segment " + name + " is not rank 0's: it belongs to uid " +
+                  std::to_string(st.st_uid) + " with mode " + mode + ", where rank 0 makes it uid " +
+                  std::to_string(::geteuid()) + "'s with mode 0600";
+      } else if (static_cast<std::size_t>(st.st_size) != bytes) {
         failure = "the segment " + name + " is not the size rank 0 made";
       }
     }

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <tuple>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -117,6 +119,40 @@ TEST(SharedMemory, ASegmentWhoseRankNeverMappedItLeavesNothingInDevShm) {
   peer.join();
   EXPECT_FALSE(store->get("name").empty()); // it was made
   EXPECT_EQ(shm_names("flotilla-"), before);
+}
+
+// A non-zero rank maps only a segment of its own user that nobody else may read or write, as rank
+// 0 makes it: not one another user owns, nor one with a wider mode (it checked the size alone).
+TEST(SharedMemory, ANonZeroRankRefusesASegmentOfAnotherOwnerOrAWiderMode) {
+  for (const auto& [uid, mode, seen] :
+       {std::tuple<uid_t, mode_t, std::string>{65534, 0600, "belongs to uid 65534 with mode 0600"},
+        std::tuple<uid_t, mode_t, std::string>{::geteuid(), 0666,
+                                               "belongs to uid " + std::to_string(::geteuid()) +
+                                                   " with mode 0666"}}) {
+    const std::string name = "/flotilla-test-" + std::to_string(::getpid()) + "-owner";
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fchmod(fd, mode), 0);
+    if (uid != ::geteuid() && ::fchown(fd, uid, static_cast<gid_t>(-1)) != 0) {
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+      GTEST_SKIP() << "cannot give a segment to another user (not root)";
+    }
+    ::close(fd);
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    store->setTimeout(std::chrono::seconds(5));
+    std::string why;
+    std::thread zero([&] { // rank 0 as the store shows it: this host, that segment, mapped
+      store->set("host/0", store->get("host/1"));
+      store->set("name", std::vector<std::uint8_t>(name.begin(), name.end()));
+      store->set("ok/0", std::vector<std::uint8_t>{'1'});
+    });
+    EXPECT_EQ(detail::SharedMemoryReduce::open(*store, 1, 2, why), nullptr);
+    zero.join();
+    ::shm_unlink(name.c_str());
+    EXPECT_NE(why.find("rank 1: the segment " + name + " is not rank 0's: it " + seen), std::string::npos)
+        << why;
+  }
 }
 
 // A rank 0 killed before it unlinked its segment leaves it behind: the next rank 0 of this user

@@ -311,17 +311,48 @@ TEST(Dataset, ZipWithAnUnknownLengthIsUnknown) {
   EXPECT_EQ(Dataset::zip({Dataset::range(5), Dataset::random(1)}).cardinality(), 5);
 }
 
+// This process's threads, as the kernel lists them.
+std::size_t thread_count() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// Each iterator goes with work in flight (its pool mapping ahead, a prefetch waiting): once it
+// is destroyed, none of its threads is left and none of them calls its function again.
 TEST(Dataset, DestroyingAnIteratorMidStreamStopsEveryThread) {
+  const auto pipeline = [](std::shared_ptr<std::atomic<int>> calls) {
+    return Dataset::range(1000000)
+        .repeat()
+        .map([calls](Element e) { ++*calls; return plus(std::move(e), 1); }, kAutotune)
+        .batch(8, false, 2)
+        .prefetch(kAutotune);
+  };
+  { // LibTorch's own threads, made once on first use, before the count
+    auto it = pipeline(std::make_shared<std::atomic<int>>(0)).make_iterator();
+    it.next();
+  }
+  const auto settled = [](std::size_t want) { // a joined thread leaves /proc just after
+    for (int i = 0; i < 500 && thread_count() != want; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return thread_count();
+  };
+  const std::size_t before = settled(thread_count());
+  std::vector<std::pair<std::shared_ptr<std::atomic<int>>, int>> ended; // counter, at its end
   for (int round = 0; round < 20; ++round) {
-    auto ds = Dataset::range(1000000)
-                  .repeat()
-                  .map([](Element e) { return plus(std::move(e), 1); }, kAutotune)
-                  .batch(8, false, 2)
-                  .prefetch(kAutotune);
-    auto it = ds.make_iterator();
-    for (int i = 0; i < round; ++i) it.next();
-  } // each iterator goes with work in flight; the test finishing is the assertion
-  SUCCEED();
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    {
+      auto it = pipeline(calls).make_iterator();
+      for (int i = 0; i < round; ++i) it.next();
+      if (round > 0) EXPECT_GT(thread_count(), before) << "round " << round;
+    }
+    ended.emplace_back(calls, calls->load());
+    EXPECT_EQ(settled(before), before) << "round " << round;
+  }
+  for (std::size_t round = 0; round < ended.size(); ++round) { // the later rounds took a while
+    EXPECT_EQ(ended[round].first->load(), ended[round].second) << "round " << round;
+  }
 }
 
 TEST(Dataset, SavedIteratorResumesOnExactlyTheNextElement) {
