@@ -317,6 +317,8 @@ rows_mode = elastic_batch == "per-replica"
 common = {"bench": "chaos", "model": model, "workers": hosts, "global_batch": global_batch,
           "heartbeat_timeout_s": hb, "elastic_batch": elastic_batch, "rendezvous": rendezvous,
           "machine": machine}
+if rendezvous == "etcd":  # as production runs it (etcd_tls in tests/integration/netns/lib.sh)
+    common["etcd"] = "TLS, client and peer certificates required"
 def out(**kv):
     print(json.dumps({**common, **kv}, separators=(",", ":")))
 failed = False

@@ -1,8 +1,10 @@
-// One small logger. Every line carries the worker's identity, "[worker i/N]", so interleaved
-// output from several processes stays attributable. Progress lines (Keras-style) are not log
-// lines: the chief prints those itself, untagged.
+// One small logger. Every line carries the worker's identity, "[worker i/N]" (and in an elastic
+// group its generation, "[worker i/N gG]"), so interleaved output from several processes stays
+// attributable. Progress lines (Keras-style) are not log lines: the chief prints those itself,
+// untagged.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -14,6 +16,9 @@ class Logger {
  public:
   Logger() = default; // untagged: before the cluster is known
   Logger(int rank, int world_size);
+  // An elastic group's member: the tag names the generation its rank belongs to
+  // ("[worker 0/3 g2] "), so every line says which group decided what it tells.
+  Logger(int rank, int world_size, std::uint64_t generation);
 
   void info(const std::string& message) const { write(LogLevel::kInfo, message); }
   void warn(const std::string& message) const { write(LogLevel::kWarning, message); }

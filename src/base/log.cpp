@@ -8,6 +8,10 @@ namespace flotilla {
 Logger::Logger(int rank, int world_size)
     : tag_("[worker " + std::to_string(rank) + "/" + std::to_string(world_size) + "] ") {}
 
+Logger::Logger(int rank, int world_size, std::uint64_t generation)
+    : tag_("[worker " + std::to_string(rank) + "/" + std::to_string(world_size) + " g" +
+           std::to_string(generation) + "] ") {}
+
 namespace {
 
 std::mutex& log_mutex() { // one line at a time, whole, from any thread

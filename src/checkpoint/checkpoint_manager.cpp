@@ -133,8 +133,19 @@ ordered_json file_entry(const fs::path& path) {
                       {"bytes", static_cast<std::uint64_t>(fs::file_size(path))}};
 }
 
+std::string manifest_mac(const std::string& key, const std::string& manifest_text) {
+  const auto mac = base::hmac_sha256(key, manifest_text);
+  static const char* const kHex = "0123456789abcdef";
+  std::string hex;
+  for (const std::uint8_t b : mac) {
+    hex += kHex[b >> 4];
+    hex += kHex[b & 15];
+  }
+  return hex;
+}
+
 void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t number,
-                 int cluster_size) {
+                 int cluster_size, const std::optional<std::string>& key) {
   // Hugging Face tools look for this metadata key in PyTorch weights.
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
   save_safetensors(dir / kModelFile, data.model, metadata);
@@ -163,6 +174,7 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
   base::write_file_atomic(dir / kManifestChecksumFile,
                           base::sha256_hex(manifest_text.data(), manifest_text.size()) + "  " +
                               kManifestFile + "\n");
+  if (key) base::write_file_atomic(dir / kManifestMacFile, manifest_mac(*key, manifest_text) + "\n");
   sync_directory(dir);
 }
 
@@ -410,7 +422,7 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
                               "and a checkpoint of it would be the newest one to resume from");
       }
       staged.emplace(location->dir(), name);
-      write_files(staged->path(), data, number, workers.size());
+      write_files(staged->path(), data, number, workers.size(), workers.options().cluster_token);
       if (!chief) {
         const Commit done = commit(*staged, location->dir(), name, max_to_keep_);
         delete_old(location->dir(), done.to_delete, log);
@@ -502,9 +514,31 @@ bool check_manifest_checksum(const fs::path& checkpoint_dir, const std::string& 
   }
   return true;
 }
+// With the cluster token: the manifest's HMAC under it, which only a holder of the token writes.
+void check_manifest_mac(const fs::path& checkpoint_dir, const std::string& manifest_text,
+                        const std::string& key) {
+  const fs::path file = checkpoint_dir / kManifestMacFile;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(file, ec))) {
+    throw CheckpointError(file.string() + ": missing, and this job has a cluster token: the "
+                          "checkpoint was saved without one (or its key was removed), so nothing "
+                          "shows that its training state came from a holder of the token. " +
+                          restore_advice(checkpoint_dir));
+  }
+  const std::string line = read_text(file);
+  const std::string expected = line.substr(0, line.find_first_of(" \n"));
+  if (expected != manifest_mac(key, manifest_text)) {
+    throw CheckpointError((checkpoint_dir / kManifestFile).string() + ": its HMAC under this "
+                          "job's cluster token is not the one " + kManifestMacFile +
+                          " holds: the manifest (the training state) was changed by someone "
+                          "without the token, or saved under another token. " +
+                          restore_advice(checkpoint_dir));
+  }
+}
 } // namespace
 
-CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
+CheckpointData read_checkpoint(const fs::path& checkpoint_dir,
+                               const std::optional<std::string>& key) {
   const fs::path manifest_path = checkpoint_dir / kManifestFile;
   if (!fs::is_directory(checkpoint_dir)) {
     throw CheckpointError(checkpoint_dir.string() +
@@ -518,6 +552,7 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
   }
   const std::string manifest_text = read_text(manifest_path);
   const bool has_checksum = check_manifest_checksum(checkpoint_dir, manifest_text);
+  if (key) check_manifest_mac(checkpoint_dir, manifest_text, *key);
   const detail::Manifest manifest = detail::parse_manifest(
       manifest_text, manifest_path,
       {kCheckpointFormat, kCheckpointFormatVersion, {kModelFile, kOptimizerFile}});
@@ -564,7 +599,8 @@ CheckpointData read_checkpoint(const fs::path& checkpoint_dir) {
 std::optional<CheckpointData> restore_latest(const fs::path& directory,
                                              std::vector<std::string>* skipped,
                                              fs::path* restored_from,
-                                             const AcceptCheckpoint& accept) {
+                                             const AcceptCheckpoint& accept,
+                                             const std::optional<std::string>& key) {
   if (!fs::is_directory(directory)) return std::nullopt;
   std::vector<fs::path> candidates;
   auto add = [&](const fs::path& path) {
@@ -602,7 +638,7 @@ std::optional<CheckpointData> restore_latest(const fs::path& directory,
 
   for (const auto& candidate : candidates) {
     try {
-      CheckpointData data = read_checkpoint(candidate);
+      CheckpointData data = read_checkpoint(candidate, key);
       if (accept) accept(data, candidate);
       if (restored_from) *restored_from = candidate;
       return data;

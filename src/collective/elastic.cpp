@@ -324,7 +324,7 @@ struct MembershipState {
         c10::make_intrusive<c10d::PrefixStore>("flotilla/g" + std::to_string(g), store),
         spec.local_host, std::move(names), fresh);
     reason = record.reason;
-    log = Logger(rank, size);
+    log = Logger(rank, size, g);
     log.info("generation " + std::to_string(g) + ": rank " + std::to_string(rank) + " of " +
              std::to_string(size) + " (" + record.reason + ")");
   }

@@ -181,6 +181,7 @@ Strategy::Strategy(cluster::ClusterSpec cluster, std::shared_ptr<collective::Ela
   // group was lost starts afresh too.
   joining_ = !group->starts_afresh();
   elastic_ = std::move(group);
+  log_ = Logger(communicator_.rank(), communicator_.size(), elastic_->generation());
 }
 
 collective::Communicator* Strategy::saving_group() {
@@ -188,14 +189,15 @@ collective::Communicator* Strategy::saving_group() {
   if (!is_chief()) return nullptr;
   if (!saving_alone_) {
     saving_alone_ = std::make_shared<collective::Communicator>(
-        collective::Communicator::local_group(1).front());
+        // With the group's options: its cluster token keys what the chief saves alone.
+        collective::Communicator::local_group(1, communicator_.options()).front());
   }
   return saving_alone_.get();
 }
 
 void Strategy::adopt_generation() {
   communicator_ = elastic_->communicator();
-  log_ = Logger(communicator_.rank(), communicator_.size());
+  log_ = Logger(communicator_.rank(), communicator_.size(), elastic_->generation());
 }
 
 InputContext Strategy::input_context() const {

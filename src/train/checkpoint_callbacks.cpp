@@ -375,7 +375,8 @@ std::optional<TrainingState> BackupAndRestore::restore() {
             strategy.elastic() ? static_cast<std::int64_t>(strategy.elastic()->generation()) : 0;
         state->generation_base = std::max<std::int64_t>(
             state->generation_base, data.generation + 1 - generation);
-      });
+      },
+      strategy.communicator().options().cluster_token);
   if (strategy.is_chief()) {
     for (const auto& reason : skipped) strategy.log().warn("BackupAndRestore: " + reason);
   }

@@ -214,7 +214,8 @@ void Model::load(const std::filesystem::path& directory) {
     throw CheckpointError(directory.string() + ": no saved model here (no \"checkpoint\" pointer "
                                                "file); give the directory Model::save wrote");
   }
-  const checkpoint::CheckpointData data = checkpoint::read_checkpoint(*latest);
+  const checkpoint::CheckpointData data =
+      checkpoint::read_checkpoint(*latest, strategy_.communicator().options().cluster_token);
   const nlohmann::json mine = run_identity(*this);
   if (data.state.contains("run") &&
       data.state.at("run").value("parameters", "") != mine.value("parameters", "")) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -77,6 +78,10 @@ TEST(ElasticFit, ElasticRestartsOnlyTheDeadWorkerAndTheOthersKeepTheirProcesses)
   EXPECT_NE(last[0].find("with [0,1,2]"), std::string::npos) << last[0];
   EXPECT_NE(r.out.find("regrouped after"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("WRONG"), std::string::npos) << r.out;
+  // The group's log lines name the generation that decided them, the later ones too.
+  const std::regex tagged(R"(\[worker \d/\d g([1-9]\d*)\] generation \1: rank \d of \d)");
+  const std::string both = r.out + r.err;
+  EXPECT_TRUE(std::regex_search(both, tagged)) << both;
 }
 
 // Model::fit in an elastic group of 3 (tests/multiworker/elastic_trainer.cpp) under launch

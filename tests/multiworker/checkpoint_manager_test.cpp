@@ -693,6 +693,72 @@ TEST(CheckpointManager, ATruncatedOrMissingManifestIsAClearError) {
             0u);
 }
 
+// The probe's case: manifest.sha256 is a checksum anyone can recompute, so an edited training
+// state passed as intact. With a cluster token the manifest also carries its HMAC under the
+// token, and a reader with the token refuses one edited, one saved without it or under another.
+TEST(CheckpointManager, WithAClusterTokenTheManifestIsKeyedAndAnEditRecomputedIsRefused) {
+  TempDir root;
+  const fs::path dir = fs::path(root.path()) / "ckpts";
+  collective::CommunicationOptions options;
+  options.cluster_token = "the job's secret";
+  auto group = collective::Communicator::local_group(1, options);
+  CheckpointManager manager(dir, 3);
+  manager.save(group.front(), Logger(0, 1), sample(1), 1);
+  const fs::path saved = manager.save(group.front(), Logger(0, 1), sample(2), 2);
+  EXPECT_EQ(checkpoint::read_checkpoint(saved, options.cluster_token).epoch, 2);
+  EXPECT_EQ(read_file(saved / "manifest.hmac").size(), 65u); // 64 hex digits and a newline
+
+  // Someone without the token makes epoch 2 look like epoch 7 and recomputes the checksum.
+  const fs::path manifest = saved / "manifest.json";
+  std::string text = read_file(manifest);
+  const auto at = text.find("\"epoch\": 2");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, std::string("\"epoch\": 2").size(), "\"epoch\": 7");
+  std::ofstream(manifest, std::ios::trunc) << text;
+  std::ofstream(saved / "manifest.sha256", std::ios::trunc)
+      << base::sha256_hex(text.data(), text.size()) << "  manifest.json\n";
+  EXPECT_EQ(checkpoint::read_checkpoint(saved).epoch, 7); // without the key, nothing can tell
+  const auto refusal = [&](const std::optional<std::string>& key) {
+    try {
+      checkpoint::read_checkpoint(saved, key);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(refusal(options.cluster_token).rfind(manifest.string() + ": its HMAC under this job's "
+                                                 "cluster token is not the one manifest.hmac holds",
+                                                 0),
+            0u)
+      << refusal(options.cluster_token);
+  std::vector<std::string> skipped;
+  fs::path from;
+  const auto restored =
+      checkpoint::restore_latest(dir, &skipped, &from, {}, options.cluster_token);
+  ASSERT_TRUE(restored.has_value());
+  EXPECT_EQ(from, dir / "ckpt-1"); // the edited one passed over
+  EXPECT_EQ(restored->epoch, 1);
+  ASSERT_EQ(skipped.size(), 1u);
+
+  fs::remove(saved / "manifest.hmac");
+  EXPECT_EQ(refusal(options.cluster_token)
+                .rfind((saved / "manifest.hmac").string() + ": missing, and this job has a "
+                                                            "cluster token",
+                       0),
+            0u)
+      << refusal(options.cluster_token);
+  // ckpt-1, intact, read under another token.
+  try {
+    checkpoint::read_checkpoint(dir / "ckpt-1", std::string("another token"));
+    ADD_FAILURE() << "ckpt-1 read under another token";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("its HMAC under this job's cluster token is not the one"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(checkpoint::read_checkpoint(dir / "ckpt-1", options.cluster_token).epoch, 1);
+}
+
 TEST(CheckpointManager, WithoutAPointerFileRestoreStillFindsTheCheckpointDirectories) {
   TempDir root;
   const fs::path dir = fs::path(root.path()) / "ckpts";

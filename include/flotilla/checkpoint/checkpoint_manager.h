@@ -10,6 +10,10 @@
 //                                       versions, time, each file's SHA-256 and size, and the
 //                                       caller's own JSON state (loss scale, iterator, RNG...)
 //   <dir>/ckpt-7/manifest.sha256        the manifest's own SHA-256, as `sha256sum -c` reads it
+//   <dir>/ckpt-7/manifest.hmac          where the group has a cluster token: the manifest's
+//                                       HMAC-SHA256 under it (hex), so that whoever can write
+//                                       the directory but lacks the token cannot edit the
+//                                       training state and recompute the checksum
 //
 // A checkpoint directory is written whole under a hidden temporary name, flushed, and renamed
 // into place; only then does the pointer file move to it, and only then are checkpoints beyond
@@ -45,6 +49,7 @@ inline constexpr const char* kModelFile = "model.safetensors";
 inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kManifestChecksumFile = "manifest.sha256";
+inline constexpr const char* kManifestMacFile = "manifest.hmac";
 inline constexpr const char* kPointerFile = "checkpoint"; // TensorFlow's name
 
 struct CheckpointData {
@@ -78,7 +83,8 @@ class CheckpointManager {
   // pointer names, or whose update count (data.step) is lower: a writer the group replaced (a
   // chief stopped and woken after its successor saved) cannot put an older state over a newer
   // one. The check and the pointer's move hold an exclusive flock on the directory.
-  // `workers` are the training group (rank 0 is the chief); `log` tells of old checkpoints
+  // `workers` are the training group (rank 0 is the chief); with a cluster token in their
+  // options the manifest is also keyed with it (manifest.hmac). `log` tells of old checkpoints
   // that could not be removed.
   std::filesystem::path save(collective::Communicator& workers, const Logger& log,
                              const CheckpointData& data, std::int64_t number);
@@ -101,9 +107,12 @@ class CheckpointManager {
 
 // Reads and verifies one checkpoint directory: the manifest matches its checksum, parses and has
 // this format and a version this build reads; every file it lists exists with the recorded size
-// and SHA-256; then the tensors load. Any mismatch is a CheckpointError naming the file, what was
-// expected and found, and what to do.
-CheckpointData read_checkpoint(const std::filesystem::path& checkpoint_dir);
+// and SHA-256; then the tensors load. With a `key` (the cluster token), the manifest must also
+// carry its HMAC under that key: one without (saved with no token, or its manifest.hmac
+// removed) or with another is refused. Any mismatch is a CheckpointError naming the file, what
+// was expected and found, and what to do.
+CheckpointData read_checkpoint(const std::filesystem::path& checkpoint_dir,
+                               const std::optional<std::string>& key = std::nullopt);
 
 // The newest checkpoint in `directory` that verifies (read_checkpoint) and that `accept` takes:
 // those the pointer file names, newest first, then, as a last resort, any other checkpoint
@@ -113,10 +122,12 @@ CheckpointData read_checkpoint(const std::filesystem::path& checkpoint_dir);
 // goes into `restored_from`. nullopt when none exists or none verifies and loads.
 using AcceptCheckpoint =
     std::function<void(const CheckpointData& data, const std::filesystem::path& path)>;
+// `key`: as read_checkpoint's.
 std::optional<CheckpointData> restore_latest(const std::filesystem::path& directory,
                                              std::vector<std::string>* skipped = nullptr,
                                              std::filesystem::path* restored_from = nullptr,
-                                             const AcceptCheckpoint& accept = {});
+                                             const AcceptCheckpoint& accept = {},
+                                             const std::optional<std::string>& key = std::nullopt);
 
 // nullopt when `directory` has no pointer file (flotilla/checkpoint/pointer.h); CheckpointError
 // when it cannot be parsed.
