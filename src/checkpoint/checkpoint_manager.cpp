@@ -422,7 +422,7 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
                               "and a checkpoint of it would be the newest one to resume from");
       }
       staged.emplace(location->dir(), name);
-      write_files(staged->path(), data, number, workers.size(), workers.options().cluster_token);
+      write_files(staged->path(), data, number, workers.size(), workers.options().checkpoint_key);
       if (!chief) {
         const Commit done = commit(*staged, location->dir(), name, max_to_keep_);
         delete_old(location->dir(), done.to_delete, log);

@@ -69,7 +69,8 @@ std::string joined(const std::vector<std::string>& names, std::size_t at_most = 
 } // namespace
 
 bool is_checkpoint_file(const std::string& name) {
-  for (const char* own : {kModelFile, kOptimizerFile, kManifestFile, kManifestChecksumFile}) {
+  for (const char* own :
+       {kModelFile, kOptimizerFile, kManifestFile, kManifestChecksumFile, kManifestMacFile}) {
     if (name == own || starts_with(name, std::string(own) + ".tmp-")) return true;
   }
   return false;

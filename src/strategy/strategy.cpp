@@ -189,7 +189,7 @@ collective::Communicator* Strategy::saving_group() {
   if (!is_chief()) return nullptr;
   if (!saving_alone_) {
     saving_alone_ = std::make_shared<collective::Communicator>(
-        // With the group's options: its cluster token keys what the chief saves alone.
+        // With the group's options: its checkpoint key keys what the chief saves alone.
         collective::Communicator::local_group(1, communicator_.options()).front());
   }
   return saving_alone_.get();

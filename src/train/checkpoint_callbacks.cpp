@@ -376,7 +376,7 @@ std::optional<TrainingState> BackupAndRestore::restore() {
         state->generation_base = std::max<std::int64_t>(
             state->generation_base, data.generation + 1 - generation);
       },
-      strategy.communicator().options().cluster_token);
+      strategy.communicator().options().checkpoint_key);
   if (strategy.is_chief()) {
     for (const auto& reason : skipped) strategy.log().warn("BackupAndRestore: " + reason);
   }

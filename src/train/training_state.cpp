@@ -215,7 +215,7 @@ void Model::load(const std::filesystem::path& directory) {
                                                "file); give the directory Model::save wrote");
   }
   const checkpoint::CheckpointData data =
-      checkpoint::read_checkpoint(*latest, strategy_.communicator().options().cluster_token);
+      checkpoint::read_checkpoint(*latest, strategy_.communicator().options().checkpoint_key);
   const nlohmann::json mine = run_identity(*this);
   if (data.state.contains("run") &&
       data.state.at("run").value("parameters", "") != mine.value("parameters", "")) {

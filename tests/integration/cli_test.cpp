@@ -168,6 +168,27 @@ TEST(TrainCommand, ADivergedRunExits5AndLeavesNoNonFiniteCheckpoint) {
   }
 }
 
+// The cluster token the user set keys the checkpoints' manifests (manifest.hmac); a token
+// `flotilla launch` made for one run keys nothing, since the next run's differs.
+TEST(TrainCommand, TheUsersClusterTokenKeysTheCheckpointsAndALaunchsOwnTokenDoesNot) {
+  for (const bool run_only : {false, true}) {
+    testing::TempDir dir;
+    std::map<std::string, std::string> env = {{"FLOTILLA_CLUSTER_TOKEN", "the user's secret"}};
+    if (run_only) env["FLOTILLA_CLUSTER_TOKEN_RUN_ONLY"] = "1";
+    const auto r = run_process({kCli, "train", "--model", "mlp", "--epochs", "1",
+                                "--steps-per-epoch", "2", "--batch-per-replica", "16", "--threads",
+                                "1", "--checkpoint-dir", dir.path()},
+                               env);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::filesystem::path saved = std::filesystem::path(dir.path()) / "ckpt-1";
+    EXPECT_EQ(std::filesystem::exists(saved / "manifest.hmac"), !run_only) << run_only;
+    if (!run_only) {
+      EXPECT_EQ(checkpoint::read_checkpoint(saved, std::string("the user's secret")).epoch, 1);
+      EXPECT_THROW(checkpoint::read_checkpoint(saved, std::string("another")), CheckpointError);
+    }
+  }
+}
+
 TEST(TrainCommand, BadTfConfigIsOneLineAndExitCode2) {
   const auto r = run_process({kCli, "train", "--steps-per-epoch", "1"},
                              {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},

@@ -701,11 +701,12 @@ TEST(CheckpointManager, WithAClusterTokenTheManifestIsKeyedAndAnEditRecomputedIs
   const fs::path dir = fs::path(root.path()) / "ckpts";
   collective::CommunicationOptions options;
   options.cluster_token = "the job's secret";
+  options.checkpoint_key = options.cluster_token;
   auto group = collective::Communicator::local_group(1, options);
   CheckpointManager manager(dir, 3);
   manager.save(group.front(), Logger(0, 1), sample(1), 1);
   const fs::path saved = manager.save(group.front(), Logger(0, 1), sample(2), 2);
-  EXPECT_EQ(checkpoint::read_checkpoint(saved, options.cluster_token).epoch, 2);
+  EXPECT_EQ(checkpoint::read_checkpoint(saved, options.checkpoint_key).epoch, 2);
   EXPECT_EQ(read_file(saved / "manifest.hmac").size(), 65u); // 64 hex digits and a newline
 
   // Someone without the token makes epoch 2 look like epoch 7 and recomputes the checksum.
@@ -726,27 +727,27 @@ TEST(CheckpointManager, WithAClusterTokenTheManifestIsKeyedAndAnEditRecomputedIs
     }
     return std::string("no error");
   };
-  EXPECT_EQ(refusal(options.cluster_token).rfind(manifest.string() + ": its HMAC under this job's "
+  EXPECT_EQ(refusal(options.checkpoint_key).rfind(manifest.string() + ": its HMAC under this job's "
                                                  "cluster token is not the one manifest.hmac holds",
                                                  0),
             0u)
-      << refusal(options.cluster_token);
+      << refusal(options.checkpoint_key);
   std::vector<std::string> skipped;
   fs::path from;
   const auto restored =
-      checkpoint::restore_latest(dir, &skipped, &from, {}, options.cluster_token);
+      checkpoint::restore_latest(dir, &skipped, &from, {}, options.checkpoint_key);
   ASSERT_TRUE(restored.has_value());
   EXPECT_EQ(from, dir / "ckpt-1"); // the edited one passed over
   EXPECT_EQ(restored->epoch, 1);
   ASSERT_EQ(skipped.size(), 1u);
 
   fs::remove(saved / "manifest.hmac");
-  EXPECT_EQ(refusal(options.cluster_token)
+  EXPECT_EQ(refusal(options.checkpoint_key)
                 .rfind((saved / "manifest.hmac").string() + ": missing, and this job has a "
                                                             "cluster token",
                        0),
             0u)
-      << refusal(options.cluster_token);
+      << refusal(options.checkpoint_key);
   // ckpt-1, intact, read under another token.
   try {
     checkpoint::read_checkpoint(dir / "ckpt-1", std::string("another token"));
@@ -756,7 +757,7 @@ TEST(CheckpointManager, WithAClusterTokenTheManifestIsKeyedAndAnEditRecomputedIs
               std::string::npos)
         << e.what();
   }
-  EXPECT_EQ(checkpoint::read_checkpoint(dir / "ckpt-1", options.cluster_token).epoch, 1);
+  EXPECT_EQ(checkpoint::read_checkpoint(dir / "ckpt-1", options.checkpoint_key).epoch, 1);
 }
 
 TEST(CheckpointManager, WithoutAPointerFileRestoreStillFindsTheCheckpointDirectories) {

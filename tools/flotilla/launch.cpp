@@ -271,6 +271,9 @@ std::vector<std::string> child_environment(int index, int workers, const std::st
   const auto set = [&](const char* name) { return vars.count(name) && !vars[name].empty(); };
   if (!set("FLOTILLA_CLUSTER_TOKEN") && !set("FLOTILLA_CLUSTER_TOKEN_FILE")) {
     vars["FLOTILLA_CLUSTER_TOKEN"] = token;
+    vars["FLOTILLA_CLUSTER_TOKEN_RUN_ONLY"] = "1"; // not a key for backups: the next run's differs
+  } else {
+    vars.erase("FLOTILLA_CLUSTER_TOKEN_RUN_ONLY");
   }
   // TF_CONFIG decides the cluster; stale torchrun variables would only confuse a reader.
   for (const char* stale : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) vars.erase(stale);

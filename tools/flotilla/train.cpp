@@ -218,6 +218,8 @@ collective::CommunicationOptions communication_options(const TrainArgs& a,
   comm.cluster_token = cluster::cluster_token(
       env,
       a.cluster_token_file.empty() ? std::nullopt : std::optional<fs::path>(a.cluster_token_file));
+  // A token `flotilla launch` made for this run alone cannot key what a later run resumes from.
+  if (!env.get("FLOTILLA_CLUSTER_TOKEN_RUN_ONLY")) comm.checkpoint_key = comm.cluster_token;
   comm.insecure = a.insecure;
   comm.bytes_per_pack = a.bytes_per_pack;
   comm.overlap = !a.no_overlap;

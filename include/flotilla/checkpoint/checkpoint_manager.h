@@ -10,10 +10,11 @@
 //                                       versions, time, each file's SHA-256 and size, and the
 //                                       caller's own JSON state (loss scale, iterator, RNG...)
 //   <dir>/ckpt-7/manifest.sha256        the manifest's own SHA-256, as `sha256sum -c` reads it
-//   <dir>/ckpt-7/manifest.hmac          where the group has a cluster token: the manifest's
-//                                       HMAC-SHA256 under it (hex), so that whoever can write
-//                                       the directory but lacks the token cannot edit the
-//                                       training state and recompute the checksum
+//   <dir>/ckpt-7/manifest.hmac          where the group has a checkpoint key (the cluster token
+//                                       the user set): the manifest's HMAC-SHA256 under it
+//                                       (hex), so that whoever can write the directory but
+//                                       lacks the token cannot edit the training state and
+//                                       recompute the checksum
 //
 // A checkpoint directory is written whole under a hidden temporary name, flushed, and renamed
 // into place; only then does the pointer file move to it, and only then are checkpoints beyond
@@ -83,8 +84,9 @@ class CheckpointManager {
   // pointer names, or whose update count (data.step) is lower: a writer the group replaced (a
   // chief stopped and woken after its successor saved) cannot put an older state over a newer
   // one. The check and the pointer's move hold an exclusive flock on the directory.
-  // `workers` are the training group (rank 0 is the chief); with a cluster token in their
-  // options the manifest is also keyed with it (manifest.hmac). `log` tells of old checkpoints
+  // `workers` are the training group (rank 0 is the chief); with a checkpoint key in their
+  // options (CommunicationOptions::checkpoint_key, the cluster token the user set) the manifest
+  // is also keyed with it (manifest.hmac). `log` tells of old checkpoints
   // that could not be removed.
   std::filesystem::path save(collective::Communicator& workers, const Logger& log,
                              const CheckpointData& data, std::int64_t number);

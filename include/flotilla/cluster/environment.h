@@ -18,7 +18,9 @@ class Environment {
   // FLOTILLA_TERMINAL (set by `flotilla launch` when its own output is a
   // terminal, so a worker draws a progress bar through the launcher's pipe);
   // FLOTILLA_CLUSTER_TOKEN, or FLOTILLA_CLUSTER_TOKEN_FILE naming a file that holds it (a shared
-  // secret for the HMAC-SHA256 rendezvous handshake; never logged); FLOTILLA_RENDEZVOUS (a
+  // secret for the HMAC-SHA256 rendezvous handshake; never logged), and
+  // FLOTILLA_CLUSTER_TOKEN_RUN_ONLY (set by `flotilla launch` beside a token it made for the
+  // run, which therefore keys no checkpoint); FLOTILLA_RENDEZVOUS (a
   // rendezvous outside the workers, see resolve_cluster); FLOTILLA_ETCD_CACERT, _CERT, _KEY,
   // _USER and _PASSWORD (a secured etcd's, see complete_etcd_security); Slurm's SLURM_PROCID,
   // SLURM_LOCALID, SLURM_NTASKS, SLURMD_NODENAME, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST,

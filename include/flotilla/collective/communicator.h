@@ -70,6 +70,11 @@ struct CommunicationOptions {
   // chief lets it join; nullopt: none is asked for. Set it on every task or on none. Resolve it
   // with cluster::cluster_token(); it is never logged.
   std::optional<std::string> cluster_token;
+  // The key of what this group saves (a checkpoint's manifest.hmac, see CheckpointManager) and
+  // checks when it resumes: a secret that outlives the run, normally the cluster token the
+  // user set. nullopt: saved and read unkeyed. The CLI leaves it unset for a token `flotilla
+  // launch` made for one run (the next run's differs and could not read the backups).
+  std::optional<std::string> checkpoint_key;
   // Without a cluster token, a job whose rendezvous or tasks are on other hosts than this one's
   // loopback is refused (ConfigError): anyone who can reach the rendezvous could join it, read
   // and write its store. true: run it unauthenticated anyway (a warning says so at the start).
