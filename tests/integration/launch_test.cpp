@@ -285,7 +285,12 @@ TEST(Launch, ASignalToLaunchNeverRestartsAndWorkersThatSavedMakeIt75) {
     testing::Process launch(
         {kCli, "launch", "--workers", "2", "--max-restarts", "3", "--", "sh", "-c",
          "trap 'exit " + std::to_string(worker_exit) + "' TERM; echo ready; sleep 600 & wait"});
-    std::this_thread::sleep_for(std::chrono::seconds(2)); // let both shells set their trap
+    // Both shells set their trap before they say ready (a fixed 2 s was too short under load).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (count_of(launch.output_so_far(), "ready") < 2 &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     launch.signal(SIGTERM);
     const auto r = launch.wait(std::chrono::seconds(60));
     EXPECT_EQ(r.exit_code, launch_exit) << r.out << r.err;
