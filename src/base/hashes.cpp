@@ -31,18 +31,22 @@ Context start() {
   return context;
 }
 
+std::string hex(const unsigned char* bytes, std::size_t length) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * length);
+  for (std::size_t i = 0; i < length; ++i) {
+    out += kHex[bytes[i] >> 4];
+    out += kHex[bytes[i] & 0xf];
+  }
+  return out;
+}
+
 std::string finish(EVP_MD_CTX* context) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   check(EVP_DigestFinal_ex(context, digest, &length), "EVP_DigestFinal_ex");
-  static const char kHex[] = "0123456789abcdef";
-  std::string hex;
-  hex.reserve(2 * length);
-  for (unsigned int i = 0; i < length; ++i) {
-    hex += kHex[digest[i] >> 4];
-    hex += kHex[digest[i] & 0xf];
-  }
-  return hex;
+  return hex(digest, length);
 }
 
 } // namespace
@@ -89,6 +93,11 @@ std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::stri
     throw Error("HMAC-SHA256 failed (OpenSSL)");
   }
   return out;
+}
+
+std::string hmac_sha256_hex(const std::string& key, const std::string& message) {
+  const auto mac = hmac_sha256(key, message);
+  return hex(mac.data(), mac.size());
 }
 
 } // namespace flotilla::base

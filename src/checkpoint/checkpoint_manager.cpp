@@ -133,17 +133,6 @@ ordered_json file_entry(const fs::path& path) {
                       {"bytes", static_cast<std::uint64_t>(fs::file_size(path))}};
 }
 
-std::string manifest_mac(const std::string& key, const std::string& manifest_text) {
-  const auto mac = base::hmac_sha256(key, manifest_text);
-  static const char* const kHex = "0123456789abcdef";
-  std::string hex;
-  for (const std::uint8_t b : mac) {
-    hex += kHex[b >> 4];
-    hex += kHex[b & 15];
-  }
-  return hex;
-}
-
 void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t number,
                  int cluster_size, const std::optional<std::string>& key) {
   // Hugging Face tools look for this metadata key in PyTorch weights.
@@ -174,7 +163,10 @@ void write_files(const fs::path& dir, const CheckpointData& data, std::int64_t n
   base::write_file_atomic(dir / kManifestChecksumFile,
                           base::sha256_hex(manifest_text.data(), manifest_text.size()) + "  " +
                               kManifestFile + "\n");
-  if (key) base::write_file_atomic(dir / kManifestMacFile, manifest_mac(*key, manifest_text) + "\n");
+  if (key) {
+    base::write_file_atomic(dir / kManifestMacFile,
+                            base::hmac_sha256_hex(*key, manifest_text) + "\n");
+  }
   sync_directory(dir);
 }
 
@@ -527,7 +519,7 @@ void check_manifest_mac(const fs::path& checkpoint_dir, const std::string& manif
   }
   const std::string line = read_text(file);
   const std::string expected = line.substr(0, line.find_first_of(" \n"));
-  if (expected != manifest_mac(key, manifest_text)) {
+  if (expected != base::hmac_sha256_hex(key, manifest_text)) {
     throw CheckpointError((checkpoint_dir / kManifestFile).string() + ": its HMAC under this "
                           "job's cluster token is not the one " + kManifestMacFile +
                           " holds: the manifest (the training state) was changed by someone "

@@ -380,58 +380,52 @@ ClusterSpec resolve_cluster_only(const Environment& env) {
 } // namespace
 
 void complete_etcd_security(EtcdRendezvous& etcd, const Environment& env) {
-  // Each field: what names it (the flag set it, or the variable), filled from the variable.
-  struct Field {
+  // Each setting, filled from its variable where no flag set it; `source` names whichever did.
+  struct Setting {
     std::string& value;
-    const char* flag;
-    const char* variable;
+    std::string source;
   };
-  const Field fields[] = {{etcd.ca_file, "--etcd-cacert", "FLOTILLA_ETCD_CACERT"},
-                          {etcd.cert_file, "--etcd-cert", "FLOTILLA_ETCD_CERT"},
-                          {etcd.key_file, "--etcd-key", "FLOTILLA_ETCD_KEY"},
-                          {etcd.user, "--etcd-user", "FLOTILLA_ETCD_USER"},
-                          {etcd.password, "", "FLOTILLA_ETCD_PASSWORD"}};
-  std::string source[5];
-  for (int i = 0; i < 5; ++i) {
-    const Field& f = fields[i];
-    source[i] = f.flag;
-    if (f.value.empty()) {
-      if (const auto v = env.get(f.variable)) f.value = *v;
-      source[i] = f.variable;
-    }
-  }
-  const auto file = [&](int i, const char* holding) {
-    const std::string& path = fields[i].value;
-    if (path.empty()) return;
+  const auto setting = [&](std::string& value, const char* flag, const char* variable) {
+    if (!value.empty()) return Setting{value, flag};
+    if (const auto v = env.get(variable)) value = *v;
+    return Setting{value, variable};
+  };
+  const Setting ca = setting(etcd.ca_file, "--etcd-cacert", "FLOTILLA_ETCD_CACERT");
+  const Setting cert = setting(etcd.cert_file, "--etcd-cert", "FLOTILLA_ETCD_CERT");
+  const Setting key = setting(etcd.key_file, "--etcd-key", "FLOTILLA_ETCD_KEY");
+  const Setting user = setting(etcd.user, "--etcd-user", "FLOTILLA_ETCD_USER");
+  setting(etcd.password, "", "FLOTILLA_ETCD_PASSWORD");
+  const auto file = [&](const Setting& s, const char* holding) {
+    if (s.value.empty()) return;
     struct stat info {};
-    const std::string named = source[i] + " (" + holding + ") \"" + path + "\"";
-    if (::stat(path.c_str(), &info) != 0) {
+    const std::string named = s.source + " (" + holding + ") " + echoed(s.value);
+    if (::stat(s.value.c_str(), &info) != 0) {
       throw ConfigError(named + ": " + std::strerror(errno) + "; name the PEM file");
     }
-    if (!S_ISREG(info.st_mode) || ::access(path.c_str(), R_OK) != 0) {
+    if (!S_ISREG(info.st_mode) || ::access(s.value.c_str(), R_OK) != 0) {
       throw ConfigError(named + " is not a file this process can read; name the PEM file");
     }
     etcd.tls = true;
   };
-  file(0, "the CA that signed etcd's certificate");
-  file(1, "this client's certificate");
-  file(2, "this client's private key");
+  file(ca, "the CA that signed etcd's certificate");
+  file(cert, "this client's certificate");
+  file(key, "this client's private key");
   if (etcd.cert_file.empty() != etcd.key_file.empty()) {
     throw ConfigError(etcd.cert_file.empty()
-                          ? source[2] + " names a private key without its certificate; give " +
+                          ? key.source + " names a private key without its certificate; give " +
                                 "--etcd-cert or FLOTILLA_ETCD_CERT too"
-                          : source[1] + " names a certificate without its private key; give " +
+                          : cert.source + " names a certificate without its private key; give " +
                                 "--etcd-key or FLOTILLA_ETCD_KEY too");
   }
   if (etcd.user.empty() != etcd.password.empty()) {
     throw ConfigError(etcd.user.empty()
                           ? "FLOTILLA_ETCD_PASSWORD is set but no etcd user; give --etcd-user or "
                             "FLOTILLA_ETCD_USER too"
-                          : source[3] + " names the etcd user \"" + etcd.user +
-                                "\" without a password; set FLOTILLA_ETCD_PASSWORD");
+                          : user.source + " names the etcd user " + echoed(etcd.user, 80) +
+                                " without a password; set FLOTILLA_ETCD_PASSWORD");
   }
   if (!etcd.user.empty() && !etcd.tls) {
-    throw ConfigError("the etcd user \"" + etcd.user + "\" (" + source[3] +
+    throw ConfigError("the etcd user " + echoed(etcd.user, 80) + " (" + user.source +
                       ") would send its password over plain HTTP to " + etcd.url() +
                       "; write etcds:// (TLS) instead of etcd://");
   }

@@ -44,17 +44,17 @@ bool contains(const std::string& text, const char* what) {
 // fault, ExpiredToken for an expired token, CommError otherwise.
 [[noreturn]] void refused(const cluster::EtcdRendezvous& etcd, const std::string& where,
                           const std::string& message) {
-  const std::string said = where + " answered \"" + message.substr(0, 200) + "\"";
+  const std::string said = where + " answered " + echoed(message);
   if (contains(message, "invalid auth token")) throw ExpiredToken(said);
   if (contains(message, "permission denied")) {
-    throw ConfigError(said + ": the etcd user \"" + etcd.user +
-                      "\" may not read and write this job's keys; grant its role them, e.g. "
+    throw ConfigError(said + ": the etcd user " + echoed(etcd.user, 80) +
+                      " may not read and write this job's keys; grant its role them, e.g. "
                       "etcdctl role grant-permission ROLE --prefix=true readwrite /flotilla/" +
                       etcd.job + "/");
   }
   if (contains(message, "authentication failed")) {
-    throw ConfigError(said + ": check the etcd user (--etcd-user or FLOTILLA_ETCD_USER, \"" +
-                      etcd.user + "\") and its password (FLOTILLA_ETCD_PASSWORD)");
+    throw ConfigError(said + ": check the etcd user (--etcd-user or FLOTILLA_ETCD_USER, " +
+                      echoed(etcd.user, 80) + ") and its password (FLOTILLA_ETCD_PASSWORD)");
   }
   if (contains(message, "user name is empty")) {
     throw ConfigError(said + ": this etcd requires authentication; give an etcd user "
@@ -152,50 +152,58 @@ void EtcdClient::diagnose(const Endpoint& to, const std::string& why) const {
     }
     return false;
   };
-  // A handshake alone, on a connection of its own, says what a broken call may not: under TLS
-  // 1.3 etcd checks the client's certificate after the client's handshake ends, so the call's
-  // own failure reads as a reset or an empty reply. TLS 1.2 reports the alert in the handshake.
-  // Over plain HTTP: whether a TLS handshake (unverified, sending nothing) would succeed there.
-  std::string said = why;
-  if (!refused_certificate(said) && !contains(said, "wrong version number")) {
-    CURL* probe = curl_easy_init();
-    if (!probe) return;
+  // One request of its own on a fresh handle: its error, "" when it succeeded.
+  const auto probe = [&](const std::string& url, bool connect_only, bool tls) {
+    CURL* c = curl_easy_init();
+    if (!c) return std::string("libcurl could not make a handle");
     struct Cleanup {
       CURL* c;
       ~Cleanup() { curl_easy_cleanup(c); }
-    } cleanup{probe};
+    } cleanup{c};
     char error[CURL_ERROR_SIZE] = "";
-    const std::string url = "https://" + to.address.to_string() + "/";
-    curl_easy_setopt(probe, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(probe, CURLOPT_CONNECT_ONLY, 1L);
-    curl_easy_setopt(probe, CURLOPT_ERRORBUFFER, error);
-    curl_easy_setopt(probe, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(probe, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
-    if (etcd_.tls) {
-      use_certificates(probe);
-      curl_easy_setopt(probe, CURLOPT_SSLVERSION,
+    std::string ignored;
+    curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(c, CURLOPT_CONNECT_ONLY, connect_only ? 1L : 0L);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, collect);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &ignored);
+    curl_easy_setopt(c, CURLOPT_ERRORBUFFER, error);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
+    if (tls && etcd_.tls) {
+      use_certificates(c);
+      curl_easy_setopt(c, CURLOPT_SSLVERSION,
                        static_cast<long>(CURL_SSLVERSION_DEFAULT | CURL_SSLVERSION_MAX_TLSv1_2));
-    } else {
-      curl_easy_setopt(probe, CURLOPT_SSL_VERIFYPEER, 0L);
-      curl_easy_setopt(probe, CURLOPT_SSL_VERIFYHOST, 0L);
+    } else if (tls) { // only: does it speak TLS at all?
+      curl_easy_setopt(c, CURLOPT_SSL_VERIFYPEER, 0L);
+      curl_easy_setopt(c, CURLOPT_SSL_VERIFYHOST, 0L);
     }
-    const CURLcode rc = curl_easy_perform(probe);
-    if (!etcd_.tls) {
-      if (rc == CURLE_OK) {
-        throw ConfigError(where + " answered nothing (" + why +
-                          "), and it speaks TLS there; write etcds:// instead of etcd://");
-      }
-      return;
+    const CURLcode rc = curl_easy_perform(c);
+    return rc == CURLE_OK ? std::string() : std::string(error[0] ? error : curl_easy_strerror(rc));
+  };
+  const std::string address = to.address.to_string();
+  if (!etcd_.tls) {
+    // Over plain HTTP: whether a TLS handshake (unverified, sending nothing) succeeds there.
+    if (probe("https://" + address + "/", true, true).empty()) {
+      throw ConfigError(where + " answered nothing (" + why +
+                        "), and it speaks TLS there; write etcds:// instead of etcd://");
     }
-    said = error[0] ? error : curl_easy_strerror(rc);
+    return;
   }
-  if (contains(said, "wrong version number")) {
-    throw ConfigError(where + ": no TLS there (" + said + "); write etcd:// for plain HTTP");
-  }
+  // A handshake alone says what a broken call may not: under TLS 1.3 etcd checks the client's
+  // certificate after the client's handshake ends, so the call's own failure reads as a reset
+  // or an empty reply; TLS 1.2 reports the alert in the handshake.
+  std::string said = why;
+  if (!refused_certificate(said)) said = probe("https://" + address + "/", true, true);
   if (refused_certificate(said)) {
     throw ConfigError(where + " refused this client in the TLS handshake (" + said +
                       "); it wants a client certificate signed by a CA it trusts "
                       "(--etcd-cert and --etcd-key, or FLOTILLA_ETCD_CERT and _KEY)");
+  }
+  // No TLS there: a plain HTTP server answers its /version.
+  if (contains(said, "wrong version number") ||
+      (!said.empty() && probe("http://" + address + "/version", false, false).empty())) {
+    throw ConfigError(where + ": no TLS there (" + said + "; it answers plain HTTP); write "
+                      "etcd:// for plain HTTP");
   }
 }
 
@@ -272,8 +280,9 @@ std::string EtcdClient::post(Endpoint& to, const std::string& path, const std::s
                                   ""));
     token_ = j.value("token", "");
     if (token_.empty()) {
-      throw ConfigError("etcd at " + to.base + " issued no token for the user \"" + etcd_.user +
-                        "\": is its authentication enabled (etcdctl auth enable)?");
+      throw ConfigError("etcd at " + to.base + " issued no token for the user " +
+                        echoed(etcd_.user, 80) + ": is its authentication enabled (etcdctl auth "
+                        "enable)?");
     }
   };
   if (token_.empty()) authenticate();

@@ -114,6 +114,19 @@ TEST(Etcd, TheRendezvousCallsWorkAgainstARealEtcdAndSkipADeadEndpoint) {
   EXPECT_EQ(c.keep_alive(*lease), 0);
   EXPECT_TRUE(c.create(key, "10.0.0.8:29400", other));
 
+  // TLS against this plain-HTTP etcd: refused at once, saying so, not retried until a timeout.
+  cluster::EtcdRendezvous tls = plain({etcd.client()});
+  tls.tls = true;
+  EtcdClient secure(tls, std::chrono::seconds(2));
+  try {
+    secure.get(key);
+    ADD_FAILURE() << "TLS against plain HTTP answered";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(": no TLS there ("), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("write etcd:// for plain HTTP"), std::string::npos)
+        << e.what();
+  }
+
   etcd.process.signal(SIGKILL);
   etcd.process.wait();
   try {

@@ -21,5 +21,7 @@ std::string sha256_hex(const void* data, std::size_t size);
 
 // HMAC-SHA256 of `message` under `key`.
 std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::string& message);
+// The same as lowercase hex.
+std::string hmac_sha256_hex(const std::string& key, const std::string& message);
 
 } // namespace flotilla::base
