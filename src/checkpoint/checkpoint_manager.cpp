@@ -101,6 +101,9 @@ fs::path resolve(const fs::path& directory, const std::string& entry) {
 // ---- writing one checkpoint directory ---------------------------------------------------------
 
 // A checkpoint written whole under a hidden name beside its final one; removed unless renamed.
+// While it is written it holds a lock on its directory, so that another writer's sweep of what
+// interrupted saves left (sweep_debris) passes it over: in an elastic group a replaced chief may
+// still be writing beside its successor, and must fail on the fence, not on a vanished file.
 class StagedCheckpoint {
  public:
   StagedCheckpoint(const fs::path& parent, const std::string& name)
@@ -111,22 +114,42 @@ class StagedCheckpoint {
                             (ec ? ec.message() : std::string("it exists")) + "); check that " +
                             parent.string() + " is writable");
     }
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd_ >= 0 && ::flock(fd_, LOCK_EX | LOCK_NB) != 0) { // no locks here: sweeps unguarded
+      ::close(fd_);
+      fd_ = -1;
+    }
   }
   ~StagedCheckpoint() {
     if (!path_.empty()) {
       std::error_code ignored;
       fs::remove_all(path_, ignored);
     }
+    if (fd_ >= 0) ::close(fd_);
   }
   StagedCheckpoint(const StagedCheckpoint&) = delete;
   StagedCheckpoint& operator=(const StagedCheckpoint&) = delete;
 
   const fs::path& path() const { return path_; }
-  void renamed() { path_.clear(); }
+  void renamed() {
+    path_.clear();
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
 
  private:
   fs::path path_;
+  int fd_ = -1;
 };
+
+// Whether a live writer holds the staging directory `dir` (StagedCheckpoint's lock).
+bool being_written(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
+}
 
 ordered_json file_entry(const fs::path& path) {
   return ordered_json{{"sha256", base::sha256_file(path)},
@@ -326,7 +349,9 @@ void sweep_debris(const fs::path& dir, const std::string& prefix, const Logger& 
         (name.find(".tmp-") != std::string::npos || name.find(".old-") != std::string::npos ||
          name.find(".deleting-") != std::string::npos);
     std::error_code type_error;
-    if (ours && entry.is_directory(type_error)) debris.push_back(entry.path());
+    if (ours && entry.is_directory(type_error) && !being_written(entry.path())) {
+      debris.push_back(entry.path());
+    }
   }
   for (const auto& path : debris) {
     try {
@@ -413,6 +438,7 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
                               " holds non-finite values (NaN or infinity): the training diverged, "
                               "and a checkpoint of it would be the newest one to resume from");
       }
+      if (chief) check_fence(directory_, data, name); // before writing; again under the lock
       staged.emplace(location->dir(), name);
       write_files(staged->path(), data, number, workers.size(), workers.options().checkpoint_key);
       if (!chief) {

@@ -1,6 +1,10 @@
 // Checkpoint directories (model + optimizer safetensors, manifest with SHA-256s, TensorFlow's
 // pointer file) saved collectively by thread-ranks: what stays on disk, exact resumption of
 // training, readers outside flotilla, damaged files, and failures on one worker.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -191,9 +195,20 @@ TEST(CheckpointManager, DebrisOfAnInterruptedSaveGoesWithTheNextSave) {
     std::ofstream(dir / debris / "model.safetensors") << "partial";
   }
   fs::create_directories(dir / ".mine"); // not ours: left alone
+  // A save still being written beside this one (a replaced chief's, in an elastic group) holds
+  // its staging directory locked: the sweep passes it over until the lock is gone.
+  fs::create_directories(dir / ".ckpt-3.tmp-a1");
+  const int writer = ::open((dir / ".ckpt-3.tmp-a1").c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(writer, 0);
+  ASSERT_EQ(::flock(writer, LOCK_EX), 0);
   EXPECT_EQ(checkpoint::restore_latest(dir)->epoch, 1);
   save_all(2, dir, 3, 2);
-  EXPECT_EQ(entries(dir), (std::vector<std::string>{".mine", "checkpoint", "ckpt-1", "ckpt-2"}));
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{".ckpt-3.tmp-a1", ".mine", "checkpoint",
+                                                    "ckpt-1", "ckpt-2"}));
+  ::close(writer);
+  save_all(2, dir, 3, 3);
+  EXPECT_EQ(entries(dir),
+            (std::vector<std::string>{".mine", "checkpoint", "ckpt-1", "ckpt-2", "ckpt-3"}));
 }
 
 // max_to_keep deletes old checkpoints, and the next save sweeps debris: only ever flotilla's
