@@ -728,6 +728,11 @@ Communicator Communicator::connect(const cluster::ClusterSpec& spec,
   }
 }
 
+bool detail::wait_until_failed(Health& health, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(health.mutex);
+  return health.cv.wait_for(lock, timeout, [&] { return health.failed.load(); });
+}
+
 void detail::sever_group(Communicator& group) {
   if (group.impl_ && group.impl_->ring) close_gloo_connections(*group.impl_->ring);
 }

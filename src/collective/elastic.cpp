@@ -111,6 +111,7 @@ struct MembershipState {
   c10::intrusive_ptr<detail::RendezvousStore> store;
   std::unique_ptr<detail::Heartbeat> heartbeat;
   std::unique_ptr<detail::ProbeResponder> probe; // null: this member cannot be probed
+  detail::GroupFactory make_group;
 
   // The current generation. Written by the training thread; `mutex` guards what the
   // heartbeat's thread reads (the generation's number and health).
@@ -319,7 +320,7 @@ struct MembershipState {
     members = record.slots;
     last_confirmed = Clock::now();
     publish_probe(g, rank);
-    communicator = detail::make_group(
+    communicator = make_group(
         rank, size, options,
         c10::make_intrusive<c10d::PrefixStore>("flotilla/g" + std::to_string(g), store),
         spec.local_host, std::move(names), fresh);
@@ -364,6 +365,12 @@ RendezvousGroup::~RendezvousGroup() {
 
 std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spec,
                                                  const CommunicationOptions& options) {
+  return detail::join_elastic(spec, options, detail::make_group);
+}
+
+std::unique_ptr<ElasticGroup> detail::join_elastic(const cluster::ClusterSpec& spec,
+                                                   const CommunicationOptions& options,
+                                                   GroupFactory make) {
   if (spec.is_evaluator()) {
     throw ConfigError("this task is the evaluator, which is not part of the training group");
   }
@@ -376,6 +383,7 @@ std::unique_ptr<ElasticGroup> ElasticGroup::join(const cluster::ClusterSpec& spe
         "--elastic`");
   }
   auto impl = std::make_unique<MembershipState>();
+  impl->make_group = std::move(make);
   impl->spec = spec;
   impl->options = options;
   impl->config = detail::rendezvous_config(spec, options);

@@ -6,7 +6,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "collective/rendezvous.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/collective/communicator.h"
+#include "flotilla/collective/elastic.h"
 
 namespace flotilla::collective {
 struct Health;
@@ -26,6 +29,21 @@ namespace flotilla::collective::detail {
 Communicator make_group(int rank, int size, const CommunicationOptions& options,
                         c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
                         std::vector<std::string> names, std::shared_ptr<Health> health);
+
+// How an elastic generation's group is made: make_group's signature. A benchmark passes a
+// stand-in (bench/scale.cpp replays the backends' address exchange without connecting them).
+using GroupFactory = std::function<Communicator(
+    int rank, int size, const CommunicationOptions& options,
+    c10::intrusive_ptr<c10d::Store> store, const std::string& local_host,
+    std::vector<std::string> names, std::shared_ptr<Health> health)>;
+
+// ElasticGroup::join, each generation's group made by `make`.
+std::unique_ptr<ElasticGroup> join_elastic(const cluster::ClusterSpec& spec,
+                                           const CommunicationOptions& options,
+                                           GroupFactory make);
+
+// Blocks until `health` failed (fail_group) or `timeout` passed; whether it failed.
+bool wait_until_failed(Health& health, std::chrono::milliseconds timeout);
 
 // Fencing: a generation being replaced is cut off before the next forms. Its Gloo connections
 // are reset, so no collective of it can complete any more, neither here nor on a member that
