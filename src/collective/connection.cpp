@@ -177,10 +177,20 @@ void Connection::handshake(const RendezvousConfig& config, Role role, Clock::tim
   deadline = std::max(deadline, Clock::now() + config.heartbeat_timeout);
   Hello hello;
   try {
-    hello = Hello::parse(receive(deadline, kMaxHandshakeFrame));
+    // The server greets a connection as soon as it accepts it. One not greeted within
+    // kGreetingWait was most likely lost in a full listen backlog (a thousand workers connecting
+    // at once): the kernel completed it on this side and dropped it on the server's, which never
+    // sees it, and waiting here would last the whole timeout. It is connected again instead.
+    hello = Hello::parse(receive(std::min(deadline, Clock::now() + kGreetingWait),
+                                 kMaxHandshakeFrame));
   } catch (const ConnectionLost&) {
     throw RefusedForNow(server() + " closed the connection before its greeting (it holds as many "
                                    "connections as it takes, or it is stopping)");
+  } catch (const TimeoutError&) {
+    if (Clock::now() >= deadline) throw;
+    throw RefusedForNow(server() + " did not greet the connection within " +
+                        ms_text(kGreetingWait) + " (lost in a full backlog, or the server is "
+                        "stalled)");
   } catch (const WireError&) {
     throw CommError("the process at " + chief_ +
                     " does not speak flotilla's rendezvous protocol; check the chief's "

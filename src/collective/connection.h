@@ -25,6 +25,10 @@ struct RefusedForNow : CommError {
   using CommError::CommError;
 };
 
+// How long a connection waits for the server's greeting before it connects again (see
+// Connection::handshake).
+inline constexpr std::chrono::seconds kGreetingWait{5};
+
 class Connection {
  public:
   using Clock = std::chrono::steady_clock;

@@ -21,10 +21,10 @@ void KvStore::set(const std::string& key, Bytes value) {
   bytes_ = after;
   if (it == values_.end()) {
     values_.emplace(key, std::move(value));
+    woken_by(key); // a value replaced completes no waiter: its key existed already
   } else {
     it->second = std::move(value);
   }
-  wake_completed();
 }
 
 const KvStore::Bytes* KvStore::get(const std::string& key) const {
@@ -75,45 +75,95 @@ bool KvStore::contains(const std::vector<std::string>& keys) const {
 }
 
 void KvStore::answer(const Waiter& waiter) const {
-  wake_(waiter, waiter.get ? &values_.at(waiter.keys.front()) : nullptr);
+  std::vector<const Bytes*> values;
+  if (waiter.get) {
+    for (const auto& key : waiter.keys) values.push_back(&values_.at(key));
+  }
+  wake_(waiter, values);
 }
 
 void KvStore::wait(Waiter waiter) {
-  if (contains(waiter.keys)) {
-    answer(waiter);
-  } else {
-    waiters_.push_back(std::move(waiter));
-  }
+  const std::uint64_t id = next_id_++;
+  Kept kept{std::move(waiter), 0};
+  if (advance(id, kept)) return;
+  deadlines_.emplace(kept.waiter.deadline, id);
+  waiters_.emplace(id, std::move(kept));
 }
 
-void KvStore::wake_completed() {
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (contains(it->keys)) {
-      answer(*it);
-      it = waiters_.erase(it);
-    } else {
-      ++it;
+bool KvStore::advance(std::uint64_t id, Kept& kept) {
+  const auto& keys = kept.waiter.keys;
+  for (bool again = false;; again = true) {
+    while (kept.at < keys.size() && values_.count(keys[kept.at]) > 0) ++kept.at;
+    if (kept.at < keys.size()) {
+      blocked_on_.emplace(keys[kept.at], id);
+      return false;
+    }
+    if (again || contains(keys)) break;
+    kept.at = 0; // one was erased since it was passed
+  }
+  answer(kept.waiter);
+  return true;
+}
+
+void KvStore::unindex(std::uint64_t id, const Kept& kept) {
+  const auto drop = [id](auto& index, const auto& key) {
+    auto [from, to] = index.equal_range(key);
+    for (auto it = from; it != to; ++it) {
+      if (it->second == id) {
+        index.erase(it);
+        return;
+      }
+    }
+  };
+  if (kept.at < kept.waiter.keys.size()) drop(blocked_on_, kept.waiter.keys[kept.at]);
+  drop(deadlines_, kept.waiter.deadline);
+}
+
+void KvStore::woken_by(const std::string& key) {
+  auto [from, to] = blocked_on_.equal_range(key);
+  if (from == to) return;
+  std::vector<std::uint64_t> ids;
+  for (auto it = from; it != to; ++it) ids.push_back(it->second);
+  blocked_on_.erase(from, to);
+  std::sort(ids.begin(), ids.end());
+  for (const std::uint64_t id : ids) {
+    auto it = waiters_.find(id);
+    if (it == waiters_.end()) continue;
+    if (advance(id, it->second)) {
+      // Indexed under no key now; its deadline goes with it.
+      Kept done = std::move(it->second);
+      waiters_.erase(it);
+      done.at = done.waiter.keys.size();
+      unindex(id, done);
     }
   }
 }
 
 std::vector<KvStore::Waiter> KvStore::expire(Clock::time_point now) {
+  std::vector<std::uint64_t> ids;
+  for (auto it = deadlines_.begin(); it != deadlines_.end() && it->first <= now; ++it) {
+    ids.push_back(it->second);
+  }
+  std::sort(ids.begin(), ids.end());
   std::vector<Waiter> expired;
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (now < it->deadline) {
-      ++it;
-    } else {
-      expired.push_back(std::move(*it));
-      it = waiters_.erase(it);
-    }
+  for (const std::uint64_t id : ids) {
+    auto it = waiters_.find(id);
+    unindex(id, it->second);
+    expired.push_back(std::move(it->second.waiter));
+    waiters_.erase(it);
   }
   return expired;
 }
 
 void KvStore::forget(int owner) {
-  waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
-                                [&](const Waiter& w) { return w.owner == owner; }),
-                 waiters_.end());
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (it->second.waiter.owner == owner) {
+      unindex(it->first, it->second);
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 std::vector<KvStore::Waiter> KvStore::cancel(const std::vector<std::string>& prefixes) {
@@ -125,8 +175,9 @@ std::vector<KvStore::Waiter> KvStore::cancel(const std::vector<std::string>& pre
   };
   std::vector<Waiter> cancelled;
   for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (waits_for_one(*it)) {
-      cancelled.push_back(std::move(*it));
+    if (waits_for_one(it->second.waiter)) {
+      unindex(it->first, it->second);
+      cancelled.push_back(std::move(it->second.waiter));
       it = waiters_.erase(it);
     } else {
       ++it;

@@ -37,18 +37,20 @@ class KvStore {
   using Clock = std::chrono::steady_clock;
   using Bytes = std::vector<std::uint8_t>;
 
-  // A blocked GET (one key; answered with its value) or WAIT (any number of keys; answered
-  // "present"), kept until every key exists or `deadline` passes.
+  // A blocked GET (answered with each key's value: one key, or several for a multiGet) or WAIT
+  // (answered "present"), kept until every key exists or `deadline` passes.
   struct Waiter {
     int owner = 0; // whom to answer: the server's connection id
     std::vector<std::string> keys;
     bool get = false;
+    bool multi = false; // a GET of several keys (the server answers with a count first)
     Clock::time_point deadline;
   };
   // Answers a waiter whose keys all exist: called from inside the operation that completed it
-  // (or from wait(), when they already did), before that operation returns. `value` is the
-  // GET's value, null for a WAIT. It must not call back into the store.
-  using Wake = std::function<void(const Waiter& waiter, const Bytes* value)>;
+  // (or from wait(), when they already did), before that operation returns. `values` are the
+  // GET's values, in the order of its keys; empty for a WAIT. It must not call back into the
+  // store.
+  using Wake = std::function<void(const Waiter& waiter, const std::vector<const Bytes*>& values)>;
 
   using Limits = KvStoreLimits;
 
@@ -90,14 +92,30 @@ class KvStore {
   std::size_t num_waiters() const { return waiters_.size(); }
 
  private:
-  void wake_completed();
+  // A kept waiter, indexed under the first of its keys that was missing when last looked at
+  // (`at`), and under its deadline: a SET wakes only the waiters blocked on its key, and the
+  // deadlines are found in order, so neither costs a pass over every waiter (a forming group of
+  // 1024 members keeps about 1024 waiters of 128 keys each).
+  struct Kept {
+    Waiter waiter;
+    std::size_t at = 0;
+  };
+  // Looks at `id`'s keys from `at` on: answers it and returns true once all exist (checked again
+  // from the first, in case one was erased meanwhile); otherwise indexes it under the missing one.
+  bool advance(std::uint64_t id, Kept& kept);
+  void unindex(std::uint64_t id, const Kept& kept);
+  void woken_by(const std::string& key);
   void answer(const Waiter& waiter) const;
 
   Wake wake_;
   Limits limits_;
   std::map<std::string, Bytes> values_;
   std::size_t bytes_ = 0;
-  std::vector<Waiter> waiters_; // in arrival order, which is the order they are answered in
+  // By arrival, which is the order waiters woken together are answered in.
+  std::map<std::uint64_t, Kept> waiters_;
+  std::uint64_t next_id_ = 0;
+  std::multimap<std::string, std::uint64_t> blocked_on_;
+  std::multimap<Clock::time_point, std::uint64_t> deadlines_;
 };
 
 } // namespace flotilla::collective::detail

@@ -162,6 +162,32 @@ Bytes RendezvousStore::get(const std::string& key) {
   return in.bytes(kMaxValueBytes);
 }
 
+std::vector<Bytes> RendezvousStore::multiGet(const std::vector<std::string>& keys) {
+  if (keys.size() > kMaxKeysPerRequest) {
+    throw CommError("reading " + std::to_string(keys.size()) +
+                    " rendezvous keys at once is over the limit of " +
+                    std::to_string(kMaxKeysPerRequest));
+  }
+  WireWriter w;
+  w.u8(kMultiGet).u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) check_key(k), w.str(k);
+  w.u32(wire_ms(timeout_));
+  const Bytes answer = request(w.frame(), timeout_);
+  WireReader in(answer.data(), answer.size());
+  try {
+    const std::uint32_t n = in.u32();
+    if (n != keys.size()) {
+      throw WireError(std::to_string(n) + " values for " + std::to_string(keys.size()) + " keys");
+    }
+    std::vector<Bytes> values;
+    for (std::uint32_t i = 0; i < n; ++i) values.push_back(in.bytes(kMaxValueBytes));
+    return values;
+  } catch (const WireError& e) {
+    throw CommError("the rendezvous at " + config_.chief.to_string() +
+                    " sent a malformed answer to a multiGet (" + e.what() + ")");
+  }
+}
+
 std::int64_t RendezvousStore::add(const std::string& key, std::int64_t value) {
   check_key(key);
   WireWriter w;
@@ -227,7 +253,17 @@ void RendezvousStore::wait_for_all_ranks() {
     keys.push_back("flotilla/joined/" + std::to_string(r));
   }
   try {
-    wait(keys, config_.timeout);
+    // In requests of at most kMaxKeysPerRequest keys (it capped a fixed group at 4096 ranks),
+    // within one timeout in all.
+    const auto deadline = Clock::now() + config_.timeout;
+    for (std::size_t from = 0; from < keys.size(); from += kMaxKeysPerRequest) {
+      const std::vector<std::string> part(
+          keys.begin() + static_cast<std::ptrdiff_t>(from),
+          keys.begin() + static_cast<std::ptrdiff_t>(std::min(keys.size(), from + kMaxKeysPerRequest)));
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      wait(part, std::max(std::chrono::milliseconds(0), left));
+    }
   } catch (const TimeoutError&) {
     std::vector<std::string> missing;
     for (int r = 0; r < config_.world_size; ++r) {

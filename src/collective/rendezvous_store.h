@@ -39,6 +39,11 @@ class RendezvousStore : public c10d::Store {
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   std::int64_t getNumKeys() override;
+  // c10d's extended API, for Gloo's GLOO_ENABLE_STORE_V2_API (make_gloo_backend turns it on):
+  // a forming group reads its peers' addresses 128 per request instead of one wait and one get
+  // each. multiGet waits, as get does, until every key exists (or the timeout).
+  std::vector<std::vector<std::uint8_t>> multiGet(const std::vector<std::string>& keys) override;
+  bool hasExtendedApi() const override { return true; }
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override;

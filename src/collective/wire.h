@@ -49,6 +49,7 @@ enum Op : std::uint8_t {
   kDelete = 7,
   kNumKeys = 8,
   kAdvance = 9, // elastic: admit the waiting workers into a generation after the one given
+  kMultiGet = 10, // several keys' values in one answer, once they all exist (c10d's multiGet)
   kPing = 20,
   kBye = 21,
 };

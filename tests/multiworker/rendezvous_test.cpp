@@ -262,6 +262,26 @@ TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
   EXPECT_EQ(rank1->add("n", -2), 3);
   EXPECT_TRUE(rank1->check({"k", "n"}));
   EXPECT_FALSE(rank1->check({"k", "absent"}));
+  // A multiGet (a forming Gloo group reads its peers' addresses so): every value in the order
+  // of the keys, once all exist.
+  std::vector<std::vector<std::uint8_t>> got;
+  std::thread reader([&] { got = rank0.multiGet({"late", "k"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100)); // most often it waits for "late"
+  rank1->set("late", std::vector<std::uint8_t>{9});
+  reader.join();
+  EXPECT_EQ(got, (std::vector<std::vector<std::uint8_t>>{{9}, {1, 2, 3}}));
+  // One whose answer would be over a frame's limit is refused by name, not sent.
+  const std::vector<std::uint8_t> nine_mb(9u << 20, 7);
+  rank1->set("big1", nine_mb);
+  rank1->set("big2", nine_mb);
+  try {
+    rank0.multiGet({"big1", "big2"});
+    ADD_FAILURE() << "an 18 MB multiGet was answered";
+  } catch (const CommError& e) {
+    EXPECT_TRUE(has(e.what(), "a multiGet of 2 keys holds 18874368 bytes, over the limit"))
+        << e.what();
+  }
+  EXPECT_EQ(rank0.get("k"), (std::vector<std::uint8_t>{1, 2, 3})); // and the connection serves on
   // A value over the limit is refused before it is sent.
   EXPECT_THROW(rank1->set("big", std::vector<std::uint8_t>(collective::detail::kMaxValueBytes + 1)),
                CommError);
@@ -273,6 +293,20 @@ TEST(Rendezvous, OversizedMalformedAndSilentConnectionsDoNotStallTheServer) {
   EXPECT_TRUE(has(log, "rendezvous: dropped the connection from 127.0.0.1:" +
                            std::to_string(silent.local_port()) + ": no valid join within 1 s"))
       << log;
+}
+
+// A fixed group's ranks wait for each other's "joined" key; one request could name at most
+// kMaxKeysPerRequest (4096) keys, so a group of more could never start (a CommError at every
+// rank). The wait now goes in parts. The keys are set through the store itself here: the wait
+// is what is tested, not 4100 processes.
+TEST(Rendezvous, AFixedGroupOfMoreThan4096RanksWaitsForAllOfThem) {
+  const int world = 4100;
+  RendezvousServer server(local_config(0, world, 0));
+  RendezvousStore rank0(local_config(0, world, server.port()));
+  for (int r = 1; r < world; ++r) {
+    rank0.set("flotilla/joined/" + std::to_string(r), std::vector<std::uint8_t>{'1'});
+  }
+  EXPECT_NO_THROW(rank0.wait_for_all_ranks());
 }
 
 // The connection cap (two per rank and 64 for handshakes in flight) used to refuse every newcomer
