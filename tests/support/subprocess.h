@@ -220,4 +220,34 @@ inline bool fashion_mnist_present() {
   return ::access("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", R_OK) == 0;
 }
 
+// The first `train` training and `test` test images of Fashion-MNIST, with their labels, as
+// uncompressed IDX files in `dir` (for --data-dir): for a test whose cost would otherwise be the
+// final evaluation of 10000 test images. True when python3 wrote them.
+inline bool write_fashion_mnist_subset(const std::string& dir, int train, int test) {
+  const std::string script =
+      "import gzip, struct, sys\n"
+      "src, dst, n = '/usr/share/datasets/fashion-mnist', sys.argv[1], {'train': int(sys.argv[2]), "
+      "'t10k': int(sys.argv[3])}\n"
+      "for split, count in n.items():\n"
+      "  for kind, dims in (('images-idx3', 3), ('labels-idx1', 1)):\n"
+      "    data = gzip.open(f'{src}/{split}-{kind}-ubyte.gz').read()\n"
+      "    shape = list(struct.unpack(f'>{dims}I', data[4:4 + 4 * dims]))\n"
+      "    item = 1\n"
+      "    for d in shape[1:]: item *= d\n"
+      "    body = data[4 + 4 * dims:4 + 4 * dims + count * item]\n"
+      "    shape[0] = count\n"
+      "    open(f'{dst}/{split}-{kind}-ubyte', 'wb').write(data[:4] + struct.pack(f'>{dims}I', "
+      "*shape) + body)\n";
+  std::vector<std::string> argv = {"python3", "-c", script, dir, std::to_string(train),
+                                   std::to_string(test)};
+  std::vector<char*> raw;
+  for (auto& a : argv) raw.push_back(a.data());
+  raw.push_back(nullptr);
+  pid_t pid = 0;
+  if (::posix_spawnp(&pid, "python3", nullptr, nullptr, raw.data(), environ) != 0) return false;
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 } // namespace flotilla::testing
