@@ -188,7 +188,10 @@ struct ElasticFit {
 // one-worker run's, and the ledgers of all four processes hold every sample once per epoch.
 TEST(ElasticFit, AnElasticFitHealsAKilledWorkerAndEndsAsOneWorkerWould) {
   const ElasticFit fit;
-  const auto r = run_process(fit.launch("KILL", "100"), {}, std::chrono::seconds(180));
+  // 200 ms a step: the restarted process has the other 33 steps (6.6 s) to start, join and be
+  // admitted at a vote. With 100 ms, under make test's load, it once came to the rendezvous as
+  // the others finished, and exited 3 with nobody left to admit it.
+  const auto r = run_process(fit.launch("KILL", "200"), {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
   EXPECT_NE(r.err.find("[launch] worker 2 was killed by signal Killed; restarting it alone"),
