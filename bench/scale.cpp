@@ -48,6 +48,7 @@
 #include "collective/group.h"
 #include "flotilla/base/system.h"
 #include "flotilla/collective/elastic.h"
+#include "flotilla/error.h"
 #include "scale_exchange.h"
 
 extern char** environ;
@@ -108,7 +109,6 @@ struct Phase {
   std::mutex mutex;
   Clock::time_point first_start = Clock::time_point::max();
   Clock::time_point last_end = Clock::time_point::min();
-  std::uint64_t last_generation = 0;
   void started(Clock::time_point t) {
     std::lock_guard<std::mutex> lock(mutex);
     first_start = std::min(first_start, t);
@@ -130,8 +130,8 @@ collective::detail::GroupFactory stub_factory(GlooExchange exchange,
                              std::vector<std::string>, std::shared_ptr<collective::Health> health) {
     tl_health = health;
     Phase* phase = tl_phase;
-    if (phase) phase->started(Clock::now());
     if (phase) {
+      phase->started(Clock::now());
       auto counted = c10::make_intrusive<bench::CountingStore>(store, phase->tally);
       bench::replay_gloo_exchange(counted, rank, size, exchange, timeout);
       phase->ended(Clock::now());
@@ -307,16 +307,15 @@ int main(int argc, char** argv) {
           cv.wait(lock, [&] { return go_heal; });
         }
         tl_phase = &heal;
-        // As a training loop: its collective fails when the rendezvous says a member left.
-        while (!collective::detail::wait_until_failed(*tl_health, std::chrono::seconds(1))) {
-        }
-        // Regroup until this member is in the generation of every survivor.
-        for (;;) {
-          group->regroup();
-          if (static_cast<int>(group->members().size()) == threads) break;
-          while (!collective::detail::wait_until_failed(*tl_health, std::chrono::seconds(1))) {
+        // As a training loop: its collective fails when the rendezvous says a member left, and
+        // it regroups, until it is in the generation of every survivor.
+        do {
+          if (!collective::detail::wait_until_failed(*tl_health,
+                                                     std::chrono::seconds(a.timeout_s))) {
+            throw TimeoutError("no generation change within --timeout-s");
           }
-        }
+          group->regroup();
+        } while (static_cast<int>(group->members().size()) != threads);
         final_generation = group->generation();
         groups[slot] = std::move(group);
         std::lock_guard<std::mutex> lock(mutex);

@@ -130,11 +130,8 @@ void KvStore::woken_by(const std::string& key) {
     auto it = waiters_.find(id);
     if (it == waiters_.end()) continue;
     if (advance(id, it->second)) {
-      // Indexed under no key now; its deadline goes with it.
-      Kept done = std::move(it->second);
+      unindex(id, it->second); // answered: past its last key, so only its deadline is left
       waiters_.erase(it);
-      done.at = done.waiter.keys.size();
-      unindex(id, done);
     }
   }
 }

@@ -56,6 +56,7 @@ struct RendezvousServer::Impl {
     int id = -1;
     int fd = -1;
     bool watched = false, watching_out = false; // registered with epoll; for EPOLLOUT too
+    bool pending = false; // listed in Impl::pending
     std::string peer;
     std::string in, out;
     bool joined = false;
@@ -90,8 +91,9 @@ struct RendezvousServer::Impl {
   // pass over a thousand members' two connections for every heartbeat, 13% of a core at idle).
   int epoll_fd = -1;
   // Connections served this turn, or with output queued or a close decided: each is flushed
-  // (and its interest in EPOLLOUT updated) at the end of the turn.
-  std::set<int> pending;
+  // (and its interest in EPOLLOUT updated) at the end of the turn. Listed once (Conn::pending);
+  // kept between turns, so a turn allocates nothing for it.
+  std::vector<int> pending;
   struct LogLimit {
     Clock::time_point window_start{};
     int lines = 0;
@@ -146,9 +148,15 @@ struct RendezvousServer::Impl {
                     "; give the chief a free port on one of this host's addresses in TF_CONFIG");
   }
 
+  void mark_pending(Conn& c) {
+    if (c.pending) return;
+    c.pending = true;
+    pending.push_back(c.id);
+  }
+
   void queue(Conn& c, const std::string& frame) {
     c.out += frame;
-    pending.insert(c.id);
+    mark_pending(c);
     if (c.out.size() > kMaxOutBytes) {
       warn_limited("dropped connections", "rendezvous: dropped the connection from " + c.peer +
                                               ": it does not read its answers");
@@ -160,7 +168,7 @@ struct RendezvousServer::Impl {
   // Closes `c` once what is queued for it is sent.
   void close_after_flush(Conn& c) {
     c.close_after_flush = true;
-    pending.insert(c.id);
+    mark_pending(c);
   }
 
   // Registers `c` with epoll for input, and for output while some waits to be sent; false
@@ -623,8 +631,7 @@ struct RendezvousServer::Impl {
       members.fail(c.rank, "lost its connection to the chief (the process exited or was killed)");
     }
     kv.forget(id);
-    ::close(c.fd); // which takes it out of epoll
-    pending.erase(id);
+    ::close(c.fd); // which takes it out of epoll (its id may stay in `pending`: skipped there)
     conns.erase(it);
   }
 
@@ -654,8 +661,7 @@ struct RendezvousServer::Impl {
       c.join_deadline = Clock::now() + config.join_timeout;
       c.nonce = random_bytes<32>();
       c.out = Hello{config.token.has_value(), c.nonce}.frame();
-      pending.insert(c.id);
-      conns.emplace(next_id++, std::move(c));
+      mark_pending(conns.emplace(next_id++, std::move(c)).first->second);
     }
   }
 
@@ -780,7 +786,7 @@ struct RendezvousServer::Impl {
         if (dead) {
           dead_ids.push_back(id);
         } else {
-          pending.insert(id);
+          mark_pending(c);
         }
       }
       for (int id : dead_ids) drop(id);
@@ -790,15 +796,17 @@ struct RendezvousServer::Impl {
       }
       // What this turn queued (answers to this connection, a SET waking another's GET, a wait
       // past its deadline) goes out now; what the socket does not take waits for EPOLLOUT.
-      while (!pending.empty()) {
-        const int id = *pending.begin();
-        pending.erase(pending.begin());
+      // Dropping one can list others (its slot's connections close): by index, as it grows.
+      for (std::size_t k = 0; k < pending.size(); ++k) {
+        const int id = pending[k];
         auto it = conns.find(id);
         if (it == conns.end()) continue;
+        it->second.pending = false;
         bool dead = false;
         flush(it->second, dead);
         if (dead || !watch(it->second)) drop(id);
       }
+      pending.clear();
     }
     // Leaving: tell the heartbeats it is a goodbye, not a failure (best effort). Each
     // connection is half-closed after the message and drained briefly before it is closed: a

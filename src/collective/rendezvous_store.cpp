@@ -39,6 +39,22 @@ std::uint32_t wire_ms(std::chrono::milliseconds d) {
   return static_cast<std::uint32_t>(std::clamp<std::int64_t>(d.count(), 0, 0x7fffffff));
 }
 
+// A request that names several keys and waits for them all (a WAIT, a multiGet), the server
+// answering by `wait`. `doing` names it in the error for too many keys ("waiting for").
+std::string keys_frame(std::uint8_t op, const std::vector<std::string>& keys,
+                       std::chrono::milliseconds wait, const char* doing) {
+  if (keys.size() > kMaxKeysPerRequest) {
+    throw CommError(std::string(doing) + " " + std::to_string(keys.size()) +
+                    " rendezvous keys at once is over the limit of " +
+                    std::to_string(kMaxKeysPerRequest));
+  }
+  WireWriter w;
+  w.u8(op).u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) check_key(k), w.str(k);
+  w.u32(wire_ms(wait));
+  return w.frame();
+}
+
 } // namespace
 
 RendezvousStore::RendezvousStore(const RendezvousConfig& config)
@@ -163,16 +179,7 @@ Bytes RendezvousStore::get(const std::string& key) {
 }
 
 std::vector<Bytes> RendezvousStore::multiGet(const std::vector<std::string>& keys) {
-  if (keys.size() > kMaxKeysPerRequest) {
-    throw CommError("reading " + std::to_string(keys.size()) +
-                    " rendezvous keys at once is over the limit of " +
-                    std::to_string(kMaxKeysPerRequest));
-  }
-  WireWriter w;
-  w.u8(kMultiGet).u32(static_cast<std::uint32_t>(keys.size()));
-  for (const auto& k : keys) check_key(k), w.str(k);
-  w.u32(wire_ms(timeout_));
-  const Bytes answer = request(w.frame(), timeout_);
+  const Bytes answer = request(keys_frame(kMultiGet, keys, timeout_, "reading"), timeout_);
   WireReader in(answer.data(), answer.size());
   try {
     const std::uint32_t n = in.u32();
@@ -235,16 +242,7 @@ void RendezvousStore::wait(const std::vector<std::string>& keys) {
 
 void RendezvousStore::wait(const std::vector<std::string>& keys,
                            const std::chrono::milliseconds& timeout) {
-  if (keys.size() > kMaxKeysPerRequest) {
-    throw CommError("waiting for " + std::to_string(keys.size()) +
-                    " rendezvous keys at once is over the limit of " +
-                    std::to_string(kMaxKeysPerRequest));
-  }
-  WireWriter w;
-  w.u8(kWait).u32(static_cast<std::uint32_t>(keys.size()));
-  for (const auto& k : keys) check_key(k), w.str(k);
-  w.u32(wire_ms(timeout));
-  request(w.frame(), timeout);
+  request(keys_frame(kWait, keys, timeout, "waiting for"), timeout);
 }
 
 void RendezvousStore::wait_for_all_ranks() {

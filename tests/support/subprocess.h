@@ -238,16 +238,8 @@ inline bool write_fashion_mnist_subset(const std::string& dir, int train, int te
       "    shape[0] = count\n"
       "    open(f'{dst}/{split}-{kind}-ubyte', 'wb').write(data[:4] + struct.pack(f'>{dims}I', "
       "*shape) + body)\n";
-  std::vector<std::string> argv = {"python3", "-c", script, dir, std::to_string(train),
-                                   std::to_string(test)};
-  std::vector<char*> raw;
-  for (auto& a : argv) raw.push_back(a.data());
-  raw.push_back(nullptr);
-  pid_t pid = 0;
-  if (::posix_spawnp(&pid, "python3", nullptr, nullptr, raw.data(), environ) != 0) return false;
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return run_process({"python3", "-c", script, dir, std::to_string(train), std::to_string(test)})
+             .exit_code == 0;
 }
 
 } // namespace flotilla::testing
