@@ -84,6 +84,9 @@ std::string CompileReport::summary() const {
 
 namespace {
 
+// What the report calls a convolution that computes in float32 under bfloat16 autocast.
+constexpr const char* kOtherConvolutions = "other convolutions (bfloat16 in float32 arithmetic)";
+
 template <class T> T* as(const std::shared_ptr<nn::Module>& m) {
   return dynamic_cast<T*>(m.get());
 }
@@ -114,6 +117,16 @@ std::string why_not_winograd(const nn::detail::ConvNdOptions<2>& o) {
   return "";
 }
 
+// Why a Conv2d cannot compute in float32 under bfloat16 autocast (convolution.h), or "".
+std::string why_not_float32(const nn::detail::ConvNdOptions<2>& o) {
+  if (o.transposed()) return "transposed";
+  if (!std::holds_alternative<torch::ExpandingArray<2>>(o.padding())) return "padding by name";
+  if (!std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    return "padding mode not zeros";
+  }
+  return "";
+}
+
 // A Conv2d that conv_max_pool2_relu's kernel takes: 1 -> 16k channels, 3x3, padding 1, a bias.
 bool first_layer(const nn::Conv2dImpl& c) {
   const auto& o = c.options;
@@ -140,8 +153,8 @@ bool relu6(const std::shared_ptr<nn::Module>& m) {
 
 class SequentialRewriter {
  public:
-  SequentialRewriter(nn::SequentialImpl& seq, CompileReport& report)
-      : seq_(seq), report_(report) {
+  SequentialRewriter(nn::SequentialImpl& seq, CompileReport& report, bool bfloat16)
+      : seq_(seq), report_(report), bfloat16_(bfloat16) {
     for (const auto& child : seq.named_children()) names_.push_back(child.key());
   }
 
@@ -159,8 +172,12 @@ class SequentialRewriter {
         } else if (const std::string why = why_not_winograd(conv->options); why.empty()) {
           swap(i, Conv2d(nn::Conv2d(std::dynamic_pointer_cast<nn::Conv2dImpl>(m))).ptr(),
                "3x3 convolutions", 1);
+        } else if (const std::string why_not = why_not_float32(conv->options);
+                   bfloat16_ && why_not.empty()) {
+          swap(i, Conv2d(nn::Conv2d(std::dynamic_pointer_cast<nn::Conv2dImpl>(m))).ptr(),
+               kOtherConvolutions, 1);
         } else {
-          ++report_.left["Conv2d (" + why + ")"];
+          ++report_.left["Conv2d (" + (bfloat16_ ? why_not : why) + ")"];
         }
       } else if (auto* bn = as<nn::BatchNorm2dImpl>(m)) {
         const nn::BatchNorm2d held(std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(m));
@@ -203,14 +220,15 @@ class SequentialRewriter {
 
   nn::SequentialImpl& seq_;
   CompileReport& report_;
+  bool bfloat16_;
   std::vector<std::string> names_;
 };
 
 // Every Sequential in the tree, and the layers of the kinds the step rewrites that sit in
 // another module (its forward calls them by member; nothing can swap them).
-void visit(nn::Module& module, CompileReport& report) {
+void visit(nn::Module& module, CompileReport& report, bool bfloat16) {
   if (auto* seq = dynamic_cast<nn::SequentialImpl*>(&module)) {
-    SequentialRewriter(*seq, report).run();
+    SequentialRewriter(*seq, report, bfloat16).run();
   } else {
     for (const auto& child : module.children()) {
       if (as<nn::Conv2dImpl>(child)) ++report.left["Conv2d (outside a Sequential)"];
@@ -218,15 +236,15 @@ void visit(nn::Module& module, CompileReport& report) {
       if (as<nn::DropoutImpl>(child)) ++report.left["Dropout (outside a Sequential)"];
     }
   }
-  for (const auto& child : module.children()) visit(*child, report);
+  for (const auto& child : module.children()) visit(*child, report, bfloat16);
 }
 
 } // namespace
 
-CompileReport compile(nn::Module& module) {
+CompileReport compile(nn::Module& module, bool bfloat16) {
   CompileReport report;
   if (mode() == Mode::kNone) return report;
-  visit(module, report);
+  visit(module, report, bfloat16);
   return report;
 }
 
@@ -301,9 +319,6 @@ std::vector<jit::Node*> nodes_of(jit::Block* block, const std::vector<c10::Symbo
   return found;
 }
 
-// aten::conv2d(input, weight, bias, stride, padding, dilation, groups), or a trace's
-// aten::_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
-// groups, ...) of two dimensions, to flotilla::conv2d where the options are Winograd's.
 // Counts one layer in `counts` under `what`: once per layer, however many places the graph calls
 // it from (a branch on a module's flag, inlined, holds its layers' calls twice). `layer`: the
 // layer's parameter a chain of prim::GetAttr names ("features.3.conv.1.weight"), "" where none
@@ -333,8 +348,10 @@ std::string attribute_path(jit::Value* v) {
 
 // aten::conv2d(input, weight, bias, stride, padding, dilation, groups), or a trace's
 // aten::_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
-// groups, ...) of two dimensions, to flotilla::conv2d where the options are Winograd's.
-void rewrite_convolution(jit::Node* node, const jit::Module& module, LayerCounter& counter) {
+// groups, ...) of two dimensions, to flotilla::conv2d where the options are Winograd's, or
+// under `bfloat16` where its padding is given as numbers (not "same" or "valid").
+void rewrite_convolution(jit::Node* node, const jit::Module& module, bool bfloat16,
+                         LayerCounter& counter) {
   const bool conv2d = node->kind() == kConv2d && node->inputs().size() == 7;
   const bool convolution = node->kind() == kConvolution && node->inputs().size() >= 9;
   if (!conv2d && !convolution) return;
@@ -366,9 +383,20 @@ void rewrite_convolution(jit::Node* node, const jit::Module& module, LayerCounte
       why = "channels not multiples of 16 up to 512";
     }
   }
+  // Under bfloat16 any other 2-D convolution computes in float32 (convolution.h).
+  std::string why_not_float32;
+  if (convolution && (!constant(node->input(6)) || constant(node->input(6))->toBool())) {
+    why_not_float32 = "transposed";
+  } else if ((stride && stride->isIntList() && stride->toIntVector().size() != 2) ||
+             (known && w->toTensor().dim() != 4)) {
+    why_not_float32 = "not 2-D";
+  } else if (node->input(4)->type()->kind() != c10::TypeKind::ListType) {
+    why_not_float32 = "padding by name";
+  }
+  const bool other = !why.empty() && bfloat16 && why_not_float32.empty();
   const std::string layer = attribute_path(node->input(1));
-  if (!why.empty()) {
-    counter.count(false, "convolutions (" + why + ")", layer);
+  if (!why.empty() && !other) {
+    counter.count(false, "convolutions (" + (bfloat16 ? why_not_float32 : why) + ")", layer);
     return;
   }
   jit::Graph& graph = *node->owningGraph();
@@ -380,7 +408,7 @@ void rewrite_convolution(jit::Node* node, const jit::Module& module, LayerCounte
   ours->output()->setType(node->output()->type());
   node->output()->replaceAllUsesWith(ours->output());
   node->destroy();
-  counter.count(true, "3x3 convolutions", layer);
+  counter.count(true, other ? kOtherConvolutions : "3x3 convolutions", layer);
 }
 
 // A ReLU: relu or relu_ (nullopt ceiling), or hardtanh(0, c) as ReLU6 makes (ceiling c); false
@@ -455,7 +483,7 @@ void rewrite_batch_norm(jit::Node* node, LayerCounter& counter) {
 
 } // namespace
 
-jit::Module compile(const jit::Module& module, CompileReport& report) {
+jit::Module compile(const jit::Module& module, CompileReport& report, bool bfloat16) {
   if (mode() == Mode::kNone || !module.find_method("forward")) return module;
   // A copy with methods of its own (fresh, never run) and the same tensors.
   jit::Module copy = module.clone(/*inplace=*/true);
@@ -466,7 +494,7 @@ jit::Module compile(const jit::Module& module, CompileReport& report) {
   jit::ConstantPropagation(graph);
   LayerCounter counter(report);
   for (jit::Node* n : nodes_of(graph->block(), {kConv2d, kConvolution})) {
-    rewrite_convolution(n, copy, counter);
+    rewrite_convolution(n, copy, bfloat16, counter);
   }
   for (jit::Node* n : nodes_of(graph->block(), {kBatchNorm})) rewrite_batch_norm(n, counter);
   jit::EliminateDeadCode(graph);

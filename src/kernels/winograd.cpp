@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flotilla/error.h"
+#include "flotilla/kernels/convolution.h"
 #include "kernels/cpu.h"
 #include "kernels/measure.h"
 #include "kernels/winograd_kernel.h"
@@ -377,7 +378,7 @@ torch::Tensor conv2d(const torch::Tensor& x, const torch::Tensor& weight,
   const torch::ScalarType type =
       activations_of(x, weight, bias, stride, padding, dilation, groups);
   if (type == torch::ScalarType::Undefined) {
-    return at::conv2d(x, weight, bias, stride, padding, dilation, groups);
+    return detail::other_conv2d(x, weight, bias, stride, padding, dilation, groups);
   }
   const bool training =
       torch::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
@@ -392,10 +393,15 @@ torch::Tensor conv2d(const torch::Tensor& x, const torch::Tensor& weight,
 }
 
 torch::Tensor conv2d(torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
-  if (!winograd_applies(conv, x)) return conv.forward(x);
   const auto& o = conv.options;
-  return kernels::conv2d(x, conv.weight, std::nullopt, *o.stride(),
-                *std::get<torch::ExpandingArray<2>>(o.padding()), *o.dilation(), o.groups());
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+  if (padding == nullptr || o.transposed() ||
+      !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    return conv.forward(x);
+  }
+  const std::optional<torch::Tensor> bias =
+      conv.bias.defined() ? std::optional<torch::Tensor>(conv.bias) : std::nullopt;
+  return kernels::conv2d(x, conv.weight, bias, *o.stride(), **padding, *o.dilation(), o.groups());
 }
 
 const char* winograd_kernel() {

@@ -183,9 +183,9 @@ int TorchScriptModuleImpl::convert_sync_batchnorm() {
   return sync_layers_;
 }
 
-kernels::CompileReport TorchScriptModuleImpl::compile_kernels() {
+kernels::CompileReport TorchScriptModuleImpl::compile_kernels(bool bfloat16) {
   kernels::CompileReport report;
-  script_ = kernels::compile(script_, report);
+  script_ = kernels::compile(script_, report, bfloat16);
   script_.train(is_training());
   return report;
 }

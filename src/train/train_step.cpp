@@ -182,7 +182,8 @@ TrainStep::TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Si
   if (strategy_.devices().front().is_cpu() && options.jit_compile.value_or(true)) {
     auto* script = dynamic_cast<TorchScriptModuleImpl*>(model.first.get());
     kernel_rewrites_ = std::make_unique<kernels::CompileReport>(
-        script ? script->compile_kernels() : kernels::compile(*model.first));
+        script ? script->compile_kernels(policy == Policy::kMixedBFloat16)
+               : kernels::compile(*model.first, policy == Policy::kMixedBFloat16));
   }
   replicas_ = std::make_unique<ReplicaSet>(strategy_.devices(), std::move(model), clone,
                                            options.optimizer, channels_last_);

@@ -8,6 +8,8 @@
 // (a module's own forward calls its members directly, so only a Sequential's layers can be
 // swapped; what was left and why is in the report):
 //   Conv2d 3x3, stride 1, padding 1, no bias            -> Conv2d by conv2d(): Winograd's F(4x4, 3x3)
+//   any other Conv2d of zero padding, under bfloat16     -> Conv2d by conv2d(): float32 arithmetic
+//                                                           on bfloat16 activations
 //   BatchNorm2d, ReLU (or ReLU6)                          -> BatchNormReLU (one pass less each way)
 //   Conv2d 1->C 3x3 padding 1, ReLU, MaxPool2d(2)         -> ConvMaxPool2ReLU (the first layer of a
 //                                                            grayscale CNN in one kernel)
@@ -19,7 +21,8 @@
 // A TorchScript module (torch.jit.script or torch.jit.trace in Python): its forward, with every
 // method and function it calls inlined, where
 //   aten::conv2d (or a trace's aten::_convolution) of stride 1, padding 1, dilation 1, one group
-//     and no bias                                          -> flotilla::conv2d
+//     and no bias; under bfloat16 any 2-D one with padding
+//     given as numbers                                      -> flotilla::conv2d
 //   aten::batch_norm then relu (or relu_, or ReLU6's
 //     hardtanh(0, 6))                                      -> flotilla::batch_norm_relu
 //   aten::batch_norm then add (or add_) then relu          -> flotilla::batch_norm_relu with the
@@ -48,11 +51,16 @@ struct CompileReport {
 };
 
 // Rewrites `module`'s Sequentials in place (see above). Nothing happens under Mode::kNone.
-CompileReport compile(torch::nn::Module& module);
+// `bfloat16`: the model will train under CPU autocast to bfloat16, where every other 2-D
+// convolution (1x1, strided, grouped, any channels: not Winograd's) becomes one that computes in
+// float32 on the bfloat16 activations where that measured faster (convolution.h); in float32
+// they are left to ATen.
+CompileReport compile(torch::nn::Module& module, bool bfloat16 = false);
 
 // A copy of `module` whose forward is rewritten (its parameters and buffers are the same tensors:
 // the copy trains the original's). `module` itself is unchanged; a forward it already ran does
-// not matter.
-torch::jit::Module compile(const torch::jit::Module& module, CompileReport& report);
+// not matter. `bfloat16` as above.
+torch::jit::Module compile(const torch::jit::Module& module, CompileReport& report,
+                           bool bfloat16 = false);
 
 } // namespace flotilla::kernels

@@ -28,11 +28,14 @@
 namespace flotilla::kernels {
 
 // at::conv2d(x, weight, bias, stride, padding, dilation, groups): by Winograd's kernels where
-// they apply (winograd_applies) and flotilla's kernel is chosen (choice.h), else ATen's.
+// they apply (winograd_applies) and flotilla's kernel is chosen (choice.h), else ATen's. Where
+// they do not apply, under bfloat16 autocast, by float32 arithmetic on the bfloat16 activations
+// (convolution.h) where that measured faster, else ATen's.
 torch::Tensor conv2d(const torch::Tensor& x, const torch::Tensor& weight,
                      const std::optional<torch::Tensor>& bias, at::IntArrayRef stride,
                      at::IntArrayRef padding, at::IntArrayRef dilation, std::int64_t groups);
-// conv.forward(x) likewise (other padding modes than zeros run the module's forward).
+// conv.forward(x) likewise (other padding modes than zeros, and padding given by name, run the
+// module's forward).
 torch::Tensor conv2d(torch::nn::Conv2dImpl& conv, const torch::Tensor& x);
 
 // Whether Winograd's kernels can run it: a CPU kernel (below), the options above, float32

@@ -62,8 +62,8 @@ class TorchScriptModuleImpl : public torch::nn::Module {
   // The compile step on the CPU (flotilla/kernels/compile.h; Model::compile runs it under
   // CompileOptions::jit_compile): forward from then on is a rewritten copy of the module's,
   // holding the same tensors. Any time, even after forwards ran. After convert_sync_batchnorm,
-  // whose BatchNorms it leaves as they are.
-  kernels::CompileReport compile_kernels();
+  // whose BatchNorms it leaves as they are. `bfloat16`: it will train under bfloat16 autocast.
+  kernels::CompileReport compile_kernels(bool bfloat16 = false);
   // A trace records BatchNorm's mode as a constant: true when one was traced in training mode
   // (it then normalises with batch statistics in evaluation too). load_torchscript warns.
   bool traced_in_training_mode() const;

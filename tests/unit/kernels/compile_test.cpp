@@ -15,6 +15,7 @@
 #include "flotilla/kernels/max_pool_relu.h"
 #include "flotilla/kernels/modules.h"
 #include "flotilla/kernels/winograd.h"
+#include "flotilla/train/mixed_precision.h"
 #include "kernel_choice.h"
 #include "support/paths.h"
 #include "support/subprocess.h"
@@ -162,6 +163,35 @@ TEST(Compile, TrainingThroughTheSwappedLayersGivesTheOriginalsGradients) {
   }
 }
 
+// For a model that trains under bfloat16 autocast every other Conv2d of zero padding (here the
+// stride-2 one) is swapped too, to compute in float32 (convolution.h); a step then runs it.
+TEST(Compile, UnderBfloat16EveryOtherConvolutionIsSwappedToo) {
+  KernelMode fixed(Mode::kFixed);
+  nn::Sequential model = net();
+  const auto before = tensors_of(*model);
+  const CompileReport report = compile(*model, /*bfloat16=*/true);
+  EXPECT_EQ(tensors_of(*model), before);
+  EXPECT_EQ(report.rewritten.at("3x3 convolutions"), 1) << report.summary();
+  EXPECT_EQ(report.rewritten.at("other convolutions (bfloat16 in float32 arithmetic)"), 1)
+      << report.summary();
+  EXPECT_EQ(report.left.count("Conv2d (stride 2)"), 0u) << report.summary();
+  EXPECT_EQ(report.left.at("Conv2d (outside a Sequential)"), 1) << report.summary();
+  const auto body = model->ptr<BlockImpl>(3)->body;
+  EXPECT_TRUE(is<Conv2dImpl>(body->ptr(6)));
+  set_cache_directory(fs::path());
+  reset_decisions();
+  {
+    train::AutocastGuard autocast(train::Policy::kMixedBFloat16, torch::kCPU);
+    model->forward(torch::randn({4, 1, 24, 24}).contiguous(kChannelsLast)).sum().backward();
+  }
+  bool ran = false;
+  for (const Decision& d : decisions()) ran |= d.op == "conv_float32" && d.flotilla;
+  EXPECT_TRUE(ran);
+  EXPECT_TRUE(body->ptr<Conv2dImpl>(6)->weight.grad().defined());
+  reset_decisions();
+  set_cache_directory(std::nullopt);
+}
+
 TEST(Compile, UnderModeNoneNothingChanges) {
   KernelMode none(Mode::kNone);
   nn::Sequential model = net();
@@ -271,6 +301,54 @@ TEST_F(CompileScript, RewritesMobileNetsBatchNormAndReLU6) {
   }
   for (const auto& [name, value] : results[0]) {
     EXPECT_LT(relative_difference(results[1].at(name), value), 1e-4) << name;
+  }
+}
+
+// Under bfloat16 the inverted residual's other convolutions (the one-channel stem, the 1x1s and
+// the depthwise 3x3) become flotilla::conv2d too, and a bfloat16 step trains as oneDNN's does:
+// the loss within bfloat16's rounding, the gradients as close to the float32 step's.
+TEST_F(CompileScript, UnderBfloat16MobileNetsOtherConvolutionsAreRewritten) {
+  KernelMode fixed(Mode::kFixed);
+  torch::jit::Module original = load("inverted.pt");
+  CompileReport report;
+  torch::jit::Module compiled = compile(original, report, /*bfloat16=*/true);
+  EXPECT_EQ(report.rewritten.at("other convolutions (bfloat16 in float32 arithmetic)"), 4)
+      << report.summary();
+  EXPECT_EQ(report.summary().find("left to ATen: 1 convolutions"), std::string::npos)
+      << report.summary();
+  torch::manual_seed(12);
+  const torch::Tensor x = torch::randn({8, 1, 10, 10}).contiguous(kChannelsLast);
+  std::vector<std::pair<torch::Tensor, std::map<std::string, torch::Tensor>>> results;
+  // oneDNN's bfloat16 step, flotilla's, and the float32 step.
+  for (auto* m : {&original, &compiled, &original}) {
+    m->train();
+    const bool in_float32 = results.size() == 2;
+    torch::Tensor loss;
+    {
+      train::AutocastGuard autocast(
+          in_float32 ? train::Policy::kFloat32 : train::Policy::kMixedBFloat16, torch::kCPU);
+      loss = m->forward({x}).toTensor().to(torch::kFloat).square().mean();
+    }
+    loss.backward();
+    std::map<std::string, torch::Tensor> grads;
+    for (const auto& p : m->named_parameters()) {
+      grads[p.name] = p.value.grad().clone();
+      p.value.mutable_grad().reset();
+    }
+    results.emplace_back(loss.detach(), grads);
+  }
+  EXPECT_FALSE(torch::equal(results[0].first, results[1].first)) << "flotilla's path ran";
+  EXPECT_LT(relative_difference(results[1].first, results[0].first), 1.0 / 64);
+  // Against the float32 step's gradient: pointing the same way (cosine above 0.99), or where
+  // bfloat16's rounding swamps a gradient near zero (a BatchNorm weight's, 3e-7 long here) no
+  // farther off than oneDNN's bfloat16 step.
+  for (const auto& [name, g] : results[2].second) {
+    const auto cosine = [&](const torch::Tensor& a) {
+      return torch::cosine_similarity(a.flatten().to(torch::kDouble), g.flatten().to(torch::kDouble), 0)
+          .item<double>();
+    };
+    const double ours = cosine(results[1].second.at(name)), onednn = cosine(results[0].second.at(name));
+    EXPECT_GT(ours, std::min(0.99, onednn - 0.01)) << name << ": oneDNN's " << onednn;
   }
 }
 
