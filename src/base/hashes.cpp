@@ -1,7 +1,9 @@
 #include "flotilla/base/hashes.h"
 
 #include <fcntl.h>
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -98,6 +100,16 @@ std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::stri
 std::string hmac_sha256_hex(const std::string& key, const std::string& message) {
   const auto mac = hmac_sha256(key, message);
   return hex(mac.data(), mac.size());
+}
+
+void fill_random(std::uint8_t* out, std::size_t n) {
+  if (RAND_bytes(out, static_cast<int>(n)) != 1) {
+    throw Error("the system's random number generator failed (OpenSSL RAND_bytes)");
+  }
+}
+
+bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n) {
+  return CRYPTO_memcmp(a, b, n) == 0;
 }
 
 } // namespace flotilla::base

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "collective/rendezvous.h"
+#include "flotilla/rendezvous/config.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/collective/communicator.h"
 #include "flotilla/collective/elastic.h"
@@ -61,21 +61,9 @@ std::shared_ptr<const std::atomic<std::uint64_t>> reached_of(const std::shared_p
 bool fail_group(Health& health, const std::string& why, bool changed);
 bool group_failed(const Health& health);
 
-// The rendezvous settings of task `spec` under `options` (a fresh session); ConfigError for a
-// heartbeat whose interval is not below its timeout, or an empty cluster token.
+// The rendezvous settings of task `spec` under `options` (rendezvous_config of
+// flotilla/rendezvous/config.h, from the options' rendezvous fields).
 RendezvousConfig rendezvous_config(const cluster::ClusterSpec& spec,
                                    const CommunicationOptions& options);
-
-// Whether `host` is this machine's loopback (127.0.0.0/8, ::1, localhost): nothing from another
-// host reaches it. A name is taken as reachable from others.
-bool loopback_host(const std::string& host);
-// ConfigError when a rendezvous that others can reach (at `where`: `what`) would run without a
-// cluster token and without `insecure`; with `insecure`, the warning that says so.
-void check_authenticated(bool reachable, const std::optional<std::string>& token, bool insecure,
-                         const std::string& what);
-
-// "chief at 198.18.0.1:2222 (rank 0)", "worker 1 at 198.18.0.3:2222 (rank 2)", one per rank of
-// `spec`; empty when the spec lists no addresses.
-std::vector<std::string> rank_names(const cluster::ClusterSpec& spec);
 
 } // namespace flotilla::collective::detail

@@ -19,7 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "collective/wire.h"
+#include "flotilla/base/hashes.h"
 
 namespace flotilla::collective::detail {
 
@@ -247,7 +247,7 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
   if (rank == 0) {
     const std::string ns = pid_namespace();
     remove_orphans(ns);
-    const auto nonce = random_bytes<8>();
+    const auto nonce = base::random_bytes<8>();
     name = "/flotilla-" + ns + "-" + std::to_string(::getpid()) + "-";
     for (auto b : nonce) {
       const char* hex = "0123456789abcdef";

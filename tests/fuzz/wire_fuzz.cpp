@@ -3,7 +3,7 @@
 // (Hello, Welcome, Pong). A parser may refuse any input, with WireError (the server drops the
 // connection) or a flotilla::Error; anything else, a crash or a sanitizer finding is a bug. What
 // parses must survive its own round trip.
-#include "collective/wire.h"
+#include "rendezvous/wire.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace {

@@ -1,7 +1,7 @@
 // flotilla's etcd client (collective/etcd.h) against a real etcd (Debian's etcd-server, one
 // member on loopback): the calls the replicated rendezvous makes, what a lost lease or a dead
 // endpoint looks like. Skipped without the etcd binary.
-#include "collective/etcd.h"
+#include "rendezvous/etcd.h"
 
 #include <gtest/gtest.h>
 

@@ -407,7 +407,7 @@ TEST(Communication, ABadHeartbeatOrAnEmptyTokenIsRefusedNamingTheField) {
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()),
               "the heartbeat needs 0 < CommunicationOptions::heartbeat_interval < "
-              "CommunicationOptions::heartbeat_timeout; saw 0s and 10s");
+              "CommunicationOptions::heartbeat_timeout; saw 0 s and 10 s");
   }
   options = CommunicationOptions();
   options.cluster_token = "";

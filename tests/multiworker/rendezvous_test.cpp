@@ -12,9 +12,9 @@
 #include <thread>
 
 #include "collective/group.h"
-#include "collective/rendezvous_server.h"
-#include "collective/rendezvous_store.h"
-#include "collective/wire.h"
+#include "flotilla/rendezvous/server.h"
+#include "flotilla/rendezvous/store.h"
+#include "rendezvous/wire.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"

@@ -1,7 +1,7 @@
 // Collectives across the workers of a cluster. A Communicator is a cheap value handle over one
 // process group: the chief hosts the rendezvous store at its TF_CONFIG address, or a process
 // outside the workers does (FLOTILLA_RENDEZVOUS; flotilla's own store, with authentication,
-// bounded reads and a heartbeat; see src/collective/rendezvous.h). CPU tensors travel over
+// bounded reads and a heartbeat; see flotilla/rendezvous/config.h). CPU tensors travel over
 // Gloo's TCP ring, CUDA tensors over NCCL when LibTorch has CUDA. Every
 // operation is asynchronous and returns a Work; Work::wait() rethrows a failure as CommError, or
 // TimeoutError once CommunicationOptions::timeout has passed: a collective never hangs forever.

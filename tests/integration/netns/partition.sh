@@ -7,7 +7,7 @@
 # group has committed 7 steps, host 2 drops every packet from and to hosts 0 and 1 (iptables
 # inside its namespace), not the rendezvous's: every heartbeat still arrives, so no member is
 # silent, and the collectives time out on all three. Each member then probes the others
-# (collective/probe.h) and reports whom it could not reach; the rendezvous expels slot 2, the
+# (flotilla/rendezvous/probe.h) and reports whom it could not reach; the rendezvous expels slot 2, the
 # smaller side, and hosts 0 and 1 train on in generation 1. Before, every worker exited 3 after
 # the timeout ("no member left the group"). The expelled process exits 3 saying so; once the cut
 # is lifted it is started again and admitted.

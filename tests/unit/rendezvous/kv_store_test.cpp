@@ -1,6 +1,6 @@
 // The rendezvous store's semantics without a network: c10d's add, compareSet and deleteKey, the
 // waits and the order they are answered in, their deadlines, and the bounds.
-#include "collective/kv_store.h"
+#include "rendezvous/kv_store.h"
 
 #include <gtest/gtest.h>
 

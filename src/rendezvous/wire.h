@@ -19,6 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "flotilla/base/hashes.h"
+#include "flotilla/rendezvous/reports.h"
+
 namespace flotilla::collective::detail {
 
 using Bytes = std::vector<std::uint8_t>;
@@ -182,69 +185,10 @@ Mac join_mac(const std::string& token, const Nonce& server_nonce, const JoinRequ
 Mac chief_mac(const std::string& token, const Nonce& server_nonce, const Nonce& client_nonce,
               std::int32_t rank);
 
-// The server's answer to a heartbeat's ping: the failed ranks, each with its reason. In elastic
-// mode (see RendezvousServer) also the membership's news: the newest generation, the oldest
-// generation no member has left since (a rank in an older one must regroup), how many
-// restarted workers wait to be admitted, and whether this rank was expelled; `failed` then holds
-// the last departure, whose reason the survivors' errors quote.
-struct Pong {
-  bool closing = false; // the chief is leaving normally
-  std::vector<std::pair<std::int32_t, std::string>> failed;
-  std::uint64_t generation = 0;
-  std::uint64_t intact_from = 0;
-  std::uint32_t waiting = 0;
-  bool expelled = false;
 
-  std::string frame() const;
-  // WireError when malformed or naming more than `world_size` failed ranks.
-  static Pong parse(const std::string& body, int world_size);
-};
-
-// ------------------------------------------------------------------------------------------
-// Store values the server reads as well as stores.
-
-// "a,b,c": the slot lists of generation records and the ranks of silent reports.
-std::string int_list(const std::vector<int>& values);
-// nullopt unless `text` is empty or non-negative decimal integers (at most 9 digits each)
-// separated by commas.
-std::optional<std::vector<int>> parse_int_list(const std::string& text);
-
-// A member's report (key kSilentPrefix + its rank, under its generation's prefix "flotilla/g<N>/")
-// that `ranks` of its generation never reached the collective it timed out in:
-// "<sequence> <rank>,<rank>,... <description>". An elastic rendezvous expels them.
-inline const std::string kSilentPrefix = "flotilla/silent/";
-// Its report, after a collective failed and no member left, of the ranks it could not reach
-// with a probe (maybe none; key kUnreachablePrefix + its rank, under the generation's prefix;
-// the same text, sequence 0): the rendezvous expels the smaller side of a partition.
-inline const std::string kUnreachablePrefix = "flotilla/unreachable/";
-// Where a member answers probes ("host:port"; key kProbePrefix + its rank, likewise).
-inline const std::string kProbePrefix = "flotilla/probe/";
-struct SilentReport {
-  std::uint64_t sequence = 0;
-  std::vector<int> ranks;
-  std::string description;
-
-  std::string text() const;
-  // nullopt when `text` is not such a report.
-  static std::optional<SilentReport> parse(const std::string& text);
-};
-
-// ------------------------------------------------------------------------------------------
-// Secrets.
-
-// N random bytes from the system's generator (OpenSSL); Error when it fails.
-void fill_random(std::uint8_t* out, std::size_t n);
-template <std::size_t N> std::array<std::uint8_t, N> random_bytes() {
-  std::array<std::uint8_t, N> out{};
-  fill_random(out.data(), N);
-  return out;
-}
-
-// In constant time, so a comparison leaks no timing oracle.
-bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n);
-template <std::size_t N>
-bool equal_secret(const std::array<std::uint8_t, N>& a, const std::array<std::uint8_t, N>& b) {
-  return equal_secret(a.data(), b.data(), N);
-}
+// Secrets (base/hashes.h).
+using base::equal_secret;
+using base::fill_random;
+using base::random_bytes;
 
 } // namespace flotilla::collective::detail

@@ -1,4 +1,4 @@
-// Private: the chief's side of the rendezvous (see rendezvous.h): one thread, one poll loop,
+// The chief's side of the rendezvous (see config.h): one thread, one poll loop,
 // non-blocking sockets. It takes each connection through the join handshake, serves the store's
 // requests from a KvStore, and keeps the heartbeats' books: which rank pinged when, which left
 // with a goodbye, which failed and why.
@@ -17,7 +17,7 @@
 #include <memory>
 #include <string>
 
-#include "collective/rendezvous.h"
+#include "flotilla/rendezvous/config.h"
 
 namespace flotilla::collective::detail {
 

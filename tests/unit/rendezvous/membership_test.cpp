@@ -1,6 +1,6 @@
 // The rendezvous's membership rules without sockets: each transition of slots and generations,
 // and what it reports for the server to record.
-#include "collective/membership.h"
+#include "rendezvous/membership.h"
 
 #include <gtest/gtest.h>
 

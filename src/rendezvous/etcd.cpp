@@ -1,4 +1,4 @@
-#include "collective/etcd.h"
+#include "rendezvous/etcd.h"
 
 #include <curl/curl.h>
 

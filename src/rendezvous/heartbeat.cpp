@@ -1,4 +1,4 @@
-#include "collective/heartbeat.h"
+#include "flotilla/rendezvous/heartbeat.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -6,8 +6,8 @@
 #include <optional>
 #include <thread>
 
-#include "collective/connection.h"
-#include "collective/wire.h"
+#include "rendezvous/connection.h"
+#include "rendezvous/wire.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 

@@ -1,10 +1,10 @@
-#include "collective/rendezvous_store.h"
+#include "flotilla/rendezvous/store.h"
 
 #include <algorithm>
 #include <optional>
 
-#include "collective/connection.h"
-#include "collective/wire.h"
+#include "rendezvous/connection.h"
+#include "rendezvous/wire.h"
 #include "flotilla/error.h"
 
 namespace flotilla::collective::detail {

@@ -1,6 +1,6 @@
 // A rank's connection to the rendezvous against a server written here by hand (a socket that
 // speaks the handshake of wire.h), to control when it answers.
-#include "collective/connection.h"
+#include "rendezvous/connection.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

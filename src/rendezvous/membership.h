@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "collective/wire.h"
+#include "rendezvous/wire.h"
 
 namespace flotilla::collective::detail {
 

@@ -1,4 +1,4 @@
-#include "collective/agent_store.h"
+#include "flotilla/rendezvous/agent_store.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -9,7 +9,7 @@
 
 namespace flotilla::collective::detail {
 
-void meet_through_agent_store(const cluster::ClusterSpec& spec, const CommunicationOptions& options,
+void meet_through_agent_store(const cluster::ClusterSpec& spec, std::chrono::milliseconds timeout,
                               RendezvousConfig& config, std::unique_ptr<RendezvousServer>& server) {
   const std::string where = "torchrun's agent store at " + spec.rendezvous.to_string() +
                             " (TORCHELASTIC_USE_AGENT_STORE)";
@@ -17,7 +17,7 @@ void meet_through_agent_store(const cluster::ClusterSpec& spec, const Communicat
   store_options.port = static_cast<std::uint16_t>(spec.rendezvous.port);
   store_options.isServer = false;
   store_options.waitWorkers = false;
-  store_options.timeout = options.timeout;
+  store_options.timeout = timeout;
   c10::intrusive_ptr<c10d::TCPStore> agent;
   try {
     agent = c10::make_intrusive<c10d::TCPStore>(spec.rendezvous.host, store_options);
@@ -34,7 +34,7 @@ void meet_through_agent_store(const cluster::ClusterSpec& spec, const Communicat
     return;
   }
   try {
-    agent->wait({key}, options.timeout);
+    agent->wait({key}, timeout);
   } catch (const std::exception& e) {
     throw TimeoutError("the chief (rank 0) did not publish its rendezvous in " + where +
                        " within the timeout; is rank 0 running? (" + e.what() + ")");

@@ -1,4 +1,4 @@
-#include "collective/kv_store.h"
+#include "rendezvous/kv_store.h"
 
 #include <algorithm>
 #include <utility>

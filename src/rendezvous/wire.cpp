@@ -1,7 +1,5 @@
-#include "collective/wire.h"
+#include "rendezvous/wire.h"
 
-#include <openssl/crypto.h>
-#include <openssl/rand.h>
 
 #include <algorithm>
 #include <cstring>
@@ -314,16 +312,6 @@ std::optional<SilentReport> SilentReport::parse(const std::string& text) {
   auto ranks = parse_int_list(text.substr(first + 1, second - first - 1));
   if (!ranks) return std::nullopt;
   return SilentReport{std::stoull(sequence), std::move(*ranks), text.substr(second + 1)};
-}
-
-void fill_random(std::uint8_t* out, std::size_t n) {
-  if (RAND_bytes(out, static_cast<int>(n)) != 1) {
-    throw Error("the system's random number generator failed (OpenSSL RAND_bytes)");
-  }
-}
-
-bool equal_secret(const std::uint8_t* a, const std::uint8_t* b, std::size_t n) {
-  return CRYPTO_memcmp(a, b, n) == 0;
 }
 
 } // namespace flotilla::collective::detail

@@ -1,4 +1,4 @@
-#include "collective/connection.h"
+#include "rendezvous/connection.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <thread>
 
-#include "collective/sockets.h"
+#include "rendezvous/sockets.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 

@@ -1,7 +1,7 @@
 // The rendezvous protocol's bytes, written out by hand: the handshake's messages, what each
 // HMAC covers, and the pong, so a change to any of them (which old and new processes would no
 // longer agree on) fails here first.
-#include "collective/wire.h"
+#include "rendezvous/wire.h"
 
 #include <gtest/gtest.h>
 

@@ -1,12 +1,12 @@
-#include "collective/probe.h"
+#include "flotilla/rendezvous/probe.h"
 
 #include <poll.h>
 #include <unistd.h>
 
 #include <cstring>
 
-#include "collective/sockets.h"
-#include "collective/wire.h"
+#include "rendezvous/sockets.h"
+#include "rendezvous/wire.h"
 #include "flotilla/base/hashes.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"

@@ -1,4 +1,4 @@
-#include "collective/sockets.h"
+#include "rendezvous/sockets.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

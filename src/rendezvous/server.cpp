@@ -1,4 +1,4 @@
-#include "collective/rendezvous_server.h"
+#include "flotilla/rendezvous/server.h"
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,10 +19,10 @@
 #include <thread>
 #include <vector>
 
-#include "collective/kv_store.h"
-#include "collective/membership.h"
-#include "collective/sockets.h"
-#include "collective/wire.h"
+#include "rendezvous/kv_store.h"
+#include "rendezvous/membership.h"
+#include "rendezvous/sockets.h"
+#include "rendezvous/wire.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
 

@@ -1,4 +1,4 @@
-// Private: can this member reach that one? After a collective failed and no member left (every
+// Can this member reach that one? After a collective failed and no member left (every
 // member still reaches the rendezvous), each member asks every other directly, and reports the
 // ones that do not answer (kUnreachablePrefix); the rendezvous expels the smaller side of the
 // partition (Membership::partitioned).

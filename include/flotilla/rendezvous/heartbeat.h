@@ -1,4 +1,4 @@
-// Private: a rank's heartbeat to the chief (see rendezvous.h), on a connection and a thread of
+// A rank's heartbeat to the chief (see config.h), on a connection and a thread of
 // its own, so it beats while the rank is blocked in a collective.
 #pragma once
 
@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "collective/rendezvous.h"
+#include "flotilla/rendezvous/config.h"
 
 namespace flotilla::collective::detail {
 

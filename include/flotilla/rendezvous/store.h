@@ -1,4 +1,4 @@
-// Private: a rank's view of the chief's rendezvous store (see rendezvous.h), as the c10d::Store
+// A rank's view of the chief's rendezvous store (see config.h), as the c10d::Store
 // through which Gloo and NCCL exchange their addresses. Each operation is one request and one
 // answer on the rank's Connection; the semantics are the chief's KvStore's.
 #pragma once
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "collective/rendezvous.h"
+#include "flotilla/rendezvous/config.h"
 
 namespace flotilla::collective::detail {
 

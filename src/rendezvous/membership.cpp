@@ -1,4 +1,4 @@
-#include "collective/membership.h"
+#include "rendezvous/membership.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
 // Members' reachability probes over real UDP sockets on loopback: who answers, and who must not.
-#include "collective/probe.h"
+#include "flotilla/rendezvous/probe.h"
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>

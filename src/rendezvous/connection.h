@@ -1,4 +1,4 @@
-// Private: a rank's connection to the chief's rendezvous server (see rendezvous.h). A blocking
+// Private: a rank's connection to the chief's rendezvous server (see config.h). A blocking
 // socket, every wait bounded by a deadline; joining runs the handshake of wire.h, so a
 // connection exists only once both sides have proved they hold the cluster token.
 #pragma once
@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "collective/rendezvous.h"
-#include "collective/wire.h"
+#include "flotilla/rendezvous/config.h"
+#include "rendezvous/wire.h"
 #include "flotilla/error.h"
 
 namespace flotilla::collective::detail {

@@ -7,8 +7,8 @@
 #include <mutex>
 #include <thread>
 
-#include "collective/etcd.h"
-#include "flotilla/collective/elastic.h"
+#include "rendezvous/etcd.h"
+#include "flotilla/rendezvous/service.h"
 #include "flotilla/error.h"
 
 namespace flotilla::collective {
