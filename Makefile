@@ -6,7 +6,7 @@ export BUILD_DIR JOBS
 # The main job: 2 workers on loopback, Fashion-MNIST, the CNN, one epoch.
 RUN_ARGS ?= launch --workers 2 -- flotilla train --model cnn --dataset fashion-mnist --epochs 1
 
-.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-max-pool-relu bench-batch-norm-relu bench-winograd bench-kernel-choice bench-dropout bench-attention bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-scale bench-chaos bench-gpu package-deb clean
+.PHONY: all bootstrap bootstrap-test build build-run run test fuzz bench-threads bench-data bench-allreduce bench-peers bench-max-pool-relu bench-batch-norm-relu bench-winograd bench-kernel-choice bench-dropout bench-attention bench-link bench-plan bench-profile bench-recipe bench-batchnorm bench-torchscript bench-elastic bench-scale bench-stragglers bench-chaos bench-gpu package-deb clean
 
 all: build
 
@@ -110,6 +110,11 @@ bench-elastic: build
 # formation, heal after killing 1%, the rendezvous's memory and CPU (docs/reliability.md).
 bench-scale: build
 	bench/scale.sh
+
+# One of 2 workers slowed to half its core (a cgroup CPU quota, or a competitor pinned beside
+# it): the job's samples/s against the ideal, the sum of each worker's solo speed.
+bench-stragglers: build
+	bench/stragglers.sh
 
 # Elastic training under a fault every 20-40 s for 5 minutes on 4 namespaced hosts (root): with
 # the built-in rendezvous (killed and restarted among the faults), then with the rendezvous

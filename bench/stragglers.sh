@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# `make bench-stragglers`: what one slow worker costs a synchronous job (issue 53's baseline).
+# 2 workers on this host, started by hand from TF_CONFIG, one thread each, each pinned to a core
+# of its own (taskset); worker 1 is slowed to SLOW of its core in a reproducible way:
+#   cgroup      a CPU quota on its process: cgroup v2's cpu.max, or v1's cpu.cfs_quota_us (root)
+#   competitor  a CPU-bound loop pinned to its core beside it (the kernel's fair share: about half)
+# METHOD=auto takes the cgroup where one can be made, else the competitor; the lines say which.
+# The ideal is the sum of each worker's solo speed (one worker alone on its core, as slowed, at
+# its share of the global batch); the job's speed is flotilla's own samples/s of its second
+# epoch. Equal shares (today's only division: each worker half the global batch) make the step
+# as long as the slow worker's half. Prints JSON lines; RUNS interleaved runs, medians.
+# Usage: bench/stragglers.sh [RUNS=3]   env: MODEL=cnn GLOBAL=256 STEPS=30 SLOW=0.5
+#        METHOD=auto|cgroup|competitor  FLOTILLA=build/flotilla
+#        DATA_DIR=/usr/share/datasets/fashion-mnist
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FLOTILLA=${FLOTILLA:-build/flotilla}
+RUNS=${1:-3}
+MODEL=${MODEL:-cnn}
+GLOBAL=${GLOBAL:-256}
+STEPS=${STEPS:-30}
+SLOW=${SLOW:-0.5}
+METHOD=${METHOD:-auto}
+DATA_DIR=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
+machine=$(bench/machine.sh)
+tmp=$(mktemp -d)
+cgroup=""
+competitor=""
+cleanup() {
+  [ -n "$competitor" ] && kill "$competitor" 2>/dev/null || true
+  if [ -n "$cgroup" ] && [ -d "$cgroup" ]; then rmdir "$cgroup" 2>/dev/null || true; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "bench/stragglers.sh: $*" >&2; exit 1; }
+[ "$(nproc)" -ge 2 ] || fail "needs 2 cores (one a worker); this machine has $(nproc)"
+[ $((GLOBAL % 2)) -eq 0 ] || fail "GLOBAL=$GLOBAL must be even (two equal shares)"
+half=$((GLOBAL / 2))
+
+# A cgroup with the quota, where one can be made: sets `cgroup` (its directory) and `how`.
+make_cgroup() {
+  local quota
+  quota=$(awk -v s="$SLOW" 'BEGIN { printf "%d", s * 100000 }')
+  if [ -w /sys/fs/cgroup/cgroup.subtree_control ] &&
+    grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    cgroup=/sys/fs/cgroup/flotilla-stragglers-$$
+    mkdir "$cgroup" && echo "$quota 100000" > "$cgroup/cpu.max" && how="cgroup v2 cpu.max" && return
+  elif [ -w /sys/fs/cgroup/cpu ]; then
+    cgroup=/sys/fs/cgroup/cpu/flotilla-stragglers-$$
+    mkdir "$cgroup" && echo 100000 > "$cgroup/cpu.cfs_period_us" &&
+      echo "$quota" > "$cgroup/cpu.cfs_quota_us" && how="cgroup v1 cpu.cfs_quota_us" && return
+  fi
+  [ -n "$cgroup" ] && rmdir "$cgroup" 2>/dev/null
+  cgroup=""
+}
+how=""
+if [ "$METHOD" != competitor ]; then make_cgroup || true; fi
+if [ -z "$how" ]; then
+  [ "$METHOD" = cgroup ] &&
+    fail "METHOD=cgroup, but no cgroup with a CPU quota can be made here (root, cgroup v2 cpu or v1 cpu)"
+  [ "$SLOW" = 0.5 ] || fail "METHOD=competitor slows a worker to about half only (SLOW=$SLOW)"
+  how="a competitor pinned to its core"
+fi
+
+# Runs `flotilla train` for one worker: $1 core, $2 slowed (1/0), $3 TF_CONFIG, $4 batch, $5 json.
+worker() {
+  local core=$1 slowed=$2 tf_config=$3 batch=$4 json=$5
+  local cmd=(taskset -c "$core" env TF_CONFIG="$tf_config" LOCAL_WORLD_SIZE= "$FLOTILLA" train
+    --model "$MODEL" --batch-per-replica "$batch" --steps-per-epoch "$STEPS" --epochs 2
+    --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$json")
+  if [ "$slowed" = 1 ] && [ -n "$cgroup" ]; then
+    sh -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' sh "$cgroup" "${cmd[@]}"
+  else
+    "${cmd[@]}"
+  fi
+}
+epoch2() { grep '"epoch": *2[,}]' "$1" | sed 's/.*"samples_per_s": *\([0-9.e+-]*\).*/\1/'; }
+median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+if [ -z "$cgroup" ]; then
+  taskset -c 1 sh -c 'while :; do :; done' &
+  competitor=$!
+fi
+
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+for run in $(seq "$RUNS"); do
+  # Solo: each worker alone, at its share of the global batch.
+  for w in 0 1; do
+    p=$(port)
+    worker "$w" "$w" "{\"cluster\": {\"worker\": [\"127.0.0.1:$p\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}" \
+      "$half" "$tmp/solo$w-$run.json" > "$tmp/solo$w-$run.log" 2>&1 ||
+      fail "solo worker $w failed: $(tail -3 "$tmp/solo$w-$run.log")"
+  done
+  # Both, equal shares.
+  p0=$(port); p1=$(port)
+  cluster="{\"cluster\": {\"worker\": [\"127.0.0.1:$p0\", \"127.0.0.1:$p1\"]}"
+  worker 0 0 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 0}}" "$half" "$tmp/equal-$run.json" \
+    > "$tmp/equal0-$run.log" 2>&1 &
+  w0=$!
+  worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/equal1-$run.json" \
+    > "$tmp/equal1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/equal1-$run.log")"
+  wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/equal0-$run.log")"
+  s0=$(epoch2 "$tmp/solo0-$run.json"); s1=$(epoch2 "$tmp/solo1-$run.json")
+  eq=$(epoch2 "$tmp/equal-$run.json")
+  echo "$s0 $s1 $eq" >> "$tmp/runs"
+done
+s0=$(awk '{print $1}' "$tmp/runs" | median)
+s1=$(awk '{print $2}' "$tmp/runs" | median)
+eq=$(awk '{print $3}' "$tmp/runs" | median)
+share=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | median)
+lo=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | sort -g | head -1)
+hi=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | sort -g | tail -1)
+printf '{"bench":"stragglers","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to %s of its core by %s","precision":"auto","metric":"samples_per_s","solo_fast":%s,"solo_slow":%s,"ideal":%s,"equal_shares":%s,"equal_of_ideal":%s,"equal_of_ideal_runs":[%s,%s],"runs":%s,"machine":%s}\n' \
+  "$MODEL" "$GLOBAL" "$SLOW" "$how" "$s0" "$s1" "$(awk -v a="$s0" -v b="$s1" 'BEGIN{printf "%.1f", a + b}')" \
+  "$eq" "$share" "$lo" "$hi" "$RUNS" "$machine"
