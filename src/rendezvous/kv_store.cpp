@@ -76,7 +76,7 @@ bool KvStore::contains(const std::vector<std::string>& keys) const {
 
 void KvStore::answer(const Waiter& waiter) const {
   std::vector<const Bytes*> values;
-  if (waiter.get) {
+  if (waiter.wants_values()) {
     for (const auto& key : waiter.keys) values.push_back(&values_.at(key));
   }
   wake_(waiter, values);

@@ -42,9 +42,12 @@ class KvStore {
   struct Waiter {
     int owner = 0; // whom to answer: the server's connection id
     std::vector<std::string> keys;
-    bool get = false;
-    bool multi = false; // a GET of several keys (the server answers with a count first)
+    // What it is answered with: that the keys exist (WAIT), one value (GET), or a count and the
+    // values (multiGet).
+    enum class Answer { kPresence, kValue, kValues };
+    Answer answer = Answer::kPresence;
     Clock::time_point deadline;
+    bool wants_values() const { return answer != Answer::kPresence; }
   };
   // Answers a waiter whose keys all exist: called from inside the operation that completed it
   // (or from wait(), when they already did), before that operation returns. `values` are the

@@ -231,10 +231,10 @@ struct RendezvousServer::Impl {
   void answer_waiter(const KvStore::Waiter& waiter, const std::vector<const Bytes*>& values) {
     auto it = conns.find(waiter.owner);
     if (it == conns.end()) return;
-    if (!waiter.get) return reply_status(it->second, kOk);
+    if (!waiter.wants_values()) return reply_status(it->second, kOk);
     WireWriter w;
     w.u8(kOk);
-    if (waiter.multi) {
+    if (waiter.answer == KvStore::Waiter::Answer::kValues) {
       std::size_t total = 0;
       for (const Bytes* v : values) total += v->size();
       if (total > kMaxValueBytes) {
@@ -524,8 +524,8 @@ struct RendezvousServer::Impl {
   void handle_wait(int id, Conn& c, WireReader& in, std::uint8_t op) {
     KvStore::Waiter waiter;
     waiter.owner = id;
-    waiter.get = op != kWait;
-    waiter.multi = op == kMultiGet;
+    using Answer = KvStore::Waiter::Answer;
+    waiter.answer = op == kWait ? Answer::kPresence : op == kGet ? Answer::kValue : Answer::kValues;
     if (op == kGet) {
       waiter.keys.push_back(in.str(kMaxKeyBytes));
     } else {

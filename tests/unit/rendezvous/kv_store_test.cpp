@@ -34,7 +34,7 @@ struct Recorder {
             [this](const KvStore::Waiter& w, const std::vector<const Bytes*>& values) {
               std::string all;
               for (const Bytes* v : values) all += (all.empty() ? "" : ",") + text(v);
-              woken.emplace_back(w.owner, w.get ? all : "<wait>");
+              woken.emplace_back(w.owner, w.wants_values() ? all : "<wait>");
             },
             limits) {}
 };
@@ -44,7 +44,7 @@ KvStore::Waiter waiter(int owner, std::vector<std::string> keys, bool get,
   KvStore::Waiter w;
   w.owner = owner;
   w.keys = std::move(keys);
-  w.get = get;
+  w.answer = get ? KvStore::Waiter::Answer::kValue : KvStore::Waiter::Answer::kPresence;
   w.deadline = deadline;
   return w;
 }
@@ -182,7 +182,7 @@ TEST(KvStore, WaitersExpireAtTheirDeadlineInTheOrderTheyCame) {
   const auto at_one = r.store.expire(t0 + std::chrono::seconds(1)); // at the deadline: expired
   ASSERT_EQ(at_one.size(), 2u);
   EXPECT_EQ(at_one[0].owner, 2);
-  EXPECT_TRUE(at_one[0].get);
+  EXPECT_TRUE(at_one[0].wants_values());
   EXPECT_EQ(at_one[1].owner, 3);
   EXPECT_TRUE(r.store.expire(t0 + std::chrono::milliseconds(1999)).empty());
   r.store.set("x", bytes("v")); // the one left is answered; the expired are not
