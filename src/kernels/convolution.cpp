@@ -26,8 +26,8 @@ std::vector<std::int64_t> vec(at::IntArrayRef values) {
 // Saves the bfloat16 input, not its float32 widening: half the memory a step keeps.
 class Float32ConvFunction : public torch::autograd::Function<Float32ConvFunction> {
  public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const std::optional<torch::Tensor>& bias,
                                std::vector<std::int64_t> stride, std::vector<std::int64_t> padding,
                                std::vector<std::int64_t> dilation, std::int64_t groups) {
     ctx->save_for_backward({x, w});
@@ -50,10 +50,10 @@ class Float32ConvFunction : public torch::autograd::Function<Float32ConvFunction
     const torch::Tensor gy = grads[0].to(torch::kFloat).contiguous(x.suggest_memory_format());
     const std::vector<std::int64_t> bias_sizes{w.size(0)};
     auto [gx, gw, gb] = at::convolution_backward(
-        gy, x.to(torch::kFloat), w, bias ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt,
+        gy, x.to(torch::kFloat), w,
+        bias ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt,
         ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
-        ctx->saved_data["dilation"].toIntVector(), false, {0, 0},
-        ctx->saved_data["groups"].toInt(),
+        ctx->saved_data["dilation"].toIntVector(), false, {0, 0}, ctx->saved_data["groups"].toInt(),
         {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias && ctx->needs_input_grad(2)});
     return {gx.defined() ? gx.to(torch::kBFloat16) : gx, gw, gb, {}, {}, {}, {}};
   }
@@ -63,13 +63,12 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w,
                   const std::optional<torch::Tensor>& bias, at::IntArrayRef stride,
                   at::IntArrayRef padding, at::IntArrayRef dilation, std::int64_t groups) {
   // x as autocast casts a convolution's input (a float32 input to bfloat16).
-  const torch::Tensor input =
-      x.scalar_type() == torch::kBFloat16 ? x : at::autocast::cached_cast(torch::kBFloat16, x,
-                                                                         at::kCPU);
+  const torch::Tensor input = x.scalar_type() == torch::kBFloat16
+                                  ? x
+                                  : at::autocast::cached_cast(torch::kBFloat16, x, at::kCPU);
   const std::optional<torch::Tensor> b =
       bias && bias->defined() ? bias : std::optional<torch::Tensor>();
-  return Float32ConvFunction::apply(input, w, b, vec(stride),
-                                    vec(padding), vec(dilation), groups);
+  return Float32ConvFunction::apply(input, w, b, vec(stride), vec(padding), vec(dilation), groups);
 }
 
 // This path's and oneDNN's runs on inputs of x's, w's and bias's shapes, types and layouts.
@@ -126,8 +125,8 @@ torch::Tensor float32_conv2d(const torch::Tensor& x, const torch::Tensor& weight
                              std::int64_t groups) {
   if (!float32_conv2d_applies(x, weight, bias, stride, padding, dilation, groups)) {
     throw ConfigError("float32_conv2d: input " + c10::str(x.sizes()) + " " +
-                      c10::toString(x.scalar_type()) + " and weight " +
-                      c10::str(weight.sizes()) + " " + c10::toString(weight.scalar_type()) +
+                      c10::toString(x.scalar_type()) + " and weight " + c10::str(weight.sizes()) +
+                      " " + c10::toString(weight.scalar_type()) +
                       " are not a 2-D convolution on the CPU under bfloat16 autocast with float32 "
                       "weights (see float32_conv2d_applies)");
   }
@@ -138,18 +137,19 @@ namespace detail {
 
 torch::Tensor other_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
                            const std::optional<torch::Tensor>& bias, at::IntArrayRef stride,
-                           at::IntArrayRef padding, at::IntArrayRef dilation,
-                           std::int64_t groups) {
+                           at::IntArrayRef padding, at::IntArrayRef dilation, std::int64_t groups) {
   if (!float32_conv2d_applies(x, weight, bias, stride, padding, dilation, groups)) {
     return at::conv2d(x, weight, bias, stride, padding, dilation, groups);
   }
   const bool training =
       torch::GradMode::is_enabled() &&
       (x.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()));
-  const auto list = [](at::IntArrayRef v) { return std::to_string(v[0]) + "," + std::to_string(v[1]); };
+  const auto list = [](at::IntArrayRef v) {
+    return std::to_string(v[0]) + "," + std::to_string(v[1]);
+  };
   const bool channels_last = x.is_contiguous(torch::MemoryFormat::ChannelsLast);
-  const std::string key = shape_text(x.sizes().vec()) + (channels_last ? " nhwc" : " nchw") +
-                          " w" + shape_text(weight.sizes().vec()) + " s" + list(stride) + " p" +
+  const std::string key = shape_text(x.sizes().vec()) + (channels_last ? " nhwc" : " nchw") + " w" +
+                          shape_text(weight.sizes().vec()) + " s" + list(stride) + " p" +
                           list(padding) + " d" + list(dilation) + " g" + std::to_string(groups) +
                           (bias && bias->defined() ? " bias" : "") +
                           (x.scalar_type() == torch::kFloat ? " from f32" : "");

@@ -29,7 +29,6 @@ std::string ms_text(std::chrono::milliseconds d) {
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
 }
 
-
 std::vector<std::string> rank_names(const cluster::ClusterSpec& spec) {
   std::vector<std::string> names;
   const auto addresses = spec.training_addresses();

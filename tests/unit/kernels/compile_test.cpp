@@ -343,11 +343,12 @@ TEST_F(CompileScript, UnderBfloat16MobileNetsOtherConvolutionsAreRewritten) {
   // bfloat16's rounding swamps a gradient near zero (a BatchNorm weight's, 3e-7 long here) no
   // farther off than oneDNN's bfloat16 step.
   for (const auto& [name, g] : results[2].second) {
+    const torch::Tensor truth = g.flatten().to(torch::kDouble);
     const auto cosine = [&](const torch::Tensor& a) {
-      return torch::cosine_similarity(a.flatten().to(torch::kDouble), g.flatten().to(torch::kDouble), 0)
-          .item<double>();
+      return torch::cosine_similarity(a.flatten().to(torch::kDouble), truth, 0).item<double>();
     };
-    const double ours = cosine(results[1].second.at(name)), onednn = cosine(results[0].second.at(name));
+    const double ours = cosine(results[1].second.at(name));
+    const double onednn = cosine(results[0].second.at(name));
     EXPECT_GT(ours, std::min(0.99, onednn - 0.01)) << name << ": oneDNN's " << onednn;
   }
 }

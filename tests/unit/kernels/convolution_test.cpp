@@ -40,7 +40,8 @@ Result step(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, cons
             const torch::Tensor& seed, std::optional<Mode> mode) {
   const auto type = mode ? torch::kBFloat16 : torch::kDouble;
   const torch::Tensor input = x.detach().to(type).contiguous(kChannelsLast).requires_grad_();
-  const torch::Tensor weight = w.detach().to(mode ? torch::kFloat : torch::kDouble).requires_grad_();
+  const torch::Tensor weight =
+      w.detach().to(mode ? torch::kFloat : torch::kDouble).requires_grad_();
   const torch::Tensor bias =
       s.bias ? b.detach().to(weight.scalar_type()).requires_grad_() : torch::Tensor();
   const std::optional<torch::Tensor> b_opt =
@@ -50,7 +51,7 @@ Result step(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, cons
     KernelMode m(*mode);
     train::AutocastGuard autocast(train::Policy::kMixedBFloat16, torch::kCPU);
     y = kernels::conv2d(input, weight, b_opt, {s.stride, s.stride}, {s.padding, s.padding}, {1, 1},
-               s.groups);
+                        s.groups);
   } else {
     y = at::conv2d(input, weight, b_opt, {s.stride, s.stride}, {s.padding, s.padding}, {1, 1},
                    s.groups);
@@ -67,22 +68,20 @@ Result step(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, cons
 // projections, its depthwise 3x3s at strides 1 and 2, a first layer of one channel, ResNet-18's
 // stride-2 3x3 and 1x1 shortcut at 128 -> 256 channels, and one with a bias.
 TEST(Float32Conv, UnderBfloat16AutocastTheActivationsAreBfloat16AndTheArithmeticFloat) {
-  for (const Shape s : {Shape{4, 32, 16, 14, 1, 1, 0, 1, false},
-                        Shape{4, 96, 96, 14, 3, 2, 1, 96, false},
-                        Shape{4, 144, 144, 7, 3, 1, 1, 144, false},
-                        Shape{4, 144, 24, 7, 1, 1, 0, 1, false},
-                        Shape{4, 1, 32, 28, 3, 1, 1, 1, false},
-                        Shape{2, 128, 256, 14, 3, 2, 1, 1, false},
-                        Shape{2, 128, 256, 14, 1, 2, 0, 1, false},
-                        Shape{3, 24, 40, 9, 3, 1, 0, 1, true}}) {
+  for (const Shape s :
+       {Shape{4, 32, 16, 14, 1, 1, 0, 1, false}, Shape{4, 96, 96, 14, 3, 2, 1, 96, false},
+        Shape{4, 144, 144, 7, 3, 1, 1, 144, false}, Shape{4, 144, 24, 7, 1, 1, 0, 1, false},
+        Shape{4, 1, 32, 28, 3, 1, 1, 1, false}, Shape{2, 128, 256, 14, 3, 2, 1, 1, false},
+        Shape{2, 128, 256, 14, 1, 2, 0, 1, false}, Shape{3, 24, 40, 9, 3, 1, 0, 1, true}}) {
     torch::manual_seed(21);
     const std::int64_t out_size = (s.size + 2 * s.padding - s.kernel) / s.stride + 1;
     const torch::Tensor x = torch::randn({s.n, s.in, s.size, s.size}).to(torch::kBFloat16);
     const torch::Tensor w =
         torch::randn({s.out, s.in / s.groups, s.kernel, s.kernel}).contiguous(kChannelsLast);
     const torch::Tensor b = torch::randn({s.out});
-    const torch::Tensor seed =
-        torch::randn({s.n, s.out, out_size, out_size}).to(torch::kBFloat16).contiguous(kChannelsLast);
+    const torch::Tensor seed = torch::randn({s.n, s.out, out_size, out_size})
+                                   .to(torch::kBFloat16)
+                                   .contiguous(kChannelsLast);
     const Result truth = step(s, x, w, b, seed, std::nullopt);
     const Result ours = step(s, x, w, b, seed, Mode::kFixed);
     const Result direct = step(s, x, w, b, seed, Mode::kNone);
@@ -94,8 +93,7 @@ TEST(Float32Conv, UnderBfloat16AutocastTheActivationsAreBfloat16AndTheArithmetic
         << what << ": the layout ATen's gives";
     EXPECT_FALSE(torch::equal(ours.y, direct.y)) << what << ": the two paths can be told apart";
     EXPECT_LT(relative_difference(ours.y, truth.y), 1.0 / 256) << what;
-    EXPECT_LE(relative_difference(ours.y, truth.y), relative_difference(direct.y, truth.y))
-        << what;
+    EXPECT_LE(relative_difference(ours.y, truth.y), relative_difference(direct.y, truth.y)) << what;
     EXPECT_LT(relative_difference(ours.gx, truth.gx), 1.0 / 256) << what;
     EXPECT_LE(relative_difference(ours.gx, truth.gx), relative_difference(direct.gx, truth.gx))
         << what;
@@ -128,8 +126,8 @@ TEST(Float32Conv, InFloat32ItIsATensConvolution) {
   }
   train::AutocastGuard autocast(train::Policy::kMixedBFloat16, torch::kCPU);
   EXPECT_TRUE(float32_conv2d_applies(x, w, std::nullopt, {1, 1}, {0, 0}, {1, 1}, 1));
-  EXPECT_FALSE(float32_conv2d_applies(x, w.to(torch::kDouble), std::nullopt, {1, 1}, {0, 0},
-                                      {1, 1}, 1))
+  EXPECT_FALSE(
+      float32_conv2d_applies(x, w.to(torch::kDouble), std::nullopt, {1, 1}, {0, 0}, {1, 1}, 1))
       << "float64 weights";
 }
 
