@@ -3,6 +3,8 @@
 # 2 workers on this host, started by hand from TF_CONFIG, one thread each, each pinned to a core
 # of its own (taskset); worker 1 is slowed to SLOW of its core in a reproducible way:
 #   cgroup      a CPU quota on its process: cgroup v2's cpu.max, or v1's cpu.cfs_quota_us (root)
+#               (v1 ran here; the v2 branch has not run yet: it needs the cpu controller
+#               enabled in the root's cgroup.subtree_control, which this script does not change)
 #   competitor  a CPU-bound loop pinned to its core beside it (the kernel's fair share: about half)
 # METHOD=auto takes the cgroup where one can be made, else the competitor; the lines say which.
 # The ideal is the sum of each worker's solo speed (one worker alone on its core, as slowed, at

@@ -359,13 +359,18 @@ void rewrite_convolution(jit::Node* node, const jit::Module& module, bool bfloat
   const auto w = attribute(node->input(1), module);
   const bool known = w && w->isTensor();
   const auto stride = constant(node->input(3));
-  std::string why;
+  // why_not_ours: flotilla::conv2d cannot take it (it stays aten's); else why: Winograd's kernels
+  // cannot. Under bfloat16 whatever flotilla::conv2d takes is rewritten: Winograd's where `why`
+  // is empty, float32 arithmetic (convolution.h) otherwise.
+  std::string why_not_ours, why;
   if (convolution && (!constant(node->input(6)) || constant(node->input(6))->toBool())) {
-    why = "transposed";
-  } else if (stride && stride->isIntList() && stride->toIntVector().size() != 2) {
-    why = "not 2-D";
-  } else if (known && (w->toTensor().dim() != 4 || w->toTensor().size(2) != 3 ||
-                       w->toTensor().size(3) != 3)) {
+    why_not_ours = "transposed";
+  } else if ((stride && stride->isIntList() && stride->toIntVector().size() != 2) ||
+             (known && w->toTensor().dim() != 4)) {
+    why_not_ours = "not 2-D";
+  } else if (node->input(4)->type()->kind() != c10::TypeKind::ListType) {
+    why_not_ours = "padding by name";
+  } else if (known && (w->toTensor().size(2) != 3 || w->toTensor().size(3) != 3)) {
     why = "not 3x3";
   } else if (!constant(groups) || constant(groups)->toInt() != 1) {
     why = "grouped";
@@ -383,22 +388,12 @@ void rewrite_convolution(jit::Node* node, const jit::Module& module, bool bfloat
       why = "channels not multiples of 16 up to 512";
     }
   }
-  // Under bfloat16 any other 2-D convolution computes in float32 (convolution.h).
-  std::string why_not_float32;
-  if (convolution && (!constant(node->input(6)) || constant(node->input(6))->toBool())) {
-    why_not_float32 = "transposed";
-  } else if ((stride && stride->isIntList() && stride->toIntVector().size() != 2) ||
-             (known && w->toTensor().dim() != 4)) {
-    why_not_float32 = "not 2-D";
-  } else if (node->input(4)->type()->kind() != c10::TypeKind::ListType) {
-    why_not_float32 = "padding by name";
-  }
-  const bool other = !why.empty() && bfloat16 && why_not_float32.empty();
   const std::string layer = attribute_path(node->input(1));
-  if (!why.empty() && !other) {
-    counter.count(false, "convolutions (" + (bfloat16 ? why_not_float32 : why) + ")", layer);
+  if (!why_not_ours.empty() || (!why.empty() && !bfloat16)) {
+    counter.count(false, "convolutions (" + why_not_ours + why + ")", layer);
     return;
   }
+  const bool other = !why.empty();
   jit::Graph& graph = *node->owningGraph();
   jit::WithInsertPoint here(node);
   jit::Node* ours = graph.insertNode(graph.create(

@@ -18,10 +18,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::vector<std::int64_t> vec(at::IntArrayRef values) {
-  return values.vec();
-}
-
 // x (bfloat16) by w (float32) in float32, the output rounded to bfloat16; backward likewise.
 // Saves the bfloat16 input, not its float32 widening: half the memory a step keeps.
 class Float32ConvFunction : public torch::autograd::Function<Float32ConvFunction> {
@@ -68,7 +64,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w,
                                   : at::autocast::cached_cast(torch::kBFloat16, x, at::kCPU);
   const std::optional<torch::Tensor> b =
       bias && bias->defined() ? bias : std::optional<torch::Tensor>();
-  return Float32ConvFunction::apply(input, w, b, vec(stride), vec(padding), vec(dilation), groups);
+  return Float32ConvFunction::apply(input, w, b, stride.vec(), padding.vec(), dilation.vec(),
+                                    groups);
 }
 
 // This path's and oneDNN's runs on inputs of x's, w's and bias's shapes, types and layouts.
@@ -85,7 +82,7 @@ detail::Candidates candidates(const torch::Tensor& x, const torch::Tensor& w,
   const torch::Tensor xs = random(x), ws = random(w);
   const std::optional<torch::Tensor> bs =
       bias && bias->defined() ? std::optional<torch::Tensor>(random(*bias)) : std::nullopt;
-  const std::vector<std::int64_t> s = vec(stride), p = vec(padding), d = vec(dilation);
+  const std::vector<std::int64_t> s = stride.vec(), p = padding.vec(), d = dilation.vec();
   const auto backward = [=](const torch::Tensor& y) {
     if (!training) return;
     std::vector<torch::Tensor> inputs;

@@ -351,13 +351,22 @@ bool winograd_applies(const torch::Tensor& x, const torch::Tensor& weight,
          torch::ScalarType::Undefined;
 }
 
-bool winograd_applies(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
+namespace {
+// A Conv2d's padding where it is at::conv2d's (zeros, given as numbers, not transposed); null
+// where the module's own forward must run.
+const torch::ExpandingArray<2>* plain_padding(const torch::nn::Conv2dImpl& conv) {
   const auto& o = conv.options;
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
-  return padding != nullptr && !o.transposed() &&
-         std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
-         winograd_applies(x, conv.weight, conv.bias, *o.stride(), **padding, *o.dilation(),
-                          o.groups());
+  const bool zeros = std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode());
+  return padding != nullptr && zeros && !o.transposed() ? padding : nullptr;
+}
+} // namespace
+
+bool winograd_applies(const torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
+  const auto& o = conv.options;
+  const auto* padding = plain_padding(conv);
+  return padding != nullptr && winograd_applies(x, conv.weight, conv.bias, *o.stride(), **padding,
+                                                *o.dilation(), o.groups());
 }
 
 torch::Tensor winograd_conv3x3(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -394,11 +403,8 @@ torch::Tensor conv2d(const torch::Tensor& x, const torch::Tensor& weight,
 
 torch::Tensor conv2d(torch::nn::Conv2dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
-  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
-  if (padding == nullptr || o.transposed() ||
-      !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
-    return conv.forward(x);
-  }
+  const auto* padding = plain_padding(conv);
+  if (padding == nullptr) return conv.forward(x);
   const std::optional<torch::Tensor> bias =
       conv.bias.defined() ? std::optional<torch::Tensor>(conv.bias) : std::nullopt;
   return kernels::conv2d(x, conv.weight, bias, *o.stride(), **padding, *o.dilation(), o.groups());

@@ -188,7 +188,6 @@ Mac chief_mac(const std::string& token, const Nonce& server_nonce, const Nonce& 
 
 // Secrets (base/hashes.h).
 using base::equal_secret;
-using base::fill_random;
 using base::random_bytes;
 
 } // namespace flotilla::collective::detail

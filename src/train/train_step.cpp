@@ -181,9 +181,9 @@ TrainStep::TrainStep(strategy::Strategy& strategy, Model::MultiReplica model, Si
   // flotilla's kernels can run its layers, before the replicas are copied from it.
   if (strategy_.devices().front().is_cpu() && options.jit_compile.value_or(true)) {
     auto* script = dynamic_cast<TorchScriptModuleImpl*>(model.first.get());
+    const bool bfloat16 = policy == Policy::kMixedBFloat16;
     kernel_rewrites_ = std::make_unique<kernels::CompileReport>(
-        script ? script->compile_kernels(policy == Policy::kMixedBFloat16)
-               : kernels::compile(*model.first, policy == Policy::kMixedBFloat16));
+        script ? script->compile_kernels(bfloat16) : kernels::compile(*model.first, bfloat16));
   }
   replicas_ = std::make_unique<ReplicaSet>(strategy_.devices(), std::move(model), clone,
                                            options.optimizer, channels_last_);

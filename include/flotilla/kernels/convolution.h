@@ -6,11 +6,13 @@
 // convolution on the operands widened to float32 and the result rounded back.
 //
 // On a CPU that multiplies bfloat16 without native instructions (no AVX512-BF16 or AMX), oneDNN
-// emulates them, several times slower than its float32 convolution: on a 2-core Intel Xeon with
-// AVX-512 and no AVX512-BF16 a forward and backward ran 1.1-4.0x faster this way at
-// MobileNetV2's and ResNet-18's shapes (bench/peers, docs/benchmarks.md). Where oneDNN
-// multiplies bfloat16 natively its own convolution is faster; conv2d() (winograd.h) runs
-// whichever measured faster at each shape (choice.h).
+// emulates them (a thread's matmul: 29.7 GFLOP/s against 133.7 in float32 on a 2-core Intel
+// Xeon with AVX-512 and no AVX512-BF16). There the measured choice took this path at 25 of
+// torchvision MobileNetV2's 30 shapes (1.01-6.14x oneDNN's, forward and backward; oneDNN's kept
+// most depthwise ones) and at all 7 of ResNet-18's (1.45-3.05x): the recipe lines of
+// bench/peers.sh, docs/benchmarks.md. Where oneDNN multiplies bfloat16 natively its own
+// convolution should win (not measured yet); conv2d() (winograd.h) runs whichever measured
+// faster at each shape (choice.h).
 #pragma once
 
 #include <torch/types.h>

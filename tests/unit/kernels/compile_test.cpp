@@ -314,8 +314,9 @@ TEST_F(CompileScript, UnderBfloat16MobileNetsOtherConvolutionsAreRewritten) {
   torch::jit::Module compiled = compile(original, report, /*bfloat16=*/true);
   EXPECT_EQ(report.rewritten.at("other convolutions (bfloat16 in float32 arithmetic)"), 4)
       << report.summary();
-  EXPECT_EQ(report.summary().find("left to ATen: 1 convolutions"), std::string::npos)
-      << report.summary();
+  for (const auto& [why, n] : report.left) {
+    EXPECT_NE(why.rfind("convolutions", 0), 0u) << n << " " << why << " left: " << report.summary();
+  }
   torch::manual_seed(12);
   const torch::Tensor x = torch::randn({8, 1, 10, 10}).contiguous(kChannelsLast);
   std::vector<std::pair<torch::Tensor, std::map<std::string, torch::Tensor>>> results;
