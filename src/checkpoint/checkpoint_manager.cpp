@@ -17,6 +17,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "checkpoint/directory_flock.h"
 #include "checkpoint/manifest.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/base/hashes.h"
@@ -219,31 +220,9 @@ struct Commit {
   std::string warning;
 };
 
-// An exclusive flock on a checkpoint directory, held while a fenced save compares its token
-// with the disk's and moves the pointer (two writers cannot both pass the check). Where the
-// file system refuses locks on directories, the check runs unlocked.
-class DirectoryFlock {
- public:
-  explicit DirectoryFlock(const fs::path& dir) {
-    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd_ >= 0) {
-      while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
-      }
-    }
-  }
-  ~DirectoryFlock() {
-    if (fd_ >= 0) ::close(fd_); // releases the lock
-  }
-  DirectoryFlock(const DirectoryFlock&) = delete;
-  DirectoryFlock& operator=(const DirectoryFlock&) = delete;
-
- private:
-  int fd_ = -1;
-};
-
-// Fencing: CheckpointError when the newest checkpoint the pointer of `dir` names was decided by
-// a newer generation than `data`'s, or holds more updates. A newest checkpoint that cannot be
-// read fences nothing (restore_latest passes it over too).
+// Fencing: CheckpointError when the newest checkpoint the pointer of `dir` names, of the same
+// training, was decided by a newer generation than `data`'s, or holds more updates. A newest
+// checkpoint that cannot be read fences nothing (restore_latest passes it over too).
 void check_fence(const fs::path& dir, const CheckpointData& data, const std::string& name) {
   if (data.generation < 0) return;
   detail::Manifest newest;
@@ -253,14 +232,22 @@ void check_fence(const fs::path& dir, const CheckpointData& data, const std::str
     if (!pointer) return;
     newest_path = resolve(dir, pointer->model_checkpoint_path);
     if (newest_path.filename() == name) return; // a re-save of this number: replaced as before
-    newest = detail::parse_manifest(read_text(newest_path / kManifestFile),
-                                    newest_path / kManifestFile,
-                                    {kCheckpointFormat, kCheckpointFormatVersion, {}});
+    newest =
+        detail::parse_manifest(read_text(newest_path / kManifestFile), newest_path / kManifestFile,
+                               {kCheckpointFormat, kCheckpointFormatVersion, {}});
   } catch (const std::exception&) {
     return;
   }
-  const std::string ours = "generation " + std::to_string(data.generation) + ", update " +
-                           std::to_string(data.step);
+  // A writer with a training id is fenced by checkpoints of that training only: one of another
+  // training (a job started afresh in the same directory, or written before ids) is replaced,
+  // as Keras's callbacks replace files, whatever its tokens, which another rendezvous counted.
+  const std::string training = data.state.value("training", std::string());
+  if (!training.empty() &&
+      (!newest.state.is_object() || newest.state.value("training", std::string()) != training)) {
+    return;
+  }
+  const std::string ours =
+      "generation " + std::to_string(data.generation) + ", update " + std::to_string(data.step);
   const std::string theirs = newest_path.string() + " (generation " +
                              std::to_string(newest.generation) + ", update " +
                              std::to_string(newest.step) + ")";
@@ -472,7 +459,7 @@ fs::path CheckpointManager::save(collective::Communicator& workers, const Logger
   // Phase 2, the chief: move it into place, then the pointer, then delete beyond max_to_keep.
   if (chief) {
     try {
-      std::optional<DirectoryFlock> fence_lock;
+      std::optional<detail::DirectoryFlock> fence_lock;
       if (data.generation >= 0) fence_lock.emplace(directory_);
       check_fence(directory_, data, name);
       const Commit done = commit(*staged, directory_, name, max_to_keep_);
@@ -538,7 +525,8 @@ void check_manifest_mac(const fs::path& checkpoint_dir, const std::string& manif
   const fs::path file = checkpoint_dir / kManifestMacFile;
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(file, ec))) {
-    throw CheckpointError(file.string() + ": missing, and this job has a cluster token: the "
+    throw CheckpointError(file.string() +
+                          ": missing, and this job has a cluster token: the "
                           "checkpoint was saved without one (or its key was removed), so nothing "
                           "shows that its training state came from a holder of the token. " +
                           restore_advice(checkpoint_dir));
@@ -546,8 +534,10 @@ void check_manifest_mac(const fs::path& checkpoint_dir, const std::string& manif
   const std::string line = read_text(file);
   const std::string expected = line.substr(0, line.find_first_of(" \n"));
   if (expected != base::hmac_sha256_hex(key, manifest_text)) {
-    throw CheckpointError((checkpoint_dir / kManifestFile).string() + ": its HMAC under this "
-                          "job's cluster token is not the one " + kManifestMacFile +
+    throw CheckpointError((checkpoint_dir / kManifestFile).string() +
+                          ": its HMAC under this "
+                          "job's cluster token is not the one " +
+                          kManifestMacFile +
                           " holds: the manifest (the training state) was changed by someone "
                           "without the token, or saved under another token. " +
                           restore_advice(checkpoint_dir));

@@ -1,10 +1,14 @@
 #include "flotilla/checkpoint/model_checkpoint.h"
 
+#include <nlohmann/json.hpp>
+
+#include <fstream>
 #include <random>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "checkpoint/directory_flock.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -84,15 +88,85 @@ void load_model_state(torch::nn::Module& module, const NamedTensors& state,
   for (auto& [target, source_tensor] : copies) target.copy_(*source_tensor);
 }
 
+std::map<std::string, std::string> read_safetensors_metadata(const fs::path& path) {
+  std::map<std::string, std::string> out;
+  std::ifstream in(path, std::ios::binary);
+  unsigned char size_bytes[8];
+  if (!in.read(reinterpret_cast<char*>(size_bytes), 8)) return out;
+  std::uint64_t size = 0;
+  for (int i = 7; i >= 0; --i) size = (size << 8) | size_bytes[i]; // little-endian
+  if (size > (std::uint64_t{100} << 20)) return out; // the format's own bound on a header
+  std::string header(size, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(size))) return out;
+  const auto json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object() || !json.contains("__metadata__") || !json["__metadata__"].is_object()) {
+    return out;
+  }
+  for (const auto& [key, value] : json["__metadata__"].items()) {
+    if (value.is_string()) out.emplace(key, value.get<std::string>());
+  }
+  return out;
+}
+
+namespace {
+
+// The fence of save_model: CheckpointError when `path` holds weights of the same training that
+// a newer generation decided or that have more updates.
+void check_weights_fence(const fs::path& path, const WeightsFence& fence) {
+  const auto theirs = read_safetensors_metadata(path);
+  const auto field = [&](const char* key) -> std::optional<std::int64_t> {
+    const auto it = theirs.find(key);
+    if (it == theirs.end()) return std::nullopt;
+    try {
+      return std::stoll(it->second);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  };
+  const auto training = theirs.find("flotilla.training");
+  if (training == theirs.end() || training->second != fence.training) return;
+  const auto generation = field("flotilla.generation");
+  const auto update = field("flotilla.update");
+  if (!generation || !update) return;
+  const std::string ours =
+      "generation " + std::to_string(fence.generation) + ", update " + std::to_string(fence.update);
+  const std::string on_disk = path.string() + " (generation " + std::to_string(*generation) +
+                              ", update " + std::to_string(*update) + ")";
+  if (*generation > fence.generation) {
+    throw CheckpointError("refused (fencing): these weights are of " + ours + ", and " + on_disk +
+                          " was decided by a newer generation of the group: this process was "
+                          "replaced (stopped or cut off, then expelled) and must not overwrite "
+                          "its successor's work");
+  }
+  if (*update > fence.update) {
+    throw CheckpointError("refused (fencing): these weights are of " + ours + ", older than " +
+                          on_disk);
+  }
+}
+
+} // namespace
+
 fs::path save_model(collective::Communicator& workers, const torch::nn::Module& module,
                     const fs::path& model_dir, const std::string& file_name,
-                    const std::map<std::string, std::string>& metadata) {
+                    const std::map<std::string, std::string>& metadata,
+                    const std::optional<WeightsFence>& fence) {
   const NamedTensors tensors = model_state(module);
 
   std::exception_ptr failure;
   try {
     WriteLocation location(model_dir, workers.rank() == 0, workers.rank());
-    save_safetensors(location.dir() / file_name, tensors, metadata);
+    const fs::path path = location.dir() / file_name;
+    if (!fence) {
+      save_safetensors(path, tensors, metadata);
+    } else {
+      std::map<std::string, std::string> fenced = metadata;
+      fenced["flotilla.training"] = fence->training;
+      fenced["flotilla.generation"] = std::to_string(fence->generation);
+      fenced["flotilla.update"] = std::to_string(fence->update);
+      detail::DirectoryFlock lock(path.parent_path());
+      if (!location.is_temporary()) check_weights_fence(path, *fence);
+      save_safetensors(path, tensors, fenced);
+    }
   } catch (...) {
     failure = std::current_exception();
   }

@@ -155,14 +155,21 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
     // Every worker saves together (the buffers' mirror is a collective). Elastic: the chief alone,
     // with the buffers it has (mirrored at each epoch's end).
     if (strategy.saves_collectively()) model().mirror_buffers();
-    checkpoint::save_model(*group, model().module(),
-                           path.parent_path().empty() ? "." : path.parent_path(),
-                           path.filename().string(),
-                           {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}});
+    std::optional<checkpoint::WeightsFence> fence;
+    if (strategy.elastic()) {
+      const TrainingState state = model().training_state();
+      fence = checkpoint::WeightsFence{state.training, model().generation(), state.iterations};
+    }
+    checkpoint::save_model(
+        *group, model().module(), path.parent_path().empty() ? "." : path.parent_path(),
+        path.filename().string(), {{"epoch", std::to_string(epoch_1based)}, {"format", "flotilla"}},
+        fence);
   } else {
     checkpoint::CheckpointManager manager(path, options_.max_to_keep);
     const std::int64_t number = options_.save_freq == 0 ? epoch_1based : model().iterations();
-    saved_.push_back(manager.save(*group, strategy.log(), checkpoint_data(model()), number));
+    checkpoint::CheckpointData data = checkpoint_data(model());
+    data.generation = model().generation(); // -1 (unfenced) outside elastic fits
+    saved_.push_back(manager.save(*group, strategy.log(), data, number));
     return;
   }
   saved_.push_back(path);
@@ -356,7 +363,8 @@ std::optional<TrainingState> BackupAndRestore::restore() {
   // The newest backup that verifies and loads; one of another model stops the search (its
   // parameters cannot take this model's place, and an older one is no better).
   const auto data = checkpoint::restore_latest(
-      dir, &skipped, &from, [&](const checkpoint::CheckpointData& data, const fs::path& path) {
+      dir, &skipped, &from,
+      [&](const checkpoint::CheckpointData& data, const fs::path& path) {
         const nlohmann::json run = data.state.value("run", nlohmann::json::object());
         if (run.is_object() && run.contains("parameters") &&
             run["parameters"] != identity["parameters"]) {
@@ -373,8 +381,8 @@ std::optional<TrainingState> BackupAndRestore::restore() {
         // were counted by another rendezvous from 0 too: its tokens start above this one's.
         const std::int64_t generation =
             strategy.elastic() ? static_cast<std::int64_t>(strategy.elastic()->generation()) : 0;
-        state->generation_base = std::max<std::int64_t>(
-            state->generation_base, data.generation + 1 - generation);
+        state->generation_base =
+            std::max<std::int64_t>(state->generation_base, data.generation + 1 - generation);
       },
       strategy.communicator().options().checkpoint_key);
   if (strategy.is_chief()) {
@@ -445,9 +453,8 @@ bool BackupAndRestore::backup() {
   checkpoint::CheckpointData data = checkpoint_data(model());
   data.state["backup_number"] = ++number_;
   // The fencing token: the generation that decided this state, counted over the training's runs.
-  data.generation =
-      data.state.value("generation_base", std::int64_t{0}) +
-      (strategy.elastic() ? static_cast<std::int64_t>(strategy.elastic()->generation()) : 0);
+  data.generation = strategy.elastic() ? model().generation()
+                                       : data.state.value("generation_base", std::int64_t{0});
   manager.save(*group, strategy.log(), data, number_);
   return true;
 }

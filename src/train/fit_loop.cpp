@@ -84,6 +84,8 @@ History FitLoop::run(const data::DistributedDataset& train,
   progress_.input = &input;
   healer_.begin_fit(train);
   callbacks_.on_train_begin(); // BackupAndRestore may set `resume` here
+  // The fencing tokens' training: the backup's, or a fresh one for a training started afresh.
+  if (healer_.elastic() && !joining) step_.agree_training(strategy_.communicator());
   timer_.begin_fit(step_.device().is_cuda());
   step_.replicas().copy_first_to_others();
   if (joining) resume = healer_.join();
@@ -379,8 +381,8 @@ void FitLoop::check_options(const data::DistributedDataset& train) const {
 
 void FitLoop::check_elastic(const data::DistributedDataset& train) const {
   const auto refuse = [](const std::string& what) {
-    throw ConfigError("elastic mode (ElasticOptions::enabled) cannot heal a fit with " +
-                      what + " yet; leave it out, or train without elastic mode");
+    throw ConfigError("elastic mode (ElasticOptions::enabled) cannot heal a fit with " + what +
+                      " yet; leave it out, or train without elastic mode");
   };
   if (step_.captured()) refuse("jit_compile's captured steps");
   if (step_.options().gradient_accumulation_steps > 1) refuse("gradient_accumulation_steps > 1");

@@ -57,6 +57,12 @@ void TensorBoard::on_epoch_end(int epoch, EpochLogs& logs) {
     }
   }
   writers_->train.scalar("epoch_samples_per_s", logs.samples_per_s, epoch);
+  // Elastic: the generation that decided the epoch's last update (its fencing token), so that a
+  // replaced chief's late lines can be told from its successor's.
+  const std::int64_t generation = model().generation();
+  if (generation >= 0) {
+    writers_->train.scalar("epoch_generation", static_cast<double>(generation), epoch);
+  }
   writers_->train.flush();
   writers_->validation.flush();
 }
@@ -92,11 +98,16 @@ void CSVLogger::on_epoch_end(int epoch, EpochLogs& logs) {
     // A file being appended to has its header already.
     if (!append_ || fs::file_size(filename_) == 0) {
       out << "epoch";
+      if (model().generation() >= 0) out << separator_ << "generation";
       for (const auto& key : keys_) out << separator_ << key;
       out << "\n";
     }
   }
   out << epoch;
+  // Elastic: the generation that decided the epoch's last update (see TensorBoard's).
+  if (const std::int64_t generation = model().generation(); generation >= 0) {
+    out << separator_ << generation;
+  }
   char buf[64];
   for (const auto& key : keys_) {
     const auto value = logs.values.get(key);

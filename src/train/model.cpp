@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
 #include "train/epoch_iterator.h"
@@ -23,9 +24,8 @@ namespace {
 
 Model::MultiForward of_one(Model::Forward forward) {
   if (!forward) return {};
-  return [forward = std::move(forward)](const Tensors& inputs) {
-    return Tensors{forward(inputs[0])};
-  };
+  return
+      [forward = std::move(forward)](const Tensors& inputs) { return Tensors{forward(inputs[0])}; };
 }
 
 } // namespace
@@ -72,9 +72,9 @@ void Model::compile(const CompileOptions& options) {
   healer_.reset();
   step_.reset();
   resume_.reset();
-  step_ = std::make_unique<detail::TrainStep>(strategy_, MultiReplica{module_, forward_},
-                                              signature_, clone_, options, global_policy(),
-                                              *timer_);
+  step_ =
+      std::make_unique<detail::TrainStep>(strategy_, MultiReplica{module_, forward_}, signature_,
+                                          clone_, options, global_policy(), *timer_);
   healer_ = std::make_unique<detail::Healer>(
       strategy_, *step_, *progress_, stop_training,
       [this](collective::Communicator& comm, int donor, const TrainingState& mine) {
@@ -84,8 +84,10 @@ void Model::compile(const CompileOptions& options) {
 
 void Model::require_single(const char* what) const {
   if (signature_.inputs != 1 || signature_.outputs != 1) {
-    throw ConfigError(std::string("Model.") + what + "() gives one output for one input; this "
-                      "model has " + std::to_string(signature_.inputs) + " inputs and " +
+    throw ConfigError(std::string("Model.") + what +
+                      "() gives one output for one input; this "
+                      "model has " +
+                      std::to_string(signature_.inputs) + " inputs and " +
                       std::to_string(signature_.outputs) + " outputs: use predict_outputs()");
   }
 }
@@ -157,6 +159,13 @@ int Model::current_epoch() const {
 
 TrainingState Model::training_state() const {
   return progress_->state(step_.get(), /*with_position=*/true);
+}
+
+std::int64_t Model::generation() const {
+  const auto* group = strategy_.elastic();
+  if (!group) return -1;
+  return (step_ ? step_->counters().generation_base : 0) +
+         static_cast<std::int64_t>(group->generation());
 }
 
 void Model::restore_training_state(const TrainingState& state) {

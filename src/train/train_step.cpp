@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "flotilla/base/hashes.h"
+#include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
 #include "flotilla/kernels/compile.h"
 #include "flotilla/train/sync_batchnorm.h"
@@ -46,8 +48,8 @@ std::vector<Metric> make_metrics(const CompileOptions& options, int outputs,
                                  std::vector<int>& outputs_read) {
   if (options.output_metrics && static_cast<int>(options.output_metrics->size()) != outputs) {
     throw ConfigError("CompileOptions::output_metrics has " +
-                      std::to_string(options.output_metrics->size()) +
-                      " lists; the model has " + std::to_string(outputs) + " outputs");
+                      std::to_string(options.output_metrics->size()) + " lists; the model has " +
+                      std::to_string(outputs) + " outputs");
   }
   const std::vector<Metric> metrics = make_metrics(options);
   if (outputs == 1 && !options.output_metrics) {
@@ -129,14 +131,14 @@ torch::Tensor on_device(const torch::Tensor& t, const torch::Device& device) {
 void check_element(const data::Element& e, const Signature& signature) {
   const std::size_t needed = static_cast<std::size_t>(signature.inputs + signature.outputs);
   if (e.size() < needed || e.size() > needed + 1) {
-    throw DataError(
-        signature.inputs == 1 && signature.outputs == 1
-            ? "a training element needs (features, labels[, weights]); saw " +
-                  std::to_string(e.size()) + " component(s)"
-            : "a training element of this model needs " + std::to_string(signature.inputs) +
-                  " inputs, " + std::to_string(signature.outputs) +
-                  " labels (one per output) and, optionally, sample weights; saw " +
-                  std::to_string(e.size()) + " component(s)");
+    throw DataError(signature.inputs == 1 && signature.outputs == 1
+                        ? "a training element needs (features, labels[, weights]); saw " +
+                              std::to_string(e.size()) + " component(s)"
+                        : "a training element of this model needs " +
+                              std::to_string(signature.inputs) + " inputs, " +
+                              std::to_string(signature.outputs) +
+                              " labels (one per output) and, optionally, sample weights; saw " +
+                              std::to_string(e.size()) + " component(s)");
   }
 }
 
@@ -261,6 +263,7 @@ TrainingState TrainStep::counters() const {
   state.iterations = iterations_;
   state.trained_rows = trained_rows_;
   state.generation_base = generation_base_;
+  state.training = training_;
   if (loss_scale_) {
     state.loss_scale = loss_scale_->scale();
     state.loss_scale_good_steps = loss_scale_->good_steps();
@@ -272,9 +275,23 @@ void TrainStep::restore_counters(const TrainingState& state) {
   iterations_ = state.iterations;
   trained_rows_ = state.trained_rows; // -1 from an older checkpoint: counted at the next fit
   generation_base_ = state.generation_base;
+  training_ = state.training;
   if (loss_scale_ && state.loss_scale > 0) {
     loss_scale_->restore(state.loss_scale, state.loss_scale_good_steps);
   }
+}
+
+void TrainStep::agree_training(collective::Communicator& comm) {
+  std::string mine = training_;
+  if (mine.empty() && comm.rank() == 0) {
+    const auto bytes = base::random_bytes<16>();
+    static constexpr char kHex[] = "0123456789abcdef";
+    for (const std::uint8_t b : bytes) {
+      mine += kHex[b >> 4];
+      mine += kHex[b & 15];
+    }
+  }
+  training_ = collective::broadcast_string(comm, mine, 0);
 }
 
 void TrainStep::begin_fit(std::int64_t lr_global_rows, std::int64_t global_rows) {

@@ -63,6 +63,10 @@ class TrainStep {
   // The update counters and loss scale (no epoch or position: the fit loop's).
   TrainingState counters() const;
   void restore_counters(const TrainingState& state);
+  // Elastic fits, on every starting member (not a joiner: it gets the id with the counters):
+  // the training's id (TrainingState::training) is rank 0's, drawn there when no backup gave
+  // one. Collective.
+  void agree_training(collective::Communicator& comm);
   // A failed step's rows are dropped: it is redone.
   void drop_partial_update() { update_rows_ = 0; }
   // Elastic keeping the per-replica batch: the global batch the learning rate is set for (each
@@ -136,8 +140,9 @@ class TrainStep {
   std::optional<LossScale> loss_scale_;
   std::int64_t iterations_ = 0;
   std::int64_t generation_base_ = 0; // TrainingState::generation_base
-  std::int64_t trained_rows_ = 0; // rows of the global batches of those updates (-1: unknown)
-  std::int64_t update_rows_ = 0;  // rows of the update being accumulated
+  std::string training_;             // TrainingState::training
+  std::int64_t trained_rows_ = 0;    // rows of the global batches of those updates (-1: unknown)
+  std::int64_t update_rows_ = 0;     // rows of the update being accumulated
   std::int64_t lr_global_rows_ = 0;
   bool check_finite_ = false; // a callback needs last_step_finite()
   bool last_step_finite_ = true;

@@ -50,6 +50,7 @@ json to_json(const TrainingState& s) {
             {"loss_scale_good_steps", s.loss_scale_good_steps}};
   if (s.trained_rows >= 0) j["trained_rows"] = s.trained_rows;
   if (s.generation_base > 0) j["generation_base"] = s.generation_base;
+  if (!s.training.empty()) j["training"] = s.training;
   if (s.iterator) {
     j["iterator"] = {{"iteration", s.iterator->iteration},
                      {"produced", s.iterator->produced},
@@ -69,13 +70,13 @@ TrainingState training_state_from_json(const json& j, const fs::path& where) {
     s.loss_scale_good_steps = j.at("loss_scale_good_steps").get<std::int64_t>();
     if (j.contains("iterator")) {
       const json& it = j.at("iterator");
-      s.iterator = data::IteratorState{it.at("iteration").get<std::int64_t>(),
-                                       it.at("produced").get<std::int64_t>(),
-                                       it.at("fingerprint").get<std::string>(),
-                                       it.value("in_rows", false)};
+      s.iterator = data::IteratorState{
+          it.at("iteration").get<std::int64_t>(), it.at("produced").get<std::int64_t>(),
+          it.at("fingerprint").get<std::string>(), it.value("in_rows", false)};
     }
     s.trained_rows = j.value("trained_rows", std::int64_t{-1});
     s.generation_base = std::max<std::int64_t>(0, j.value("generation_base", std::int64_t{0}));
+    s.training = j.value("training", std::string());
     return s;
   } catch (const json::exception& e) {
     throw CheckpointError(where.string() + ": the training state in its manifest is incomplete (" +
@@ -139,15 +140,15 @@ TrainingState share_training_state(Model& model, collective::Communicator& comm,
     checkpoint::NamedTensors tensors;
     for (const auto& [name, t] : data.model) tensors.emplace_back(kModelPrefix + name, t);
     for (const auto& [name, t] : data.optimizer) tensors.emplace_back(kOptimizerPrefix + name, t);
-    bytes = collective::seal(
-        token, purpose,
-        checkpoint::encode_safetensors(tensors,
-                                       {{"state", data.state.dump()}, {"policy", data.policy}}));
+    bytes = collective::seal(token, purpose,
+                             checkpoint::encode_safetensors(
+                                 tensors, {{"state", data.state.dump()}, {"policy", data.policy}}));
   }
   bytes = collective::broadcast_string(comm, bytes, donor);
   if (comm.rank() == donor) return state;
   const std::string& source = purpose;
-  const std::optional<std::string> opened = collective::open_sealed(token, purpose, std::move(bytes));
+  const std::optional<std::string> opened =
+      collective::open_sealed(token, purpose, std::move(bytes));
   if (!opened) {
     throw CheckpointError(source + " failed its HMAC-SHA256 check under the cluster token: it "
                                    "changed on the way, or came from a process without the "

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
+#include "flotilla/checkpoint/model_checkpoint.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/error.h"
@@ -338,11 +339,28 @@ TEST(ElasticFit, AnElasticEvaluateAndPredictAfterFitHealKilledWorkers) {
 // sample is trained on once per epoch.
 TEST(ElasticFit, AnElasticFitWithBatchNormSavesWithoutACollective) {
   const ElasticFit fit;
-  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
-                                        {"--batchnorm", "--backup-dir", fit.dir.path() + "/b"}),
-                             {}, std::chrono::seconds(180));
+  const std::string weights = fit.dir.path() + "/w/weights.safetensors";
+  std::filesystem::create_directories(fit.dir.path() + "/w");
+  const auto r =
+      run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
+                             {"--batchnorm", "--backup-dir", fit.dir.path() + "/b", "--weights",
+                              weights, "--csv", fit.dir.path() + "/w/log.csv"}),
+                  {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
+  // ModelCheckpoint's weights carry their fencing token: the training's id (drawn at the start,
+  // kept by the survivors and given to the rejoined worker), a generation after the kill's, and
+  // the last update. (The backups that also name the id are gone: a finished fit removes them.)
+  const auto fence = checkpoint::read_safetensors_metadata(weights);
+  EXPECT_EQ(fence.count("flotilla.training") ? fence.at("flotilla.training").size() : 0, 32u);
+  EXPECT_GE(std::stoi(fence.count("flotilla.generation") ? fence.at("flotilla.generation") : "0"),
+            1);
+  // CSVLogger's rows name their generation too.
+  const std::string csv = testing::read_file(fit.dir.path() + "/w/log.csv");
+  std::cout << csv;
+  EXPECT_EQ(csv.rfind("epoch,generation,", 0), 0u) << csv;
+  EXPECT_NE(csv.find("\n3,2,"), std::string::npos) << "the last epoch's, after the rejoin";
+  EXPECT_EQ(fence.count("flotilla.update") ? fence.at("flotilla.update") : "", "40");
   const auto first = checkpoint::load_safetensors(fit.elastic + "/weights-0.safetensors");
   EXPECT_EQ(first.tensors.count("1.running_var"), 1u);
   for (int slot = 1; slot < 3; ++slot) {
@@ -400,9 +418,9 @@ TEST(ElasticFit, AFrozenChiefsStaleBackupIsRefusedOnceItsSuccessorSaved) {
   ElasticFit fit;
   fit.epochs = 6;
   const std::string backup = fit.dir.path() + "/backup";
-  testing::Process launch(fit.launch(
-      "KILL", "200", {"--max-restarts", "1"},
-      {"--signal-at", "-1", "--fault", "0:callbacks-stop:2", "--backup-dir", backup}));
+  testing::Process launch(
+      fit.launch("KILL", "200", {"--max-restarts", "1"},
+                 {"--signal-at", "-1", "--fault", "0:callbacks-stop:2", "--backup-dir", backup}));
   pid_t frozen = 0;
   ASSERT_NO_FATAL_FAILURE(wait_until_expelled(launch, 0, frozen));
   // The newest backup is generation 1's (the successor's) before the old chief wakes.
@@ -424,7 +442,8 @@ TEST(ElasticFit, AFrozenChiefsStaleBackupIsRefusedOnceItsSuccessorSaved) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
   EXPECT_NE(r.err.find("refused (fencing): this writer's state is of generation 0, update 20, and "
-                       "the newest checkpoint there, " + backup + "/backup-"),
+                       "the newest checkpoint there, " +
+                       backup + "/backup-"),
             std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("was decided by a newer generation of the group: this process was "

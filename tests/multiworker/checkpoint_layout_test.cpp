@@ -95,5 +95,63 @@ TEST(CheckpointLayout, AFailureOnTheChiefIsReportedOnEveryWorkerWithoutAHang) {
   EXPECT_EQ(entries(root.path()), std::vector<std::string>{"model"}); // worker cleaned up
 }
 
+// Fencing a weights file (ModelCheckpoint with save_weights_only in an elastic fit): the stale
+// chief's save over weights of its own training that a newer generation decided, or that have
+// more updates, is refused and leaves the file as it was; a save of another training, or an
+// unfenced one, replaces it. Before the fence the stale save replaced its successor's weights.
+TEST(CheckpointLayout, AFencedWeightsFileRefusesAnOlderWriterOfItsTraining) {
+  testing::TempDir root;
+  const fs::path model_dir = fs::path(root.path()) / "model";
+  const fs::path file = model_dir / "weights.safetensors";
+  std::string refusal;
+  run_ranks(1, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 1), comm);
+    auto net = s.scope([] { return nn::Linear(2, 2); });
+    const auto save = [&](const std::string& training, std::int64_t generation,
+                          std::int64_t update) {
+      checkpoint::save_model(s.communicator(), *net, model_dir, "weights.safetensors",
+                             {{"format", "flotilla"}},
+                             checkpoint::WeightsFence{training, generation, update});
+    };
+    const auto refused = [&](const std::string& training, std::int64_t generation,
+                             std::int64_t update) {
+      try {
+        save(training, generation, update);
+      } catch (const CheckpointError& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    save("a", 1, 20); // the successor's
+    const std::string before = testing::read_file(file);
+    torch::NoGradGuard no_grad;
+    net->weight.add_(1); // the stale chief's weights differ
+    refusal = refused("a", 0, 30);
+    EXPECT_EQ(refused("a", 1, 10)
+                  .rfind("refused (fencing): these weights are of generation 1, "
+                         "update 10, older than " +
+                             file.string() + " (generation 1, update 20)",
+                         0),
+              0u);
+    EXPECT_EQ(testing::read_file(file), before);
+    EXPECT_EQ(refused("a", 2, 20), ""); // a newer generation
+    EXPECT_EQ(refused("b", 0, 1), "");  // another training
+    EXPECT_EQ(checkpoint::read_safetensors_metadata(file),
+              (std::map<std::string, std::string>{{"flotilla.generation", "0"},
+                                                  {"flotilla.training", "b"},
+                                                  {"flotilla.update", "1"},
+                                                  {"format", "flotilla"}}));
+    checkpoint::save_model(s.communicator(), *net, model_dir, "weights.safetensors");
+    EXPECT_TRUE(checkpoint::read_safetensors_metadata(file).empty()); // unfenced: replaced
+  });
+  EXPECT_EQ(refusal.rfind("refused (fencing): these weights are of generation 0, update 30, and " +
+                              file.string() +
+                              " (generation 1, update 20) was decided by a newer generation of "
+                              "the group: this process was replaced",
+                          0),
+            0u)
+      << refusal;
+}
+
 } // namespace
 } // namespace flotilla

@@ -7,8 +7,8 @@
 
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/adam.h>
 #include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
@@ -21,8 +21,8 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
-#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/base/hashes.h"
+#include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "support/paths.h"
@@ -526,10 +526,11 @@ TEST(CheckpointManager, ArchivedOptimizerStateThatDoesNotFitIsNamedAndNothingCha
 
   torch::optim::Adagrad adagrad(net->parameters(), torch::optim::AdagradOptions(0.1));
   train(net, adagrad, data, 0, 1);
-  const std::string wrong_type = load_optimizer_error(rmsprop, checkpoint::optimizer_state(adagrad));
-  EXPECT_EQ(wrong_type.rfind("optimizer state: could not load it into this torch::optim::RMSprop (",
-                             0),
-            0u)
+  const std::string wrong_type =
+      load_optimizer_error(rmsprop, checkpoint::optimizer_state(adagrad));
+  EXPECT_EQ(
+      wrong_type.rfind("optimizer state: could not load it into this torch::optim::RMSprop (", 0),
+      0u)
       << wrong_type;
 
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -742,9 +743,10 @@ TEST(CheckpointManager, WithAClusterTokenTheManifestIsKeyedAndAnEditRecomputedIs
     }
     return std::string("no error");
   };
-  EXPECT_EQ(refusal(options.checkpoint_key).rfind(manifest.string() + ": its HMAC under this job's "
-                                                 "cluster token is not the one manifest.hmac holds",
-                                                 0),
+  EXPECT_EQ(refusal(options.checkpoint_key)
+                .rfind(manifest.string() + ": its HMAC under this job's "
+                                           "cluster token is not the one manifest.hmac holds",
+                       0),
             0u)
       << refusal(options.checkpoint_key);
   std::vector<std::string> skipped;
@@ -828,15 +830,16 @@ TEST(CheckpointManager, AFencedSaveOfAnOlderGenerationOrUpdateIsRefusedAndChange
     }
     return std::string();
   };
-  save_one(dir, fenced(1, 0), 1);             // generation 0, update 100
-  save_one(dir, fenced(2, 1), 2);             // generation 1, update 200: the group moved on
+  save_one(dir, fenced(1, 0), 1); // generation 0, update 100
+  save_one(dir, fenced(2, 1), 2); // generation 1, update 200: the group moved on
   EXPECT_EQ(manifest_of(dir / "ckpt-2")["generation"], 1);
   const Snapshot before = snapshot(root.path(), dir);
   // The replaced chief, woken: generation 0 (even with more updates).
   const std::string stale = refusal(fenced(3, 0), 3);
   EXPECT_NE(stale.find("refused (fencing): this writer's state is of generation 0, update 300, "
                        "and the newest checkpoint there, " +
-                       (dir / "ckpt-2").string() + " (generation 1, update 200), was decided by "
+                       (dir / "ckpt-2").string() +
+                       " (generation 1, update 200), was decided by "
                        "a newer generation"),
             std::string::npos)
       << stale;
@@ -852,6 +855,37 @@ TEST(CheckpointManager, AFencedSaveOfAnOlderGenerationOrUpdateIsRefusedAndChange
   EXPECT_EQ(refusal(fenced(2, 4), 4), "");
   EXPECT_EQ(refusal(sample(1), 5), "");
   EXPECT_FALSE(manifest_of(dir / "ckpt-5").contains("generation"));
+}
+
+// Fencing by training (the state's "training", ModelCheckpoint in an elastic fit): the newest
+// checkpoint fences writers of its own training only. A job started afresh in the same
+// directory, with a new id and its rendezvous counting generations from 0, replaces the earlier
+// job's checkpoints as Keras's callbacks do; a stale writer of the same training is refused.
+// Without the id, the fresh job's first save was refused (generation 0 against 3).
+TEST(CheckpointManager, AFencedSaveIsRefusedOnlyByACheckpointOfItsOwnTraining) {
+  TempDir root;
+  const fs::path dir = fs::path(root.path()) / "ckpts";
+  const auto of = [](const std::string& training, std::int64_t epoch, std::int64_t generation) {
+    CheckpointData data = sample(epoch);
+    data.state["training"] = training;
+    data.generation = generation;
+    return data;
+  };
+  const auto refusal = [&](const CheckpointData& data, std::int64_t number) {
+    try {
+      save_one(dir, data, number);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  save_one(dir, of("a", 3, 3), 3); // generation 3, update 300
+  EXPECT_NE(refusal(of("a", 2, 2), 2).find("refused (fencing)"), std::string::npos);
+  EXPECT_EQ(refusal(of("b", 1, 0), 1), ""); // a fresh training: replaces
+  EXPECT_EQ(checkpoint::CheckpointManager(dir).latest(), dir / "ckpt-1");
+  // Now b's checkpoint fences b's writers: fewer updates than its 100.
+  EXPECT_NE(refusal(of("b", 0, 0), 4).find("update 0, older than the newest checkpoint there"),
+            std::string::npos);
 }
 
 TEST(CheckpointManager, AFailureOnOneWorkerFailsTheSaveEverywhereAndKeepsThePrevious) {

@@ -12,20 +12,21 @@
 // slot S SIGKILLs itself once at epoch E's end (1-based), WHERE gather: after its last step, the
 // others waiting in the epoch's gather; validation: in its validation, the others waiting in
 // validation's reduce; callbacks: in the callbacks' epoch end, the others waiting in the stop
-// vote; WHERE callbacks-stop: SIGSTOPs itself there instead); --backup-dir DIR (a BackupAndRestore there, every 4 updates); --batchnorm (a
-// BatchNorm1d after the first layer); --evaluate (after the fit and its files, evaluate() on the
-// validation data, its loss to <out>/eval-<slot>.txt, then predict() on it, the outputs to
-// <out>/predict-<slot>.safetensors; --fault S:validation:E kills slot S in the evaluation with
-// E = epochs + 1, in the prediction with E = epochs + 2); --reference (one worker, no elastic
-// group); --per-replica (the group keeps the per-replica batch, 8 rows of the 24, and scales the
-// learning rate by each step's rows; the rate follows a warmup and cosine schedule
-// (per_replica_schedule) instead of 0.1; every process also writes <out>/rows-<pid>.txt, "update
-// rows" per step, its own rows of that update); --reference-rows FILE (no fit: a plain LibTorch
-// loop over the same rows in the same order, taking as many rows per update as FILE's lines say,
-// at the rate per_replica_schedule(rows trained before / 24) x rows / 24, weights to
-// <out>/weights-0.safetensors); --all-die-at K (every slot SIGKILLs itself before its step K,
-// once per slot: the whole group lost at once); --timeout-s N (the collectives' and joining's
-// timeout, 60 s by default). Prints "slot S pid P" once it has joined.
+// vote; WHERE callbacks-stop: SIGSTOPs itself there instead); --backup-dir DIR (a BackupAndRestore
+// there, every 4 updates); --weights FILE (ModelCheckpoint's weights there at every epoch's
+// end); --csv FILE (a CSVLogger); --batchnorm (a BatchNorm1d after the first layer); --evaluate
+// (after the fit and its files, evaluate() on the validation data, its loss to
+// <out>/eval-<slot>.txt, then predict() on it, the outputs to <out>/predict-<slot>.safetensors;
+// --fault S:validation:E kills slot S in the evaluation with E = epochs + 1, in the prediction with
+// E = epochs + 2); --reference (one worker, no elastic group); --per-replica (the group keeps the
+// per-replica batch, 8 rows of the 24, and scales the learning rate by each step's rows; the rate
+// follows a warmup and cosine schedule (per_replica_schedule) instead of 0.1; every process also
+// writes <out>/rows-<pid>.txt, "update rows" per step, its own rows of that update);
+// --reference-rows FILE (no fit: a plain LibTorch loop over the same rows in the same order, taking
+// as many rows per update as FILE's lines say, at the rate per_replica_schedule(rows trained before
+// / 24) x rows / 24, weights to <out>/weights-0.safetensors); --all-die-at K (every slot SIGKILLs
+// itself before its step K, once per slot: the whole group lost at once); --timeout-s N (the
+// collectives' and joining's timeout, 60 s by default). Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -41,6 +42,7 @@
 #include "flotilla/error.h"
 #include "flotilla/train/callback.h"
 #include "flotilla/train/checkpoint_callbacks.h"
+#include "flotilla/train/logging_callbacks.h"
 #include "flotilla/train/model.h"
 #include "support/signal_once.h"
 
@@ -148,7 +150,7 @@ int reference_by_rows(const std::string& schedule_path, const std::string& out, 
 } // namespace
 
 int main(int argc, char** argv) {
-  std::string out = ".", signal_once, backup_dir, reference_rows;
+  std::string out = ".", signal_once, backup_dir, reference_rows, weights, csv;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL, all_die_at = -1;
   bool reference = false, batchnorm = false, evaluate = false, per_replica = false;
   int timeout_s = 60;
@@ -172,6 +174,8 @@ int main(int argc, char** argv) {
     if (flag == "--signal-at") signal_at = std::stoi(value);
     if (flag == "--signal-once") signal_once = value;
     if (flag == "--backup-dir") backup_dir = value;
+    if (flag == "--weights") weights = value;
+    if (flag == "--csv") csv = value;
     if (flag == "--signal") signal = value == "STOP" ? SIGSTOP : SIGKILL;
     if (flag == "--fault") fault_flags.push_back(value);
     if (flag == "--reference-rows") reference_rows = value;
@@ -233,7 +237,8 @@ int main(int argc, char** argv) {
     // Validation after every epoch: 96 other rows, 4 global batches.
     const auto vx = torch::randn({96, 8});
     const auto vy = torch::randint(0, 3, {96});
-    if (!reference_rows.empty()) return reference_by_rows(reference_rows, out, epochs, dataset, net);
+    if (!reference_rows.empty())
+      return reference_by_rows(reference_rows, out, epochs, dataset, net);
     train::Model model(strategy, net);
     train::CompileOptions compile;
     compile.optimizer = train::OptimizerOptions::sgd(0.1, 0.9);
@@ -250,11 +255,17 @@ int main(int argc, char** argv) {
         });
     fit.epochs = epochs;
     fit.verbose = train::Verbosity::kOneLinePerEpoch; // the chief's, whoever it is
-    fit.callbacks.push_back(
-        std::make_shared<Ledger>(out + "/ledger-" + std::to_string(::getpid()) + ".txt",
-                                 per_replica ? out + "/rows-" + std::to_string(::getpid()) + ".txt"
-                                             : std::string(),
-                                 sleep_ms, signal_at, signal, &step));
+    fit.callbacks.push_back(std::make_shared<Ledger>(
+        out + "/ledger-" + std::to_string(::getpid()) + ".txt",
+        per_replica ? out + "/rows-" + std::to_string(::getpid()) + ".txt" : std::string(),
+        sleep_ms, signal_at, signal, &step));
+    if (!csv.empty()) fit.callbacks.push_back(std::make_shared<train::CSVLogger>(csv));
+    if (!weights.empty()) { // ModelCheckpoint's weights at every epoch's end, fenced
+      train::ModelCheckpointOptions checkpoints;
+      checkpoints.filepath = weights;
+      checkpoints.save_weights_only = true;
+      fit.callbacks.push_back(std::make_shared<train::ModelCheckpoint>(checkpoints));
+    }
     if (!backup_dir.empty()) {
       train::BackupOptions backup;
       backup.backup_dir = backup_dir;

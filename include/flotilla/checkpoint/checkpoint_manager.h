@@ -83,7 +83,9 @@ class CheckpointManager {
   // commit a checkpoint whose generation is older than that of the newest checkpoint the
   // pointer names, or whose update count (data.step) is lower: a writer the group replaced (a
   // chief stopped and woken after its successor saved) cannot put an older state over a newer
-  // one. The check and the pointer's move hold an exclusive flock on the directory.
+  // one. With a training id (state["training"]), only a newest checkpoint of the same training
+  // fences: another training's is replaced. The check and the pointer's move hold an exclusive
+  // flock on the directory.
   // `workers` are the training group (rank 0 is the chief); with a checkpoint key in their
   // options (CommunicationOptions::checkpoint_key, the cluster token the user set) the manifest
   // is also keyed with it (manifest.hmac). `log` tells of old checkpoints

@@ -6,8 +6,10 @@
 
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "flotilla/checkpoint/safetensors.h"
@@ -48,13 +50,31 @@ std::string first_non_finite(const NamedTensors& tensors);
 void load_model_state(torch::nn::Module& module, const NamedTensors& state,
                       const std::string& source = "");
 
-// Every worker of `workers` calls it at the same step. Writes `file_name` (parameters and buffers by their
-// module path, plus `metadata`) and returns the chief's path. A failure on any worker is
+// A weights file's fencing token (elastic fits): the training, the generation that decided the
+// weights (counted over the training's runs) and the updates applied. save_model() records it
+// in the file's metadata ("flotilla.training", "flotilla.generation", "flotilla.update").
+struct WeightsFence {
+  std::string training;
+  std::int64_t generation = 0;
+  std::int64_t update = 0;
+};
+
+// Every worker of `workers` calls it at the same step. Writes `file_name` (parameters and buffers
+// by their module path, plus `metadata`) and returns the chief's path. A failure on any worker is
 // reported on all of them as CheckpointError, and the previous file of that name is intact.
+// With a fence, the chief refuses (CheckpointError, the file unchanged) to replace a file of
+// the same training whose generation is newer or whose update count is higher: a chief the
+// group replaced, woken, cannot put older weights over its successor's. The check and the write
+// hold an exclusive flock on the directory. A file of another training, or none, is replaced.
 std::filesystem::path save_model(collective::Communicator& workers, const torch::nn::Module& module,
                                  const std::filesystem::path& model_dir,
                                  const std::string& file_name,
-                                 const std::map<std::string, std::string>& metadata = {});
+                                 const std::map<std::string, std::string>& metadata = {},
+                                 const std::optional<WeightsFence>& fence = std::nullopt);
+
+// A safetensors file's metadata ("__metadata__"), read from its header alone; empty when the
+// file is missing or its header unreadable.
+std::map<std::string, std::string> read_safetensors_metadata(const std::filesystem::path& path);
 
 // Copies a saved model's tensors into `module`; CheckpointError on a missing name or a shape
 // mismatch. Returns the file's metadata.

@@ -18,6 +18,8 @@ struct TensorBoardOptions {
 
 // Keras's TensorBoard: event files under log_dir/train and log_dir/validation with
 // epoch_<key> scalars (loss, metrics, learning_rate, samples_per_s) at each epoch; chief only.
+// In an elastic fit also epoch_generation: the generation that decided the epoch's last update
+// (Model::generation), so that a replaced chief's late lines can be told from its successor's.
 class TensorBoard : public Callback {
  public:
   explicit TensorBoard(TensorBoardOptions options);
@@ -34,7 +36,8 @@ class TensorBoard : public Callback {
   std::unique_ptr<Writers> writers_;
 };
 
-// Keras's CSVLogger: "epoch" (0-based) then the logs' keys, sorted; chief only.
+// Keras's CSVLogger: "epoch" (0-based) then the logs' keys, sorted; chief only. In an elastic
+// fit a "generation" column follows "epoch" (as TensorBoard's epoch_generation).
 class CSVLogger : public Callback {
  public:
   explicit CSVLogger(std::filesystem::path filename, char separator = ',', bool append = false);

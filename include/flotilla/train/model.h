@@ -224,6 +224,9 @@ class Model {
   // Where training stands; inside fit() it includes the input's position (serialising the
   // iterator: not for every step).
   TrainingState training_state() const;
+  // In an elastic fit, the generation that decides this worker's updates, counted over the
+  // training's runs (the fencing token its saves and log lines carry); -1 outside elastic fits.
+  std::int64_t generation() const;
   // Makes the next (or the starting) fit() continue from `state`: optimizer step count, loss
   // scale, epoch, step and input position. Weights and optimizer state are restored separately.
   void restore_training_state(const TrainingState& state);

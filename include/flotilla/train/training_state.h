@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 
 #include "flotilla/checkpoint/checkpoint_manager.h"
 #include "flotilla/collective/communicator.h"
@@ -22,7 +23,7 @@ class Model;
 
 // Where a fit stands, for checkpoints and BackupAndRestore.
 struct TrainingState {
-  std::int64_t iterations = 0;    // optimizer updates applied (the schedules' step)
+  std::int64_t iterations = 0; // optimizer updates applied (the schedules' step)
   // Rows in the global batches of those updates (the schedules' step, as iterations × the
   // global batch, in an elastic fit keeping the per-replica batch); -1: not recorded.
   std::int64_t trained_rows = -1;
@@ -36,6 +37,11 @@ struct TrainingState {
   // counts generations from 0). Set when a run resumes from a backup; a joiner gets it with the
   // rest of the state.
   std::int64_t generation_base = 0;
+  // Fencing: which training this state belongs to, a random id the first run's chief draws
+  // (elastic fits) and every later run, resume and joiner inherits. Storage fences a writer only
+  // against checkpoints of its own training: a job started afresh replaces an earlier job's
+  // files, as Keras's callbacks do, whatever generations they record. Empty: none drawn.
+  std::string training;
 };
 
 // The manifest's "state" object, and back (CheckpointError naming `where` when incomplete).
