@@ -83,8 +83,10 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
        "--batch-per-replica: takes a finite number above 0 and at most 1048576; saw 100000000"},
       {{"train", "--batch-per-replica", "4294967296"},
        "--batch-per-replica: takes a finite number above 0 and at most 1048576; saw 4294967296"},
-      {{"train", "--lr", "1e300"}, "--lr: takes a finite number above 0 and at most 1000; saw 1e300"},
-      {{"train", "--seed", "-1"}, "--seed: takes a finite number from 0 to 9.00719925474e+15; saw -1"},
+      {{"train", "--lr", "1e300"},
+       "--lr: takes a finite number above 0 and at most 1000; saw 1e300"},
+      {{"train", "--seed", "-1"},
+       "--seed: takes a finite number from 0 to 9.00719925474e+15; saw -1"},
       {{"rendezvous", "--listen", "127.0.0.1:0", "--workers", "2", "--heartbeat-timeout", "1e-9"},
        "--heartbeat-timeout: takes a finite number from 0.1 to 3600; saw 1e-9"},
   };
@@ -98,18 +100,40 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
   }
 }
 
+// The batch against memory, before anything of its size is allocated: the cnn at 2^20 images a
+// replica needs far more than any machine the tests run on has (the probe's 10^8 grew to
+// std::bad_alloc; 2^20, the flag's bound, grew until the OOM killer came).
+TEST(TrainCommand, ABatchLargerThanMemoryIsRefusedBeforeTraining) {
+  const auto r = run_process({kCli, "train", "--model", "cnn", "--batch-per-replica", "1048576",
+                              "--precision", "float32", "--threads", "1"});
+  EXPECT_EQ(r.exit_code, kExitBadInput) << r.err;
+  EXPECT_EQ(line_count(r.err), 1u) << r.err;
+  EXPECT_NE(
+      r.err.find("--batch-per-replica 1048576: a training step of cnn (float32) needs about "),
+      std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(" for each replica: MemAvailable "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(" / 1 worker(s) on this host (one worker: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("`flotilla tune --max-batch --model cnn` finds the largest that fits"),
+            std::string::npos)
+      << r.err;
+}
+
 // Untrusted input in an error line is escaped and cut (the probe's: TF_CONFIG errors of 200 KB on
 // one line, a NUL that ended the message where it stood, escape sequences sent to the terminal).
 TEST(TrainCommand, EchoedInputIsEscapedAndCut) {
   const std::string big(100000, 'x');
-  const std::string tf_config = R"({"cluster":{"worker":["h:1"]},"task":{"type":"wor\u0000ker\u001b[31m)" +
-                                big + R"(","index":0}})";
-  const std::vector<std::tuple<std::vector<std::string>, std::map<std::string, std::string>,
-                               std::string>>
+  const std::string tf_config =
+      R"({"cluster":{"worker":["h:1"]},"task":{"type":"wor\u0000ker\u001b[31m)" + big +
+      R"(","index":0}})";
+  const std::vector<
+      std::tuple<std::vector<std::string>, std::map<std::string, std::string>, std::string>>
       cases = {
-          {{"train", "--model", "mlp"}, {{"TF_CONFIG", tf_config}},
+          {{"train", "--model", "mlp"},
+           {{"TF_CONFIG", tf_config}},
            R"(TF_CONFIG task.type "wor\x00ker\x1b[31mxxx)"},
-          {{"train", "--model", "mlp"}, {{"FLOTILLA_RENDEZVOUS", "\x1b[2J" + big + ":1"}},
+          {{"train", "--model", "mlp"},
+           {{"FLOTILLA_RENDEZVOUS", "\x1b[2J" + big + ":1"}},
            R"(FLOTILLA_RENDEZVOUS: the host in "\x1b[2Jxxx)"},
           {{"train", "--model", "\x1b[2J" + big}, {}, "\\x1b[2Jxxx"},
       };
@@ -151,10 +175,26 @@ TEST(TrainCommand, TheSoftLimitOnOpenFilesIsRaisedToTheHardOne) {
 TEST(TrainCommand, ADivergedRunExits5AndLeavesNoNonFiniteCheckpoint) {
   testing::TempDir dir;
   const std::string checkpoints = dir.path() + "/ckpt", backups = dir.path() + "/backup";
-  const auto r = run_process({kCli, "train", "--model", "mlp", "--epochs", "3",
-                              "--steps-per-epoch", "8", "--batch-per-replica", "32", "--lr", "1000",
-                              "--threads", "1", "--checkpoint-dir", checkpoints, "--backup-dir",
-                              backups, "--backup-freq", "2"});
+  const auto r = run_process({kCli,
+                              "train",
+                              "--model",
+                              "mlp",
+                              "--epochs",
+                              "3",
+                              "--steps-per-epoch",
+                              "8",
+                              "--batch-per-replica",
+                              "32",
+                              "--lr",
+                              "1000",
+                              "--threads",
+                              "1",
+                              "--checkpoint-dir",
+                              checkpoints,
+                              "--backup-dir",
+                              backups,
+                              "--backup-freq",
+                              "2"});
   EXPECT_EQ(r.exit_code, kExitDiverged) << r.err;
   EXPECT_NE(r.err.find("the training diverged (batch "), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("Test: loss"), std::string::npos) << r.err;
@@ -175,10 +215,10 @@ TEST(TrainCommand, TheUsersClusterTokenKeysTheCheckpointsAndALaunchsOwnTokenDoes
     testing::TempDir dir;
     std::map<std::string, std::string> env = {{"FLOTILLA_CLUSTER_TOKEN", "the user's secret"}};
     if (run_only) env["FLOTILLA_CLUSTER_TOKEN_RUN_ONLY"] = "1";
-    const auto r = run_process({kCli, "train", "--model", "mlp", "--epochs", "1",
-                                "--steps-per-epoch", "2", "--batch-per-replica", "16", "--threads",
-                                "1", "--checkpoint-dir", dir.path()},
-                               env);
+    const auto r =
+        run_process({kCli, "train", "--model", "mlp", "--epochs", "1", "--steps-per-epoch", "2",
+                     "--batch-per-replica", "16", "--threads", "1", "--checkpoint-dir", dir.path()},
+                    env);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const std::filesystem::path saved = std::filesystem::path(dir.path()) / "ckpt-1";
     EXPECT_EQ(std::filesystem::exists(saved / "manifest.hmac"), !run_only) << run_only;
@@ -312,12 +352,12 @@ TEST(TrainCommand, HandStartedWorkersShareTheCoresAndTheRecipeSaysWhichKernelsRa
   for (int index = 0; index < 2; ++index) {
     workers.push_back(std::make_unique<testing::Process>(
         std::vector<std::string>{kCli, "train", "--model", "resnet20", "--epochs", "1",
-                                 "--steps-per-epoch", "2", "--batch-per-replica", "8",
-                                 "--kernels", "fixed", "--verbose", "0", "--no-doctor",
-                                 "--data-dir", data.path()},
+                                 "--steps-per-epoch", "2", "--batch-per-replica", "8", "--kernels",
+                                 "fixed", "--verbose", "0", "--no-doctor", "--data-dir",
+                                 data.path()},
         std::map<std::string, std::string>{
-            {"TF_CONFIG", cluster + R"("task": {"type": "worker", "index": )" +
-                              std::to_string(index) + "}}"},
+            {"TF_CONFIG",
+             cluster + R"("task": {"type": "worker", "index": )" + std::to_string(index) + "}}"},
             {"LOCAL_WORLD_SIZE", ""}}));
   }
   std::string all;
@@ -338,11 +378,11 @@ TEST(TrainCommand, HandStartedWorkersShareTheCoresAndTheRecipeSaysWhichKernelsRa
             std::string::npos)
       << all;
 
-  const auto plain = run_process({kCli, "train", "--model", "resnet20", "--epochs", "1",
-                                  "--steps-per-epoch", "1", "--batch-per-replica", "8",
-                                  "--no-jit-compile", "--verbose", "0", "--no-doctor",
-                                  "--data-dir", data.path()},
-                                 {{"TF_CONFIG", ""}});
+  const auto plain =
+      run_process({kCli, "train", "--model", "resnet20", "--epochs", "1", "--steps-per-epoch", "1",
+                   "--batch-per-replica", "8", "--no-jit-compile", "--verbose", "0", "--no-doctor",
+                   "--data-dir", data.path()},
+                  {{"TF_CONFIG", ""}});
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
   const std::string said = plain.out + plain.err;
   EXPECT_NE(said.find("recipe: compiled step: off: the model runs as written"), std::string::npos)
@@ -455,7 +495,8 @@ long last_step(const std::string& out) {
 // speed (under make test's load three workers once trained 3 steps of 10 ms in 2 s).
 long step_past(testing::Process& worker, long target) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (last_step(worker.output_so_far()) <= target && std::chrono::steady_clock::now() < deadline) {
+  while (last_step(worker.output_so_far()) <= target &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return last_step(worker.output_so_far());
@@ -508,8 +549,8 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   // thaw above printed, and a member killed before it rejoined is released as one that "did not
   // come back" instead (a make test run, once).
   for (auto& w : workers) {
-    EXPECT_TRUE(w->wait_for_errors("joined it again as a member of generation 0",
-                                   std::chrono::seconds(30)))
+    EXPECT_TRUE(
+        w->wait_for_errors("joined it again as a member of generation 0", std::chrono::seconds(30)))
         << w->errors_so_far();
   }
   // The next fault heals through it: slot 2 is killed, the others regroup as generation 1.

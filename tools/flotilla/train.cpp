@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -25,6 +26,7 @@
 #include "flotilla/error.h"
 #include "flotilla/kernels/choice.h"
 #include "flotilla/kernels/compile.h"
+#include "flotilla/profile/batch_search.h"
 #include "flotilla/profile/compute.h"
 #include "flotilla/profile/profiler.h"
 #include "flotilla/strategy/strategy.h"
@@ -60,8 +62,8 @@ struct TrainArgs {
   std::string channels_last = "auto";
   std::string freed_memory = "keep"; // keep: base::keep_freed_memory(); release: malloc's default
   std::string jit_compile = "auto"; // auto, on, off: CompileOptions::jit_compile unset, true, false
-  std::string kernels = "measure";   // kernels::Mode
-  std::string kernel_cache;          // "": kernels::cache_directory()'s default
+  std::string kernels = "measure";  // kernels::Mode
+  std::string kernel_cache;         // "": kernels::cache_directory()'s default
   bool sync_batchnorm = false;
   int steps_per_execution = 1;
   std::uint64_t seed = 42;
@@ -380,13 +382,12 @@ void log_strategy(const strategy::Strategy& strategy, const TrainArgs& a,
                                                  "store at ") +
                  spec.rendezvous.to_string();
   }
-  strategy.log().info("MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) +
-                      " worker(s), " + std::to_string(strategy.num_replicas_in_sync()) +
-                      " replica(s) in sync, global batch " + std::to_string(global_batch) + " (" +
-                      std::to_string(a.batch_per_replica) + " per replica), replicas on " +
-                      device_list(devices) + ", " + std::to_string(threads.count) +
-                      " thread(s) per worker (" + threads.how + "); cluster from " +
-                      spec.source + rendezvous);
+  strategy.log().info(
+      "MultiWorkerMirroredStrategy: " + std::to_string(strategy.num_workers()) + " worker(s), " +
+      std::to_string(strategy.num_replicas_in_sync()) + " replica(s) in sync, global batch " +
+      std::to_string(global_batch) + " (" + std::to_string(a.batch_per_replica) +
+      " per replica), replicas on " + device_list(devices) + ", " + std::to_string(threads.count) +
+      " thread(s) per worker (" + threads.how + "); cluster from " + spec.source + rendezvous);
   for (const auto& note : spec.notes) strategy.log().info(note);
 }
 
@@ -752,6 +753,49 @@ void check_zoo_fits(const TrainArgs& a, const Sources& sources) {
                     "(--model PATH), or use --color-mode grayscale --image-size 28");
 }
 
+// --batch-per-replica against this host's memory, before a batch of that size is allocated
+// anywhere: from --batch-per-replica kMemoryChecked, a zoo model on the CPU. Two training steps
+// of the model at small batches (the step probe of `flotilla tune`: the process's resident peak)
+// give its bytes per sample, extrapolated to the batch; more than MemAvailable / (workers on
+// this host x replicas per worker) is one line and exit 2 on every worker, before joining.
+// (Before: the batch grew until std::bad_alloc, or the kernel's OOM killer, mid-start.)
+constexpr std::int64_t kMemoryChecked = 1024;
+void check_batch_fits_memory(const TrainArgs& a, const cluster::Environment& env,
+                             const std::vector<torch::Device>& devices) {
+  if (a.batch_per_replica < kMemoryChecked || !is_zoo_model(a.model)) return;
+  if (devices.front().type() != torch::kCPU) return; // CUDA: the allocator says so in the step
+  const cluster::LocalWorkers local = cluster::local_workers(env);
+  const int replicas = static_cast<int>(devices.size());
+  const std::int64_t host_available = profile::default_memory_budget(1, 1.0); // MemAvailable
+  const std::int64_t available = host_available / (local.count * replicas);
+  profile::StepProbeOptions options;
+  options.model = [&a] { return profile::probe_model(models::make_model(a.model)); };
+  options.precision =
+      train::to_string(train::choose_precision(a.recipe.precision, devices.front()).first);
+  options.optimizer = a.recipe.optimizer;
+  options.memory_budget_bytes = std::numeric_limits<std::int64_t>::max();
+  const profile::FitsFn step = profile::step_probe(options);
+  constexpr std::int64_t kSmall = 64, kLarge = 128;
+  const std::int64_t small = step(kSmall).peak_bytes;
+  const std::int64_t large = step(kLarge).peak_bytes;
+  const double per_sample =
+      std::max<double>(0, static_cast<double>(large - small) / (kLarge - kSmall));
+  const double needed =
+      static_cast<double>(large) + per_sample * static_cast<double>(a.batch_per_replica - kLarge);
+  if (needed <= static_cast<double>(available)) return;
+  throw ConfigError("--batch-per-replica " + std::to_string(a.batch_per_replica) +
+                    ": a training step of " + a.model + " (" + options.precision +
+                    ") needs about " + profile::format_bytes(static_cast<std::int64_t>(needed)) +
+                    " per replica (measured: " + profile::format_bytes(small) + " at " +
+                    std::to_string(kSmall) + ", " + profile::format_bytes(large) + " at " +
+                    std::to_string(kLarge) + ", extrapolated), and this host has " +
+                    profile::format_bytes(available) + " for each replica: MemAvailable " +
+                    profile::format_bytes(host_available) + " / " + std::to_string(local.count) +
+                    " worker(s) on this host (" + local.source + ") / " + std::to_string(replicas) +
+                    " replica(s) each; lower it (`flotilla tune --max-batch --model " + a.model +
+                    "` finds the largest that fits)");
+}
+
 // --model: the zoo's model (checked against the data) or a TorchScript module (loaded and run).
 train::TorchScriptModule script_model(const TrainArgs& a, const Sources& sources,
                                       const data::Dataset& source) {
@@ -837,6 +881,7 @@ int run(const TrainArgs& a) {
   const Sources sources = load_sources(a);
   const train::TorchScriptModule script = script_model(a, sources, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
+  check_batch_fits_memory(a, env, devices);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices, elastic);
   // Elastic: the global batch is the whole cluster's, whoever is in the group now, so the
@@ -852,7 +897,8 @@ int run(const TrainArgs& a) {
                         " training images held out, evaluated after each epoch (Keras's "
                         "validation_split); the test split is evaluated once, at the end");
   }
-  const Input input = input_pipeline(a, sources, strategy, devices.front(), threads.count, global_batch);
+  const Input input =
+      input_pipeline(a, sources, strategy, devices.front(), threads.count, global_batch);
   // The recipe, item by item (the seeds' list): each is on by default where it helps here.
   const train::Recipe recipe = make_recipe(a, global_batch, input.steps_per_epoch, devices.front());
   train::set_global_policy(recipe.policy);
@@ -896,10 +942,11 @@ int run(const TrainArgs& a) {
     const auto* nan = dynamic_cast<const train::TerminateOnNaN*>(callback.get());
     if (nan && !nan->terminated().empty()) {
       // No test result of a diverged model, and no exit 0: a scheduler must see it failed.
-      strategy.log().error("the training diverged (" + nan->terminated() +
-                "): it stopped there, and no checkpoint or backup of the non-finite weights was "
-                "written. Lower --lr (or use --global-clipnorm, --warmup-epochs), then resume "
-                "from the last backup or start again");
+      strategy.log().error(
+          "the training diverged (" + nan->terminated() +
+          "): it stopped there, and no checkpoint or backup of the non-finite weights was "
+          "written. Lower --lr (or use --global-clipnorm, --warmup-epochs), then resume "
+          "from the last backup or start again");
       return kExitDiverged;
     }
   }
@@ -1031,12 +1078,14 @@ void add_performance_flags(CLI::App* app, TrainArgs& args) {
                 "SyncBatchNorm: BatchNorm statistics over the whole global batch, across replicas "
                 "and workers (train::convert_sync_batchnorm)");
   // Keras's jit_compile="auto" unless one of these is given.
-  app->add_flag_callback("--jit-compile", [&args] { args.jit_compile = "on"; },
-                         "Keras's jit_compile=True: on CUDA the step in a CUDA graph; on the CPU "
-                         "the compile step, as by default (it rewrites the model for flotilla's "
-                         "kernels)");
-  app->add_flag_callback("--no-jit-compile", [&args] { args.jit_compile = "off"; },
-                         "Keras's jit_compile=False: the model runs as written (no compile step)");
+  app->add_flag_callback(
+      "--jit-compile", [&args] { args.jit_compile = "on"; },
+      "Keras's jit_compile=True: on CUDA the step in a CUDA graph; on the CPU "
+      "the compile step, as by default (it rewrites the model for flotilla's "
+      "kernels)");
+  app->add_flag_callback(
+      "--no-jit-compile", [&args] { args.jit_compile = "off"; },
+      "Keras's jit_compile=False: the model runs as written (no compile step)");
   app->add_option("--kernels", args.kernels,
                   "flotilla's CPU kernels against ATen's: measure (time both at each shape at "
                   "first use, keep the faster, cache the choice for the next run), fixed "
