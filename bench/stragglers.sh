@@ -9,8 +9,9 @@
 # METHOD=auto takes the cgroup where one can be made, else the competitor; the lines say which.
 # The ideal is the sum of each worker's solo speed (one worker alone on its core, as slowed, at
 # its share of the global batch); the job's speed is flotilla's own samples/s of its second
-# epoch. Equal shares (today's only division: each worker half the global batch) make the step
-# as long as the slow worker's half. Prints JSON lines; RUNS interleaved runs, medians.
+# epoch. Equal shares (each worker half the global batch) make the step as long as the slow
+# worker's half; --shares auto divides it by the speeds the workers measure as they train.
+# Prints JSON lines; RUNS interleaved runs, medians.
 # Usage: bench/stragglers.sh [RUNS=3]   env: MODEL=cnn GLOBAL=256 STEPS=30 SLOW=0.5
 #        METHOD=auto|cgroup|competitor  FLOTILLA=build/flotilla
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
@@ -64,12 +65,14 @@ if [ -z "$how" ]; then
   how="a competitor pinned to its core"
 fi
 
-# Runs `flotilla train` for one worker: $1 core, $2 slowed (1/0), $3 TF_CONFIG, $4 batch, $5 json.
+# Runs `flotilla train` for one worker: $1 core, $2 slowed (1/0), $3 TF_CONFIG, $4 batch, $5 json,
+# $6 --shares (equal by default).
 worker() {
-  local core=$1 slowed=$2 tf_config=$3 batch=$4 json=$5
+  local core=$1 slowed=$2 tf_config=$3 batch=$4 json=$5 shares=${6:-equal}
   local cmd=(taskset -c "$core" env TF_CONFIG="$tf_config" LOCAL_WORLD_SIZE= "$FLOTILLA" train
     --model "$MODEL" --batch-per-replica "$batch" --steps-per-epoch "$STEPS" --epochs 2
-    --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$json")
+    --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$json"
+    --shares "$shares")
   if [ "$slowed" = 1 ] && [ -n "$cgroup" ]; then
     sh -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' sh "$cgroup" "${cmd[@]}"
   else
@@ -101,9 +104,21 @@ for run in $(seq "$RUNS"); do
   worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/equal1-$run.json" \
     > "$tmp/equal1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/equal1-$run.log")"
   wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/equal0-$run.log")"
+  # Both, shares by measured speed.
+  p0=$(port); p1=$(port)
+  cluster="{\"cluster\": {\"worker\": [\"127.0.0.1:$p0\", \"127.0.0.1:$p1\"]}"
+  worker 0 0 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 0}}" "$half" "$tmp/auto-$run.json" \
+    auto > "$tmp/auto0-$run.log" 2>&1 &
+  w0=$!
+  worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/auto1-$run.json" \
+    auto > "$tmp/auto1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/auto1-$run.log")"
+  wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/auto0-$run.log")"
+  { grep -o 'shares: now [^,]*,[^ ]* of [0-9]*' "$tmp/auto0-$run.log" || echo 'shares: now equal'; } | tail -1 | sed 's/shares: now //' \
+    > "$tmp/auto-shares-$run"
   s0=$(epoch2 "$tmp/solo0-$run.json"); s1=$(epoch2 "$tmp/solo1-$run.json")
   eq=$(epoch2 "$tmp/equal-$run.json")
-  echo "$s0 $s1 $eq" >> "$tmp/runs"
+  au=$(epoch2 "$tmp/auto-$run.json")
+  echo "$s0 $s1 $eq $au" >> "$tmp/runs"
 done
 s0=$(awk '{print $1}' "$tmp/runs" | median)
 s1=$(awk '{print $2}' "$tmp/runs" | median)
@@ -111,6 +126,12 @@ eq=$(awk '{print $3}' "$tmp/runs" | median)
 share=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | median)
 lo=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | sort -g | head -1)
 hi=$(awk '{printf "%.4f\n", $3 / ($1 + $2)}' "$tmp/runs" | sort -g | tail -1)
-printf '{"bench":"stragglers","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to %s of its core by %s","precision":"auto","metric":"samples_per_s","solo_fast":%s,"solo_slow":%s,"ideal":%s,"equal_shares":%s,"equal_of_ideal":%s,"equal_of_ideal_runs":[%s,%s],"runs":%s,"machine":%s}\n' \
+au=$(awk '{print $4}' "$tmp/runs" | median)
+auto_share=$(awk '{printf "%.4f\n", $4 / ($1 + $2)}' "$tmp/runs" | median)
+alo=$(awk '{printf "%.4f\n", $4 / ($1 + $2)}' "$tmp/runs" | sort -g | head -1)
+ahi=$(awk '{printf "%.4f\n", $4 / ($1 + $2)}' "$tmp/runs" | sort -g | tail -1)
+ratio=$(awk '{printf "%.4f\n", $4 / $3}' "$tmp/runs" | median)
+last_shares=$(cat "$tmp"/auto-shares-* 2>/dev/null | tr '\n' ';' | sed 's/;$//')
+printf '{"bench":"stragglers","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to %s of its core by %s","precision":"auto","metric":"samples_per_s","solo_fast":%s,"solo_slow":%s,"ideal":%s,"equal_shares":%s,"equal_of_ideal":%s,"equal_of_ideal_runs":[%s,%s],"auto_shares":%s,"auto_of_ideal":%s,"auto_of_ideal_runs":[%s,%s],"ratio":%s,"of":"auto/equal","auto_last_division":"%s","runs":%s,"machine":%s}\n' \
   "$MODEL" "$GLOBAL" "$SLOW" "$how" "$s0" "$s1" "$(awk -v a="$s0" -v b="$s1" 'BEGIN{printf "%.1f", a + b}')" \
-  "$eq" "$share" "$lo" "$hi" "$RUNS" "$machine"
+  "$eq" "$share" "$lo" "$hi" "$au" "$auto_share" "$alo" "$ahi" "$ratio" "$last_shares" "$RUNS" "$machine"

@@ -18,4 +18,11 @@ std::int64_t InputContext::get_per_replica_batch_size(std::int64_t global_batch)
   return global_batch / num_replicas_in_sync;
 }
 
+std::string InputContext::describe_shares() const {
+  if (shares.empty()) return "equal";
+  std::string out;
+  for (const std::int64_t w : shares) out += (out.empty() ? "" : ",") + std::to_string(w);
+  return out;
+}
+
 } // namespace flotilla::cluster

@@ -13,18 +13,18 @@
 #include <mutex>
 #include <thread>
 
-#include "flotilla/rendezvous/agent_store.h"
 #include "collective/backend_failure.h"
 #include "collective/backends.h"
 #include "collective/group.h"
-#include "flotilla/rendezvous/heartbeat.h"
-#include "flotilla/rendezvous/config.h"
-#include "flotilla/rendezvous/server.h"
-#include "flotilla/rendezvous/store.h"
 #include "collective/shared_memory.h"
-#include "flotilla/rendezvous/reports.h"
 #include "flotilla/error.h"
 #include "flotilla/log.h"
+#include "flotilla/rendezvous/agent_store.h"
+#include "flotilla/rendezvous/config.h"
+#include "flotilla/rendezvous/heartbeat.h"
+#include "flotilla/rendezvous/reports.h"
+#include "flotilla/rendezvous/server.h"
+#include "flotilla/rendezvous/store.h"
 
 namespace flotilla::collective {
 
@@ -780,6 +780,10 @@ Work Communicator::all_gather(const at::Tensor& tensor) {
     std::vector<at::Tensor> inputs{buffer};
     return backend.allgather(*gathered, inputs);
   });
+}
+
+double Communicator::shared_memory_waited_seconds() const {
+  return impl_ && impl_->shared_memory ? impl_->shared_memory->waited_seconds() : 0.0;
 }
 
 std::string Communicator::transport(const at::Tensor& tensor) {

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <regex>
@@ -138,6 +138,7 @@ struct SharedMemoryReduce::Segment {
   std::size_t bytes = 0;
   std::uint64_t epoch = 0; // chunks reduced so far, the same on every rank
   bool broken = false;
+  std::atomic<std::int64_t> waited_ns{0}; // in wait_for_all, for a peer
 
   static std::size_t bytes_for(int size) {
     return 3 * static_cast<std::size_t>(size) * kLine +
@@ -164,13 +165,22 @@ struct SharedMemoryReduce::Segment {
   // processes waited for still run (a peer that exits is what a closed connection tells Gloo).
   void wait_for_all(Flag* flags, std::chrono::steady_clock::time_point deadline,
                     std::chrono::milliseconds timeout, const std::function<void()>& poll) {
-    auto next_look = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+    const auto start = std::chrono::steady_clock::now();
+    auto next_look = start + std::chrono::milliseconds(100);
     for (long spins = 0;; ++spins) {
       int missing = -1;
       for (int r = 0; r < size && missing < 0; ++r) {
         if (flags[r].epoch.load(std::memory_order_acquire) < epoch) missing = r;
       }
-      if (missing < 0) return;
+      if (missing < 0) {
+        if (spins > 0) {
+          waited_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - start)
+                                  .count(),
+                              std::memory_order_relaxed);
+        }
+        return;
+      }
       if (spins < 200) continue;
       try {
         poll();
@@ -216,6 +226,10 @@ SharedMemoryReduce::SharedMemoryReduce(std::unique_ptr<Segment> segment)
     : segment_(std::move(segment)) {}
 
 SharedMemoryReduce::~SharedMemoryReduce() = default;
+
+double SharedMemoryReduce::waited_seconds() const {
+  return 1e-9 * static_cast<double>(segment_->waited_ns.load(std::memory_order_relaxed));
+}
 
 std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store, int rank, int size,
                                                              std::string& why) {
@@ -281,8 +295,9 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
         char mode[8];
         std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
         failure = "the segment " + name + " is not rank 0's: it belongs to uid " +
-                  std::to_string(st.st_uid) + " with mode " + mode + ", where rank 0 makes it uid " +
-                  std::to_string(::geteuid()) + "'s with mode 0600";
+                  std::to_string(st.st_uid) + " with mode " + mode +
+                  ", where rank 0 makes it uid " + std::to_string(::geteuid()) +
+                  "'s with mode 0600";
       } else if (static_cast<std::size_t>(st.st_size) != bytes) {
         failure = "the segment " + name + " is not the size rank 0 made";
       }

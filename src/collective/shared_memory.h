@@ -51,6 +51,9 @@ class SharedMemoryReduce {
                                      std::chrono::milliseconds timeout,
                                      const std::function<void()>& poll);
 
+  // Seconds this rank's all-reduces have waited for the other ranks so far.
+  double waited_seconds() const;
+
   struct Segment;
 
  private:

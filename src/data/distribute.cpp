@@ -138,9 +138,8 @@ class RebatchSliceStage : public UnaryStage {
   RebatchSliceStage(std::unique_ptr<Stage> input, std::int64_t global, bool drop,
                     std::int64_t slice, std::int64_t replicas, std::int64_t first,
                     std::int64_t count, std::shared_ptr<BatchSizes> sizes)
-      : UnaryStage("RebatchSlice", std::move(input)), global_(global), drop_(drop),
-        slice_(slice), replicas_(replicas), first_(first), count_(count),
-        sizes_(std::move(sizes)) {
+      : UnaryStage("RebatchSlice", std::move(input)), global_(global), drop_(drop), slice_(slice),
+        replicas_(replicas), first_(first), count_(count), sizes_(std::move(sizes)) {
     rows_ = input_->rows();
     if (rows_) name_ = "RebatchSlice(gathered)";
     lead_ = sizes_ ? sizes_->start_rows : 0;
@@ -265,8 +264,8 @@ class RebatchSliceNode : public UnaryNode {
   }
   std::string describe() const override {
     return "rebatch_slice(" + std::to_string(global_) + "," + std::to_string(drop_) + "," +
-           std::to_string(slice_) + "," + std::to_string(replicas_) + "," +
-           std::to_string(first_) + "," + std::to_string(count_) + ")";
+           std::to_string(slice_) + "," + std::to_string(replicas_) + "," + std::to_string(first_) +
+           "," + std::to_string(count_) + ")";
   }
 
  private:
@@ -419,10 +418,8 @@ DistributedIterator DistributedDataset::make_iterator(const IteratorState& state
 
 DistributedDataset distribute_dataset(const Dataset& dataset,
                                       const cluster::InputContext& context) {
-  const std::int64_t replicas = context.num_replicas_in_sync;
   const std::int64_t workers = context.num_input_pipelines;
-  const std::int64_t per_worker = replicas / workers; // replicas on each worker
-  const std::int64_t first = context.input_pipeline_id * per_worker;
+  const std::int64_t replicas = context.num_replicas_in_sync;
   const Options& options = dataset.options();
   const std::string where =
       "worker " + std::to_string(context.input_pipeline_id) + " of " + std::to_string(workers);
@@ -431,17 +428,48 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     return DistributedDataset(dataset, dataset, context, false, "one replica: the dataset as it is",
                               0, true);
   }
+  // This worker's part of a global batch of b rows is [b·first/parts, b·(first+count)/parts):
+  // equal shares count replicas, shares by speed count the weights.
+  std::int64_t parts = replicas;
+  std::int64_t count = replicas / workers; // replicas on each worker
+  std::int64_t first = context.input_pipeline_id * count;
+  const bool by_share = !context.shares.empty();
+  if (by_share) {
+    if (static_cast<std::int64_t>(context.shares.size()) != workers) {
+      throw ConfigError("distribute_dataset: InputContext::shares has " +
+                        std::to_string(context.shares.size()) + " weights for " +
+                        std::to_string(workers) + " workers; give one per worker");
+    }
+    parts = first = 0;
+    for (std::int64_t w = 0; w < workers; ++w) {
+      const std::int64_t weight = context.shares[static_cast<std::size_t>(w)];
+      if (weight < 1 || weight > (std::int64_t{1} << 20)) {
+        throw ConfigError("distribute_dataset: worker " + std::to_string(w) + "'s share " +
+                          std::to_string(weight) + " is not a whole number from 1 to 1048576");
+      }
+      if (w < context.input_pipeline_id) first += weight;
+      parts += weight;
+    }
+    count = context.shares[static_cast<std::size_t>(context.input_pipeline_id)];
+    if (full > 0) {
+      throw ConfigError("distribute_dataset: shares by speed divide a constant global batch; an "
+                        "elastic group keeping the per-replica batch has none to divide");
+    }
+  }
+  const std::int64_t per_worker = count;
   // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
   // TF fails on FILE with too few files, fall back to DATA and say why.
   AutoShardPolicy policy = options.distribute.auto_shard_policy;
   const std::int64_t files = dataset.node()->source_files();
-  if ((context.uneven_split || full > 0) && policy != AutoShardPolicy::kAuto &&
+  if ((context.uneven_split || full > 0 || by_share) && policy != AutoShardPolicy::kAuto &&
       policy != AutoShardPolicy::kData) {
-    throw ConfigError("distribute_dataset: an elastic group re-splits every global batch among "
-                      "the workers it has, which needs auto_shard_policy DATA (or AUTO); saw " +
+    throw ConfigError(std::string("distribute_dataset: ") +
+                      (by_share ? "shares by speed split" : "an elastic group re-splits") +
+                      " every global batch among the workers, which needs auto_shard_policy "
+                      "DATA (or AUTO); saw " +
                       std::string(policy == AutoShardPolicy::kFile ? "FILE" : "OFF"));
   }
-  if (context.uneven_split || full > 0) {
+  if (context.uneven_split || full > 0 || by_share) {
     policy = AutoShardPolicy::kData; // FILE shards cannot move to the survivors mid-epoch
   } else if (policy == AutoShardPolicy::kAuto) {
     policy = files >= workers ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
@@ -519,9 +547,9 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
           return std::make_shared<detail::RebatchSliceNode>(
               std::move(input), size, drop, size / full, replicas, first, per_worker);
         }
-        // ConfigError unless it splits evenly (or may not: elastic).
-        if (!context.uneven_split) context.get_per_replica_batch_size(size);
-        return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, replicas,
+        // ConfigError unless it splits evenly (or may not: elastic, shares).
+        if (!context.uneven_split && !by_share) context.get_per_replica_batch_size(size);
+        return std::make_shared<detail::RebatchShardNode>(std::move(input), size, drop, parts,
                                                           first, per_worker);
       });
   if (full > 0) {
@@ -543,9 +571,11 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     return out;
   }
   if (rewritten) {
-    const auto [begin, end] = detail::replica_range(global, replicas, first, per_worker);
+    const auto [begin, end] = detail::replica_range(global, parts, first, per_worker);
     const std::string share =
-        global % replicas == 0
+        by_share ? "rows " + std::to_string(begin) + " to " + std::to_string(end - 1) +
+                       " of each global batch (shares " + context.describe_shares() + ")"
+        : global % replicas == 0
             ? std::to_string(global / workers) + " of each global batch; " +
                   std::to_string(global / replicas) + " per replica"
             : "rows " + std::to_string(begin) + " to " + std::to_string(end - 1) +
@@ -559,7 +589,7 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
   }
   return DistributedDataset(
       dataset,
-      Dataset(std::make_shared<detail::SplitNode>(dataset.node(), replicas, first, per_worker)),
+      Dataset(std::make_shared<detail::SplitNode>(dataset.node(), parts, first, per_worker)),
       context, true,
       "DATA: no batch found to rewrite (or one behind an order-changing stage), so " + where +
           " runs the whole pipeline and keeps its slice of each global batch",
@@ -577,6 +607,11 @@ DistributedDataset DistributedDataset::redistribute(const cluster::InputContext&
 DistributedDataset
 distribute_datasets_from_function(const std::function<Dataset(const cluster::InputContext&)>& fn,
                                   const cluster::InputContext& context) {
+  if (!context.shares.empty()) {
+    throw ConfigError("distribute_datasets_from_function: shares by speed split each global batch "
+                      "by the workers' weights, which a pipeline each worker builds for itself "
+                      "cannot do; use distribute_dataset");
+  }
   if (context.uneven_split) {
     throw ConfigError("distribute_datasets_from_function: an elastic group re-splits each global "
                       "batch among the workers it has mid-epoch, which a pipeline each worker "

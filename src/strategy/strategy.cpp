@@ -200,9 +200,30 @@ void Strategy::adopt_generation() {
   log_ = Logger(communicator_.rank(), communicator_.size(), elastic_->generation());
 }
 
+void Strategy::set_shares(std::vector<std::int64_t> shares) {
+  if (!shares.empty() && elastic_) {
+    throw ConfigError("shares by speed (--shares) are not yet made for an elastic group, whose "
+                      "members change; leave --shares at equal, or train without --elastic");
+  }
+  if (!shares.empty() && static_cast<int>(shares.size()) != num_workers()) {
+    throw ConfigError("--shares gives " + std::to_string(shares.size()) + " weight(s) for " +
+                      std::to_string(num_workers()) + " worker(s); give one per worker, in " +
+                      "task order (the chief first), e.g. " +
+                      (num_workers() == 2 ? std::string("2,1") : std::string("equal")));
+  }
+  for (std::size_t w = 0; w < shares.size(); ++w) {
+    if (shares[w] < 1 || shares[w] > (std::int64_t{1} << 20)) {
+      throw ConfigError("--shares: worker " + std::to_string(w) + "'s weight " +
+                        std::to_string(shares[w]) + " is not a whole number from 1 to 1048576");
+    }
+  }
+  shares_ = std::move(shares);
+}
+
 InputContext Strategy::input_context() const {
   InputContext context{num_workers(), worker_index(), num_replicas_in_sync()};
   context.uneven_split = elastic_ != nullptr; // the global batch stays when the members change
+  context.shares = shares_;
   if (elastic_ && elastic_batch_ == ElasticOptions::Batch::kPerReplica) {
     context.full_replicas = cluster_.world_size; // one replica per worker in elastic mode
   }
@@ -323,8 +344,8 @@ MirroredStrategy::MirroredStrategy(std::vector<torch::Device> devices,
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(
     const cluster::ClusterSpec& cluster, const collective::CommunicationOptions& options,
     int replicas_per_worker, const ElasticOptions& elastic)
-    : MultiWorkerMirroredStrategy(cluster, options, default_devices(replicas_per_worker),
-                                  elastic) {}
+    : MultiWorkerMirroredStrategy(cluster, options, default_devices(replicas_per_worker), elastic) {
+}
 
 namespace {
 // Checks the devices before joining: a bad list fails this worker alone, at once.

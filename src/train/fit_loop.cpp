@@ -78,11 +78,16 @@ History FitLoop::run(const data::DistributedDataset& train,
     ~EndOfFit() {
       loop.progress_.input = nullptr;
       loop.healer_.end_fit();
+      if (loop.balancer_) loop.balancer_->end_fit();
       loop.timer_.end_fit();
     }
   } end_of_fit{*this};
   progress_.input = &input;
   healer_.begin_fit(train);
+  if (options_.balance_shares_every > 0) {
+    balancer_ = std::make_unique<ShareBalancer>(strategy_, timer_, options_.balance_shares_every);
+    balancer_->begin_fit(train);
+  }
   callbacks_.on_train_begin(); // BackupAndRestore may set `resume` here
   // The fencing tokens' training: the backup's, or a fresh one for a training started afresh.
   if (healer_.elastic() && !joining) step_.agree_training(strategy_.communicator());
@@ -239,6 +244,11 @@ bool FitLoop::step(EpochIterator& input, Epoch& e, PreemptionVote* vote) {
   ++e.steps;
   ++progress_.step;
   healer_.commit();
+  if (balancer_) {
+    const torch::Tensor& first = batch->element.front();
+    balancer_->after_step(input, progress_.step, first.dim() > 0 ? first.size(0) : 0,
+                          batch->global_batch_size);
+  }
   // Batch callbacks every steps_per_execution steps and at the end of a fixed-length epoch.
   bool batch_ended = false;
   if (progress_.step % every == 0 ||
@@ -456,6 +466,7 @@ void FitLoop::check_consistency(const data::DistributedDataset& train) const {
                       preemption ? "every " + std::to_string(preemption->count()) + " ms"
                                  : std::string("off"));
   fields.emplace_back("input sharding", train.sharding());
+  fields.emplace_back("shares", train.input_context().describe_shares());
   if (options_.steps_per_epoch) {
     fields.emplace_back("steps per epoch", std::to_string(*options_.steps_per_epoch));
   } else if (train.same_steps_on_every_worker()) {

@@ -7,12 +7,14 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 
 #include "flotilla/data/distribute.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/callback.h"
 #include "flotilla/train/model.h"
+#include "train/share_balancer.h"
 
 namespace flotilla::train::detail {
 
@@ -68,6 +70,7 @@ class FitLoop {
   strategy::Strategy& strategy_;
   TrainStep& step_;
   Healer& healer_;
+  std::unique_ptr<ShareBalancer> balancer_; // FitOptions::balance_shares_every
   FitProgress& progress_;
   StepTimer& timer_;
   CallbackList& callbacks_;

@@ -133,8 +133,7 @@ ReplicaSet::ReplicaSet(const std::vector<torch::Device>& devices, Model::MultiRe
     set_memory_format(*module, channels_last);
     if (channels_last) forward = channels_last_input(std::move(forward));
     optimizers_.push_back(make_optimizer(optimizer, *module));
-    if (optimizers_.back()->param_groups().size() !=
-        optimizers_.front()->param_groups().size()) {
+    if (optimizers_.back()->param_groups().size() != optimizers_.front()->param_groups().size()) {
       throw ConfigError("OptimizerOptions::custom gave replica " +
                         std::to_string(optimizers_.size() - 1) + " an optimizer of " +
                         std::to_string(optimizers_.back()->param_groups().size()) +
@@ -189,7 +188,7 @@ void ReplicaSet::copy_first_to_others() {
   }
 }
 
-void ReplicaSet::mirror_buffers(collective::Communicator& workers) {
+void ReplicaSet::mirror_buffers(collective::Communicator& workers, double weight) {
   if (size() == 1 && workers.size() == 1) return;
   torch::NoGradGuard no_grad;
   std::vector<std::vector<torch::Tensor>> buffers;
@@ -215,11 +214,12 @@ void ReplicaSet::mirror_buffers(collective::Communicator& workers) {
         flat = torch::maximum(flat, flat_of(r));
       }
     }
+    if (floating && weight > 0) flat.mul_(weight / size()); // the weighted mean's terms
     if (workers.size() > 1) {
       workers.all_reduce(flat, floating ? collective::ReduceOp::kSum : collective::ReduceOp::kMax)
           .wait();
     }
-    if (floating) flat.div_(replicas);
+    if (floating && weight <= 0) flat.div_(replicas);
     for (int r = 0; r < size(); ++r) {
       std::int64_t offset = 0;
       for (const std::size_t k : indices) {

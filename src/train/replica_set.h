@@ -49,7 +49,9 @@ class ReplicaSet {
   // Every replica's buffers become the mean over every replica of every worker (`workers`):
   // floating ones averaged, integer ones (num_batches_tracked) the largest. One all-reduce per
   // kind of buffer; every worker calls it. Bit-identical everywhere afterwards.
-  void mirror_buffers(collective::Communicator& workers);
+  // `weight`: this worker's share of each global batch (shares by speed), its replicas' mean
+  // weighing that much in the mean over workers; 0: every replica weighs the same.
+  void mirror_buffers(collective::Communicator& workers, double weight = 0);
   void set_training(bool training);
   // Every replica's optimizer steps, its first parameter group at `learning_rate` and every
   // other at its ratio to the first as the optimizer was built (one group for the built-ins).

@@ -87,6 +87,9 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
        "--lr: takes a finite number above 0 and at most 1000; saw 1e300"},
       {{"train", "--seed", "-1"},
        "--seed: takes a finite number from 0 to 9.00719925474e+15; saw -1"},
+      {{"train", "--shares", "2,0"},
+       "--shares: \"0\" is not a whole number from 1 to 1048576; write equal, auto, or one "
+       "weight per worker in task order, e.g. 2,1"},
       {{"rendezvous", "--listen", "127.0.0.1:0", "--workers", "2", "--heartbeat-timeout", "1e-9"},
        "--heartbeat-timeout: takes a finite number from 0.1 to 3600; saw 1e-9"},
   };

@@ -5,8 +5,11 @@
 
 #include <torch/nn.h>
 
+#include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <mutex>
+#include <thread>
 
 #include "flotilla/data/csv.h"
 #include "flotilla/data/tfrecord.h"
@@ -166,6 +169,82 @@ TEST(UnevenInput, WorkersWithDifferentSharesOfEachGlobalBatchTrainAsOne) {
     EXPECT_DOUBLE_EQ(std::round(split[r].samples), 106) << r;
     EXPECT_NEAR(split[r].loss, single.loss, 1e-12) << r;
     EXPECT_LT(max_relative_difference(split[r].parameters, single.parameters), 1e-12) << r;
+  }
+}
+
+// Shares by speed, measured (FitOptions::balance_shares_every): worker 1's forward sleeps 0.3 ms
+// a row, so it is many times slower than worker 0. Within the first measured interval (steps
+// 6-10 of 40, every 5 steps) its share of each global batch of 24 shrinks to a few rows, and
+// stays there; every row is still trained on exactly once per epoch (the ids each forward saw),
+// and both workers end with the same weights.
+thread_local bool slow_forward = false;
+thread_local std::vector<std::int64_t>* seen_ids = nullptr;
+struct IdNetImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  IdNetImpl() { fc = register_module("fc", torch::nn::Linear(4, 3)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    // Column 4 is the row's id, not a feature.
+    const torch::Tensor ids = x.select(1, 4).to(torch::kInt64).contiguous();
+    if (seen_ids) {
+      seen_ids->insert(seen_ids->end(), ids.data_ptr<std::int64_t>(),
+                       ids.data_ptr<std::int64_t>() + ids.numel());
+    }
+    if (slow_forward) std::this_thread::sleep_for(std::chrono::microseconds(300 * x.size(0)));
+    return fc(x.narrow(1, 0, 4));
+  }
+};
+TORCH_MODULE(IdNet);
+
+TEST(SharesBySpeed, ASlowWorkersShareShrinksAndEveryRowIsTrainedOnOncePerEpoch) {
+  constexpr int kEpochs = 4;
+  const data::Element data = rows(240, 3);
+  const torch::Tensor ids = torch::arange(240, torch::kFloat64).unsqueeze(1);
+  std::vector<std::vector<std::int64_t>> shares(2);
+  std::vector<std::vector<std::int64_t>> seen(2);
+  std::vector<std::vector<torch::Tensor>> weights(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    slow_forward = rank == 1;
+    seen_ids = &seen[static_cast<std::size_t>(rank)];
+    auto net = s.scope([] {
+      std::lock_guard<std::mutex> lock(build_mutex);
+      torch::manual_seed(21);
+      IdNet m;
+      m->to(torch::kFloat64);
+      return m;
+    });
+    train::Model model(s, net);
+    model.compile({});
+    train::FitOptions fit;
+    fit.epochs = kEpochs;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.balance_shares_every = 5;
+    model.fit(data::Dataset::from_tensor_slices({torch::cat({data[0], ids}, 1), data[1]})
+                  .shuffle(240, 7)
+                  .batch(24),
+              fit);
+    shares[static_cast<std::size_t>(rank)] = s.shares();
+    for (const auto& p : net->parameters()) {
+      weights[static_cast<std::size_t>(rank)].push_back(p.detach().clone());
+    }
+    seen_ids = nullptr;
+  });
+  ASSERT_EQ(shares[0].size(), 2u);
+  EXPECT_EQ(shares[0], shares[1]);
+  EXPECT_EQ(shares[0][0] + shares[0][1], 24); // rows of each global batch
+  EXPECT_LE(shares[0][1], 4) << "worker 1's rows";
+  // Worker 1 saw fewer rows than worker 0, and together they saw every row once per epoch.
+  EXPECT_LT(seen[1].size(), seen[0].size() / 2);
+  std::vector<std::int64_t> all = seen[0];
+  all.insert(all.end(), seen[1].begin(), seen[1].end());
+  std::sort(all.begin(), all.end());
+  ASSERT_EQ(all.size(), 240u * kEpochs);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(all[i], static_cast<std::int64_t>(i / kEpochs)) << i;
+    if (all[i] != static_cast<std::int64_t>(i / kEpochs)) break;
+  }
+  for (std::size_t i = 0; i < weights[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(weights[0][i], weights[1][i])) << "parameter " << i;
   }
 }
 

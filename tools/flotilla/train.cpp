@@ -92,6 +92,7 @@ struct TrainArgs {
   bool no_shared_memory = false;
   bool elastic = false;                 // ElasticOptions::enabled
   std::string elastic_batch = "global"; // ElasticOptions::batch
+  std::string shares = "equal";         // Strategy::set_shares: equal, or W1,W2,...
   double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
@@ -864,6 +865,33 @@ int run_evaluator(const TrainArgs& a) {
   return kExitOk;
 }
 
+// --shares auto: steps between two measurements of the workers' speeds.
+constexpr std::int64_t kBalanceSharesEvery = 20;
+
+// --shares: "equal" or "auto" (none to start with), or one whole weight per worker, "2,1".
+std::vector<std::int64_t> parse_shares(const std::string& text) {
+  if (text == "equal" || text == "auto") return {};
+  std::vector<std::int64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::size_t used = 0;
+    std::int64_t weight = 0;
+    try {
+      weight = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || weight < 1 || weight > (1 << 20)) {
+      throw ConfigError("--shares: \"" + item +
+                        "\" is not a whole number from 1 to 1048576; write equal, auto, or one "
+                        "weight per worker in task order, e.g. 2,1");
+    }
+    out.push_back(weight);
+  }
+  return out;
+}
+
 int run(const TrainArgs& a) {
   const auto env = cluster::Environment::from_process();
   const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
@@ -882,8 +910,10 @@ int run(const TrainArgs& a) {
   const train::TorchScriptModule script = script_model(a, sources, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
   check_batch_fits_memory(a, env, devices);
+  const std::vector<std::int64_t> shares = parse_shares(a.shares);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices, elastic);
+  strategy.set_shares(shares);
   // Elastic: the global batch is the whole cluster's, whoever is in the group now, so the
   // learning rate and the schedule stay as planned while workers come and go.
   const std::int64_t global_batch =
@@ -909,6 +939,7 @@ int run(const TrainArgs& a) {
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm, kept_freed_memory);
 
   train::FitOptions fit = fit_options(a, env, input);
+  if (a.shares == "auto") fit.balance_shares_every = kBalanceSharesEvery;
   fit.callbacks = callbacks(a);
   if (!metrics_json.empty()) {
     fit.callbacks.push_back(metrics_lines(metrics_json, model, global_batch, recipe.policy));
@@ -1172,6 +1203,12 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
                 "Elastic group (needs FLOTILLA_RENDEZVOUS: flotilla launch --elastic, or flotilla "
                 "rendezvous): a failed worker is dropped and the others go on with the same "
                 "global batch; a restarted one rejoins from a live peer's memory");
+  app->add_option("--shares", args.shares,
+                  "How each global batch divides among the workers: equal; auto (by each worker's "
+                  "measured compute time per row, every 20 steps); or one whole weight per worker "
+                  "in task order (2,1: the chief takes 2/3 of every global batch). The global "
+                  "batch, the learning rate and the update stay as with equal shares")
+      ->capture_default_str();
   app->add_option("--elastic-batch", args.elastic_batch,
                   "With --elastic, what stays when workers leave: global (the global batch and "
                   "the learning rate; each survivor's batch grows) or per-replica (each worker's "

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace flotilla::cluster {
 
@@ -24,6 +26,15 @@ struct InputContext {
   // batch is R·B rows (fewer only at a pass's end) and the learning rate follows it linearly.
   // 0: the global batch stays (uneven_split above).
   int full_replicas = 0;
+  // Shares by speed (--shares): worker w's weight, one per worker; empty: equal shares. Worker w
+  // keeps the rows [G·S(w)/S, G·S(w+1)/S) of each global batch of G, where S(w) is the weights'
+  // sum before w and S their total: whole rows, every one kept by exactly one worker. Each
+  // replica's loss is summed and divided by G/R, so the all-reduced gradient is the mean over
+  // the global batch whatever the shares (as with uneven_split). DATA sharding only.
+  std::vector<std::int64_t> shares;
+
+  // "equal", or the weights as "2,1".
+  std::string describe_shares() const;
 
   // global_batch ÷ num_replicas_in_sync; ConfigError when it does not divide evenly.
   std::int64_t get_per_replica_batch_size(std::int64_t global_batch) const;

@@ -167,6 +167,10 @@ class Communicator {
   // The backend that carries `tensor`'s collectives: "gloo" or "nccl" (made on first use), or
   // "shared memory" for its all-reduces (CommunicationOptions::shared_memory).
   std::string transport(const at::Tensor& tensor);
+  // Seconds this rank's shared-memory all-reduces (run on the calling thread, in backward's
+  // hooks) have spent waiting for the other ranks so far; 0 without shared memory, where the
+  // backends wait on their own threads.
+  double shared_memory_waited_seconds() const;
 
   // Impl is private to the library: its own factories (connect, local_group, an elastic
   // generation's make_group in src/collective/group.h) make one.

@@ -92,6 +92,12 @@ class Strategy {
   collective::Communicator& communicator() { return communicator_; }
   const Logger& log() const { return log_; }
   InputContext input_context() const;
+  // Shares by speed: worker w takes shares[w] / sum of each global batch (InputContext::shares)
+  // in the datasets distributed with input_context() from now on; empty: equal shares.
+  // ConfigError for a count other than num_workers(), a weight outside 1 to 2^20, or an elastic
+  // group (its membership changes; not yet).
+  void set_shares(std::vector<std::int64_t> shares);
+  const std::vector<std::int64_t>& shares() const { return shares_; }
 
   // Builds the model, puts it on the first replica device and makes its parameters and buffers
   // the chief's. (Model::compile() makes the other replicas' copies on their devices.)
@@ -152,6 +158,7 @@ class Strategy {
   Logger log_;
   std::shared_ptr<collective::ElasticGroup> elastic_;
   ElasticOptions::Batch elastic_batch_ = ElasticOptions::Batch::kGlobal;
+  std::vector<std::int64_t> shares_; // set_shares; empty: equal
   bool joining_ = false;
   std::shared_ptr<collective::Communicator> saving_alone_; // saving_group()'s group of one
 };

@@ -105,6 +105,13 @@ struct FitOptions {
   int validation_freq = 1;
   std::vector<std::shared_ptr<Callback>> callbacks;
   Verbosity verbose = Verbosity::kAuto; // auto: a bar on a terminal, else one line per epoch
+  // Shares by speed, measured (--shares auto): every that many steps the workers compare their
+  // compute time per row (forward and backward, not the waits for each other) and the global
+  // batch is divided
+  // anew in proportion to speed (Strategy::set_shares), damped so that noise does not move it;
+  // the input goes on from the same position, so every sample is still trained on once per
+  // epoch. 0: off (the strategy's shares stay). Not in an elastic group yet (ConfigError).
+  std::int64_t balance_shares_every = 0;
 };
 
 class Model {

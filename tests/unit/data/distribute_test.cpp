@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <set>
 
 #include "flotilla/data/distribute.h"
@@ -104,6 +105,75 @@ TEST(Distribute, EachWorkerGetsItsSliceOfEveryGlobalBatchAndPreprocessesOnlyThat
     EXPECT_EQ(joined, single.ids[step]) << "step " << step; // worker 0 first, in order
     EXPECT_EQ(passes[0].global_sizes[step], 20);
   }
+}
+
+// Shares by speed (InputContext::shares 2,1,1): of each global batch of 20, worker 0 keeps rows
+// 0-9, worker 1 rows 10-14 and worker 2 rows 15-19, in order, on the gathered path, the element
+// path and the fallback split alike; a short last batch (100 = 4 x 24 + 4) divides 2:1:1 too
+// (rows 0-1, 2, 3), and every sample is kept by exactly one worker. FILE and OFF sharding,
+// per-function datasets and a weight per worker missing are refused.
+TEST(Distribute, SharesBySpeedDivideEachGlobalBatchByWeightAndKeepEverySampleOnce) {
+  const auto context = [](int w) {
+    cluster::InputContext c = worker(w, 3);
+    c.shares = {2, 1, 1};
+    return c;
+  };
+  const auto single = run(distribute_dataset(ids(100).shuffle(100, 3).batch(24), worker(0, 1)));
+  for (const auto& make : std::vector<std::function<Dataset()>>{
+           [] { return ids(100).shuffle(100, 3).batch(24); }, // gathered
+           [] { return ids(100).shuffle(100, 3).map([](Element e) { return e; }).batch(24); },
+           [] { // no batch to rewrite: split at the end
+             return ids(100).shuffle(100, 3).batch(24).filter([](const Element&) { return true; });
+           }}) {
+    std::vector<Pass> passes;
+    for (int w = 0; w < 3; ++w) passes.push_back(run(distribute_dataset(make(), context(w))));
+    std::vector<std::int64_t> seen;
+    for (std::size_t step = 0; step < passes[0].ids.size(); ++step) {
+      const std::size_t rows = step < 4 ? 24 : 4;
+      EXPECT_EQ(passes[0].ids[step].size(), rows / 2) << step;
+      EXPECT_EQ(passes[1].ids[step].size(), rows / 4) << step;
+      EXPECT_EQ(passes[2].ids[step].size(), rows / 4) << step;
+      std::vector<std::int64_t> joined;
+      for (const Pass& p : passes) {
+        joined.insert(joined.end(), p.ids[step].begin(), p.ids[step].end());
+        EXPECT_EQ(p.global_sizes[step], static_cast<std::int64_t>(rows));
+      }
+      if (step < single.ids.size()) EXPECT_EQ(joined, single.ids[step]) << "step " << step;
+      seen.insert(seen.end(), joined.begin(), joined.end());
+    }
+    std::sort(seen.begin(), seen.end());
+    ASSERT_EQ(seen.size(), 100u);
+    for (std::int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], i);
+  }
+  EXPECT_NE(distribute_dataset(ids(100).batch(24), context(1))
+                .plan()
+                .find("rows 12 to 17 of each global batch (shares 2,1,1)"),
+            std::string::npos);
+  const auto refused = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  Options off;
+  off.distribute.auto_shard_policy = AutoShardPolicy::kOff;
+  EXPECT_NE(refused([&] {
+              distribute_dataset(ids(100).batch(24).with_options(off), context(0));
+            }).find("shares by speed split every global batch"),
+            std::string::npos);
+  EXPECT_NE(refused([&] {
+              distribute_datasets_from_function([](const cluster::InputContext&) { return ids(4); },
+                                                context(0));
+            }).find("shares by speed"),
+            std::string::npos);
+  cluster::InputContext two = context(0);
+  two.shares = {2, 1};
+  EXPECT_NE(refused([&] {
+              distribute_dataset(ids(100).batch(24), two);
+            }).find("InputContext::shares has 2 weights for 3 workers"),
+            std::string::npos);
 }
 
 // Slices -> shuffle -> repeat -> batch is gathered by row number on each worker (no tensor per
@@ -322,8 +392,8 @@ TEST(Distribute, APerReplicaPassResumesAtARowOnOtherMembers) {
   EXPECT_TRUE(at48.in_rows);
   EXPECT_EQ(at48.produced, 48);
   // The whole pass's order, for reference: one worker of a 1-worker cluster takes it all.
-  auto whole = distribute_dataset(pipeline, context(0, 1, 1)).make_iterator(IteratorState{
-      at48.iteration, 0, at48.fingerprint, true});
+  auto whole = distribute_dataset(pipeline, context(0, 1, 1))
+                   .make_iterator(IteratorState{at48.iteration, 0, at48.fingerprint, true});
   while (auto b = whole.next()) {
     const auto t = b->element[0].contiguous();
     order.insert(order.end(), t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());

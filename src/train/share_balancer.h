@@ -1,0 +1,57 @@
+// Private: shares by speed, measured (FitOptions::balance_shares_every). Every `interval` steps
+// each worker reports its compute time per row since the last report: forward and backward as
+// the step timer charged them, less the time backward's shared-memory all-reduces (run in its
+// hooks) waited for the others (the input wait and the backends' all-reduce waits are phases of
+// their own), the
+// workers all-reduce the reports, and every worker computes the same new division of the global
+// batch: rows in proportion to the smoothed speeds, in whole rows, each worker at least one.
+// A division that moves no worker by more than a threshold is not applied, so noise does not
+// make the shares oscillate. An applied one sets the strategy's shares, and the epoch's pass
+// goes on at the same position on the input distributed anew, so no row is lost or repeated.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flotilla/data/distribute.h"
+#include "flotilla/strategy/strategy.h"
+#include "train/epoch_iterator.h"
+#include "train/step_timer.h"
+
+namespace flotilla::train::detail {
+
+class ShareBalancer {
+ public:
+  ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std::int64_t interval);
+
+  void begin_fit(const data::DistributedDataset& train);
+  void end_fit();
+  // After each step, on every worker at the same step: `rows` this worker trained on in it, of
+  // a global batch of `global`. Every interval steps a collective; may rebind `input`.
+  void after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
+                  std::int64_t global);
+  // The division the last report led to, for the log: "171,85 of 256 (ms per row 0.12, 0.24)".
+  const std::string& last_decision() const { return last_decision_; }
+
+ private:
+  strategy::Strategy& strategy_;
+  StepTimer& timer_;
+  std::int64_t interval_;
+  const data::DistributedDataset* train_ = nullptr;
+  std::unique_ptr<data::DistributedDataset> current_; // the input as divided now
+  std::int64_t steps_ = 0;                            // since the fit began
+  double compute_at_last_ = 0; // forward + backward seconds of the epoch at the last step
+  double compute_ = 0;         // since the last report
+  double waited_at_last_ = 0;  // the shared-memory all-reduces' waits at the last step
+  std::int64_t rows_ = 0;      // since the last report
+  std::vector<double> speeds_; // smoothed rows per second, per worker
+  std::string last_decision_;
+};
+
+// The division of `global` rows in proportion to `speeds` (largest remainders), each worker at
+// least one row; rows sum to `global`.
+std::vector<std::int64_t> rows_by_speed(const std::vector<double>& speeds, std::int64_t global);
+
+} // namespace flotilla::train::detail
