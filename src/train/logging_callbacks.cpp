@@ -80,8 +80,10 @@ CSVLogger::CSVLogger(fs::path filename, char separator, bool append)
 void CSVLogger::on_train_begin() {
   keys_.clear();
   if (!is_chief()) return;
-  // Found before training, not after an epoch of it.
-  std::ofstream probe(filename_, append_ ? std::ios::app : std::ios::trunc);
+  // Found before training, not after an epoch of it. A worker joining a running elastic fit (a
+  // restarted slot 0 leads again) continues the file: truncating it lost the rows before.
+  const bool fresh = !append_ && !model().strategy().joining();
+  std::ofstream probe(filename_, fresh ? std::ios::trunc : std::ios::app);
   if (!probe) {
     throw ConfigError("CSVLogger cannot write " + filename_.string() +
                       "; check that its directory exists and is writable");
@@ -95,8 +97,9 @@ void CSVLogger::on_epoch_end(int epoch, EpochLogs& logs) {
     std::set<std::string> sorted;
     for (const auto& [key, value] : logs.values.items()) sorted.insert(key);
     keys_.assign(sorted.begin(), sorted.end());
-    // A file being appended to has its header already.
-    if (!append_ || fs::file_size(filename_) == 0) {
+    // A file being appended to has its header already: appended, continued by a joiner, or
+    // by a successor that became the chief mid-fit.
+    if (fs::file_size(filename_) == 0) {
       out << "epoch";
       if (model().generation() >= 0) out << separator_ << "generation";
       for (const auto& key : keys_) out << separator_ << key;

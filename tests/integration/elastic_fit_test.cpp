@@ -268,12 +268,23 @@ TEST(ElasticFit, AnElasticFitKeepingThePerReplicaBatchScalesTheLearningRate) {
 TEST(ElasticFit, AnElasticFitHealsFaultsAtAnEpochsEnd) {
   ElasticFit fit;
   fit.epochs = 7;
-  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "3"},
-                                        {"--signal-at", "-1", "--fault", "2:validation:2",
-                                         "--fault", "1:callbacks:3", "--fault", "0:gather:4"}),
-                             {}, std::chrono::seconds(180));
+  const auto r = run_process(
+      fit.launch("KILL", "100", {"--max-restarts", "3"},
+                 {"--signal-at", "-1", "--fault", "2:validation:2", "--fault", "1:callbacks:3",
+                  "--fault", "0:gather:4", "--csv", fit.dir.path() + "/log.csv"}),
+      {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
+  // CSVLogger's file holds every epoch's row once, under one header, though three chiefs wrote
+  // it (slot 0, its successor slot 1, then slot 0 again, rejoined). Before, the rejoined chief
+  // truncated it, and the rows of epochs 0 to 3 were lost.
+  const std::string csv = testing::read_file(fit.dir.path() + "/log.csv");
+  std::cout << csv;
+  std::vector<std::string> firsts;
+  std::istringstream lines(csv);
+  for (std::string line; std::getline(lines, line);) firsts.push_back(line.substr(0, 2));
+  EXPECT_EQ(firsts, (std::vector<std::string>{"ep", "0,", "1,", "2,", "3,", "4,", "5,", "6,"}))
+      << csv;
   for (const std::string line :
        {"(slot 2 lost its connection to the rendezvous (the process exited or was killed)); "
         "going on from epoch 2's end, buffers mirrored (update 20)",
