@@ -17,7 +17,7 @@
 #include <sstream>
 #include <type_traits>
 
-#include "checkpoint/directory_flock.h"
+#include "checkpoint/fence.h"
 #include "checkpoint/manifest.h"
 #include "flotilla/base/atomic_file.h"
 #include "flotilla/base/hashes.h"
@@ -246,23 +246,10 @@ void check_fence(const fs::path& dir, const CheckpointData& data, const std::str
       (!newest.state.is_object() || newest.state.value("training", std::string()) != training)) {
     return;
   }
-  const std::string ours =
-      "generation " + std::to_string(data.generation) + ", update " + std::to_string(data.step);
-  const std::string theirs = newest_path.string() + " (generation " +
-                             std::to_string(newest.generation) + ", update " +
-                             std::to_string(newest.step) + ")";
-  if (newest.generation > data.generation) {
-    throw CheckpointError("refused (fencing): this writer's state is of " + ours +
-                          ", and the newest checkpoint there, " + theirs +
-                          ", was decided by a newer generation of the group: this process was "
-                          "replaced (stopped or cut off, then expelled) and must not overwrite "
-                          "its successor's work");
-  }
-  if (newest.step > data.step) {
-    throw CheckpointError("refused (fencing): this writer's state is of " + ours +
-                          ", older than the newest checkpoint there, " + theirs +
-                          "; a resume from it would repeat the updates in between");
-  }
+  detail::check_token(data.generation, data.step, newest.generation, newest.step,
+                      "this writer's state is",
+                      "the newest checkpoint there, " + newest_path.string(),
+                      "; a resume from it would repeat the updates in between");
 }
 
 // Moves a staged checkpoint to `dir`/`name`, then points the pointer file at it. On failure,
@@ -657,6 +644,25 @@ std::optional<CheckpointData> restore_latest(const fs::path& directory,
     }
   }
   return std::nullopt;
+}
+
+void detail::check_token(std::int64_t generation, std::int64_t update, std::int64_t disk_generation,
+                         std::int64_t disk_update, const std::string& whose,
+                         const std::string& where, const std::string& older_tail) {
+  const std::string ours =
+      "generation " + std::to_string(generation) + ", update " + std::to_string(update);
+  const std::string theirs = where + " (generation " + std::to_string(disk_generation) +
+                             ", update " + std::to_string(disk_update) + ")";
+  if (disk_generation > generation) {
+    throw CheckpointError("refused (fencing): " + whose + " of " + ours + ", and " + theirs +
+                          ", was decided by a newer generation of the group: this process was "
+                          "replaced (stopped or cut off, then expelled) and must not overwrite "
+                          "its successor's work");
+  }
+  if (disk_update > update) {
+    throw CheckpointError("refused (fencing): " + whose + " of " + ours + ", older than " + theirs +
+                          older_tail);
+  }
 }
 
 } // namespace flotilla::checkpoint

@@ -62,8 +62,7 @@ Manifest parse_manifest(std::string_view text, const fs::path& path, const Manif
   Manifest out;
   out.format_version = field<std::int64_t>(manifest, "format_version", path);
   if (out.format_version < 1 || out.format_version > rules.max_version) {
-    throw CheckpointError(path.string() + ": format_version " +
-                          std::to_string(out.format_version) +
+    throw CheckpointError(path.string() + ": format_version " + std::to_string(out.format_version) +
                           ", but this build of flotilla reads version " +
                           std::to_string(rules.max_version) +
                           (out.format_version > rules.max_version

@@ -8,7 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "checkpoint/directory_flock.h"
+#include "checkpoint/fence.h"
+#include "checkpoint/safetensors_header.h"
 #include "flotilla/checkpoint/safetensors.h"
 #include "flotilla/collective/agreement.h"
 #include "flotilla/error.h"
@@ -95,7 +96,7 @@ std::map<std::string, std::string> read_safetensors_metadata(const fs::path& pat
   if (!in.read(reinterpret_cast<char*>(size_bytes), 8)) return out;
   std::uint64_t size = 0;
   for (int i = 7; i >= 0; --i) size = (size << 8) | size_bytes[i]; // little-endian
-  if (size > (std::uint64_t{100} << 20)) return out; // the format's own bound on a header
+  if (size > detail::kMaxSafetensorsHeaderBytes) return out;
   std::string header(size, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(size))) return out;
   const auto json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
@@ -128,20 +129,8 @@ void check_weights_fence(const fs::path& path, const WeightsFence& fence) {
   const auto generation = field("flotilla.generation");
   const auto update = field("flotilla.update");
   if (!generation || !update) return;
-  const std::string ours =
-      "generation " + std::to_string(fence.generation) + ", update " + std::to_string(fence.update);
-  const std::string on_disk = path.string() + " (generation " + std::to_string(*generation) +
-                              ", update " + std::to_string(*update) + ")";
-  if (*generation > fence.generation) {
-    throw CheckpointError("refused (fencing): these weights are of " + ours + ", and " + on_disk +
-                          " was decided by a newer generation of the group: this process was "
-                          "replaced (stopped or cut off, then expelled) and must not overwrite "
-                          "its successor's work");
-  }
-  if (*update > fence.update) {
-    throw CheckpointError("refused (fencing): these weights are of " + ours + ", older than " +
-                          on_disk);
-  }
+  detail::check_token(fence.generation, fence.update, *generation, *update, "these weights are",
+                      "the file there, " + path.string(), "");
 }
 
 } // namespace

@@ -105,8 +105,9 @@ void load_archived_state(torch::optim::Optimizer& optimizer, const NamedTensors&
   if (state.size() != 1 || state.front().first != kArchiveName) {
     throw CheckpointError(where + "this " + type_name(optimizer) +
                           " keeps its state in LibTorch's archive (\"" + kArchiveName +
-                          "\"); saw " + (state.empty() ? "nothing" : "\"" + state.front().first +
-                          "\"") + ": it was saved from another optimizer");
+                          "\"); saw " +
+                          (state.empty() ? "nothing" : "\"" + state.front().first + "\"") +
+                          ": it was saved from another optimizer");
   }
   const torch::Tensor bytes_tensor = state.front().second.to(torch::kCPU).contiguous();
   if (bytes_tensor.scalar_type() != torch::kUInt8 || bytes_tensor.dim() != 1) {

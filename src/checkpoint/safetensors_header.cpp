@@ -55,7 +55,8 @@ SafetensorsHeader parse_safetensors_header(std::string_view bytes, const std::st
   const auto* length_bytes = reinterpret_cast<const unsigned char*>(bytes.data());
   std::uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
-  if (header_size > static_cast<std::uint64_t>(file_size - 8) || header_size > (100u << 20)) {
+  if (header_size > static_cast<std::uint64_t>(file_size - 8) ||
+      header_size > kMaxSafetensorsHeaderBytes) {
     throw CheckpointError(where + "header length " + std::to_string(header_size) +
                           " does not fit in a file of " + std::to_string(file_size) +
                           " bytes; the file is truncated or not safetensors");

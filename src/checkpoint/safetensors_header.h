@@ -27,6 +27,9 @@ struct SafetensorsHeader {
 };
 
 // Bytes per element of a safetensors dtype flotilla reads; 0 for any other name.
+// The format's bound on a header (the Rust reader's): 100 MiB.
+inline constexpr std::uint64_t kMaxSafetensorsHeaderBytes = std::uint64_t{100} << 20;
+
 std::size_t safetensors_element_size(const std::string& dtype);
 
 // The header of `bytes` (a whole file); every entry's dtype is known, its shape non-negative and

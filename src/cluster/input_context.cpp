@@ -25,4 +25,37 @@ std::string InputContext::describe_shares() const {
   return out;
 }
 
+void check_shares(const std::vector<std::int64_t>& shares, int workers) {
+  if (shares.empty()) return;
+  if (static_cast<int>(shares.size()) != workers) {
+    throw ConfigError("InputContext::shares has " + std::to_string(shares.size()) +
+                      " weights for " + std::to_string(workers) +
+                      " workers; give one per worker, in task order (the chief first)");
+  }
+  for (std::size_t w = 0; w < shares.size(); ++w) {
+    if (shares[w] < 1 || shares[w] > (std::int64_t{1} << 20)) {
+      throw ConfigError("worker " + std::to_string(w) + "'s share " + std::to_string(shares[w]) +
+                        " is not a whole number from 1 to 1048576");
+    }
+  }
+}
+
+InputContext::Part InputContext::part_of(int worker) const {
+  Part part;
+  if (shares.empty()) {
+    part.count = num_replicas_in_sync / num_input_pipelines; // replicas on each worker
+    part.first = worker * part.count;
+    part.parts = num_replicas_in_sync;
+    return part;
+  }
+  check_shares(shares, num_input_pipelines);
+  part.parts = part.first = 0;
+  for (int w = 0; w < num_input_pipelines; ++w) {
+    if (w < worker) part.first += shares[static_cast<std::size_t>(w)];
+    part.parts += shares[static_cast<std::size_t>(w)];
+  }
+  part.count = shares[static_cast<std::size_t>(worker)];
+  return part;
+}
+
 } // namespace flotilla::cluster

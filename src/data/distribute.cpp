@@ -428,35 +428,14 @@ DistributedDataset distribute_dataset(const Dataset& dataset,
     return DistributedDataset(dataset, dataset, context, false, "one replica: the dataset as it is",
                               0, true);
   }
-  // This worker's part of a global batch of b rows is [b·first/parts, b·(first+count)/parts):
-  // equal shares count replicas, shares by speed count the weights.
-  std::int64_t parts = replicas;
-  std::int64_t count = replicas / workers; // replicas on each worker
-  std::int64_t first = context.input_pipeline_id * count;
+  // This worker's part of each global batch: equal shares count replicas, shares the weights.
+  const cluster::InputContext::Part part = context.part_of(context.input_pipeline_id);
+  const std::int64_t parts = part.parts, first = part.first, per_worker = part.count;
   const bool by_share = !context.shares.empty();
-  if (by_share) {
-    if (static_cast<std::int64_t>(context.shares.size()) != workers) {
-      throw ConfigError("distribute_dataset: InputContext::shares has " +
-                        std::to_string(context.shares.size()) + " weights for " +
-                        std::to_string(workers) + " workers; give one per worker");
-    }
-    parts = first = 0;
-    for (std::int64_t w = 0; w < workers; ++w) {
-      const std::int64_t weight = context.shares[static_cast<std::size_t>(w)];
-      if (weight < 1 || weight > (std::int64_t{1} << 20)) {
-        throw ConfigError("distribute_dataset: worker " + std::to_string(w) + "'s share " +
-                          std::to_string(weight) + " is not a whole number from 1 to 1048576");
-      }
-      if (w < context.input_pipeline_id) first += weight;
-      parts += weight;
-    }
-    count = context.shares[static_cast<std::size_t>(context.input_pipeline_id)];
-    if (full > 0) {
-      throw ConfigError("distribute_dataset: shares by speed divide a constant global batch; an "
-                        "elastic group keeping the per-replica batch has none to divide");
-    }
+  if (by_share && full > 0) {
+    throw ConfigError("distribute_dataset: shares by speed divide a constant global batch; an "
+                      "elastic group keeping the per-replica batch has none to divide");
   }
-  const std::int64_t per_worker = count;
   // tf.data's AUTO: FILE when the source reads at least one file per worker, else DATA. Where
   // TF fails on FILE with too few files, fall back to DATA and say why.
   AutoShardPolicy policy = options.distribute.auto_shard_policy;

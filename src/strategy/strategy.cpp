@@ -205,18 +205,7 @@ void Strategy::set_shares(std::vector<std::int64_t> shares) {
     throw ConfigError("shares by speed (--shares) are not yet made for an elastic group, whose "
                       "members change; leave --shares at equal, or train without --elastic");
   }
-  if (!shares.empty() && static_cast<int>(shares.size()) != num_workers()) {
-    throw ConfigError("--shares gives " + std::to_string(shares.size()) + " weight(s) for " +
-                      std::to_string(num_workers()) + " worker(s); give one per worker, in " +
-                      "task order (the chief first), e.g. " +
-                      (num_workers() == 2 ? std::string("2,1") : std::string("equal")));
-  }
-  for (std::size_t w = 0; w < shares.size(); ++w) {
-    if (shares[w] < 1 || shares[w] > (std::int64_t{1} << 20)) {
-      throw ConfigError("--shares: worker " + std::to_string(w) + "'s weight " +
-                        std::to_string(shares[w]) + " is not a whole number from 1 to 1048576");
-    }
-  }
+  cluster::check_shares(shares, num_workers());
   shares_ = std::move(shares);
 }
 

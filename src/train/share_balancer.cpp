@@ -16,16 +16,6 @@ constexpr double kSmoothing = 0.3;
 // batch (and at least one row).
 constexpr double kThreshold = 0.03;
 
-// Worker w's rows of a global batch of `global` under `shares` (empty: equal), as
-// distribute_dataset divides it.
-std::int64_t rows_of(const std::vector<std::int64_t>& shares, int workers, int w,
-                     std::int64_t global) {
-  if (shares.empty()) return (w + 1) * global / workers - w * global / workers;
-  const std::int64_t total = std::accumulate(shares.begin(), shares.end(), std::int64_t{0});
-  const std::int64_t before = std::accumulate(shares.begin(), shares.begin() + w, std::int64_t{0});
-  return (before + shares[static_cast<std::size_t>(w)]) * global / total - before * global / total;
-}
-
 } // namespace
 
 std::vector<std::int64_t> rows_by_speed(const std::vector<double>& speeds, std::int64_t global) {
@@ -119,11 +109,11 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     }
   }
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);
-  const std::vector<std::int64_t>& now = strategy_.shares();
+  const cluster::InputContext now = strategy_.input_context();
   std::int64_t moved = 0;
   for (int w = 0; w < workers; ++w) {
-    moved = std::max(
-        moved, std::abs(target[static_cast<std::size_t>(w)] - rows_of(now, workers, w, global)));
+    moved = std::max(moved,
+                     std::abs(target[static_cast<std::size_t>(w)] - now.part_of(w).rows(global)));
   }
   std::string decision;
   char buf[64];
@@ -136,7 +126,6 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     decision += buf;
   }
   decision += ")";
-  last_decision_ = decision;
   const double threshold = std::max(1.0, kThreshold * static_cast<double>(global));
   if (static_cast<double>(moved) < threshold) return;
   const auto position = input.position(step_in_epoch);

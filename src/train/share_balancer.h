@@ -32,8 +32,6 @@ class ShareBalancer {
   // a global batch of `global`. Every interval steps a collective; may rebind `input`.
   void after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
                   std::int64_t global);
-  // The division the last report led to, for the log: "171,85 of 256 (ms per row 0.12, 0.24)".
-  const std::string& last_decision() const { return last_decision_; }
 
  private:
   strategy::Strategy& strategy_;
@@ -47,7 +45,6 @@ class ShareBalancer {
   double waited_at_last_ = 0;  // the shared-memory all-reduces' waits at the last step
   std::int64_t rows_ = 0;      // since the last report
   std::vector<double> speeds_; // smoothed rows per second, per worker
-  std::string last_decision_;
 };
 
 // The division of `global` rows in proportion to `speeds` (largest remainders), each worker at

@@ -302,13 +302,10 @@ void TrainStep::begin_fit(std::int64_t lr_global_rows, std::int64_t global_rows)
 void TrainStep::mirror_buffers() {
   if (!buffers_dirty_) return;
   // Shares by speed: each worker's statistics weigh as much as its share of the rows.
-  const auto& shares = strategy_.shares();
   double weight = 0;
-  if (!shares.empty()) {
-    std::int64_t total = 0;
-    for (const std::int64_t w : shares) total += w;
-    weight = static_cast<double>(shares[static_cast<std::size_t>(strategy_.worker_index())]) /
-             static_cast<double>(total);
+  if (!strategy_.shares().empty()) {
+    const auto part = strategy_.input_context().part_of(strategy_.worker_index());
+    weight = static_cast<double>(part.count) / static_cast<double>(part.parts);
   }
   replicas_->mirror_buffers(strategy_.communicator(), weight);
   buffers_dirty_ = false; // not before: a mirror that failed is still due (elastic redoes it)

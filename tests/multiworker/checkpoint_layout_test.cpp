@@ -127,12 +127,9 @@ TEST(CheckpointLayout, AFencedWeightsFileRefusesAnOlderWriterOfItsTraining) {
     torch::NoGradGuard no_grad;
     net->weight.add_(1); // the stale chief's weights differ
     refusal = refused("a", 0, 30);
-    EXPECT_EQ(refused("a", 1, 10)
-                  .rfind("refused (fencing): these weights are of generation 1, "
-                         "update 10, older than " +
-                             file.string() + " (generation 1, update 20)",
-                         0),
-              0u);
+    EXPECT_EQ(refused("a", 1, 10), "refused (fencing): these weights are of generation 1, update "
+                                   "10, older than the file there, " +
+                                       file.string() + " (generation 1, update 20)");
     EXPECT_EQ(testing::read_file(file), before);
     EXPECT_EQ(refused("a", 2, 20), ""); // a newer generation
     EXPECT_EQ(refused("b", 0, 1), "");  // another training
@@ -144,9 +141,10 @@ TEST(CheckpointLayout, AFencedWeightsFileRefusesAnOlderWriterOfItsTraining) {
     checkpoint::save_model(s.communicator(), *net, model_dir, "weights.safetensors");
     EXPECT_TRUE(checkpoint::read_safetensors_metadata(file).empty()); // unfenced: replaced
   });
-  EXPECT_EQ(refusal.rfind("refused (fencing): these weights are of generation 0, update 30, and " +
+  EXPECT_EQ(refusal.rfind("refused (fencing): these weights are of generation 0, update 30, and "
+                          "the file there, " +
                               file.string() +
-                              " (generation 1, update 20) was decided by a newer generation of "
+                              " (generation 1, update 20), was decided by a newer generation of "
                               "the group: this process was replaced",
                           0),
             0u)

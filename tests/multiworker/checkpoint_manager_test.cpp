@@ -801,6 +801,16 @@ Snapshot snapshot(const fs::path& root, const fs::path& dir) {
           base::sha256_file(dir / "ckpt-1" / "model.safetensors")};
 }
 
+// save_one's CheckpointError message; "" when the save went through.
+std::string save_refusal(const fs::path& dir, const CheckpointData& data, std::int64_t number) {
+  try {
+    save_one(dir, data, number);
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 void expect_unchanged(const Snapshot& before, const fs::path& root, const fs::path& dir) {
   const Snapshot after = snapshot(root, dir);
   EXPECT_EQ(after.root, before.root); // no worker directory left beside it
@@ -823,12 +833,7 @@ TEST(CheckpointManager, AFencedSaveOfAnOlderGenerationOrUpdateIsRefusedAndChange
     return data;
   };
   const auto refusal = [&](const CheckpointData& data, std::int64_t number) {
-    try {
-      save_one(dir, data, number);
-    } catch (const CheckpointError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
+    return save_refusal(dir, data, number);
   };
   save_one(dir, fenced(1, 0), 1); // generation 0, update 100
   save_one(dir, fenced(2, 1), 2); // generation 1, update 200: the group moved on
@@ -872,12 +877,7 @@ TEST(CheckpointManager, AFencedSaveIsRefusedOnlyByACheckpointOfItsOwnTraining) {
     return data;
   };
   const auto refusal = [&](const CheckpointData& data, std::int64_t number) {
-    try {
-      save_one(dir, data, number);
-    } catch (const CheckpointError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
+    return save_refusal(dir, data, number);
   };
   save_one(dir, of("a", 3, 3), 3); // generation 3, update 300
   EXPECT_NE(refusal(of("a", 2, 2), 2).find("refused (fencing)"), std::string::npos);

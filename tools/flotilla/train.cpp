@@ -868,8 +868,9 @@ int run_evaluator(const TrainArgs& a) {
 // --shares auto: steps between two measurements of the workers' speeds.
 constexpr std::int64_t kBalanceSharesEvery = 20;
 
-// --shares: "equal" or "auto" (none to start with), or one whole weight per worker, "2,1".
-std::vector<std::int64_t> parse_shares(const std::string& text) {
+// --shares: "equal" or "auto" (none to start with), or one whole weight per worker of the
+// `workers`, "2,1"; checked before joining.
+std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
   if (text == "equal" || text == "auto") return {};
   std::vector<std::int64_t> out;
   std::stringstream in(text);
@@ -888,6 +889,11 @@ std::vector<std::int64_t> parse_shares(const std::string& text) {
                         "weight per worker in task order, e.g. 2,1");
     }
     out.push_back(weight);
+  }
+  if (static_cast<int>(out.size()) != workers) {
+    throw ConfigError("--shares gives " + std::to_string(out.size()) + " weight(s) for " +
+                      std::to_string(workers) + " worker(s); give one per worker, in task order " +
+                      "(the chief first), e.g. " + (workers == 2 ? "2,1" : "equal"));
   }
   return out;
 }
@@ -910,7 +916,7 @@ int run(const TrainArgs& a) {
   const train::TorchScriptModule script = script_model(a, sources, sources.train);
   const std::vector<torch::Device> devices = replica_devices(a, env);
   check_batch_fits_memory(a, env, devices);
-  const std::vector<std::int64_t> shares = parse_shares(a.shares);
+  const std::vector<std::int64_t> shares = parse_shares(a.shares, spec.world_size);
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices, elastic);
   strategy.set_shares(shares);

@@ -36,8 +36,24 @@ struct InputContext {
   // "equal", or the weights as "2,1".
   std::string describe_shares() const;
 
+  // A worker's part of each global batch of G: rows [G·first/parts, G·(first+count)/parts).
+  // Equal shares count replicas, shares count weights.
+  struct Part {
+    std::int64_t first = 0;
+    std::int64_t count = 1;
+    std::int64_t parts = 1;
+    std::int64_t rows(std::int64_t global) const {
+      return global * (first + count) / parts - global * first / parts;
+    }
+  };
+  // ConfigError for shares that are not one weight from 1 to 2^20 per worker (check_shares).
+  Part part_of(int worker) const;
+
   // global_batch ÷ num_replicas_in_sync; ConfigError when it does not divide evenly.
   std::int64_t get_per_replica_batch_size(std::int64_t global_batch) const;
 };
+
+// ConfigError unless `shares` is empty (equal) or one whole weight from 1 to 2^20 per worker.
+void check_shares(const std::vector<std::int64_t>& shares, int workers);
 
 } // namespace flotilla::cluster
