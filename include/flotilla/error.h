@@ -46,6 +46,15 @@ class GroupChanged : public CommError {
   using CommError::CommError;
 };
 
+// Elastic mode, shares by speed (FitOptions::straggler_floor): this worker was measured so much
+// slower than the others that its share of the global batch would fall below the floor, and it
+// left the group, which goes on without it. Not healed by this worker; the launcher may restart
+// it, and a restart rejoins with a share from its measured speed. Exit code as CommError's.
+class Straggler : public Error {
+ public:
+  using Error::Error;
+};
+
 // A checkpoint could not be written or read.
 class CheckpointError : public Error {
  public:
@@ -79,7 +88,7 @@ std::string printable(std::string_view message, std::size_t max = 4000);
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;    // anything unexpected
 inline constexpr int kExitBadInput = 2;   // ConfigError, DataError, bad flags
-inline constexpr int kExitComm = 3;       // CommError, TimeoutError
+inline constexpr int kExitComm = 3;       // CommError, TimeoutError, Straggler
 inline constexpr int kExitCheckpoint = 4; // CheckpointError
 inline constexpr int kExitDiverged = 5;   // training stopped on non-finite values (TerminateOnNaN)
 // Preempted. sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry"): a

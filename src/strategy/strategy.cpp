@@ -197,13 +197,15 @@ collective::Communicator* Strategy::saving_group() {
 
 void Strategy::adopt_generation() {
   communicator_ = elastic_->communicator();
+  shares_.clear(); // the members changed: equal shares until their speeds are measured again
   log_ = Logger(communicator_.rank(), communicator_.size(), elastic_->generation());
 }
 
 void Strategy::set_shares(std::vector<std::int64_t> shares) {
-  if (!shares.empty() && elastic_) {
-    throw ConfigError("shares by speed (--shares) are not yet made for an elastic group, whose "
-                      "members change; leave --shares at equal, or train without --elastic");
+  if (!shares.empty() && elastic_ && elastic_batch_ == ElasticOptions::Batch::kPerReplica) {
+    throw ConfigError("shares by speed divide a constant global batch; an elastic group keeping "
+                      "the per-replica batch (--elastic-batch per-replica) has none to divide; "
+                      "leave the shares equal, or keep the global batch");
   }
   cluster::check_shares(shares, num_workers());
   shares_ = std::move(shares);

@@ -85,7 +85,8 @@ History FitLoop::run(const data::DistributedDataset& train,
   progress_.input = &input;
   healer_.begin_fit(train);
   if (options_.balance_shares_every > 0) {
-    balancer_ = std::make_unique<ShareBalancer>(strategy_, timer_, options_.balance_shares_every);
+    balancer_ = std::make_unique<ShareBalancer>(strategy_, timer_, options_.balance_shares_every,
+                                                options_.straggler_floor);
     balancer_->begin_fit(train);
   }
   callbacks_.on_train_begin(); // BackupAndRestore may set `resume` here
@@ -244,11 +245,6 @@ bool FitLoop::step(EpochIterator& input, Epoch& e, PreemptionVote* vote) {
   ++e.steps;
   ++progress_.step;
   healer_.commit();
-  if (balancer_) {
-    const torch::Tensor& first = batch->element.front();
-    balancer_->after_step(input, progress_.step, first.dim() > 0 ? first.size(0) : 0,
-                          batch->global_batch_size);
-  }
   // Batch callbacks every steps_per_execution steps and at the end of a fixed-length epoch.
   bool batch_ended = false;
   if (progress_.step % every == 0 ||
@@ -260,6 +256,12 @@ bool FitLoop::step(EpochIterator& input, Epoch& e, PreemptionVote* vote) {
     step_.set_means(running, totals.data(), std::max(1.0, totals.back()));
     callbacks_.on_train_batch_end(progress_.step - 1, running);
     batch_ended = true;
+  }
+  // After the step's callbacks, so that a straggler leaving here has seen its last step out.
+  if (balancer_) {
+    const torch::Tensor& first = batch->element.front();
+    balancer_->after_step(input, progress_.step, first.dim() > 0 ? first.size(0) : 0,
+                          batch->global_batch_size);
   }
   // Stop for preemption only where a resume continues exactly: after an optimizer update (not
   // inside an accumulation group), and not at an epoch's last step (a backup there would resume

@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <utility>
 
+#include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
 
 namespace flotilla::train::detail {
@@ -12,9 +14,17 @@ namespace {
 
 // How much of a new report the smoothed speeds take (an exponential moving average).
 constexpr double kSmoothing = 0.3;
-// A division is applied only when it moves some worker by more than this share of the global
-// batch (and at least one row).
-constexpr double kThreshold = 0.03;
+// A division is applied only when it makes a step's compute faster by more than this fraction.
+constexpr double kMinGain = 0.05;
+// Reports in a row a worker must be below the floor to be called a straggler (one slow
+// interval, a page-in or a neighbour's burst, is not enough).
+constexpr int kStragglerReports = 2;
+
+std::string rows_text(const std::vector<std::int64_t>& rows) {
+  std::string text;
+  for (std::size_t w = 0; w < rows.size(); ++w) text += (w ? "," : "") + std::to_string(rows[w]);
+  return text;
+}
 
 } // namespace
 
@@ -42,25 +52,47 @@ std::vector<std::int64_t> rows_by_speed(const std::vector<double>& speeds, std::
   return rows;
 }
 
-ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std::int64_t interval)
-    : strategy_(strategy), timer_(timer), interval_(interval) {
+double step_compute_seconds(const std::vector<std::int64_t>& rows,
+                            const std::vector<double>& speeds) {
+  double slowest = 0;
+  for (std::size_t w = 0; w < rows.size() && w < speeds.size(); ++w) {
+    if (speeds[w] > 0) slowest = std::max(slowest, static_cast<double>(rows[w]) / speeds[w]);
+  }
+  return slowest;
+}
+
+ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std::int64_t interval,
+                             double straggler_floor)
+    : strategy_(strategy), timer_(timer), interval_(interval), floor_(straggler_floor) {
   if (interval_ < 1) {
     throw ConfigError("shares by speed are measured every N steps, N at least 1; saw " +
                       std::to_string(interval_));
   }
-  if (strategy_.elastic()) {
-    throw ConfigError("shares by speed (--shares auto) are not yet made for an elastic group, "
-                      "whose members change; leave --shares at equal, or train without --elastic");
+  if (!(floor_ >= 0 && floor_ < 1)) {
+    throw ConfigError("straggler_floor is a fraction of the median worker's speed, from 0 (never "
+                      "a straggler) to below 1; saw " +
+                      std::to_string(floor_));
+  }
+  if (strategy_.input_context().full_replicas > 0) {
+    throw ConfigError("shares by speed (--shares auto) divide a constant global batch; an "
+                      "elastic group keeping the per-replica batch (--elastic-batch per-replica) "
+                      "has none to divide; leave --shares at equal, or keep the global batch");
   }
 }
 
 void ShareBalancer::begin_fit(const data::DistributedDataset& train) {
   train_ = &train;
+  start_measuring();
+}
+
+void ShareBalancer::start_measuring() {
   steps_ = 0;
   compute_at_last_ = compute_ = 0;
   waited_at_last_ = strategy_.communicator().shared_memory_waited_seconds();
   rows_ = 0;
   speeds_.clear();
+  below_.clear();
+  generation_ = strategy_.elastic() ? strategy_.elastic()->generation() : 0;
 }
 
 void ShareBalancer::end_fit() {
@@ -70,6 +102,10 @@ void ShareBalancer::end_fit() {
 
 void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
                                std::int64_t global) {
+  // A new generation: other members, another communicator, equal shares again (the strategy's).
+  // Every member sees it at the same step (a heal or an admission lies between two steps), so
+  // all count their intervals from it alike.
+  if (strategy_.elastic() && strategy_.elastic()->generation() != generation_) start_measuring();
   const PhaseTimes& epoch = timer_.epoch;
   // Forward and backward, less what backward's shared-memory all-reduces waited for the other
   // workers (they run in its hooks on this thread); the backends' waits are in kAllReduce.
@@ -109,25 +145,18 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     }
   }
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);
-  const cluster::InputContext now = strategy_.input_context();
-  std::int64_t moved = 0;
-  for (int w = 0; w < workers; ++w) {
-    moved = std::max(moved,
-                     std::abs(target[static_cast<std::size_t>(w)] - now.part_of(w).rows(global)));
-  }
-  std::string decision;
-  char buf[64];
-  for (int w = 0; w < workers; ++w) {
-    decision += (w ? "," : "") + std::to_string(target[static_cast<std::size_t>(w)]);
-  }
-  decision += " of " + std::to_string(global) + " (ms per row";
-  for (int w = 0; w < workers; ++w) {
-    std::snprintf(buf, sizeof buf, "%s %.3g", w ? "," : "", 1e3 * per_row[w]);
-    decision += buf;
-  }
-  decision += ")";
-  const double threshold = std::max(1.0, kThreshold * static_cast<double>(global));
-  if (static_cast<double>(moved) < threshold) return;
+  // A straggler of an elastic group leaves (it throws); the others keep their shares until the
+  // group without it forms.
+  if (check_stragglers(target, global)) return;
+  cluster::InputContext now = strategy_.input_context();
+  std::vector<std::int64_t> current(static_cast<std::size_t>(workers));
+  for (int w = 0; w < workers; ++w) current[static_cast<std::size_t>(w)] = now.part_of(w).rows(global);
+  now.shares.clear();
+  std::vector<std::int64_t> equal(static_cast<std::size_t>(workers));
+  for (int w = 0; w < workers; ++w) equal[static_cast<std::size_t>(w)] = now.part_of(w).rows(global);
+  const double before = step_compute_seconds(current, speeds_);
+  const double after = step_compute_seconds(target, speeds_);
+  if (!(after < (1 - kMinGain) * before)) return;
   const auto position = input.position(step_in_epoch);
   if (!position || !train_) return; // the same on every worker
   strategy_.set_shares(target);
@@ -135,9 +164,69 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
       std::make_unique<data::DistributedDataset>(train_->redistribute(strategy_.input_context()));
   input.rebind(*current_, *position);
   if (strategy_.is_chief()) {
-    strategy_.log().info("shares: now " + decision + ", from the epoch's step " +
-                         std::to_string(step_in_epoch));
+    std::string text = "shares: now " + rows_text(target) + " of " + std::to_string(global) +
+                       " rows (ms per row";
+    char buf[160];
+    for (int w = 0; w < workers; ++w) {
+      std::snprintf(buf, sizeof buf, "%s %.3g", w ? "," : "", 1e3 * per_row[w]);
+      text += buf;
+    }
+    std::snprintf(buf, sizeof buf, "), from the epoch's step %lld: a step's compute %.2fx as fast",
+                  static_cast<long long>(step_in_epoch), before / after);
+    text += buf;
+    if (current != equal) {
+      text += " as with " + rows_text(current);
+      std::snprintf(buf, sizeof buf, ", %.2fx as with equal shares",
+                    step_compute_seconds(equal, speeds_) / after);
+      text += buf;
+    } else {
+      text += " as with equal shares";
+    }
+    text += ", as measured";
+    strategy_.log().info(text);
   }
+}
+
+bool ShareBalancer::check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global) {
+  if (floor_ <= 0 || speeds_.size() < 2) return false;
+  std::vector<double> sorted = speeds_;
+  std::sort(sorted.begin(), sorted.end());
+  const std::size_t n = sorted.size();
+  const double median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  below_.resize(n, 0);
+  int straggler = -1;
+  for (std::size_t w = 0; w < n; ++w) {
+    below_[w] = speeds_[w] < floor_ * median ? below_[w] + 1 : 0;
+    if (below_[w] >= kStragglerReports && straggler < 0) straggler = static_cast<int>(w);
+  }
+  if (straggler < 0) return false;
+  const auto s = static_cast<std::size_t>(straggler);
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "worker %d (rank %d of this group) is a straggler: it computes %.4g rows/s, "
+                "below %.3g of the median worker's %.4g rows/s at %d reports in a row (its share "
+                "would be %lld of %lld rows)",
+                strategy_.elastic() ? strategy_.elastic()->members()[s] : straggler, straggler,
+                speeds_[s], floor_, median, kStragglerReports, static_cast<long long>(target[s]),
+                static_cast<long long>(global));
+  if (strategy_.elastic()) {
+    if (strategy_.worker_index() == straggler) {
+      throw Straggler(std::string(buf) +
+                      "; it leaves the group, which goes on without it. Find what slows this "
+                      "host (flotilla doctor, a CPU quota, a busy neighbour); restarted, it "
+                      "rejoins and is measured again");
+    }
+    if (strategy_.is_chief()) {
+      strategy_.log().warn(std::string(buf) + "; it leaves the group, which goes on without it");
+    }
+    return true;
+  }
+  if (strategy_.is_chief() && !std::exchange(warned_, true)) {
+    strategy_.log().warn(std::string(buf) +
+                         "; it keeps its small share (an elastic group, --elastic, would go on "
+                         "without it). Find what slows that host");
+  }
+  return false;
 }
 
 } // namespace flotilla::train::detail

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -383,6 +384,76 @@ TEST(ElasticFit, AnElasticFitWithBatchNormSavesWithoutACollective) {
     }
   }
   fit.expect_every_sample_once(4);
+}
+
+// The chief's "shares: now" lines as (workers, generation, rows of each worker).
+struct SharesLine {
+  int workers = 0, generation = 0;
+  std::vector<int> rows;
+};
+std::vector<SharesLine> shares_lines(const std::string& log) {
+  std::vector<SharesLine> lines;
+  const std::regex line(R"(\[worker \d/(\d) g(\d+)\] shares: now ([\d,]+) of 24 rows)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator();
+       ++it) {
+    SharesLine l;
+    l.workers = std::stoi((*it)[1]);
+    l.generation = std::stoi((*it)[2]);
+    std::stringstream rows((*it)[3].str());
+    for (std::string r; std::getline(rows, r, ',');) l.rows.push_back(std::stoi(r));
+    lines.push_back(l);
+  }
+  return lines;
+}
+
+// Shares by speed in an elastic group (--shares-every 3): slot 1's forward sleeps 0.9 ms a row,
+// the others' 0.3 ms. Generation 0 gives slot 1 fewer rows of each global batch of 24; worker 2
+// is SIGKILLed at global step 7, and the two left go back to equal shares and measure again, so
+// slot 1's share shrinks again among two; the restart rejoins. The shares change the division,
+// never the update: the result is the one-worker run's, and every sample is trained on once.
+TEST(ElasticFit, SharesBySpeedAreMeasuredAnewAfterAHealAndKeepTheResult) {
+  const ElasticFit fit;
+  const auto r = run_process(fit.launch("KILL", "200", {"--max-restarts", "1"},
+                                        {"--shares-every", "3", "--row-us", "300", "--slow",
+                                         "1:900"}),
+                             {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  bool among_three = false, among_two = false;
+  for (const SharesLine& l : shares_lines(r.err)) {
+    ASSERT_EQ(static_cast<int>(l.rows.size()), l.workers) << r.err;
+    EXPECT_EQ(std::accumulate(l.rows.begin(), l.rows.end(), 0), 24) << r.err;
+    // Slot 1 is rank 1 in every generation (slots in rank order, slot 0 never left).
+    if (l.generation == 0 && l.workers == 3) among_three = among_three || l.rows[1] < 8;
+    if (l.generation == 1 && l.workers == 2) among_two = among_two || l.rows[1] < 12;
+  }
+  EXPECT_TRUE(among_three) << "slot 1's share shrank in generation 0\n" << r.err;
+  EXPECT_TRUE(among_two) << "and again among the two after the heal\n" << r.err;
+  fit.expect_one_workers_result(4);
+}
+
+// A straggler: slot 1's first process sleeps 3 ms a row in its forward, the others 0.05 ms, so
+// it stays below a tenth of the median's speed at two reports in a row. It leaves the group
+// saying why (exit 3, as an expelled worker), the others go on without it, and launch restarts
+// it; at full speed the restart rejoins. The result is the one-worker run's.
+TEST(ElasticFit, AStragglerBelowTheFloorLeavesAndTheOthersGoOn) {
+  const ElasticFit fit;
+  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
+                                        {"--signal-at", "-1", "--shares-every", "3", "--row-us",
+                                         "50", "--slow", "1:3000"}),
+                             {}, std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::cout << r.err;
+  EXPECT_NE(r.err.find("worker 1 (rank 1 of this group) is a straggler: it computes"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("it leaves the group, which goes on without it. Find what slows this host"),
+            std::string::npos)
+      << "the straggler's own error";
+  EXPECT_NE(r.err.find("[launch] worker 1 exited with code 3; restarting it alone"),
+            std::string::npos);
+  EXPECT_NE(r.err.find("elastic: generation 1 with 2 workers (slot 1 "), std::string::npos);
+  EXPECT_NE(r.err.find("with 3 workers (admitted slot 1); going on from epoch"), std::string::npos);
+  fit.expect_one_workers_result(4);
 }
 
 // Under `launch`, slot `slot`'s process (its pid in `pid`), stopped by its own signal, once the

@@ -26,7 +26,11 @@
 // as many rows per update as FILE's lines say, at the rate per_replica_schedule(rows trained before
 // / 24) x rows / 24, weights to <out>/weights-0.safetensors); --all-die-at K (every slot SIGKILLs
 // itself before its step K, once per slot: the whole group lost at once); --timeout-s N (the
-// collectives' and joining's timeout, 60 s by default). Prints "slot S pid P" once it has joined.
+// collectives' and joining's timeout, 60 s by default); --shares-every K (shares by speed,
+// measured every K steps: FitOptions::balance_shares_every); --straggler-floor F; --row-us US
+// (each forward sleeps US microseconds per row, a compute time the share balancer measures);
+// --slow SLOT:US (slot SLOT's first process sleeps US per row instead; its restarts, --row-us).
+// Prints "slot S pid P" once it has joined.
 #include <signal.h>
 #include <unistd.h>
 
@@ -51,6 +55,7 @@ using namespace flotilla;
 namespace {
 
 std::vector<std::int64_t> pending; // the ids of the batch pulled last (the map runs at the pull)
+int row_sleep_us = 0;               // --row-us, --slow: the forward's sleep per row
 
 // --fault: where this process kills itself, at most once per fault over all its restarts.
 struct Faults {
@@ -153,7 +158,9 @@ int main(int argc, char** argv) {
   std::string out = ".", signal_once, backup_dir, reference_rows, weights, csv;
   int epochs = 4, sleep_ms = 0, signal_slot = -1, signal_at = -1, signal = SIGKILL, all_die_at = -1;
   bool reference = false, batchnorm = false, evaluate = false, per_replica = false;
-  int timeout_s = 60;
+  int timeout_s = 60, shares_every = 0;
+  double straggler_floor = 0.1;
+  std::string slow;
   std::vector<std::string> fault_flags;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -181,6 +188,10 @@ int main(int argc, char** argv) {
     if (flag == "--reference-rows") reference_rows = value;
     if (flag == "--all-die-at") all_die_at = std::stoi(value);
     if (flag == "--timeout-s") timeout_s = std::stoi(value);
+    if (flag == "--shares-every") shares_every = std::stoi(value);
+    if (flag == "--straggler-floor") straggler_floor = std::stod(value);
+    if (flag == "--row-us") row_sleep_us = std::stoi(value);
+    if (flag == "--slow") slow = value;
   }
   try {
     at::set_num_threads(1);
@@ -203,6 +214,13 @@ int main(int argc, char** argv) {
       signal_at = testing::armed_signal_step(all_die_at, -1, slot,
                                              out + "/all-die-" + std::to_string(slot));
     }
+    if (!slow.empty()) { // SLOT:US, the slot's first process only
+      const auto colon = slow.find(':');
+      if (testing::armed_signal_step(0, std::stoi(slow.substr(0, colon)), slot,
+                                     out + "/slow-once") == 0) {
+        row_sleep_us = std::stoi(slow.substr(colon + 1));
+      }
+    }
     for (std::size_t i = 0; i < fault_flags.size(); ++i) {
       const std::string& f = fault_flags[i]; // SLOT:WHERE:EPOCH
       const auto a = f.find(':'), b = f.rfind(':');
@@ -218,6 +236,13 @@ int main(int argc, char** argv) {
       if (batchnorm) layers->push_back(torch::nn::BatchNorm1d(16));
       layers->push_back(torch::nn::ReLU());
       layers->push_back(torch::nn::Linear(16, 3));
+      // Last, so the layers' names stay those of the reference run's: --row-us's compute time.
+      layers->push_back(torch::nn::Functional([](const torch::Tensor& x) {
+        if (row_sleep_us > 0) {
+          std::this_thread::sleep_for(std::chrono::microseconds(row_sleep_us * x.size(0)));
+        }
+        return x;
+      }));
       return layers;
     });
     // 240 rows, 4 epochs of 10 global batches of 24; the order reshuffled every epoch.
@@ -254,6 +279,8 @@ int main(int argc, char** argv) {
           return e;
         });
     fit.epochs = epochs;
+    fit.balance_shares_every = shares_every;
+    fit.straggler_floor = straggler_floor;
     fit.verbose = train::Verbosity::kOneLinePerEpoch; // the chief's, whoever it is
     fit.callbacks.push_back(std::make_shared<Ledger>(
         out + "/ledger-" + std::to_string(::getpid()) + ".txt",

@@ -93,6 +93,7 @@ struct TrainArgs {
   bool elastic = false;                 // ElasticOptions::enabled
   std::string elastic_batch = "global"; // ElasticOptions::batch
   std::string shares = "equal";         // Strategy::set_shares: equal, or W1,W2,...
+  double straggler_floor = 0.1;         // FitOptions::straggler_floor, with --shares auto
   double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
   int replicas_per_worker = 0; // 0: one per device in --devices
@@ -917,6 +918,12 @@ int run(const TrainArgs& a) {
   const std::vector<torch::Device> devices = replica_devices(a, env);
   check_batch_fits_memory(a, env, devices);
   const std::vector<std::int64_t> shares = parse_shares(a.shares, spec.world_size);
+  if (a.elastic && !shares.empty()) {
+    throw ConfigError("--shares " + a.shares +
+                      ": fixed weights name workers in task order, and an elastic group's "
+                      "members change; with --elastic, use --shares auto (measured anew at every "
+                      "change) or equal");
+  }
 
   strategy::MultiWorkerMirroredStrategy strategy(spec, comm, devices, elastic);
   strategy.set_shares(shares);
@@ -946,6 +953,7 @@ int run(const TrainArgs& a) {
 
   train::FitOptions fit = fit_options(a, env, input);
   if (a.shares == "auto") fit.balance_shares_every = kBalanceSharesEvery;
+  fit.straggler_floor = a.straggler_floor;
   fit.callbacks = callbacks(a);
   if (!metrics_json.empty()) {
     fit.callbacks.push_back(metrics_lines(metrics_json, model, global_batch, recipe.policy));
@@ -1214,6 +1222,12 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
                   "measured compute time per row, every 20 steps); or one whole weight per worker "
                   "in task order (2,1: the chief takes 2/3 of every global batch). The global "
                   "batch, the learning rate and the update stay as with equal shares")
+      ->capture_default_str();
+  app->add_option("--straggler-floor", args.straggler_floor,
+                  "With --shares auto: a worker measured below this fraction of the median "
+                  "worker's speed (twice in a row) is a straggler; with --elastic it leaves and "
+                  "the others go on without it, otherwise the chief warns. 0: never")
+      ->check(CLI::Range(0.0, 0.99))
       ->capture_default_str();
   app->add_option("--elastic-batch", args.elastic_batch,
                   "With --elastic, what stays when workers leave: global (the global batch and "

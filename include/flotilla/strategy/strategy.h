@@ -95,7 +95,8 @@ class Strategy {
   // Shares by speed: worker w takes shares[w] / sum of each global batch (InputContext::shares)
   // in the datasets distributed with input_context() from now on; empty: equal shares.
   // ConfigError for a count other than num_workers(), a weight outside 1 to 2^20, or an elastic
-  // group (its membership changes; not yet).
+  // group keeping the per-replica batch. An elastic group goes back to equal shares at every
+  // new generation (its members changed); FitOptions::balance_shares_every measures them again.
   void set_shares(std::vector<std::int64_t> shares);
   const std::vector<std::int64_t>& shares() const { return shares_; }
 

@@ -110,8 +110,16 @@ struct FitOptions {
   // batch is divided
   // anew in proportion to speed (Strategy::set_shares), damped so that noise does not move it;
   // the input goes on from the same position, so every sample is still trained on once per
-  // epoch. 0: off (the strategy's shares stay). Not in an elastic group yet (ConfigError).
+  // epoch. 0: off (the strategy's shares stay). In an elastic group the shares go back to equal
+  // at each new generation and are measured again. The log says each new division and how much
+  // faster a step's compute is than with equal shares, as measured.
   std::int64_t balance_shares_every = 0;
+  // With balance_shares_every: a worker whose smoothed speed stays below this fraction of the
+  // median worker's at two reports in a row is a straggler. In an elastic group it leaves (it
+  // throws Straggler, saying why) and the others go on without it, as when a hung member is
+  // expelled; its restart rejoins and is measured again. Outside elastic mode the chief warns
+  // once and the worker keeps its small share. 0: never.
+  double straggler_floor = 0.1;
 };
 
 class Model {
