@@ -112,9 +112,11 @@ bench-scale: build
 	bench/scale.sh
 
 # One of 2 workers slowed to half its core (a cgroup CPU quota, or a competitor pinned beside
-# it): the job's samples/s against the ideal, the sum of each worker's solo speed.
+# it): the job's samples/s against the ideal, the sum of each worker's solo speed; then one of
+# 3 workers at half the others' quota, and a worker slowed midway (equal shares and auto).
 bench-stragglers: build
 	bench/stragglers.sh
+	bench/stragglers_more.sh
 
 # Elastic training under a fault every 20-40 s for 5 minutes on 4 namespaced hosts (root): with
 # the built-in rendezvous (killed and restarted among the faults), then with the rendezvous

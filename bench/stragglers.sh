@@ -36,28 +36,16 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "bench/stragglers.sh: $*" >&2; exit 1; }
+. bench/stragglers_lib.sh
 [ "$(nproc)" -ge 2 ] || fail "needs 2 cores (one a worker); this machine has $(nproc)"
 [ $((GLOBAL % 2)) -eq 0 ] || fail "GLOBAL=$GLOBAL must be even (two equal shares)"
 half=$((GLOBAL / 2))
 
-# A cgroup with the quota, where one can be made: sets `cgroup` (its directory) and `how`.
-make_cgroup() {
-  local quota
-  quota=$(awk -v s="$SLOW" 'BEGIN { printf "%d", s * 100000 }')
-  if [ -w /sys/fs/cgroup/cgroup.subtree_control ] &&
-    grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-    cgroup=/sys/fs/cgroup/flotilla-stragglers-$$
-    mkdir "$cgroup" && echo "$quota 100000" > "$cgroup/cpu.max" && how="cgroup v2 cpu.max" && return
-  elif [ -w /sys/fs/cgroup/cpu ]; then
-    cgroup=/sys/fs/cgroup/cpu/flotilla-stragglers-$$
-    mkdir "$cgroup" && echo 100000 > "$cgroup/cpu.cfs_period_us" &&
-      echo "$quota" > "$cgroup/cpu.cfs_quota_us" && how="cgroup v1 cpu.cfs_quota_us" && return
-  fi
-  [ -n "$cgroup" ] && rmdir "$cgroup" 2>/dev/null
-  cgroup=""
-}
 how=""
-if [ "$METHOD" != competitor ]; then make_cgroup || true; fi
+if [ "$METHOD" != competitor ]; then
+  cgroup=$(quota_cgroup slow "$SLOW")
+  [ -n "$cgroup" ] && how=$(cgroup_kind "$cgroup")
+fi
 if [ -z "$how" ]; then
   [ "$METHOD" = cgroup ] &&
     fail "METHOD=cgroup, but no cgroup with a CPU quota can be made here (root, cgroup v2 cpu or v1 cpu)"
@@ -73,20 +61,14 @@ worker() {
     --model "$MODEL" --batch-per-replica "$batch" --steps-per-epoch "$STEPS" --epochs 2
     --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$json"
     --shares "$shares")
-  if [ "$slowed" = 1 ] && [ -n "$cgroup" ]; then
-    sh -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' sh "$cgroup" "${cmd[@]}"
-  else
-    "${cmd[@]}"
-  fi
+  in_cgroup "$([ "$slowed" = 1 ] && echo "$cgroup")" "${cmd[@]}"
 }
-epoch2() { grep '"epoch": *2[,}]' "$1" | sed 's/.*"samples_per_s": *\([0-9.e+-]*\).*/\1/'; }
-median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+epoch2() { epoch_speed "$1" 2; }
 if [ -z "$cgroup" ]; then
   taskset -c 1 sh -c 'while :; do :; done' &
   competitor=$!
 fi
 
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 for run in $(seq "$RUNS"); do
   # Solo: each worker alone, at its share of the global batch.
   for w in 0 1; do

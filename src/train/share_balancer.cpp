@@ -12,8 +12,11 @@
 namespace flotilla::train::detail {
 namespace {
 
-// How much of a new report the smoothed speeds take (an exponential moving average).
+// How much of a new report the smoothed speeds take (an exponential moving average)...
 constexpr double kSmoothing = 0.3;
+// ...unless it moved a worker's speed by more than this: a change of pace (a quota, a neighbour,
+// a throttled host), which the shares follow at once instead of over several reports.
+constexpr double kJump = 0.25;
 // A division is applied only when it makes a step's compute faster by more than this fraction.
 constexpr double kMinGain = 0.05;
 // Reports in a row a worker must be below the floor to be called a straggler (one slow
@@ -81,6 +84,16 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
 }
 
 void ShareBalancer::begin_fit(const data::DistributedDataset& train) {
+  const std::string sharding = train.sharding();
+  if (sharding != "DATA" && sharding != "one replica") {
+    // A FILE split (AUTO picks it where the source reads a file per worker or more) cannot move
+    // rows between workers mid-epoch; the balancer would re-split it as DATA at a FILE position.
+    throw ConfigError("shares by speed (--shares auto) move rows of each global batch between "
+                      "workers, which needs the input sharded by DATA; this one is sharded " +
+                      sharding +
+                      " (AUTO picks FILE where the source reads a file per worker or more); set "
+                      "options.distribute.auto_shard_policy to DATA, or leave the shares equal");
+  }
   train_ = &train;
   start_measuring();
 }
@@ -141,7 +154,8 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     speeds_ = speeds;
   } else {
     for (std::size_t w = 0; w < speeds.size(); ++w) {
-      speeds_[w] = (1 - kSmoothing) * speeds_[w] + kSmoothing * speeds[w];
+      const bool jump = std::abs(speeds[w] - speeds_[w]) > kJump * speeds_[w];
+      speeds_[w] = jump ? speeds[w] : (1 - kSmoothing) * speeds_[w] + kSmoothing * speeds[w];
     }
   }
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);

@@ -4,7 +4,8 @@
 // hooks) waited for the others (the input wait and the backends' all-reduce waits are phases of
 // their own). The workers all-reduce the reports, and every worker computes the same new
 // division of the global batch: rows in proportion to the smoothed speeds, in whole rows, each
-// worker at least one. A division is applied only when it makes a step's compute (the slowest
+// worker at least one (the speeds follow a report at once where it moved by more than a quarter:
+// a change of pace). A division is applied only when it makes a step's compute (the slowest
 // worker's rows over its speed) faster by more than a threshold, so noise does not make the
 // shares oscillate. An applied one sets the strategy's shares, and the epoch's pass goes on at
 // the same position on the input distributed anew, so no row is lost or repeated.

@@ -83,6 +83,39 @@ TEST(MirroredBuffers, EveryReplicaOfEveryWorkerHoldsTheSameStatisticsAfterFit) {
   EXPECT_GT(reference[0].abs().max().item<double>(), 1e-3);
 }
 
+// Shares by speed: worker 0 takes 12 rows of the global batch of 16 and worker 1 the last 4,
+// which lie 5 higher. Mirrored by share, the running mean after the one step is the one-worker
+// running mean of all 16 rows (momentum 0.1 from zeros: a tenth of their mean); an unweighted
+// mirror would give the mean of the two workers' means, 1.25 higher.
+TEST(MirroredBuffers, SharesWeighEachWorkersStatisticsByItsRows) {
+  torch::Tensor x = torch::randn({16, 4}, torch::kFloat64);
+  x.slice(0, 12, 16).add_(5.0);
+  const torch::Tensor y = torch::zeros({16}, torch::kLong);
+  std::vector<torch::Tensor> means(2);
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    s.set_shares({3, 1});
+    auto net = s.scope([] {
+      std::lock_guard<std::mutex> lock(build_mutex);
+      torch::manual_seed(5);
+      torch::nn::Sequential m(torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 3));
+      m->to(torch::kFloat64);
+      return m;
+    });
+    train::Model model(s, net);
+    model.compile({});
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+    model.fit(data::Dataset::from_tensor_slices({x, y}).batch(16), fit);
+    means[rank] = net[0]->named_buffers()["running_mean"].clone();
+  });
+  const torch::Tensor expected = 0.1 * x.mean(0);
+  for (int w = 0; w < 2; ++w) {
+    EXPECT_TRUE(torch::allclose(means[w], expected, 0, 1e-12))
+        << "worker " << w << ": " << means[w] << " against " << expected;
+  }
+}
+
 TEST(MirroredBuffers, TwoWorkersEvaluateAsOneWorkerEvaluatesTheChiefsCheckpoint) {
   const auto train_images = random_images(64, 28, 12);
   const auto test_images = random_images(40, 28, 13);
