@@ -84,9 +84,11 @@ History FitLoop::run(const data::DistributedDataset& train,
   } end_of_fit{*this};
   progress_.input = &input;
   healer_.begin_fit(train);
-  if (options_.balance_shares_every > 0) {
-    balancer_ = std::make_unique<ShareBalancer>(strategy_, timer_, options_.balance_shares_every,
-                                                options_.straggler_floor);
+  if (options_.balance_shares_every > 0 || options_.advise_shares_every > 0) {
+    const bool apply = options_.balance_shares_every > 0;
+    balancer_ = std::make_unique<ShareBalancer>(
+        strategy_, timer_, apply ? options_.balance_shares_every : options_.advise_shares_every,
+        options_.straggler_floor, apply);
     balancer_->begin_fit(train);
   }
   callbacks_.on_train_begin(); // BackupAndRestore may set `resume` here

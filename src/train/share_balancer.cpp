@@ -19,6 +19,8 @@ constexpr double kSmoothing = 0.3;
 constexpr double kJump = 0.25;
 // A division is applied only when it makes a step's compute faster by more than this fraction.
 constexpr double kMinGain = 0.05;
+// Advice (FitOptions::advise_shares_every) where dividing by speed gains at least this.
+constexpr double kAdviseGain = 1.10;
 // Reports in a row a worker must be below the floor to be called a straggler (one slow
 // interval, a page-in or a neighbour's burst, is not enough).
 constexpr int kStragglerReports = 2;
@@ -65,8 +67,9 @@ double step_compute_seconds(const std::vector<std::int64_t>& rows,
 }
 
 ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std::int64_t interval,
-                             double straggler_floor)
-    : strategy_(strategy), timer_(timer), interval_(interval), floor_(straggler_floor) {
+                             double straggler_floor, bool apply)
+    : strategy_(strategy), timer_(timer), interval_(interval), floor_(straggler_floor),
+      apply_(apply) {
   if (interval_ < 1) {
     throw ConfigError("shares by speed are measured every N steps, N at least 1; saw " +
                       std::to_string(interval_));
@@ -76,7 +79,7 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
                       "a straggler) to below 1; saw " +
                       std::to_string(floor_));
   }
-  if (strategy_.input_context().full_replicas > 0) {
+  if (apply_ && strategy_.input_context().full_replicas > 0) {
     throw ConfigError("shares by speed (--shares auto) divide a constant global batch; an "
                       "elastic group keeping the per-replica batch (--elastic-batch per-replica) "
                       "has none to divide; leave --shares at equal, or keep the global batch");
@@ -85,7 +88,9 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
 
 void ShareBalancer::begin_fit(const data::DistributedDataset& train) {
   const std::string sharding = train.sharding();
-  if (sharding != "DATA" && sharding != "one replica") {
+  // Advice only where auto could follow it.
+  if (!apply_) advised_ = sharding != "DATA" || strategy_.input_context().full_replicas > 0;
+  if (apply_ && sharding != "DATA" && sharding != "one replica") {
     // A FILE split (AUTO picks it where the source reads a file per worker or more) cannot move
     // rows between workers mid-epoch; the balancer would re-split it as DATA at a FILE position.
     throw ConfigError("shares by speed (--shares auto) move rows of each global batch between "
@@ -159,6 +164,10 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     }
   }
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);
+  if (!apply_) {
+    advise(per_row, target, global);
+    return;
+  }
   // A straggler of an elastic group leaves (it throws); the others keep their shares until the
   // group without it forms.
   if (check_stragglers(target, global)) return;
@@ -199,6 +208,30 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     text += ", as measured";
     strategy_.log().info(text);
   }
+}
+
+void ShareBalancer::advise(const double* per_row, const std::vector<std::int64_t>& target,
+                           std::int64_t global) {
+  if (advised_ || !strategy_.is_chief()) return;
+  const cluster::InputContext now = strategy_.input_context();
+  std::vector<std::int64_t> current(target.size());
+  for (std::size_t w = 0; w < target.size(); ++w) {
+    current[w] = now.part_of(static_cast<int>(w)).rows(global);
+  }
+  const double gain = step_compute_seconds(current, speeds_) / step_compute_seconds(target, speeds_);
+  if (!(gain >= kAdviseGain)) return;
+  advised_ = true;
+  std::string text = "shares: the workers' compute per row differs (ms per row";
+  char buf[96];
+  for (std::size_t w = 0; w < target.size(); ++w) {
+    std::snprintf(buf, sizeof buf, "%s %.3g", w ? "," : "", 1e3 * per_row[w]);
+    text += buf;
+  }
+  std::snprintf(buf, sizeof buf, "%.2fx", gain);
+  text += "): --shares auto (FitOptions::balance_shares_every) would divide each global batch " +
+          rows_text(target) + " of " + std::to_string(global) + " and make a step's compute " +
+          buf + " as fast";
+  strategy_.log().info(text);
 }
 
 bool ShareBalancer::check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global) {

@@ -27,8 +27,9 @@ namespace flotilla::train::detail {
 
 class ShareBalancer {
  public:
+  // `apply` false: measures and advises only (FitOptions::advise_shares_every).
   ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std::int64_t interval,
-                double straggler_floor);
+                double straggler_floor, bool apply = true);
 
   void begin_fit(const data::DistributedDataset& train);
   void end_fit();
@@ -43,6 +44,8 @@ class ShareBalancer {
   StepTimer& timer_;
   std::int64_t interval_;
   double floor_;
+  bool apply_;
+  bool advised_ = false; // advise mode: said once
   const data::DistributedDataset* train_ = nullptr;
   std::unique_ptr<data::DistributedDataset> current_; // the input as divided now
   std::int64_t steps_ = 0;                            // since the fit began
@@ -56,6 +59,8 @@ class ShareBalancer {
   bool warned_ = false;          // of a straggler outside elastic mode
 
   void start_measuring();
+  // Advise mode: the chief says once what dividing by speed would gain, where it is worth it.
+  void advise(const double* per_row, const std::vector<std::int64_t>& target, std::int64_t global);
   // Whether a straggler leaves the elastic group (this worker throws Straggler if it is it).
   bool check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global);
 };

@@ -248,6 +248,51 @@ TEST(SharesBySpeed, ASlowWorkersShareShrinksAndEveryRowIsTrainedOnOncePerEpoch) 
   }
 }
 
+// Advice only (FitOptions::advise_shares_every, `flotilla train`'s default with equal shares):
+// the same measurement, worker 1 as slow as above, changes nothing (each worker trains on 12 rows
+// of every global batch of 24), and the chief says once what --shares auto would gain.
+TEST(SharesBySpeed, AdviceMeasuresAndSaysWhatAutoWouldGainButChangesNothing) {
+  const data::Element data = rows(240, 3);
+  const torch::Tensor ids = torch::arange(240, torch::kFloat64).unsqueeze(1);
+  std::vector<std::vector<std::int64_t>> shares(2);
+  std::vector<std::vector<std::int64_t>> seen(2);
+  ::testing::internal::CaptureStderr();
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    slow_forward = rank == 1;
+    seen_ids = &seen[static_cast<std::size_t>(rank)];
+    auto net = s.scope([] {
+      std::lock_guard<std::mutex> lock(build_mutex);
+      torch::manual_seed(21);
+      IdNet m;
+      m->to(torch::kFloat64);
+      return m;
+    });
+    train::Model model(s, net);
+    model.compile({});
+    train::FitOptions fit;
+    fit.epochs = 2;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.advise_shares_every = 5;
+    model.fit(data::Dataset::from_tensor_slices({torch::cat({data[0], ids}, 1), data[1]}).batch(24),
+              fit);
+    shares[static_cast<std::size_t>(rank)] = s.shares();
+    seen_ids = nullptr;
+  });
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(shares[0].empty() && shares[1].empty());
+  EXPECT_EQ(seen[0].size(), 240u);
+  EXPECT_EQ(seen[1].size(), 240u);
+  const std::string said = "--shares auto (FitOptions::balance_shares_every) would divide each "
+                           "global batch ";
+  const auto at = log.find(said);
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_EQ(log.find(said, at + 1), std::string::npos) << "said once\n" << log;
+  EXPECT_NE(log.find("[worker 0/2] shares: the workers' compute per row differs"),
+            std::string::npos)
+      << log;
+}
+
 TEST(Predict, AcrossWorkersEveryWorkerGetsEveryOutputInTheDatasetsOrder) {
   const data::Element e = rows(37, 3); // batches of 10: the last, 7, splits 4 + 3
   const auto ds = data::Dataset::from_tensor_slices(e).batch(10);

@@ -953,6 +953,8 @@ int run(const TrainArgs& a) {
 
   train::FitOptions fit = fit_options(a, env, input);
   if (a.shares == "auto") fit.balance_shares_every = kBalanceSharesEvery;
+  // Equal shares: measured all the same, and the chief says once what auto would gain.
+  if (a.shares == "equal" && spec.world_size > 1) fit.advise_shares_every = kBalanceSharesEvery;
   fit.straggler_floor = a.straggler_floor;
   fit.callbacks = callbacks(a);
   if (!metrics_json.empty()) {

@@ -114,6 +114,10 @@ struct FitOptions {
   // at each new generation and are measured again. The log says each new division and how much
   // faster a step's compute is than with equal shares, as measured.
   std::int64_t balance_shares_every = 0;
+  // Without balance_shares_every: the same measurement every that many steps, changing nothing;
+  // where dividing by speed would make a step's compute 10% faster or more, the chief says so
+  // once (what --shares auto would gain, `flotilla train`'s default with equal shares). 0: off.
+  std::int64_t advise_shares_every = 0;
   // With balance_shares_every: a worker whose smoothed speed stays below this fraction of the
   // median worker's at two reports in a row is a straggler. In an elastic group it leaves (it
   // throws Straggler, saying why) and the others go on without it, as when a hung member is
