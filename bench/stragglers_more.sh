@@ -10,8 +10,12 @@
 #           a core. Each epoch's samples/s against the new ideal (the solo speeds, fast and
 #           slowed), and the steps from the slowdown to the end of the first epoch from which
 #           every later one is above 85% of it; equal shares beside auto.
+#   accuracy  (only when named) the ResNet-20 recipe (global batch 256, linear scaling, a warmup
+#           epoch, cosine decay, flip + crop, weight decay 5e-4) for ACC_EPOCHS epochs on 2 workers
+#           pinned to a core each, worker 1 under a quota of half its core: the test accuracy
+#           with equal shares and with auto, one run each.
 # Prints JSON lines; medians of RUNS runs (three), one run (midway: its epochs are the series).
-# Usage: bench/stragglers_more.sh [three|midway|both=both] [RUNS=3]
+# Usage: bench/stragglers_more.sh [three|midway|both|accuracy=both] [RUNS=3]
 #        env: MODEL=cnn GLOBAL=480 STEPS=60 (three) MID_GLOBAL=960 EPOCHS=20 SLOW_AT=6 (midway)
 #        FLOTILLA=build/flotilla
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
@@ -24,6 +28,7 @@ MODEL=${MODEL:-cnn}
 GLOBAL=${GLOBAL:-480}
 STEPS=${STEPS:-60}
 MID_GLOBAL=${MID_GLOBAL:-960}
+ACC_EPOCHS=${ACC_EPOCHS:-15}
 EPOCHS=${EPOCHS:-20}
 SLOW_AT=${SLOW_AT:-6}
 DATA_DIR=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
@@ -139,4 +144,31 @@ if [ "$WHAT" = midway ] || [ "$WHAT" = both ]; then
     printf '{"bench":"stragglers","case":"slowed midway","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"shares":"%s","slowed":"worker 1 to half its core by %s","metric":"samples_per_s of each epoch of 10 steps after the slowdown / the new ideal","new_ideal":%s,"of_ideal_by_epoch":[%s],"steps_until_above_85pct":%s,"last_division":"%s","machine":%s}\n' \
       "$MODEL" "$MID_GLOBAL" "$shares" "$how" "$ideal" "$series" "$back" "$(last_division "mid-$shares")" "$machine"
   done
+fi
+
+if [ "$WHAT" = accuracy ]; then
+  half=$(cgroup_for half 0.5)
+  pids=()
+  p0=$(port); p1=$(port)
+  for shares in equal auto; do
+    for w in 0 1; do
+      in_cgroup "$([ "$w" = 1 ] && echo "$half")" taskset -c "$w" \
+        env TF_CONFIG="$(tf_config "$p0 $p1" "$w")" LOCAL_WORLD_SIZE= "$FLOTILLA" train \
+        --model resnet20 --batch-per-replica 128 --lr-scaling linear --warmup-epochs 1 \
+        --schedule cosine --augment --weight-decay 5e-4 --epochs "$ACC_EPOCHS" --threads 1 \
+        --data-dir "$DATA_DIR" --verbose 0 --no-doctor --shares "$shares" \
+        $([ "$w" = 0 ] && echo --metrics-json "$tmp/acc-$shares.json") > "$tmp/acc-$shares-$w.log" 2>&1 &
+      pids[$w]=$!
+    done
+    for w in 0 1; do
+      wait "${pids[$w]}" || fail "accuracy ($shares): worker $w failed: $(tail -3 "$tmp/acc-$shares-$w.log")"
+    done
+    p0=$(port); p1=$(port)
+  done
+  acc() { grep -o '"test_accuracy": *[0-9.]*' "$tmp/acc-$1.json" | sed 's/.*: *//'; }
+  speed() { grep '"epoch"' "$tmp/acc-$1.json" | sed 's/.*"samples_per_s": *\([0-9.e+-]*\).*/\1/' | median; }
+  printf '{"bench":"stragglers","case":"accuracy","model":"resnet20","recipe":"global batch 256, linear scaling, 1 warmup epoch, cosine, flip+crop, weight decay 5e-4","epochs":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to half its core by %s","test_accuracy_equal":%s,"test_accuracy_auto":%s,"points":%s,"samples_per_s_equal":%s,"samples_per_s_auto":%s,"last_division":"%s","machine":%s}\n' \
+    "$ACC_EPOCHS" "$(cgroup_kind "$half")" "$(acc equal)" "$(acc auto)" \
+    "$(awk -v a="$(acc auto)" -v e="$(acc equal)" 'BEGIN {printf "%.2f", 100 * (a - e)}')" \
+    "$(speed equal)" "$(speed auto)" "$( { grep -o 'shares: now [0-9,]* of [0-9]*' "$tmp/acc-auto-0.log" || echo 'shares: now equal'; } | tail -1 | sed 's/shares: now //')" "$machine"
 fi

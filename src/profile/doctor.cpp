@@ -534,6 +534,52 @@ const char* to_string(Finding::Status status) {
   return "?";
 }
 
+// Uneven workers: with equal (or fixed) shares, the workers' forward passes (wait-free, unlike
+// backward, whose hooks wait in the shared-memory all-reduce) compared; each global batch divided
+// by speed would bring every worker's compute to their harmonic mean.
+Finding shares(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
+  Finding f;
+  f.item = "shares by speed";
+  if (r.workers < 2 || workers.size() < 2 || !has_steps(workers)) {
+    f.status = r.workers < 2 ? Status::kGood : Status::kUnknown;
+    f.evidence = r.workers < 2 ? "one worker" : "the workers' phases were not recorded";
+    return f;
+  }
+  double slowest = 0, fastest = 0, inverse = 0;
+  for (const PhaseTimes& w : workers) {
+    const double forward = w[Phase::kForward];
+    if (!(forward > 0)) {
+      f.status = Status::kUnknown;
+      f.evidence = "a worker's forward time was not recorded";
+      return f;
+    }
+    slowest = std::max(slowest, forward);
+    fastest = fastest > 0 ? std::min(fastest, forward) : forward;
+    inverse += 1 / forward;
+  }
+  const double spread = slowest / fastest;
+  f.evidence = "the workers' forward passes take up to " + format("%.2fx", spread) +
+               " as long as the fastest's, on shares " + r.shares;
+  if (r.shares == "auto") {
+    f.status = Status::kGood;
+    f.evidence += " (each global batch divided by the measured speeds; the log says each "
+                  "division and its gain)";
+    return f;
+  }
+  if (spread < 1.15) {
+    f.status = Status::kGood;
+    return f;
+  }
+  // Compute at the harmonic mean instead of the slowest's.
+  const double balanced = static_cast<double>(workers.size()) / inverse;
+  f.status = Status::kConsider;
+  f.gain = compute_share(workers) * (1 - balanced / slowest);
+  f.settings = {{"FitOptions::balance_shares_every", "true"}};
+  f.recommendation = "each global batch divided by the workers' measured speeds, the update "
+                     "unchanged; or find what slows the slow worker";
+  return f;
+}
+
 // How much of the processor's matrix-product rate the training used: FLOPs per sample times
 // samples per second per worker, over one worker's measured peak at the run's precision.
 Finding compute(const RunSummary& run) {
@@ -580,6 +626,7 @@ std::vector<Finding> diagnose(const RunSummary& run) {
       learning_rate(run),
       threads(run.recipe, workers),
       communication(run.recipe, workers),
+      shares(run.recipe, workers),
       compute(run),
   };
   // Stable: items of equal status and gain keep the recipe's order.

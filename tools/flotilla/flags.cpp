@@ -125,6 +125,7 @@ const std::vector<FlagFor>& flag_table() {
       {"Dataset::cache", "--cache"},
       {"Dataset::shuffle", "--shuffle-buffer"},
       {"torch::set_num_threads", "--threads"},
+      {"FitOptions::balance_shares_every", "--shares auto", Form::kSwitch},
       // profile
       {"RecipeFacts::batch_per_replica", "--batch-per-replica"},
       {"ProfilerOptions::trace", "--trace"},

@@ -681,6 +681,7 @@ profile::ProfilerOptions profiler_options(const TrainArgs& a, const train::Recip
   facts.threads_per_worker = threads;
   facts.cores = base::available_cores();
   facts.local_workers = cluster::local_world_size(env);
+  facts.shares = a.shares;
   facts.input_pipeline = input_chain(a, global_batch, input);
   return profiling;
 }

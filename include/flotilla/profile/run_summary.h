@@ -65,6 +65,9 @@ struct RecipeFacts {
   // One worker's matrix-product rate at the run's compute precision with its threads, GFLOP/s
   // (profile::matmul_peak_gflops; measured at the end of fit on the CPU; 0: not measured).
   double matmul_peak_gflops = 0;
+  // How each global batch divides among the workers: "equal", "auto" (by measured speed), or
+  // fixed weights "2,1" (`--shares`).
+  std::string shares = "equal";
 };
 
 struct EpochSummary {

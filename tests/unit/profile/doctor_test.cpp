@@ -103,7 +103,8 @@ TEST(Doctor, OneFindingPerRecipeItemAllOkForAHealthyRun) {
   std::sort(items.begin(), items.end());
   EXPECT_EQ(items, (std::vector<std::string>{"batch size", "communication", "compiled step",
                                              "compute", "input pipeline", "learning rate",
-                                             "mixed precision", "threads per worker"}));
+                                             "mixed precision", "shares by speed",
+                                             "threads per worker"}));
   for (const auto& f : findings) {
     if (f.item == "compiled step") {
       EXPECT_EQ(f.status, Status::kUnknown); // nothing to compile with on the CPU
@@ -366,6 +367,33 @@ TEST(Doctor, CommunicationFollowsTheExposedShare) {
 }
 
 // The training's FLOPs (per sample x samples/s per worker) over one worker's measured peak.
+// Two workers on equal shares, one whose forward takes twice as long: each global batch divided
+// by speed would bring both to the harmonic mean (4/3 of the fast one's), a third off the slow
+// one's compute. With --shares auto the same spread is the division at work.
+TEST(Doctor, SharesBySpeedWhereTheWorkersForwardPassesDiffer) {
+  RunSummary run = healthy();
+  run.recipe.workers = 2;
+  train::PhaseTimes slow = phases(0.01);
+  slow.step_seconds += slow[Phase::kForward]; // the slow worker's step, the others waiting
+  slow[Phase::kForward] *= 2;
+  set_steady(run, {phases(0.01), slow});
+  Finding f = item(run, "shares by speed");
+  EXPECT_EQ(f.status, Status::kConsider) << f.evidence;
+  EXPECT_TRUE(contains(f.evidence, "up to 2.00x as long as the fastest's, on shares equal"))
+      << f.evidence;
+  EXPECT_TRUE(has_setting(f, "FitOptions::balance_shares_every", "true")) << advice(f);
+  // A third of the forward's time, over forward and backward's share of the slow step.
+  EXPECT_GT(f.gain, 0.2);
+  EXPECT_LT(f.gain, 1.0 / 3);
+  run.recipe.shares = "auto";
+  f = item(run, "shares by speed");
+  EXPECT_EQ(f.status, Status::kGood) << f.evidence;
+  // Even workers: nothing to gain.
+  run.recipe.shares = "equal";
+  set_steady(run, {phases(0.01), phases(0.01)});
+  EXPECT_EQ(item(run, "shares by speed").status, Status::kGood);
+}
+
 TEST(Doctor, ComputeIsTheShareOfTheMeasuredMatmulPeak) {
   RunSummary run = healthy();
   Finding f = item(run, "compute");
@@ -400,7 +428,8 @@ TEST(Doctor, MostValuableFirst) {
   for (const auto& f : findings) order.push_back(f.item);
   EXPECT_EQ(order, (std::vector<std::string>{"input pipeline", "learning rate",
                                              "threads per worker", "compiled step", "batch size",
-                                             "mixed precision", "communication", "compute"}));
+                                             "mixed precision", "communication",
+                                             "shares by speed", "compute"}));
   auto rank = [](Status s) {
     return s == Status::kAct ? 0 : s == Status::kConsider ? 1 : s == Status::kUnknown ? 2 : 3;
   };
@@ -433,7 +462,8 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
                     "step time)");
   // Every item once; "ok" items carry no recommendation line.
   for (const char* name : {"input pipeline", "mixed precision", "compiled step", "batch size",
-                           "learning rate", "threads per worker", "communication", "compute"}) {
+                           "learning rate", "threads per worker", "communication",
+                           "shares by speed", "compute"}) {
     EXPECT_EQ(std::count_if(all.begin(), all.end(),
                             [&](const std::string& l) {
                               return contains(l, std::string("] ") + name + ":");
@@ -444,7 +474,7 @@ TEST(Doctor, FormatFindingsIsAShortReport) {
   const auto recommendation_lines =
       std::count_if(all.begin(), all.end(), [](const std::string& l) { return contains(l, "->"); });
   EXPECT_EQ(recommendation_lines, 2); // input pipeline and the CPU's missing compiled step
-  EXPECT_EQ(all.size(), 1u + 8u + 2u);
+  EXPECT_EQ(all.size(), 1u + 9u + 2u);
   EXPECT_TRUE(contains(text, "  [ok] mixed precision: float32 on cpu")) << text;
   EXPECT_EQ(format_findings({}), "Recipe doctor (most valuable first):\n  nothing to check\n");
 }
