@@ -195,39 +195,46 @@ struct IdNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(IdNet);
 
-TEST(SharesBySpeed, ASlowWorkersShareShrinksAndEveryRowIsTrainedOnOncePerEpoch) {
-  constexpr int kEpochs = 4;
+// Rank `rank` of 2 (worker 1 slow in its forward) fits an IdNet on 240 rows with their ids, in
+// global batches of 24 (shuffled when `shuffle`), recording the ids its forward saw in `seen`.
+IdNet fit_id_net(strategy::Strategy& s, int rank, train::FitOptions fit, bool shuffle,
+                 std::vector<std::int64_t>& seen) {
   const data::Element data = rows(240, 3);
   const torch::Tensor ids = torch::arange(240, torch::kFloat64).unsqueeze(1);
+  slow_forward = rank == 1;
+  seen_ids = &seen;
+  auto net = s.scope([] {
+    std::lock_guard<std::mutex> lock(build_mutex);
+    torch::manual_seed(21);
+    IdNet m;
+    m->to(torch::kFloat64);
+    return m;
+  });
+  train::Model model(s, net);
+  model.compile({});
+  fit.verbose = train::Verbosity::kSilent;
+  data::Dataset input = data::Dataset::from_tensor_slices({torch::cat({data[0], ids}, 1), data[1]});
+  if (shuffle) input = input.shuffle(240, 7);
+  model.fit(input.batch(24), fit);
+  seen_ids = nullptr;
+  return net;
+}
+
+TEST(SharesBySpeed, ASlowWorkersShareShrinksAndEveryRowIsTrainedOnOncePerEpoch) {
+  constexpr int kEpochs = 4;
   std::vector<std::vector<std::int64_t>> shares(2);
   std::vector<std::vector<std::int64_t>> seen(2);
   std::vector<std::vector<torch::Tensor>> weights(2);
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
-    slow_forward = rank == 1;
-    seen_ids = &seen[static_cast<std::size_t>(rank)];
-    auto net = s.scope([] {
-      std::lock_guard<std::mutex> lock(build_mutex);
-      torch::manual_seed(21);
-      IdNet m;
-      m->to(torch::kFloat64);
-      return m;
-    });
-    train::Model model(s, net);
-    model.compile({});
     train::FitOptions fit;
     fit.epochs = kEpochs;
-    fit.verbose = train::Verbosity::kSilent;
     fit.balance_shares_every = 5;
-    model.fit(data::Dataset::from_tensor_slices({torch::cat({data[0], ids}, 1), data[1]})
-                  .shuffle(240, 7)
-                  .batch(24),
-              fit);
+    const IdNet net = fit_id_net(s, rank, fit, true, seen[static_cast<std::size_t>(rank)]);
     shares[static_cast<std::size_t>(rank)] = s.shares();
     for (const auto& p : net->parameters()) {
       weights[static_cast<std::size_t>(rank)].push_back(p.detach().clone());
     }
-    seen_ids = nullptr;
   });
   ASSERT_EQ(shares[0].size(), 2u);
   EXPECT_EQ(shares[0], shares[1]);
@@ -252,32 +259,16 @@ TEST(SharesBySpeed, ASlowWorkersShareShrinksAndEveryRowIsTrainedOnOncePerEpoch) 
 // the same measurement, worker 1 as slow as above, changes nothing (each worker trains on 12 rows
 // of every global batch of 24), and the chief says once what --shares auto would gain.
 TEST(SharesBySpeed, AdviceMeasuresAndSaysWhatAutoWouldGainButChangesNothing) {
-  const data::Element data = rows(240, 3);
-  const torch::Tensor ids = torch::arange(240, torch::kFloat64).unsqueeze(1);
   std::vector<std::vector<std::int64_t>> shares(2);
   std::vector<std::vector<std::int64_t>> seen(2);
   ::testing::internal::CaptureStderr();
   run_ranks(2, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, 2), comm);
-    slow_forward = rank == 1;
-    seen_ids = &seen[static_cast<std::size_t>(rank)];
-    auto net = s.scope([] {
-      std::lock_guard<std::mutex> lock(build_mutex);
-      torch::manual_seed(21);
-      IdNet m;
-      m->to(torch::kFloat64);
-      return m;
-    });
-    train::Model model(s, net);
-    model.compile({});
     train::FitOptions fit;
     fit.epochs = 2;
-    fit.verbose = train::Verbosity::kSilent;
     fit.advise_shares_every = 5;
-    model.fit(data::Dataset::from_tensor_slices({torch::cat({data[0], ids}, 1), data[1]}).batch(24),
-              fit);
+    fit_id_net(s, rank, fit, false, seen[static_cast<std::size_t>(rank)]);
     shares[static_cast<std::size_t>(rank)] = s.shares();
-    seen_ids = nullptr;
   });
   const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(shares[0].empty() && shares[1].empty());
