@@ -90,6 +90,8 @@ TEST(TrainCommand, ANumberOutsideAFlagsBoundsIsRefusedNamingTheFlagAndItsBounds)
       {{"train", "--shares", "2,0"},
        "--shares: \"0\" is not a whole number from 1 to 1048576; write equal, auto, or one "
        "weight per worker in task order, e.g. 2,1"},
+      {{"train", "--straggler-floor", "1"},
+       "--straggler-floor: takes a finite number from 0 to 0.99; saw 1"},
       {{"rendezvous", "--listen", "127.0.0.1:0", "--workers", "2", "--heartbeat-timeout", "1e-9"},
        "--heartbeat-timeout: takes a finite number from 0.1 to 3600; saw 1e-9"},
   };

@@ -1230,7 +1230,7 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
                   "With --shares auto: a worker measured below this fraction of the median "
                   "worker's speed (twice in a row) is a straggler; with --elastic it leaves and "
                   "the others go on without it, otherwise the chief warns. 0: never")
-      ->check(CLI::Range(0.0, 0.99))
+      ->check(number_in(0, 0.99))
       ->capture_default_str();
   app->add_option("--elastic-batch", args.elastic_batch,
                   "With --elastic, what stays when workers leave: global (the global batch and "
