@@ -70,7 +70,7 @@ class FitLoop {
   strategy::Strategy& strategy_;
   TrainStep& step_;
   Healer& healer_;
-  std::unique_ptr<ShareBalancer> balancer_; // FitOptions::balance_shares_every
+  std::unique_ptr<ShareBalancer> balancer_; // FitOptions::balance_/advise_shares_every
   FitProgress& progress_;
   StepTimer& timer_;
   CallbackList& callbacks_;

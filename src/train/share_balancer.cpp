@@ -31,6 +31,26 @@ std::string rows_text(const std::vector<std::int64_t>& rows) {
   return text;
 }
 
+// "0.267, 0.488": each worker's milliseconds per row.
+std::string per_row_text(const double* per_row, std::size_t workers) {
+  std::string text;
+  char buf[32];
+  for (std::size_t w = 0; w < workers; ++w) {
+    std::snprintf(buf, sizeof buf, "%s%.3g", w ? ", " : "", 1e3 * per_row[w]);
+    text += buf;
+  }
+  return text;
+}
+
+// Each worker's rows of a global batch of `global` under `context`'s division.
+std::vector<std::int64_t> rows_of(const cluster::InputContext& context, std::int64_t global) {
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(context.num_input_pipelines));
+  for (int w = 0; w < context.num_input_pipelines; ++w) {
+    rows[static_cast<std::size_t>(w)] = context.part_of(w).rows(global);
+  }
+  return rows;
+}
+
 } // namespace
 
 std::vector<std::int64_t> rows_by_speed(const std::vector<double>& speeds, std::int64_t global) {
@@ -123,6 +143,7 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
   // A new generation: other members, another communicator, equal shares again (the strategy's).
   // Every member sees it at the same step (a heal or an admission lies between two steps), so
   // all count their intervals from it alike.
+  if (!apply_ && advised_) return; // advice is given once (or not at all here): no collective
   if (strategy_.elastic() && strategy_.elastic()->generation() != generation_) start_measuring();
   const PhaseTimes& epoch = timer_.epoch;
   // Forward and backward, less what backward's shared-memory all-reduces waited for the other
@@ -164,21 +185,28 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
     }
   }
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);
+  const std::vector<std::int64_t> current = rows_of(strategy_.input_context(), global);
+  const double before = step_compute_seconds(current, speeds_);
+  const double after = step_compute_seconds(target, speeds_);
   if (!apply_) {
-    advise(per_row, target, global);
+    // Decided from the all-reduced reports, so every worker stops measuring at the same step.
+    if (!(before >= kAdviseGain * after)) return;
+    advised_ = true;
+    if (strategy_.is_chief()) {
+      char gain[32];
+      std::snprintf(gain, sizeof gain, "%.2fx", before / after);
+      strategy_.log().info("shares: the workers' compute per row differs (ms per row " +
+                           per_row_text(per_row, target.size()) +
+                           "): --shares auto (FitOptions::balance_shares_every) would divide "
+                           "each global batch " +
+                           rows_text(target) + " of " + std::to_string(global) +
+                           " and make a step's compute " + gain + " as fast");
+    }
     return;
   }
   // A straggler of an elastic group leaves (it throws); the others keep their shares until the
   // group without it forms.
   if (check_stragglers(target, global)) return;
-  cluster::InputContext now = strategy_.input_context();
-  std::vector<std::int64_t> current(static_cast<std::size_t>(workers));
-  for (int w = 0; w < workers; ++w) current[static_cast<std::size_t>(w)] = now.part_of(w).rows(global);
-  now.shares.clear();
-  std::vector<std::int64_t> equal(static_cast<std::size_t>(workers));
-  for (int w = 0; w < workers; ++w) equal[static_cast<std::size_t>(w)] = now.part_of(w).rows(global);
-  const double before = step_compute_seconds(current, speeds_);
-  const double after = step_compute_seconds(target, speeds_);
   if (!(after < (1 - kMinGain) * before)) return;
   const auto position = input.position(step_in_epoch);
   if (!position || !train_) return; // the same on every worker
@@ -186,52 +214,23 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
   current_ =
       std::make_unique<data::DistributedDataset>(train_->redistribute(strategy_.input_context()));
   input.rebind(*current_, *position);
-  if (strategy_.is_chief()) {
-    std::string text = "shares: now " + rows_text(target) + " of " + std::to_string(global) +
-                       " rows (ms per row";
-    char buf[160];
-    for (int w = 0; w < workers; ++w) {
-      std::snprintf(buf, sizeof buf, "%s %.3g", w ? "," : "", 1e3 * per_row[w]);
-      text += buf;
-    }
-    std::snprintf(buf, sizeof buf, "), from the epoch's step %lld: a step's compute %.2fx as fast",
-                  static_cast<long long>(step_in_epoch), before / after);
-    text += buf;
-    if (current != equal) {
-      text += " as with " + rows_text(current);
-      std::snprintf(buf, sizeof buf, ", %.2fx as with equal shares",
-                    step_compute_seconds(equal, speeds_) / after);
-      text += buf;
-    } else {
-      text += " as with equal shares";
-    }
-    text += ", as measured";
-    strategy_.log().info(text);
+  if (!strategy_.is_chief()) return;
+  cluster::InputContext equal_context = strategy_.input_context();
+  equal_context.shares.clear();
+  const std::vector<std::int64_t> equal = rows_of(equal_context, global);
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "), from the epoch's step %lld: a step's compute %.2fx as fast",
+                static_cast<long long>(step_in_epoch), before / after);
+  std::string text = "shares: now " + rows_text(target) + " of " + std::to_string(global) +
+                     " rows (ms per row " + per_row_text(per_row, target.size()) + buf;
+  if (current != equal) {
+    std::snprintf(buf, sizeof buf, ", %.2fx as with equal shares",
+                  step_compute_seconds(equal, speeds_) / after);
+    text += " as with " + rows_text(current) + buf;
+  } else {
+    text += " as with equal shares";
   }
-}
-
-void ShareBalancer::advise(const double* per_row, const std::vector<std::int64_t>& target,
-                           std::int64_t global) {
-  if (advised_ || !strategy_.is_chief()) return;
-  const cluster::InputContext now = strategy_.input_context();
-  std::vector<std::int64_t> current(target.size());
-  for (std::size_t w = 0; w < target.size(); ++w) {
-    current[w] = now.part_of(static_cast<int>(w)).rows(global);
-  }
-  const double gain = step_compute_seconds(current, speeds_) / step_compute_seconds(target, speeds_);
-  if (!(gain >= kAdviseGain)) return;
-  advised_ = true;
-  std::string text = "shares: the workers' compute per row differs (ms per row";
-  char buf[96];
-  for (std::size_t w = 0; w < target.size(); ++w) {
-    std::snprintf(buf, sizeof buf, "%s %.3g", w ? "," : "", 1e3 * per_row[w]);
-    text += buf;
-  }
-  std::snprintf(buf, sizeof buf, "%.2fx", gain);
-  text += "): --shares auto (FitOptions::balance_shares_every) would divide each global batch " +
-          rows_text(target) + " of " + std::to_string(global) + " and make a step's compute " +
-          buf + " as fast";
-  strategy_.log().info(text);
+  strategy_.log().info(text + ", as measured");
 }
 
 bool ShareBalancer::check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global) {

@@ -45,7 +45,7 @@ class ShareBalancer {
   std::int64_t interval_;
   double floor_;
   bool apply_;
-  bool advised_ = false; // advise mode: said once
+  bool advised_ = false; // advise mode: said (or nothing to say here); no more measuring
   const data::DistributedDataset* train_ = nullptr;
   std::unique_ptr<data::DistributedDataset> current_; // the input as divided now
   std::int64_t steps_ = 0;                            // since the fit began
@@ -59,8 +59,6 @@ class ShareBalancer {
   bool warned_ = false;          // of a straggler outside elastic mode
 
   void start_measuring();
-  // Advise mode: the chief says once what dividing by speed would gain, where it is worth it.
-  void advise(const double* per_row, const std::vector<std::int64_t>& target, std::int64_t global);
   // Whether a straggler leaves the elastic group (this worker throws Straggler if it is it).
   bool check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global);
 };
