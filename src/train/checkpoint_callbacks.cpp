@@ -157,8 +157,8 @@ void ModelCheckpoint::save(int epoch_1based, const Logs& logs) {
     if (strategy.saves_collectively()) model().mirror_buffers();
     std::optional<checkpoint::WeightsFence> fence;
     if (strategy.elastic()) {
-      const TrainingState state = model().training_state();
-      fence = checkpoint::WeightsFence{state.training, model().generation(), state.iterations};
+      fence = checkpoint::WeightsFence{model().training_id(), model().generation(),
+                                       model().iterations()};
     }
     checkpoint::save_model(
         *group, model().module(), path.parent_path().empty() ? "." : path.parent_path(),

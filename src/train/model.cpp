@@ -164,8 +164,11 @@ TrainingState Model::training_state() const {
 std::int64_t Model::generation() const {
   const auto* group = strategy_.elastic();
   if (!group) return -1;
-  return (step_ ? step_->counters().generation_base : 0) +
-         static_cast<std::int64_t>(group->generation());
+  return (step_ ? step_->generation_base() : 0) + static_cast<std::int64_t>(group->generation());
+}
+
+std::string Model::training_id() const {
+  return step_ ? step_->training() : std::string();
 }
 
 void Model::restore_training_state(const TrainingState& state) {

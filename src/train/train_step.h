@@ -67,6 +67,8 @@ class TrainStep {
   // the training's id (TrainingState::training) is rank 0's, drawn there when no backup gave
   // one. Collective.
   void agree_training(collective::Communicator& comm);
+  const std::string& training() const { return training_; }
+  std::int64_t generation_base() const { return generation_base_; }
   // A failed step's rows are dropped: it is redone.
   void drop_partial_update() { update_rows_ = 0; }
   // Elastic keeping the per-replica batch: the global batch the learning rate is set for (each

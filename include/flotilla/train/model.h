@@ -246,6 +246,9 @@ class Model {
   // In an elastic fit, the generation that decides this worker's updates, counted over the
   // training's runs (the fencing token its saves and log lines carry); -1 outside elastic fits.
   std::int64_t generation() const;
+  // In an elastic fit, the training's id (TrainingState::training: drawn at its start, kept by a
+  // resume and given to a joiner), which fences its saves; empty before one.
+  std::string training_id() const;
   // Makes the next (or the starting) fit() continue from `state`: optimizer step count, loss
   // scale, epoch, step and input position. Weights and optimizer state are restored separately.
   void restore_training_state(const TrainingState& state);
