@@ -33,25 +33,26 @@ Context start() {
   return context;
 }
 
-std::string hex(const unsigned char* bytes, std::size_t length) {
+std::string finish(EVP_MD_CTX* context) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  check(EVP_DigestFinal_ex(context, digest, &length), "EVP_DigestFinal_ex");
+  return to_hex(digest, length);
+}
+
+} // namespace
+
+std::string to_hex(const void* data, std::size_t size) {
   static const char kHex[] = "0123456789abcdef";
+  const auto* bytes = static_cast<const unsigned char*>(data);
   std::string out;
-  out.reserve(2 * length);
-  for (std::size_t i = 0; i < length; ++i) {
+  out.reserve(2 * size);
+  for (std::size_t i = 0; i < size; ++i) {
     out += kHex[bytes[i] >> 4];
     out += kHex[bytes[i] & 0xf];
   }
   return out;
 }
-
-std::string finish(EVP_MD_CTX* context) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  check(EVP_DigestFinal_ex(context, digest, &length), "EVP_DigestFinal_ex");
-  return hex(digest, length);
-}
-
-} // namespace
 
 std::string sha256_hex(const void* data, std::size_t size) {
   Context context = start();
@@ -99,7 +100,7 @@ std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::stri
 
 std::string hmac_sha256_hex(const std::string& key, const std::string& message) {
   const auto mac = hmac_sha256(key, message);
-  return hex(mac.data(), mac.size());
+  return to_hex(mac.data(), mac.size());
 }
 
 void fill_random(std::uint8_t* out, std::size_t n) {

@@ -261,13 +261,8 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
   if (rank == 0) {
     const std::string ns = pid_namespace();
     remove_orphans(ns);
-    const auto nonce = base::random_bytes<8>();
-    name = "/flotilla-" + ns + "-" + std::to_string(::getpid()) + "-";
-    for (auto b : nonce) {
-      const char* hex = "0123456789abcdef";
-      name += hex[b >> 4];
-      name += hex[b & 15];
-    }
+    name = "/flotilla-" + ns + "-" + std::to_string(::getpid()) + "-" +
+           base::to_hex(base::random_bytes<8>());
     fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     cleanup.unlink = fd >= 0;
     if (fd < 0) {

@@ -283,14 +283,7 @@ void TrainStep::restore_counters(const TrainingState& state) {
 
 void TrainStep::agree_training(collective::Communicator& comm) {
   std::string mine = training_;
-  if (mine.empty() && comm.rank() == 0) {
-    const auto bytes = base::random_bytes<16>();
-    static constexpr char kHex[] = "0123456789abcdef";
-    for (const std::uint8_t b : bytes) {
-      mine += kHex[b >> 4];
-      mine += kHex[b & 15];
-    }
-  }
+  if (mine.empty() && comm.rank() == 0) mine = base::to_hex(base::random_bytes<16>());
   training_ = collective::broadcast_string(comm, mine, 0);
 }
 

@@ -18,16 +18,8 @@ using nlohmann::json;
 namespace {
 
 std::string to_hex(const torch::Tensor& bytes) {
-  static const char* digits = "0123456789abcdef";
   const torch::Tensor b = bytes.contiguous().to(torch::kUInt8);
-  const auto* p = b.data_ptr<std::uint8_t>();
-  std::string out;
-  out.reserve(static_cast<std::size_t>(b.numel()) * 2);
-  for (std::int64_t i = 0; i < b.numel(); ++i) {
-    out += digits[p[i] >> 4];
-    out += digits[p[i] & 15];
-  }
-  return out;
+  return base::to_hex(b.data_ptr<std::uint8_t>(), static_cast<std::size_t>(b.numel()));
 }
 
 torch::Tensor from_hex(const std::string& hex) {

@@ -51,6 +51,7 @@
 #include <map>
 #include <optional>
 
+#include "flotilla/base/hashes.h"
 #include "flotilla/base/system.h"
 #include "flotilla/cluster/cluster_spec.h"
 #include "flotilla/cluster/cluster_token.h"
@@ -250,10 +251,7 @@ std::string random_token() {
   if (urandom.get() < 0 || ::read(urandom.get(), bytes, sizeof bytes) != sizeof bytes) {
     throw Error("cannot read /dev/urandom for the cluster token; set FLOTILLA_CLUSTER_TOKEN");
   }
-  static const char kHex[] = "0123456789abcdef";
-  std::string token;
-  for (unsigned char b : bytes) token += {kHex[b >> 4], kHex[b & 15]};
-  return token;
+  return base::to_hex(bytes, sizeof bytes);
 }
 
 std::vector<std::string> child_environment(int index, int workers, const std::string& tf_config,

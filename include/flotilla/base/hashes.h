@@ -25,6 +25,12 @@ std::array<std::uint8_t, 32> hmac_sha256(const std::string& key, const std::stri
 // The same as lowercase hex.
 std::string hmac_sha256_hex(const std::string& key, const std::string& message);
 
+// `size` bytes as lowercase hex, two digits a byte.
+std::string to_hex(const void* data, std::size_t size);
+template <std::size_t N> std::string to_hex(const std::array<std::uint8_t, N>& bytes) {
+  return to_hex(bytes.data(), N);
+}
+
 // N random bytes from the system's generator (OpenSSL); Error when it fails.
 void fill_random(std::uint8_t* out, std::size_t n);
 template <std::size_t N> std::array<std::uint8_t, N> random_bytes() {
