@@ -33,9 +33,9 @@ void check_shares(const std::vector<std::int64_t>& shares, int workers) {
                       " workers; give one per worker, in task order (the chief first)");
   }
   for (std::size_t w = 0; w < shares.size(); ++w) {
-    if (shares[w] < 1 || shares[w] > (std::int64_t{1} << 20)) {
+    if (shares[w] < 1 || shares[w] > kMaxShareWeight) {
       throw ConfigError("worker " + std::to_string(w) + "'s share " + std::to_string(shares[w]) +
-                        " is not a whole number from 1 to 1048576");
+                        " is not a whole number from 1 to " + std::to_string(kMaxShareWeight));
     }
   }
 }

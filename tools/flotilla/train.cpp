@@ -885,10 +885,10 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (item.empty() || used != item.size() || weight < 1 || weight > (1 << 20)) {
-      throw ConfigError("--shares: \"" + item +
-                        "\" is not a whole number from 1 to 1048576; write equal, auto, or one "
-                        "weight per worker in task order, e.g. 2,1");
+    if (item.empty() || used != item.size() || weight < 1 || weight > cluster::kMaxShareWeight) {
+      throw ConfigError("--shares: \"" + item + "\" is not a whole number from 1 to " +
+                        std::to_string(cluster::kMaxShareWeight) +
+                        "; write equal, auto, or one weight per worker in task order, e.g. 2,1");
     }
     out.push_back(weight);
   }

@@ -53,6 +53,9 @@ struct InputContext {
   std::int64_t get_per_replica_batch_size(std::int64_t global_batch) const;
 };
 
+// The largest share weight (2^20).
+inline constexpr std::int64_t kMaxShareWeight = std::int64_t{1} << 20;
+
 // ConfigError unless `shares` is empty (equal) or one whole weight from 1 to 2^20 per worker.
 void check_shares(const std::vector<std::int64_t>& shares, int workers);
 
