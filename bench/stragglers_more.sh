@@ -52,28 +52,32 @@ cgroup_for() { # $1 name, $2 quota: a cgroup, remembered for the cleanup
   groups+=("$g")
   echo "$g"
 }
-# One `flotilla train` worker: $1 cgroup, $2 cores (taskset list), $3 TF_CONFIG, $4 batch,
-# $5 metrics JSON, $6 --shares, $7 steps per epoch, $8 epochs.
+# One `flotilla train` worker, 1 thread: $1 cgroup, $2 cores (taskset list), $3 TF_CONFIG,
+# $4 metrics JSON (the chief's only), then train's flags.
 worker() {
-  in_cgroup "$1" taskset -c "$2" env TF_CONFIG="$3" LOCAL_WORLD_SIZE= "$FLOTILLA" train \
-    --model "$MODEL" --batch-per-replica "$4" --steps-per-epoch "$7" --epochs "$8" --threads 1 \
-    --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$5" --shares "$6"
+  local group=$1 cores=$2 tf_config=$3 json=$4
+  shift 4
+  in_cgroup "$group" taskset -c "$cores" env TF_CONFIG="$tf_config" LOCAL_WORLD_SIZE= \
+    "$FLOTILLA" train --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor \
+    --metrics-json "$json" "$@"
 }
+# The zoo model's flags: $1 batch per replica, $2 steps per epoch, $3 epochs.
+zoo() { echo --model "$MODEL" --batch-per-replica "$1" --steps-per-epoch "$2" --epochs "$3"; }
 tf_config() { # $1 ports (space-separated), $2 index
   local list="" p
   for p in $1; do list+="${list:+, }\"127.0.0.1:$p\""; done
   echo "{\"cluster\": {\"worker\": [$list]}, \"task\": {\"type\": \"worker\", \"index\": $2}}"
 }
-# A job of n workers (n = the cgroups given) of a global batch of JOB_GLOBAL: $1 name, $2 --shares, $3 steps, $4 epochs, then
-# per worker "cgroup:cores". Worker 0's metrics in $tmp/$1.json, logs in $tmp/$1-W.log.
+# A job: $1 name, then "cgroup:cores" per worker, then --, then train's flags. The chief's
+# metrics in $tmp/$1.json, each worker's log in $tmp/$1-W.log.
 job() {
-  local name=$1 shares=$2 steps=$3 epochs=$4
-  shift 4
-  local n=$# ports="" pids=() w=0 spec
-  for _ in "$@"; do ports+=" $(port)"; done
-  for spec in "$@"; do
-    worker "${spec%%:*}" "${spec#*:}" "$(tf_config "$ports" "$w")" $((JOB_GLOBAL / n)) \
-      "$tmp/$name$([ "$w" = 0 ] || echo "-$w").json" "$shares" "$steps" "$epochs" \
+  local name=$1 specs=() ports="" pids=() w=0 spec
+  shift
+  while [ "$1" != -- ]; do specs+=("$1"); shift; done
+  shift
+  for _ in "${specs[@]}"; do ports+=" $(port)"; done
+  for spec in "${specs[@]}"; do
+    worker "${spec%%:*}" "${spec#*:}" "$(tf_config "$ports" "$w")" "$tmp/$name.json" "$@" \
       > "$tmp/$name-$w.log" 2>&1 &
     pids+=($!)
     w=$((w + 1))
@@ -88,16 +92,17 @@ if [ "$WHAT" = three ] || [ "$WHAT" = both ]; then
   fast0=$(cgroup_for fast0 0.6); fast1=$(cgroup_for fast1 0.6); slow=$(cgroup_for slow 0.3)
   how="$(cgroup_kind "$slow"): quotas 0.6, 0.6 and 0.3 of a core, not pinned"
   : > "$tmp/runs3"
-  JOB_GLOBAL=$GLOBAL
   for run in $(seq "$RUNS"); do
     for w in 0 1 2; do
       g=$([ "$w" = 2 ] && echo "$slow" || ([ "$w" = 0 ] && echo "$fast0" || echo "$fast1"))
-      p=$(port)
-      worker "$g" 0,1 "$(tf_config "$p" 0)" $((GLOBAL / 3)) "$tmp/solo$w-$run.json" equal "$STEPS" 2 \
-        > "$tmp/solo$w-$run.log" 2>&1 || fail "solo worker $w failed: $(tail -3 "$tmp/solo$w-$run.log")"
+      # shellcheck disable=SC2046
+      job "solo$w-$run" "$g:0,1" -- $(zoo $((GLOBAL / 3)) "$STEPS" 2)
     done
-    job "equal3-$run" equal "$STEPS" 2 "$fast0:0,1" "$fast1:0,1" "$slow:0,1"
-    job "auto3-$run" auto "$STEPS" 2 "$fast0:0,1" "$fast1:0,1" "$slow:0,1"
+    for shares in equal auto; do
+      # shellcheck disable=SC2046
+      job "$shares"3-"$run" "$fast0:0,1" "$fast1:0,1" "$slow:0,1" -- \
+        $(zoo $((GLOBAL / 3)) "$STEPS" 2) --shares "$shares"
+    done
     echo "$(epoch_speed "$tmp/solo0-$run.json") $(epoch_speed "$tmp/solo1-$run.json")" \
       "$(epoch_speed "$tmp/solo2-$run.json") $(epoch_speed "$tmp/equal3-$run.json")" \
       "$(epoch_speed "$tmp/auto3-$run.json")" >> "$tmp/runs3"
@@ -113,21 +118,19 @@ fi
 
 if [ "$WHAT" = midway ] || [ "$WHAT" = both ]; then
   later=$(cgroup_for later max)
-  JOB_GLOBAL=$MID_GLOBAL
   how="$(cgroup_kind "$later") of 0.5 core from epoch $SLOW_AT's end"
   # The new ideal: each worker alone, fast on core 0, slowed on core 1, at half the batch.
-  p=$(port)
-  worker "" 0 "$(tf_config "$p" 0)" $((MID_GLOBAL / 2)) "$tmp/mid-solo0.json" equal "$STEPS" 2 > "$tmp/mid-solo0.log" 2>&1 ||
-    fail "solo worker 0 failed: $(tail -3 "$tmp/mid-solo0.log")"
+  # shellcheck disable=SC2046
+  job mid-solo0 ":0" -- $(zoo $((MID_GLOBAL / 2)) "$STEPS" 2)
   set_quota "$later" 0.5
-  p=$(port)
-  worker "$later" 1 "$(tf_config "$p" 0)" $((MID_GLOBAL / 2)) "$tmp/mid-solo1.json" equal "$STEPS" 2 > "$tmp/mid-solo1.log" 2>&1 ||
-    fail "solo worker 1 failed: $(tail -3 "$tmp/mid-solo1.log")"
+  # shellcheck disable=SC2046
+  job mid-solo1 "$later:1" -- $(zoo $((MID_GLOBAL / 2)) "$STEPS" 2)
   set_quota "$later" max
   ideal=$(awk -v a="$(epoch_speed "$tmp/mid-solo0.json")" -v b="$(epoch_speed "$tmp/mid-solo1.json")" 'BEGIN {printf "%.1f", a + b}')
   for shares in auto equal; do
     set_quota "$later" max
-    job "mid-$shares" "$shares" 10 "$EPOCHS" ":0" "$later:1" &
+    # shellcheck disable=SC2046
+    job "mid-$shares" ":0" "$later:1" -- $(zoo $((MID_GLOBAL / 2)) 10 "$EPOCHS") --shares "$shares" &
     jp=$!
     until n=$(grep -c '"epoch"' "$tmp/mid-$shares.json" 2>/dev/null || true); [ "${n:-0}" -ge "$SLOW_AT" ]; do
       kill -0 "$jp" 2>/dev/null || break
@@ -148,27 +151,15 @@ fi
 
 if [ "$WHAT" = accuracy ]; then
   half=$(cgroup_for half 0.5)
-  pids=()
-  p0=$(port); p1=$(port)
   for shares in equal auto; do
-    for w in 0 1; do
-      in_cgroup "$([ "$w" = 1 ] && echo "$half")" taskset -c "$w" \
-        env TF_CONFIG="$(tf_config "$p0 $p1" "$w")" LOCAL_WORLD_SIZE= "$FLOTILLA" train \
-        --model resnet20 --batch-per-replica 128 --lr-scaling linear --warmup-epochs 1 \
-        --schedule cosine --augment --weight-decay 5e-4 --epochs "$ACC_EPOCHS" --threads 1 \
-        --data-dir "$DATA_DIR" --verbose 0 --no-doctor --shares "$shares" \
-        $([ "$w" = 0 ] && echo --metrics-json "$tmp/acc-$shares.json") > "$tmp/acc-$shares-$w.log" 2>&1 &
-      pids[$w]=$!
-    done
-    for w in 0 1; do
-      wait "${pids[$w]}" || fail "accuracy ($shares): worker $w failed: $(tail -3 "$tmp/acc-$shares-$w.log")"
-    done
-    p0=$(port); p1=$(port)
+    job "acc-$shares" ":0" "$half:1" -- --model resnet20 --batch-per-replica 128 \
+      --lr-scaling linear --warmup-epochs 1 --schedule cosine --augment --weight-decay 5e-4 \
+      --epochs "$ACC_EPOCHS" --shares "$shares"
   done
   acc() { grep -o '"test_accuracy": *[0-9.]*' "$tmp/acc-$1.json" | sed 's/.*: *//'; }
   speed() { grep '"epoch"' "$tmp/acc-$1.json" | sed 's/.*"samples_per_s": *\([0-9.e+-]*\).*/\1/' | median; }
   printf '{"bench":"stragglers","case":"accuracy","model":"resnet20","recipe":"global batch 256, linear scaling, 1 warmup epoch, cosine, flip+crop, weight decay 5e-4","epochs":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to half its core by %s","test_accuracy_equal":%s,"test_accuracy_auto":%s,"points":%s,"samples_per_s_equal":%s,"samples_per_s_auto":%s,"last_division":"%s","machine":%s}\n' \
     "$ACC_EPOCHS" "$(cgroup_kind "$half")" "$(acc equal)" "$(acc auto)" \
     "$(awk -v a="$(acc auto)" -v e="$(acc equal)" 'BEGIN {printf "%.2f", 100 * (a - e)}')" \
-    "$(speed equal)" "$(speed auto)" "$( { grep -o 'shares: now [0-9,]* of [0-9]*' "$tmp/acc-auto-0.log" || echo 'shares: now equal'; } | tail -1 | sed 's/shares: now //')" "$machine"
+    "$(speed equal)" "$(speed auto)" "$(last_division acc-auto)" "$machine"
 fi
