@@ -408,14 +408,17 @@ std::vector<SharesLine> shares_lines(const std::string& log) {
 
 // Shares by speed in an elastic group (--shares-every 3): slot 1's forward sleeps 0.9 ms a row,
 // the others' 0.3 ms. Generation 0 gives slot 1 fewer rows of each global batch of 24; worker 2
-// is SIGKILLed at global step 7, and the two left go back to equal shares and measure again, so
+// is SIGKILLed at global step 9, and the two left go back to equal shares and measure again, so
 // slot 1's share shrinks again among two; the restart rejoins. The shares change the division,
 // never the update: the result is the one-worker run's, and every sample is trained on once.
+// Step 9, not the other tests' 7: admissions are voted on at every 8th update, and a restart
+// ready by update 8 cut generation 1 to two steps, before its first report (once in about 20
+// runs); from 9 the next vote is at update 16, after generation 1's report at its 6th step.
 TEST(ElasticFit, SharesBySpeedAreMeasuredAnewAfterAHealAndKeepTheResult) {
   const ElasticFit fit;
   const auto r = run_process(fit.launch("KILL", "200", {"--max-restarts", "1"},
-                                        {"--shares-every", "3", "--row-us", "300", "--slow",
-                                         "1:900"}),
+                                        {"--signal-at", "9", "--shares-every", "3", "--row-us",
+                                         "300", "--slow", "1:900"}),
                              {}, std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::cout << r.err;
@@ -435,10 +438,13 @@ TEST(ElasticFit, SharesBySpeedAreMeasuredAnewAfterAHealAndKeepTheResult) {
 // A straggler: slot 1's first process sleeps 3 ms a row in its forward, the others 0.05 ms, so
 // it stays below a tenth of the median's speed at two reports in a row. It leaves the group
 // saying why (exit 3, as an expelled worker), the others go on without it, and launch restarts
-// it; at full speed the restart rejoins. The result is the one-worker run's.
+// it; at full speed the restart rejoins. The result is the one-worker run's. 3 epochs of 200 ms
+// steps: the restart has the 20 steps (4 s) after the straggler left to start and be admitted
+// (with 100 ms steps one came too late under make test's load in the kill test).
 TEST(ElasticFit, AStragglerBelowTheFloorLeavesAndTheOthersGoOn) {
-  const ElasticFit fit;
-  const auto r = run_process(fit.launch("KILL", "100", {"--max-restarts", "1"},
+  ElasticFit fit;
+  fit.epochs = 3;
+  const auto r = run_process(fit.launch("KILL", "200", {"--max-restarts", "1"},
                                         {"--signal-at", "-1", "--shares-every", "3", "--row-us",
                                          "50", "--slow", "1:3000"}),
                              {}, std::chrono::seconds(180));
