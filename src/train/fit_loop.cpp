@@ -3,6 +3,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "flotilla/collective/agreement.h"
@@ -471,6 +472,17 @@ void FitLoop::check_consistency(const data::DistributedDataset& train) const {
                                  : std::string("off"));
   fields.emplace_back("input sharding", train.sharding());
   fields.emplace_back("shares", train.input_context().describe_shares());
+  // The share balancer's reports are collectives every that many steps, on every worker or none.
+  std::string balancing = "off";
+  if (options_.balance_shares_every > 0) {
+    char floor[32];
+    std::snprintf(floor, sizeof floor, "%g", options_.straggler_floor);
+    balancing = "measured every " + std::to_string(options_.balance_shares_every) +
+                " steps, straggler floor " + floor;
+  } else if (options_.advise_shares_every > 0) {
+    balancing = "advised every " + std::to_string(options_.advise_shares_every) + " steps";
+  }
+  fields.emplace_back("shares by speed", balancing);
   if (options_.steps_per_epoch) {
     fields.emplace_back("steps per epoch", std::to_string(*options_.steps_per_epoch));
   } else if (train.same_steps_on_every_worker()) {

@@ -169,12 +169,14 @@ struct Trained {
 };
 
 // 20 float32 SGD steps with global batch 16 over 307 images: the last batch has 3, so one of
-// 4 replicas gets none.
-Trained train_bn_cnn(int workers, int replicas, bool sync) {
+// 4 replicas gets none. `shares`: the workers' weights (Strategy::set_shares); empty: equal.
+Trained train_bn_cnn(int workers, int replicas, bool sync,
+                     const std::vector<std::int64_t>& shares = {}) {
   const auto images = random_images(19 * 16 + 3, 12, 14);
   std::vector<Trained> out(static_cast<std::size_t>(workers));
   run_ranks(workers, [&](int rank, collective::Communicator& comm) {
     strategy::Strategy s(thread_cluster(rank, workers), comm, replicas);
+    s.set_shares(shares);
     auto net = s.scope([&] {
       std::lock_guard<std::mutex> lock(build_mutex);
       torch::manual_seed(8);
@@ -209,6 +211,23 @@ TEST(SyncBatchNorm, WorkersAndReplicasOfBPerNTrainAsOneWorkerOfB) {
   }
   // Control: per-replica statistics (plain BatchNorm) over 4 replicas are another training.
   const Trained local = train_bn_cnn(2, 2, false);
+  EXPECT_GT(max_relative_difference(local.parameters, single.parameters), 1e-3);
+}
+
+// Shares by speed: worker 0 takes 12 rows of each 16 and worker 1 the other 4 (the last batch
+// of 3: 2 and 1), and the global statistics are counted by rows, not averaged per worker, so
+// the training is still the one worker's of B. Control: plain BatchNorm with those shares.
+TEST(SyncBatchNorm, UnequalSharesOfTheGlobalBatchTrainAsOneWorkerOfB) {
+  const Trained single = train_bn_cnn(1, 1, false);
+  for (const auto& [replicas, shares] :
+       {std::pair{1, std::vector<std::int64_t>{3, 1}}, std::pair{2, std::vector<std::int64_t>{1, 3}}}) {
+    const Trained synced = train_bn_cnn(2, replicas, true, shares);
+    EXPECT_LT(max_relative_difference(synced.parameters, single.parameters), 1e-5)
+        << "shares " << shares[0] << "," << shares[1] << ", " << replicas << " replica(s)";
+    EXPECT_LT(max_relative_difference(synced.buffers, single.buffers), 1e-5)
+        << "shares " << shares[0] << "," << shares[1] << ", " << replicas << " replica(s)";
+  }
+  const Trained local = train_bn_cnn(2, 1, false, {3, 1});
   EXPECT_GT(max_relative_difference(local.parameters, single.parameters), 1e-3);
 }
 

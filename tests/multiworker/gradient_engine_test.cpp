@@ -230,6 +230,7 @@ struct Layout {
   collective::Compression compression = collective::Compression::kNone;
   std::int64_t steps = kSteps;
   bool edit_after_compile = false; // halve every weight after compile(), as a checkpoint load would
+  std::vector<std::int64_t> shares; // each worker's weight (Strategy::set_shares); empty: equal
 };
 
 std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& images,
@@ -241,6 +242,7 @@ std::vector<torch::Tensor> train_mlp(const Layout& setup, const data::Dataset& i
       setup.workers,
       [&](int rank, collective::Communicator& comm) {
         Strategy strategy(thread_cluster(rank, setup.workers), comm, setup.replicas_per_worker);
+        strategy.set_shares(setup.shares);
         auto net = strategy.scope([] {
           std::lock_guard<std::mutex> lock(build_mutex);
           torch::manual_seed(1234);
@@ -333,6 +335,11 @@ TEST_F(EngineEquivalence, GradientAccumulation) {
   expect_same({1, 1, 2, true}, "1 worker, 2 micro-batches of 32");
   expect_same({2, 1, 2, true}, "2 workers, 2 micro-batches of 32");
   expect_same({2, 2, 2, false}, "2 workers x 2 replicas, 2 micro-batches, overlap off");
+  // Shares by speed: each micro-batch of 32 divides 24 and 8; the gradient is still each
+  // micro-batch's mean over its rows, added over the group.
+  Layout shared{2, 1, 2, true};
+  shared.shares = {3, 1};
+  expect_same(shared, "2 workers of shares 3,1, 2 micro-batches of 32");
 }
 
 // Training with half-precision gradients on the wire ends where fp32 does, to within noise.
@@ -372,6 +379,8 @@ TEST(GradientEngine, DisagreeingWorkersStopWithADiffNamingTheWorkerAndField) {
                     .batch(rank == 1 ? 16 : 32);
     train::FitOptions fit;
     fit.verbose = train::Verbosity::kSilent;
+    // Only rank 1 divides by speed: its reports would meet the chief's gradient all-reduces.
+    if (rank == 1) fit.balance_shares_every = 20;
     try {
       model.fit(data, fit);
     } catch (const ConfigError& e) {
@@ -379,6 +388,10 @@ TEST(GradientEngine, DisagreeingWorkersStopWithADiffNamingTheWorkerAndField) {
     }
   });
   EXPECT_EQ(messages[0], messages[1]) << "every worker stops with the same report";
+  EXPECT_NE(messages[0].find("shares by speed: worker rank 1 has measured every 20 steps, "
+                             "straggler floor 0.1, the chief (rank 0) has off"),
+            std::string::npos)
+      << messages[0];
   EXPECT_NE(messages[0].find("the workers disagree on the training setup"), std::string::npos)
       << messages[0];
   EXPECT_NE(messages[0].find("gradient accumulation steps: worker rank 1 has 2, the chief (rank "
