@@ -92,7 +92,8 @@ struct TrainArgs {
   bool no_shared_memory = false;
   bool elastic = false;                 // ElasticOptions::enabled
   std::string elastic_batch = "global"; // ElasticOptions::batch
-  std::string shares = "equal";         // Strategy::set_shares: equal, or W1,W2,...
+  std::string shares = "auto";          // auto, equal, or W1,W2,... (Strategy::set_shares)
+  bool shares_given = false;            // --shares named; left out, auto where it applies
   double straggler_floor = 0.1;         // FitOptions::straggler_floor, with --shares auto
   double heartbeat_timeout_s = 10;      // CommunicationOptions::heartbeat_timeout
   std::string compression = "none";
@@ -681,7 +682,6 @@ profile::ProfilerOptions profiler_options(const TrainArgs& a, const train::Recip
   facts.threads_per_worker = threads;
   facts.cores = base::available_cores();
   facts.local_workers = cluster::local_world_size(env);
-  facts.shares = a.shares;
   facts.input_pipeline = input_chain(a, global_batch, input);
   return profiling;
 }
@@ -900,6 +900,48 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
   return out;
 }
 
+// What --shares comes to on `workers` workers: the mode the fit runs (auto, equal, or the
+// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: every
+// worker is a CPU or every one a GPU (Gloo and NCCL cannot meet), so that is where the input can
+// move rows between workers and each step's batch may change shape.
+struct SharesChoice {
+  std::string mode;
+  std::string line; // "" on one worker: nothing to divide
+};
+
+SharesChoice resolve_shares(const TrainArgs& a, int workers, const Input& input,
+                            const torch::Device& device) {
+  const std::string by_speed =
+      "each worker's compute time per row is measured every " +
+      std::to_string(kBalanceSharesEvery) +
+      " steps and each global batch divided in proportion, where that cuts a step's compute by "
+      "more than 5% (the global batch, learning rate and update stay those of equal shares)";
+  if (a.shares_given) {
+    if (workers == 1 && a.shares != "auto") return {a.shares, ""};
+    if (a.shares == "auto") return {"auto", "by speed (--shares auto): " + by_speed};
+    if (a.shares == "equal") {
+      return {"equal", "equal (--shares equal; the chief says once if dividing by speed would "
+                       "make a step's compute 10% faster or more)"};
+    }
+    return {a.shares, "fixed weights " + a.shares + " (--shares), the chief first"};
+  }
+  if (workers == 1) return {"equal", ""};
+  std::string why;
+  const std::string sharding = input.train.sharding();
+  if (a.elastic_batch == "per-replica") {
+    why = "--elastic-batch per-replica keeps each worker's batch: no constant global batch to "
+          "divide";
+  } else if (sharding != "DATA" && sharding != "one replica") {
+    why = "the input is sharded " + sharding + ", and moving rows between workers needs DATA";
+  } else if (device.is_cuda() && a.jit_compile == "on") {
+    why = "--jit-compile's CUDA graphs replay one batch shape, which a new division would change";
+  }
+  if (!why.empty()) return {"equal", "equal (" + why + ")"};
+  return {"auto", "by speed (the default on more than one worker; --shares equal for reruns that "
+                  "repeat bit for bit): " +
+                      by_speed};
+}
+
 int run(const TrainArgs& a) {
   const auto env = cluster::Environment::from_process();
   const cluster::ClusterSpec spec = cluster::resolve_cluster(env);
@@ -953,9 +995,15 @@ int run(const TrainArgs& a) {
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm, kept_freed_memory);
 
   train::FitOptions fit = fit_options(a, env, input);
-  if (a.shares == "auto") fit.balance_shares_every = kBalanceSharesEvery;
-  // Equal shares: measured all the same, and the chief says once what auto would gain.
-  if (a.shares == "equal" && spec.world_size > 1) fit.advise_shares_every = kBalanceSharesEvery;
+  const SharesChoice shares_choice = resolve_shares(a, spec.world_size, input, devices.front());
+  if (strategy.is_chief() && !shares_choice.line.empty()) {
+    strategy.log().info("recipe: shares: " + shares_choice.line);
+  }
+  if (shares_choice.mode == "auto") fit.balance_shares_every = kBalanceSharesEvery;
+  // Equal shares chosen: measured all the same, and the chief says once what auto would gain.
+  if (a.shares_given && a.shares == "equal" && spec.world_size > 1) {
+    fit.advise_shares_every = kBalanceSharesEvery;
+  }
   fit.straggler_floor = a.straggler_floor;
   fit.callbacks = callbacks(a);
   if (!metrics_json.empty()) {
@@ -980,6 +1028,7 @@ int run(const TrainArgs& a) {
   }
   profile::ProfilerOptions profiling =
       profiler_options(a, recipe, global_batch, threads.count, env, input, fit.verbose);
+  profiling.recipe.shares = shares_choice.mode;
   const bool reported = profiling.doctor || !a.profile_json.empty() || !a.report.empty();
   if (strategy.is_chief() && reported) {
     profiling.recipe.train_flops_per_sample = train_flops_per_sample(model, sources);
@@ -1221,10 +1270,13 @@ void add_cluster_flags(CLI::App* app, TrainArgs& args) {
                 "rendezvous): a failed worker is dropped and the others go on with the same "
                 "global batch; a restarted one rejoins from a live peer's memory");
   app->add_option("--shares", args.shares,
-                  "How each global batch divides among the workers: equal; auto (by each worker's "
-                  "measured compute time per row, every 20 steps); or one whole weight per worker "
-                  "in task order (2,1: the chief takes 2/3 of every global batch). The global "
-                  "batch, the learning rate and the update stay as with equal shares")
+                  "How each global batch divides among the workers: auto (by each worker's "
+                  "measured compute time per row, every 20 steps; the default wherever the input "
+                  "can move rows between workers); equal (reruns repeat bit for bit); or one "
+                  "whole weight per worker in task order (2,1: the chief takes 2/3 of every "
+                  "global batch). The global batch, the learning rate and the update stay as "
+                  "with equal shares")
+      ->each([&args](const std::string&) { args.shares_given = true; })
       ->capture_default_str();
   app->add_option("--straggler-floor", args.straggler_floor,
                   "With --shares auto: a worker measured below this fraction of the median "

@@ -189,14 +189,16 @@ tf_config() {
 # start_task NAME HOST TF_CONFIG TIMEOUT_S ARGS... : `flotilla train ARGS` on host HOST in the
 # background, output in $tmp/NAME.log, killed after TIMEOUT_S (a hang guard, never a check).
 # Every task of a scenario holds the same random cluster token, so each join across the namespaces
-# goes through the HMAC challenge-response, as on real hosts.
+# goes through the HMAC challenge-response, as on real hosts. Equal shares (--shares equal), here
+# and in the reference run: a division measured by speed depends on each run's timing, and the
+# scenarios compare weights across runs.
 cluster_token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 start_task() {
   local name=$1 host=$2 tf=$3 limit=$4
   shift 4
   ip netns exec "$(host_ns "$host")" env TF_CONFIG="$tf" OMP_NUM_THREADS=1 \
     FLOTILLA_CLUSTER_TOKEN="$cluster_token" \
-    timeout -k 5 "$limit" "$bin" train "$@" >"$tmp/$name.log" 2>&1 &
+    timeout -k 5 "$limit" "$bin" train --shares equal "$@" >"$tmp/$name.log" 2>&1 &
   task_pid[$name]=$!
   pids+=($!)
 }
@@ -352,7 +354,7 @@ reference_run() {
   mkdir -p "$tmp/ref"
   local rc=0
   OMP_NUM_THREADS=1 timeout -k 5 "${REF_TIMEOUT:-120}" "$bin" launch --workers "$((WORKER_HOSTS + 1))" -- \
-    "$bin" train "$@" --no-shared-memory --checkpoint-dir "$tmp/ref/ckpt" --metrics-json "$tmp/ref/metrics.json" \
+    "$bin" train --shares equal "$@" --no-shared-memory --checkpoint-dir "$tmp/ref/ckpt" --metrics-json "$tmp/ref/metrics.json" \
     >"$tmp/ref/launch.log" 2>&1 || rc=$?
   if ((rc != 0)); then
     tail -n 20 "$tmp/ref/launch.log"
