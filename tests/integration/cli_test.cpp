@@ -379,6 +379,11 @@ TEST(TrainCommand, HandStartedWorkersShareTheCoresAndTheRecipeSaysWhichKernelsRa
             std::string::npos)
       << all;
   EXPECT_NE(all.find("recipe: kernels: fixed (--kernels fixed)"), std::string::npos) << all;
+  // Two workers divide by speed unless told otherwise (and say how to repeat a run bit for bit).
+  EXPECT_NE(all.find("recipe: shares: by speed (the default on more than one worker; --shares "
+                     "equal for reruns that repeat bit for bit)"),
+            std::string::npos)
+      << all;
   EXPECT_NE(all.find("recipe: 3x3 convolutions (Winograd's): flotilla's at 3 of 3 shape(s)"),
             std::string::npos)
       << all;
@@ -393,6 +398,7 @@ TEST(TrainCommand, HandStartedWorkersShareTheCoresAndTheRecipeSaysWhichKernelsRa
   EXPECT_NE(said.find("recipe: compiled step: off: the model runs as written"), std::string::npos)
       << said;
   EXPECT_EQ(said.find("recipe: compile step:"), std::string::npos) << said;
+  EXPECT_EQ(said.find("recipe: shares:"), std::string::npos) << "one worker: nothing to divide";
   EXPECT_NE(said.find("recipe: kernels: measure (--kernels measure): 0 shape(s)"),
             std::string::npos)
       << said;
