@@ -14,6 +14,8 @@
 # Prints JSON lines; RUNS interleaved runs, medians.
 # Usage: bench/stragglers.sh [RUNS=3]   env: MODEL=cnn GLOBAL=256 STEPS=30 SLOW=0.5
 #        METHOD=auto|cgroup|competitor  FLOTILLA=build/flotilla
+#        EQUAL=equal (the equal side's --shares; 1,1 divides equally without the advice's
+#        measurement, for auto's cost against plain equal shares: SLOW=1.0 METHOD=cgroup)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,7 @@ GLOBAL=${GLOBAL:-256}
 STEPS=${STEPS:-30}
 SLOW=${SLOW:-0.5}
 METHOD=${METHOD:-auto}
+EQUAL=${EQUAL:-equal}
 DATA_DIR=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 machine=$(bench/machine.sh)
 tmp=$(mktemp -d)
@@ -54,9 +57,9 @@ if [ -z "$how" ]; then
 fi
 
 # Runs `flotilla train` for one worker: $1 core, $2 slowed (1/0), $3 TF_CONFIG, $4 batch, $5 json,
-# $6 --shares (equal by default).
+# $6 --shares ($EQUAL by default).
 worker() {
-  local core=$1 slowed=$2 tf_config=$3 batch=$4 json=$5 shares=${6:-equal}
+  local core=$1 slowed=$2 tf_config=$3 batch=$4 json=$5 shares=${6:-$EQUAL}
   local cmd=(taskset -c "$core" env TF_CONFIG="$tf_config" LOCAL_WORLD_SIZE= "$FLOTILLA" train
     --model "$MODEL" --batch-per-replica "$batch" --steps-per-epoch "$STEPS" --epochs 2
     --threads 1 --data-dir "$DATA_DIR" --verbose 0 --no-doctor --metrics-json "$json"
@@ -74,7 +77,7 @@ for run in $(seq "$RUNS"); do
   for w in 0 1; do
     p=$(port)
     worker "$w" "$w" "{\"cluster\": {\"worker\": [\"127.0.0.1:$p\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}" \
-      "$half" "$tmp/solo$w-$run.json" > "$tmp/solo$w-$run.log" 2>&1 ||
+      "$half" "$tmp/solo$w-$run.json" equal > "$tmp/solo$w-$run.log" 2>&1 ||
       fail "solo worker $w failed: $(tail -3 "$tmp/solo$w-$run.log")"
   done
   # Both, equal shares.
@@ -114,6 +117,6 @@ alo=$(awk '{printf "%.4f\n", $4 / ($1 + $2)}' "$tmp/runs" | sort -g | head -1)
 ahi=$(awk '{printf "%.4f\n", $4 / ($1 + $2)}' "$tmp/runs" | sort -g | tail -1)
 ratio=$(awk '{printf "%.4f\n", $4 / $3}' "$tmp/runs" | median)
 last_shares=$(cat "$tmp"/auto-shares-* 2>/dev/null | tr '\n' ';' | sed 's/;$//')
-printf '{"bench":"stragglers","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to %s of its core by %s","precision":"auto","metric":"samples_per_s","solo_fast":%s,"solo_slow":%s,"ideal":%s,"equal_shares":%s,"equal_of_ideal":%s,"equal_of_ideal_runs":[%s,%s],"auto_shares":%s,"auto_of_ideal":%s,"auto_of_ideal_runs":[%s,%s],"ratio":%s,"of":"auto/equal","auto_last_division":"%s","runs":%s,"machine":%s}\n' \
+printf '{"bench":"stragglers","model":"%s","global_batch":%s,"workers":2,"threads_per_worker":1,"slowed":"worker 1 to %s of its core by %s","precision":"auto","metric":"samples_per_s","solo_fast":%s,"solo_slow":%s,"ideal":%s,"equal_shares":%s,"equal_flag":"--shares %s","equal_of_ideal":%s,"equal_of_ideal_runs":[%s,%s],"auto_shares":%s,"auto_of_ideal":%s,"auto_of_ideal_runs":[%s,%s],"ratio":%s,"of":"auto/equal","auto_last_division":"%s","runs":%s,"machine":%s}\n' \
   "$MODEL" "$GLOBAL" "$SLOW" "$how" "$s0" "$s1" "$(awk -v a="$s0" -v b="$s1" 'BEGIN{printf "%.1f", a + b}')" \
-  "$eq" "$share" "$lo" "$hi" "$au" "$auto_share" "$alo" "$ahi" "$ratio" "$last_shares" "$RUNS" "$machine"
+  "$eq" "$EQUAL" "$share" "$lo" "$hi" "$au" "$auto_share" "$alo" "$ahi" "$ratio" "$last_shares" "$RUNS" "$machine"

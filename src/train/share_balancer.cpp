@@ -138,8 +138,19 @@ void ShareBalancer::end_fit() {
   current_.reset();
 }
 
+std::vector<std::int64_t> weights_of(const std::vector<std::int64_t>& rows) {
+  const std::int64_t most = *std::max_element(rows.begin(), rows.end());
+  if (most <= cluster::kMaxShareWeight) return rows;
+  std::vector<std::int64_t> weights(rows.size());
+  const double scale = static_cast<double>(cluster::kMaxShareWeight) / static_cast<double>(most);
+  for (std::size_t w = 0; w < rows.size(); ++w) {
+    weights[w] = std::max<std::int64_t>(1, std::llround(static_cast<double>(rows[w]) * scale));
+  }
+  return weights;
+}
+
 void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
-                               std::int64_t global) {
+                               std::int64_t step_global) {
   // A new generation: other members, another communicator, equal shares again (the strategy's).
   // Every member sees it at the same step (a heal or an admission lies between two steps), so
   // all count their intervals from it alike.
@@ -184,6 +195,8 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
       speeds_[w] = jump ? speeds[w] : (1 - kSmoothing) * speeds_[w] + kSmoothing * speeds[w];
     }
   }
+  // Divided at the user's global batch, not at an epoch's short last one.
+  const std::int64_t global = std::max(step_global, train_ ? train_->global_rows() : 0);
   const std::vector<std::int64_t> target = rows_by_speed(speeds_, global);
   const std::vector<std::int64_t> current = rows_of(strategy_.input_context(), global);
   const double before = step_compute_seconds(current, speeds_);
@@ -210,7 +223,7 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
   if (!(after < (1 - kMinGain) * before)) return;
   const auto position = input.position(step_in_epoch);
   if (!position || !train_) return; // the same on every worker
-  strategy_.set_shares(target);
+  strategy_.set_shares(weights_of(target));
   current_ =
       std::make_unique<data::DistributedDataset>(train_->redistribute(strategy_.input_context()));
   input.rebind(*current_, *position);

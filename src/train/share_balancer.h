@@ -37,7 +37,7 @@ class ShareBalancer {
   // a global batch of `global`. Every interval steps a collective; may rebind `input`. Throws
   // Straggler on a straggler of an elastic group (the others go on, and meet its departure).
   void after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
-                  std::int64_t global);
+                  std::int64_t step_global);
 
  private:
   strategy::Strategy& strategy_;
@@ -62,6 +62,10 @@ class ShareBalancer {
   // Whether a straggler leaves the elastic group (this worker throws Straggler if it is it).
   bool check_stragglers(const std::vector<std::int64_t>& target, std::int64_t global);
 };
+
+// Shares that divide as `rows` do: the rows themselves, or scaled into Strategy::set_shares'
+// bound (cluster::kMaxShareWeight) where a global batch has more rows than it.
+std::vector<std::int64_t> weights_of(const std::vector<std::int64_t>& rows);
 
 // A step's compute time with `rows` per worker at `speeds` (rows per second): the slowest's.
 double step_compute_seconds(const std::vector<std::int64_t>& rows,
