@@ -99,6 +99,14 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
                       "a straggler) to below 1; saw " +
                       std::to_string(floor_));
   }
+  if (apply_ && strategy_.devices().front().is_cuda()) {
+    // The step timer's marks do not wait for the GPU (only a traced step does), so forward and
+    // backward there are the kernels' launches, not their work: a speed from them is noise.
+    throw ConfigError("shares by speed (FitOptions::balance_shares_every) time each worker's "
+                      "forward and backward on the host's clock, which on CUDA sees the kernels' "
+                      "launches, not the GPU's work; measuring on the GPU is not built yet. Leave "
+                      "the shares equal, or give fixed weights (Strategy::set_shares)");
+  }
   if (apply_ && strategy_.input_context().full_replicas > 0) {
     throw ConfigError("shares by speed (--shares auto) divide a constant global batch; an "
                       "elastic group keeping the per-replica batch (--elastic-batch per-replica) "
@@ -109,7 +117,10 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
 void ShareBalancer::begin_fit(const data::DistributedDataset& train) {
   const std::string sharding = train.sharding();
   // Advice only where auto could follow it.
-  if (!apply_) advised_ = sharding != "DATA" || strategy_.input_context().full_replicas > 0;
+  if (!apply_) {
+    advised_ = sharding != "DATA" || strategy_.input_context().full_replicas > 0 ||
+               strategy_.devices().front().is_cuda();
+  }
   if (apply_ && sharding != "DATA" && sharding != "one replica") {
     // A FILE split (AUTO picks it where the source reads a file per worker or more) cannot move
     // rows between workers mid-epoch; the balancer would re-split it as DATA at a FILE position.
@@ -210,7 +221,7 @@ void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch,
       std::snprintf(gain, sizeof gain, "%.2fx", before / after);
       strategy_.log().info("shares: the workers' compute per row differs (ms per row " +
                            per_row_text(per_row, target.size()) +
-                           "): --shares auto (FitOptions::balance_shares_every) would divide "
+                           "): shares by speed (FitOptions::balance_shares_every) would divide "
                            "each global batch " +
                            rows_text(target) + " of " + std::to_string(global) +
                            " and make a step's compute " + gain + " as fast");

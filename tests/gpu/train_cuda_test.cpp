@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flotilla/data/dataset.h"
+#include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/mixed_precision.h"
 #include "flotilla/train/model.h"
@@ -79,6 +80,27 @@ TEST(CudaTraining, DefaultStrategyTakesEveryVisibleGpuAndTheModelLivesOnTheFirst
   EXPECT_EQ(strategy.replicas_per_worker(), gpus());
   auto net = strategy.scope([] { return models::make_model("mlp"); });
   for (const auto& p : net->parameters()) EXPECT_EQ(p.device(), torch::Device(torch::kCUDA, 0));
+}
+
+// Shares by speed time forward and backward on the host's clock, which on CUDA sees only the
+// kernels' launches: refused there with the reason, not measured as noise.
+TEST(CudaTraining, SharesBySpeedAreRefusedOnTheGpuWithTheReason) {
+  NEED_GPUS(1);
+  strategy::MirroredStrategy strategy({torch::Device("cuda:0")});
+  auto net = strategy.scope([] { return models::make_model("mlp"); });
+  train::Model model(strategy, net);
+  model.compile({});
+  train::FitOptions fit;
+  fit.verbose = train::Verbosity::kSilent;
+  fit.balance_shares_every = 5;
+  try {
+    model.fit(Batches(64).dataset(32), fit);
+    FAIL() << "fit divided by speed on CUDA";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("measuring on the GPU is not built yet"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(CudaTraining, Float32OnTheGpuFollowsTheCpu) {

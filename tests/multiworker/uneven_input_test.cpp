@@ -274,7 +274,7 @@ TEST(SharesBySpeed, AdviceMeasuresAndSaysWhatAutoWouldGainButChangesNothing) {
   EXPECT_TRUE(shares[0].empty() && shares[1].empty());
   EXPECT_EQ(seen[0].size(), 240u);
   EXPECT_EQ(seen[1].size(), 240u);
-  const std::string said = "--shares auto (FitOptions::balance_shares_every) would divide each "
+  const std::string said = "shares by speed (FitOptions::balance_shares_every) would divide each "
                            "global batch ";
   const auto at = log.find(said);
   ASSERT_NE(at, std::string::npos) << log;

@@ -901,9 +901,9 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
 }
 
 // What --shares comes to on `workers` workers: the mode the fit runs (auto, equal, or the
-// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: every
-// worker is a CPU or every one a GPU (Gloo and NCCL cannot meet), so that is where the input can
-// move rows between workers and each step's batch may change shape.
+// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: on the
+// CPU (a cluster is all CPUs or all GPUs: Gloo and NCCL cannot meet), with an input that can move
+// rows between workers.
 struct SharesChoice {
   std::string mode;
   std::string line; // "" on one worker: nothing to divide
@@ -933,8 +933,9 @@ SharesChoice resolve_shares(const TrainArgs& a, int workers, const Input& input,
           "divide";
   } else if (sharding != "DATA" && sharding != "one replica") {
     why = "the input is sharded " + sharding + ", and moving rows between workers needs DATA";
-  } else if (device.is_cuda() && a.jit_compile == "on") {
-    why = "--jit-compile's CUDA graphs replay one batch shape, which a new division would change";
+  } else if (device.is_cuda()) {
+    why = "on CUDA the speeds would be timed on the host's clock, which sees the kernels' "
+          "launches, not the GPU's work: measuring on the GPU is not built yet";
   }
   if (!why.empty()) return {"equal", "equal (" + why + ")"};
   return {"auto", "by speed (the default on more than one worker; --shares equal for reruns that "
