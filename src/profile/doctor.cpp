@@ -560,6 +560,12 @@ Finding shares(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
   const double spread = slowest / fastest;
   f.evidence = "the workers' forward passes take up to " + format("%.2fx", spread) +
                " as long as the fastest's, on shares " + r.shares;
+  if (r.device.rfind("cuda", 0) == 0) {
+    // Shares by speed are not measured on the GPU yet (the balancer refuses CUDA).
+    f.status = Status::kUnknown;
+    f.evidence = "shares by speed are not measured on CUDA yet";
+    return f;
+  }
   if (r.shares == "auto") {
     f.status = Status::kGood;
     f.evidence += " (each global batch divided by the measured speeds; the log says each "

@@ -388,6 +388,13 @@ TEST(Doctor, SharesBySpeedWhereTheWorkersForwardPassesDiffer) {
   run.recipe.shares = "auto";
   f = item(run, "shares by speed");
   EXPECT_EQ(f.status, Status::kGood) << f.evidence;
+  // On CUDA the forward times are the kernels' launches, and auto is refused: no advice.
+  run.recipe.shares = "equal";
+  run.recipe.device = "cuda:0 (NVIDIA H200)";
+  f = item(run, "shares by speed");
+  EXPECT_EQ(f.status, Status::kUnknown) << f.evidence;
+  EXPECT_TRUE(f.settings.empty()) << advice(f);
+  run.recipe.device = "cpu";
   // Even workers: nothing to gain.
   run.recipe.shares = "equal";
   set_steady(run, {phases(0.01), phases(0.01)});
