@@ -901,9 +901,8 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
 }
 
 // What --shares comes to on `workers` workers: the mode the fit runs (auto, equal, or the
-// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: on the
-// CPU (a cluster is all CPUs or all GPUs: Gloo and NCCL cannot meet), with an input that can move
-// rows between workers.
+// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: on CPU
+// replicas, with an input that can move rows between workers.
 struct SharesChoice {
   std::string mode;
   std::string line; // "" on one worker: nothing to divide
@@ -920,8 +919,10 @@ SharesChoice resolve_shares(const TrainArgs& a, int workers, const Input& input,
     if (workers == 1 && a.shares != "auto") return {a.shares, ""};
     if (a.shares == "auto") return {"auto", "by speed (--shares auto): " + by_speed};
     if (a.shares == "equal") {
-      return {"equal", "equal (--shares equal; the chief says once if dividing by speed would "
-                       "make a step's compute 10% faster or more)"};
+      return {"equal", device.is_cuda() ? "equal (--shares equal)"
+                                        : "equal (--shares equal; the chief says once if dividing "
+                                          "by speed would make a step's compute 10% faster or "
+                                          "more)"};
     }
     return {a.shares, "fixed weights " + a.shares + " (--shares), the chief first"};
   }
