@@ -17,7 +17,7 @@
 # Prints JSON lines; medians of RUNS runs (three), one run (midway: its epochs are the series).
 # Usage: bench/stragglers_more.sh [three|midway|both|accuracy=both] [RUNS=3]
 #        env: MODEL=cnn GLOBAL=480 STEPS=60 (three) MID_GLOBAL=960 EPOCHS=20 SLOW_AT=6 (midway)
-#        FLOTILLA=build/flotilla
+#        FLOTILLA=build/flotilla PERIOD_US=100000 (the quotas' period, bench/stragglers_lib.sh)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
