@@ -13,7 +13,8 @@
 # worker's half; --shares auto divides it by the speeds the workers measure as they train.
 # Prints JSON lines; RUNS interleaved runs, medians.
 # Usage: bench/stragglers.sh [RUNS=3]   env: MODEL=cnn GLOBAL=256 STEPS=30 SLOW=0.5
-#        METHOD=auto|cgroup|competitor  FLOTILLA=build/flotilla
+#        METHOD=auto|cgroup|competitor  FLOTILLA=build/flotilla  PERIOD_US=100000 (the quota's
+#        period, bench/stragglers_lib.sh)
 #        EQUAL=equal (the equal side's --shares; 1,1 divides equally without the advice's
 #        measurement, for auto's cost against plain equal shares: SLOW=1.0 METHOD=cgroup)
 #        DATA_DIR=/usr/share/datasets/fashion-mnist
