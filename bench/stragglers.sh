@@ -73,6 +73,18 @@ if [ -z "$cgroup" ]; then
   competitor=$!
 fi
 
+# Both workers together: $1 the case's name, $2 the run, $3 --shares; metrics in $tmp/$1-$2.json.
+pair() {
+  local name=$1 run=$2 shares=$3 cluster w0
+  cluster="{\"cluster\": {\"worker\": [\"127.0.0.1:$(port)\", \"127.0.0.1:$(port)\"]}"
+  worker 0 0 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 0}}" "$half" "$tmp/$name-$run.json" \
+    "$shares" > "$tmp/${name}0-$run.log" 2>&1 &
+  w0=$!
+  worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/$name-$run.json" \
+    "$shares" > "$tmp/${name}1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/${name}1-$run.log")"
+  wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/${name}0-$run.log")"
+}
+
 for run in $(seq "$RUNS"); do
   # Solo: each worker alone, at its share of the global batch.
   for w in 0 1; do
@@ -81,24 +93,8 @@ for run in $(seq "$RUNS"); do
       "$half" "$tmp/solo$w-$run.json" equal > "$tmp/solo$w-$run.log" 2>&1 ||
       fail "solo worker $w failed: $(tail -3 "$tmp/solo$w-$run.log")"
   done
-  # Both, equal shares.
-  p0=$(port); p1=$(port)
-  cluster="{\"cluster\": {\"worker\": [\"127.0.0.1:$p0\", \"127.0.0.1:$p1\"]}"
-  worker 0 0 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 0}}" "$half" "$tmp/equal-$run.json" \
-    > "$tmp/equal0-$run.log" 2>&1 &
-  w0=$!
-  worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/equal1-$run.json" \
-    > "$tmp/equal1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/equal1-$run.log")"
-  wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/equal0-$run.log")"
-  # Both, shares by measured speed.
-  p0=$(port); p1=$(port)
-  cluster="{\"cluster\": {\"worker\": [\"127.0.0.1:$p0\", \"127.0.0.1:$p1\"]}"
-  worker 0 0 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 0}}" "$half" "$tmp/auto-$run.json" \
-    auto > "$tmp/auto0-$run.log" 2>&1 &
-  w0=$!
-  worker 1 1 "$cluster, \"task\": {\"type\": \"worker\", \"index\": 1}}" "$half" "$tmp/auto1-$run.json" \
-    auto > "$tmp/auto1-$run.log" 2>&1 || fail "worker 1 failed: $(tail -3 "$tmp/auto1-$run.log")"
-  wait "$w0" || fail "worker 0 failed: $(tail -3 "$tmp/auto0-$run.log")"
+  pair equal "$run" "$EQUAL"
+  pair auto "$run" auto
   { grep -o 'shares: now [^,]*,[^ ]* of [0-9]*' "$tmp/auto0-$run.log" || echo 'shares: now equal'; } | tail -1 | sed 's/shares: now //' \
     > "$tmp/auto-shares-$run"
   s0=$(epoch2 "$tmp/solo0-$run.json"); s1=$(epoch2 "$tmp/solo1-$run.json")

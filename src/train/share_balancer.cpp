@@ -8,8 +8,10 @@
 
 #include "flotilla/collective/elastic.h"
 #include "flotilla/error.h"
+#include "flotilla/train/model.h"
 
-namespace flotilla::train::detail {
+namespace flotilla::train {
+namespace detail {
 namespace {
 
 // How much of a new report the smoothed speeds take (an exponential moving average)...
@@ -52,6 +54,36 @@ std::vector<std::int64_t> rows_of(const cluster::InputContext& context, std::int
 }
 
 } // namespace
+
+} // namespace detail
+
+std::string why_no_shares_by_speed(const strategy::Strategy& strategy,
+                                   const data::DistributedDataset& train) {
+  if (strategy.input_context().full_replicas > 0) {
+    return "an elastic group keeping the per-replica batch (ElasticOptions::batch per-replica) "
+           "has no constant global batch to divide";
+  }
+  const std::string sharding = train.sharding();
+  if (sharding != "DATA" && sharding != "one replica") {
+    // A FILE split (AUTO picks it where the source reads a file per worker or more) cannot move
+    // rows between workers mid-epoch.
+    return "moving rows of each global batch between workers needs the input sharded by DATA, "
+           "and this one is sharded " +
+           sharding +
+           " (AUTO picks FILE where the source reads a file per worker or more; set "
+           "options.distribute.auto_shard_policy to DATA)";
+  }
+  if (strategy.devices().front().is_cuda()) {
+    // The step timer's marks do not wait for the GPU (only a traced step does), so forward and
+    // backward there are the kernels' launches, not their work: a speed from them is noise.
+    return "on CUDA the speeds would be timed on the host's clock, which sees the kernels' "
+           "launches, not the GPU's work; measuring on the GPU is not built yet (fixed weights, "
+           "Strategy::set_shares, work)";
+  }
+  return "";
+}
+
+namespace detail {
 
 std::vector<std::int64_t> rows_by_speed(const std::vector<double>& speeds, std::int64_t global) {
   const auto n = static_cast<std::int64_t>(speeds.size());
@@ -99,37 +131,16 @@ ShareBalancer::ShareBalancer(strategy::Strategy& strategy, StepTimer& timer, std
                       "a straggler) to below 1; saw " +
                       std::to_string(floor_));
   }
-  if (apply_ && strategy_.devices().front().is_cuda()) {
-    // The step timer's marks do not wait for the GPU (only a traced step does), so forward and
-    // backward there are the kernels' launches, not their work: a speed from them is noise.
-    throw ConfigError("shares by speed (FitOptions::balance_shares_every) time each worker's "
-                      "forward and backward on the host's clock, which on CUDA sees the kernels' "
-                      "launches, not the GPU's work; measuring on the GPU is not built yet. Leave "
-                      "the shares equal, or give fixed weights (Strategy::set_shares)");
-  }
-  if (apply_ && strategy_.input_context().full_replicas > 0) {
-    throw ConfigError("shares by speed (--shares auto) divide a constant global batch; an "
-                      "elastic group keeping the per-replica batch (--elastic-batch per-replica) "
-                      "has none to divide; leave --shares at equal, or keep the global batch");
-  }
 }
 
 void ShareBalancer::begin_fit(const data::DistributedDataset& train) {
-  const std::string sharding = train.sharding();
-  // Advice only where auto could follow it.
-  if (!apply_) {
-    advised_ = sharding != "DATA" || strategy_.input_context().full_replicas > 0 ||
-               strategy_.devices().front().is_cuda();
+  const std::string why = why_no_shares_by_speed(strategy_, train);
+  if (apply_ && !why.empty()) {
+    throw ConfigError("shares by speed (FitOptions::balance_shares_every) cannot divide this "
+                      "fit's global batches: " +
+                      why + "; leave the shares equal");
   }
-  if (apply_ && sharding != "DATA" && sharding != "one replica") {
-    // A FILE split (AUTO picks it where the source reads a file per worker or more) cannot move
-    // rows between workers mid-epoch; the balancer would re-split it as DATA at a FILE position.
-    throw ConfigError("shares by speed (--shares auto) move rows of each global batch between "
-                      "workers, which needs the input sharded by DATA; this one is sharded " +
-                      sharding +
-                      " (AUTO picks FILE where the source reads a file per worker or more); set "
-                      "options.distribute.auto_shard_policy to DATA, or leave the shares equal");
-  }
+  advised_ = !why.empty(); // advice only where auto could follow it
   train_ = &train;
   start_measuring();
 }
@@ -162,10 +173,10 @@ std::vector<std::int64_t> weights_of(const std::vector<std::int64_t>& rows) {
 
 void ShareBalancer::after_step(EpochIterator& input, std::int64_t step_in_epoch, std::int64_t rows,
                                std::int64_t step_global) {
+  if (!apply_ && advised_) return; // advice is given once (or not at all here): no collective
   // A new generation: other members, another communicator, equal shares again (the strategy's).
   // Every member sees it at the same step (a heal or an admission lies between two steps), so
   // all count their intervals from it alike.
-  if (!apply_ && advised_) return; // advice is given once (or not at all here): no collective
   if (strategy_.elastic() && strategy_.elastic()->generation() != generation_) start_measuring();
   const PhaseTimes& epoch = timer_.epoch;
   // Forward and backward, less what backward's shared-memory all-reduces waited for the other
@@ -299,4 +310,5 @@ bool ShareBalancer::check_stragglers(const std::vector<std::int64_t>& target, st
   return false;
 }
 
-} // namespace flotilla::train::detail
+} // namespace detail
+} // namespace flotilla::train

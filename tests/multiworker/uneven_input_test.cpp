@@ -13,6 +13,7 @@
 
 #include "flotilla/data/csv.h"
 #include "flotilla/data/tfrecord.h"
+#include "flotilla/error.h"
 #include "flotilla/strategy/strategy.h"
 #include "flotilla/train/callbacks.h"
 #include "flotilla/train/model.h"
@@ -282,6 +283,49 @@ TEST(SharesBySpeed, AdviceMeasuresAndSaysWhatAutoWouldGainButChangesNothing) {
   EXPECT_NE(log.find("[worker 0/2] shares: the workers' compute per row differs"),
             std::string::npos)
       << log;
+}
+
+// Where shares by speed cannot divide the global batches (here an input whose auto-sharding is
+// OFF: every worker reads all of it), fit() refuses them at its start with the reason, and the
+// advice (which would measure for nothing there) is not refused; on DATA sharding the reason is
+// empty.
+TEST(SharesBySpeed, AnInputNotShardedByDataIsRefusedWithTheReason) {
+  std::vector<std::string> reasons(2), refusals(2);
+  std::vector<std::string> data_reasons(2, "unset");
+  run_ranks(2, [&](int rank, collective::Communicator& comm) {
+    strategy::Strategy s(thread_cluster(rank, 2), comm);
+    const data::Dataset batches = data::Dataset::from_tensor_slices(rows(48, 5)).batch(8);
+    data::Options off;
+    off.distribute.auto_shard_policy = data::AutoShardPolicy::kOff;
+    const auto unsharded = data::distribute_dataset(batches.with_options(off), s.input_context());
+    reasons[rank] = train::why_no_shares_by_speed(s, unsharded);
+    data_reasons[rank] =
+        train::why_no_shares_by_speed(s, data::distribute_dataset(batches, s.input_context()));
+    auto net = s.scope(small_net);
+    train::Model model(s, net);
+    model.compile({});
+    train::FitOptions fit;
+    fit.verbose = train::Verbosity::kSilent;
+    fit.balance_shares_every = 2;
+    try {
+      model.fit(unsharded, fit);
+    } catch (const ConfigError& e) {
+      refusals[rank] = e.what();
+    }
+    // Advice only: not refused (it stays silent there).
+    fit.balance_shares_every = 0;
+    fit.advise_shares_every = 1;
+    EXPECT_NO_THROW(model.fit(unsharded, fit));
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(reasons[rank].find("needs the input sharded by DATA, and this one is sharded OFF"),
+              std::string::npos)
+        << reasons[rank];
+    EXPECT_EQ(refusals[rank], "shares by speed (FitOptions::balance_shares_every) cannot divide "
+                              "this fit's global batches: " +
+                                  reasons[rank] + "; leave the shares equal");
+    EXPECT_EQ(data_reasons[rank], "");
+  }
 }
 
 TEST(Predict, AcrossWorkersEveryWorkerGetsEveryOutputInTheDatasetsOrder) {

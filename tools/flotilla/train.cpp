@@ -900,44 +900,32 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
   return out;
 }
 
-// What --shares comes to on `workers` workers: the mode the fit runs (auto, equal, or the
-// weights) and its recipe line. Left out, it is auto wherever dividing by speed applies: on CPU
-// replicas, with an input that can move rows between workers.
+// What --shares comes to on `strategy`'s workers: the mode the fit runs (auto, equal, or the
+// weights) and its recipe line. Left out, it is auto wherever dividing by speed can
+// (train::why_no_shares_by_speed), equal elsewhere, saying why.
 struct SharesChoice {
   std::string mode;
   std::string line; // "" on one worker: nothing to divide
 };
 
-SharesChoice resolve_shares(const TrainArgs& a, int workers, const Input& input,
-                            const torch::Device& device) {
+SharesChoice resolve_shares(const TrainArgs& a, const strategy::Strategy& strategy,
+                            const Input& input) {
   const std::string by_speed =
       "each worker's compute time per row is measured every " +
       std::to_string(kBalanceSharesEvery) +
       " steps and each global batch divided in proportion, where that cuts a step's compute by "
       "more than 5% (the global batch, learning rate and update stay those of equal shares)";
-  if (a.shares_given) {
-    if (workers == 1 && a.shares != "auto") return {a.shares, ""};
-    if (a.shares == "auto") return {"auto", "by speed (--shares auto): " + by_speed};
-    if (a.shares == "equal") {
-      return {"equal", device.is_cuda() ? "equal (--shares equal)"
-                                        : "equal (--shares equal; the chief says once if dividing "
-                                          "by speed would make a step's compute 10% faster or "
-                                          "more)"};
-    }
+  if (a.shares_given && a.shares == "auto")
+    return {"auto", "by speed (--shares auto): " + by_speed};
+  if (strategy.num_workers() == 1) return {a.shares_given ? a.shares : "equal", ""};
+  const std::string why = train::why_no_shares_by_speed(strategy, input.train);
+  if (a.shares_given && a.shares == "equal") {
+    return {"equal", why.empty() ? "equal (--shares equal; the chief says once if dividing by "
+                                   "speed would make a step's compute 10% faster or more)"
+                                 : "equal (--shares equal)"};
+  }
+  if (a.shares_given)
     return {a.shares, "fixed weights " + a.shares + " (--shares), the chief first"};
-  }
-  if (workers == 1) return {"equal", ""};
-  std::string why;
-  const std::string sharding = input.train.sharding();
-  if (a.elastic_batch == "per-replica") {
-    why = "--elastic-batch per-replica keeps each worker's batch: no constant global batch to "
-          "divide";
-  } else if (sharding != "DATA" && sharding != "one replica") {
-    why = "the input is sharded " + sharding + ", and moving rows between workers needs DATA";
-  } else if (device.is_cuda()) {
-    why = "on CUDA the speeds would be timed on the host's clock, which sees the kernels' "
-          "launches, not the GPU's work: measuring on the GPU is not built yet";
-  }
   if (!why.empty()) return {"equal", "equal (" + why + ")"};
   return {"auto", "by speed (the default on more than one worker; --shares equal for reruns that "
                   "repeat bit for bit): " +
@@ -997,7 +985,7 @@ int run(const TrainArgs& a) {
   if (strategy.is_chief()) log_recipe(strategy, recipe, input, model, comm, kept_freed_memory);
 
   train::FitOptions fit = fit_options(a, env, input);
-  const SharesChoice shares_choice = resolve_shares(a, spec.world_size, input, devices.front());
+  const SharesChoice shares_choice = resolve_shares(a, strategy, input);
   if (strategy.is_chief() && !shares_choice.line.empty()) {
     strategy.log().info("recipe: shares: " + shares_choice.line);
   }

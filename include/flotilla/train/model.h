@@ -82,6 +82,13 @@ struct CompileOptions {
 // `gradient_accumulation_steps` (what compile() says when it has no effect); "" when it can.
 std::string why_no_captured_step(strategy::Strategy& strategy, int gradient_accumulation_steps);
 
+// Why shares by speed (FitOptions::balance_shares_every) cannot divide `train`'s global batches
+// under `strategy`: an elastic group keeping the per-replica batch, an input not sharded by DATA,
+// or CUDA replicas; "" when they can. fit() refuses them there with this reason, and the advice
+// (FitOptions::advise_shares_every) stays silent.
+std::string why_no_shares_by_speed(const strategy::Strategy& strategy,
+                                   const data::DistributedDataset& train);
+
 // Where a model of several inputs or outputs finds them in a training element (Keras's
 // Model(inputs=[...], outputs=[...]) over a dataset of ((x1, x2), (y1, y2)); here an element is
 // flat): its first `inputs` components are the forward's inputs, the next `outputs` are the
