@@ -561,7 +561,7 @@ Finding shares(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
   f.evidence = "the workers' forward passes take up to " + format("%.2fx", spread) +
                " as long as the fastest's, on shares " + r.shares;
   if (r.device.rfind("cuda", 0) == 0) {
-    // Shares by speed are not measured on the GPU yet (the balancer refuses CUDA).
+    // A forward pass on CUDA is timed at its kernels' launches, not their work.
     f.status = Status::kUnknown;
     f.evidence = "shares by speed are not measured on CUDA yet";
     return f;
@@ -580,6 +580,13 @@ Finding shares(const RecipeFacts& r, const std::vector<PhaseTimes>& workers) {
   const double balanced = static_cast<double>(workers.size()) / inverse;
   f.status = Status::kConsider;
   f.gain = compute_share(workers) * (1 - balanced / slowest);
+  if (!r.shares_refused.empty()) {
+    // Nothing to set: the fit cannot divide by speed, so only the slow worker can be fixed.
+    f.recommendation = "find what slows the slow worker (shares by speed cannot divide this "
+                       "fit's global batches: " +
+                       r.shares_refused + ")";
+    return f;
+  }
   f.settings = {{"FitOptions::balance_shares_every", "true"}};
   f.recommendation = "each global batch divided by the workers' measured speeds, the update "
                      "unchanged; or find what slows the slow worker";

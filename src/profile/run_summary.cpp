@@ -75,7 +75,7 @@ train::PhaseTimes phases_from_json(const nlohmann::json& j, const std::string& w
   X(local_workers) X(parameters) X(gradient_bytes) X(gradient_layout) X(gradient_kinds) \
   X(bytes_per_pack) \
   X(buckets) X(overlap) X(compression) X(input_pipeline) X(train_flops_per_sample) \
-  X(matmul_peak_gflops) X(shares)
+  X(matmul_peak_gflops) X(shares) X(shares_refused)
 // clang-format on
 
 } // namespace

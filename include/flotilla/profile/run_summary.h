@@ -68,6 +68,9 @@ struct RecipeFacts {
   // How each global batch divides among the workers: "equal", "auto" (by measured speed), or
   // fixed weights "2,1" (`--shares`).
   std::string shares = "equal";
+  // Why each global batch cannot be divided by speed on this fit (train::why_no_shares_by_speed:
+  // CUDA replicas, per-replica elastic batches, an input not sharded by DATA); empty where it can.
+  std::string shares_refused;
 };
 
 struct EpochSummary {

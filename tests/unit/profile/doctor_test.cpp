@@ -395,6 +395,15 @@ TEST(Doctor, SharesBySpeedWhereTheWorkersForwardPassesDiffer) {
   EXPECT_EQ(f.status, Status::kUnknown) << f.evidence;
   EXPECT_TRUE(f.settings.empty()) << advice(f);
   run.recipe.device = "cpu";
+  // Where the fit cannot divide by speed (per-replica elastic batches, say), the spread is still
+  // real, but the advice names the reason instead of a setting the fit would refuse.
+  run.recipe.shares_refused = "--elastic-batch per-replica keeps every replica's batch";
+  f = item(run, "shares by speed");
+  EXPECT_EQ(f.status, Status::kConsider) << f.evidence;
+  EXPECT_TRUE(f.settings.empty()) << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "find what slows the slow worker")) << advice(f);
+  EXPECT_TRUE(contains(f.recommendation, "--elastic-batch per-replica keeps")) << advice(f);
+  run.recipe.shares_refused.clear();
   // Even workers: nothing to gain.
   run.recipe.shares = "equal";
   set_steady(run, {phases(0.01), phases(0.01)});
