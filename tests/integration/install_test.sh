@@ -127,9 +127,11 @@ grep -q "^Torch_DIR:PATH=$bundled/" "$tmp/build/CMakeCache.txt" ||
   fail "the consumer found another LibTorch: $(grep '^Torch_DIR' "$tmp/build/CMakeCache.txt")"
 # What it links, it links from the prefix or the system's directories, or from this machine's
 # CUDA toolkit where LibTorch's package finds one (it links its libcudart; a machine without
-# one links none).
-outside=$(grep -o -E '(/[^ ;"$]+)+\.(so|a)(\.[0-9]+)*' "$tmp/build/build.ninja" |
-  grep -v -e "^$prefix/" -e '^/lib/' -e '^/usr/lib/' ${cuda_root:+-e "^$cuda_root/"} | sort -u || true)
+# one links none). A path counts where it ends at a space, ';', ':', '"' or the line's end: this
+# directory's random name begins with "a" or "so" one time in about 60, and its ".a..." was once
+# read as a library.
+outside=$(grep -o -E '(/[^ ;"$]+)+\.(so|a)(\.[0-9]+)*([ ;:"]|$)' "$tmp/build/build.ninja" |
+  sed -E 's/[ ;:"]$//' | grep -v -e "^$prefix/" -e '^/lib/' -e '^/usr/lib/' ${cuda_root:+-e "^$cuda_root/"} | sort -u || true)
 [ -z "$outside" ] || fail "the consumer links libraries from outside the prefix: $outside"
 
 job=$(cd "$tmp" && env -u LD_LIBRARY_PATH "${hide[@]}" "$prefix/bin/flotilla" launch --workers 2 -- \
