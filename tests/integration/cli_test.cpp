@@ -533,6 +533,15 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
                         "--heartbeat-interval-ms", "200"}));
   }
   auto& chief = *workers[0];
+  // What a stall leaves to read: the chief's steps, every worker's log and the service's (once,
+  // under make test's load, the chief printed step 11 and nothing more through the freeze, the
+  // kill and the new rendezvous, which never took the members up; its logs were not kept).
+  const auto everything = [&] {
+    std::string all = chief.output_so_far();
+    for (std::size_t i = 0; i < workers.size(); ++i)
+      all += "\n--- worker " + std::to_string(i) + " log:\n" + workers[i]->errors_so_far();
+    return all + "\n--- rendezvous log:\n" + service->errors_so_far();
+  };
   ASSERT_TRUE(chief.wait_for_output("step 10 gen 0 rank 0/3 sum 6 ok")) << chief.errors_so_far();
   // Frozen for twice the heartbeat timeout: the members wait for its answer and train on; woken,
   // it counts nobody silent for the time it did not run.
@@ -541,7 +550,7 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   std::this_thread::sleep_for(std::chrono::seconds(2));
   const long thawed_at = step_past(chief, frozen_at + 10); // still frozen
   service->signal(SIGCONT);
-  EXPECT_GT(thawed_at, frozen_at + 10) << chief.output_so_far();
+  EXPECT_GT(thawed_at, frozen_at + 10) << everything();
   ASSERT_TRUE(service->wait_for_errors("(stopped or starved); no worker's silence counts that time",
                                        std::chrono::seconds(10)))
       << service->errors_so_far();
@@ -551,14 +560,14 @@ TEST(RendezvousCommand, AGroupTrainsOnThroughItsRendezvousFrozenAndKilledAndHeal
   const long killed_at = last_step(chief.output_so_far());
   ASSERT_TRUE(chief.wait_for_errors("lost the connection to the rendezvous at " + listen))
       << chief.errors_so_far();
-  EXPECT_GT(step_past(chief, killed_at + 10), killed_at + 10) << chief.output_so_far();
+  EXPECT_GT(step_past(chief, killed_at + 10), killed_at + 10) << everything();
   // A new one on the same address: the members join it again and name generation 0.
   service = std::make_unique<testing::Process>(serve);
   ASSERT_TRUE(service->wait_for_errors(
       "rendezvous: generation 0 has 3 of 3 workers [0,1,2]: taken up after the rendezvous "
       "restarted",
       std::chrono::seconds(30)))
-      << service->errors_so_far();
+      << everything();
   // Each member back in it (store and heartbeat): "answers again after" alone is also what the
   // thaw above printed, and a member killed before it rejoined is released as one that "did not
   // come back" instead (a make test run, once).
