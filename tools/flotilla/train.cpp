@@ -905,8 +905,7 @@ std::vector<std::int64_t> parse_shares(const std::string& text, int workers) {
 // (train::why_no_shares_by_speed), equal elsewhere, saying why.
 struct SharesChoice {
   std::string mode;
-  std::string line;    // "" on one worker: nothing to divide
-  std::string refused; // why dividing by speed cannot apply here (the doctor's facts); "" if it can
+  std::string line; // "" on one worker: nothing to divide
 };
 
 SharesChoice resolve_shares(const TrainArgs& a, const strategy::Strategy& strategy,
@@ -921,15 +920,13 @@ SharesChoice resolve_shares(const TrainArgs& a, const strategy::Strategy& strate
   if (strategy.num_workers() == 1) return {a.shares_given ? a.shares : "equal", ""};
   const std::string why = train::why_no_shares_by_speed(strategy, input.train);
   if (a.shares_given && a.shares == "equal") {
-    return {"equal",
-            why.empty() ? "equal (--shares equal; the chief says once if dividing by "
-                          "speed would make a step's compute 10% faster or more)"
-                        : "equal (--shares equal)",
-            why};
+    return {"equal", why.empty() ? "equal (--shares equal; the chief says once if dividing by "
+                                   "speed would make a step's compute 10% faster or more)"
+                                 : "equal (--shares equal)"};
   }
   if (a.shares_given)
-    return {a.shares, "fixed weights " + a.shares + " (--shares), the chief first", why};
-  if (!why.empty()) return {"equal", "equal (" + why + ")", why};
+    return {a.shares, "fixed weights " + a.shares + " (--shares), the chief first"};
+  if (!why.empty()) return {"equal", "equal (" + why + ")"};
   return {"auto", "by speed (the default on more than one worker; --shares equal for reruns that "
                   "repeat bit for bit): " +
                       by_speed};
@@ -1022,7 +1019,7 @@ int run(const TrainArgs& a) {
   profile::ProfilerOptions profiling =
       profiler_options(a, recipe, global_batch, threads.count, env, input, fit.verbose);
   profiling.recipe.shares = shares_choice.mode;
-  profiling.recipe.shares_refused = shares_choice.refused;
+  profiling.recipe.shares_refused = train::why_no_shares_by_speed(strategy, input.train);
   const bool reported = profiling.doctor || !a.profile_json.empty() || !a.report.empty();
   if (strategy.is_chief() && reported) {
     profiling.recipe.train_flops_per_sample = train_flops_per_sample(model, sources);
